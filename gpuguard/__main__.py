@@ -1,0 +1,3 @@
+from gpuguard.cli import main
+
+main()

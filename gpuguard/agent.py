@@ -1,0 +1,168 @@
+"""The loop: read the GPUs, judge, hand the verdict to the node reconciler, record when it last did so.
+
+The loop polls at `interval` and wakes at once when a backend reports an Xid. Clock, wall clock and the stop
+event are injected so tests drive it without sleeping.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import structlog
+
+from gpuguard.config import PolicySettings
+from gpuguard.metrics import Metrics
+from gpuguard.model import Fault, Verdict
+from gpuguard.node import NodeReconciler
+from gpuguard.nvml.base import Backend
+from gpuguard.policy import evaluate
+
+log = structlog.get_logger("gpuguard.agent")
+
+STALL_INTERVALS = 3
+
+
+@dataclass(frozen=True)
+class AgentStatus:
+    """Everything /healthz and /readyz report, read atomically."""
+
+    alive: bool
+    ready: bool
+    node: str | None
+    verdict: Verdict | None
+    tainted: bool
+    cordoned: bool
+    dry_run: bool
+    last_check: datetime | None
+
+
+class Agent:
+    def __init__(
+        self,
+        *,
+        backend: Backend,
+        reconciler: NodeReconciler,
+        policy: PolicySettings,
+        interval: float,
+        node_name: str | None,
+        dry_run: bool = False,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], datetime] = lambda: datetime.now(UTC),
+        stop: threading.Event | None = None,
+    ) -> None:
+        self._backend = backend
+        self._reconciler = reconciler
+        self._policy = policy
+        self._interval = interval
+        self._node_name = node_name
+        self._dry_run = dry_run
+        self._metrics = metrics
+        self._clock = clock
+        self._wall = wall
+        self.stop_event = stop or threading.Event()
+        self._wake = threading.Event()
+        self._verdict: Verdict | None = None
+        self._streak = 0
+        self._started = clock()
+        self._last_check: float | None = None
+        self._last_check_wall: datetime | None = None
+        self.checks = 0
+
+    # Backends call this from their event thread when an Xid arrives.
+    def wakeup(self) -> None:
+        self._wake.set()
+
+    def run(self, *, run_for: float | None = None) -> None:
+        """Run until the stop event is set (SIGTERM) or `run_for` seconds have passed."""
+        self._started = self._clock()
+        deadline = None if run_for is None else self._started + run_for
+        self._backend.open(self.wakeup)
+        self._reconciler.start()
+        log.info("agent.started", node=self._node_name, interval=self._interval, dry_run=self._dry_run)
+        try:
+            while not self.stop_event.is_set():
+                self._wake.clear()
+                self._safe_check()
+                next_poll = self._clock() + self._interval
+                if deadline is not None:
+                    next_poll = min(next_poll, deadline)
+                while not self.stop_event.is_set() and not self._wake.is_set():
+                    left = next_poll - self._clock()
+                    if left <= 0:
+                        break
+                    # Short waits so SIGTERM is noticed promptly; an Xid sets _wake and ends the wait.
+                    self._wake.wait(min(left, 0.25))
+                if deadline is not None and self._clock() >= deadline:
+                    break
+        finally:
+            log.info("agent.stopping", node=self._node_name, checks=self.checks)
+            self._reconciler.stop()
+            self._backend.close()
+
+    def check_once(self) -> Verdict:
+        t0 = self._clock()
+        snapshot = self._backend.snapshot()
+        previous = self._verdict
+        verdict = evaluate(snapshot, previous=previous, settings=self._policy)
+        self._streak = self._streak + 1 if verdict.healthy else 0
+        self._log_transitions(previous, verdict)
+        now = self._clock()
+        self._verdict = verdict
+        self._last_check = now
+        self._last_check_wall = self._wall()
+        self.checks += 1
+        self._reconciler.submit(verdict, self._streak)
+        if self._metrics is not None:
+            self._metrics.observe_check(verdict, duration=now - t0, wall=self._last_check_wall.timestamp())
+            self._metrics.quarantined.set(1 if self._reconciler.status.tainted else 0)
+        log.debug("check.completed", healthy=verdict.healthy, gpus=len(verdict.gpus))
+        return verdict
+
+    def status(self) -> AgentStatus:
+        node = self._reconciler.status
+        reference = self._last_check if self._last_check is not None else self._started
+        alive = self._clock() - reference <= STALL_INTERVALS * self._interval
+        return AgentStatus(
+            alive=alive,
+            ready=self._last_check is not None and node.reconciled,
+            node=self._node_name,
+            verdict=self._verdict,
+            tainted=node.tainted,
+            cordoned=node.cordoned,
+            dry_run=self._dry_run,
+            last_check=self._last_check_wall,
+        )
+
+    def _safe_check(self) -> None:
+        try:
+            self.check_once()
+        except Exception:
+            # A bug or an unexpected backend failure must not kill the loop; if it persists, /healthz
+            # turns "stalled" and kubelet restarts the agent.
+            log.exception("check.failed", node=self._node_name)
+
+    def _log_transitions(self, previous: Verdict | None, verdict: Verdict) -> None:
+        before = {f.key for f in previous.faults} if previous else set()
+        for f in verdict.faults:
+            if f.key not in before:
+                _log_fault(self._node_name, f)
+        for x in verdict.ignored_xids:
+            log.info("xid.ignored", node=self._node_name, gpu=x.gpu_index, uuid=x.uuid, xid=x.code)
+        if previous is None:
+            return
+        was = {g.uuid: g.healthy for g in previous.gpus}
+        for g in verdict.gpus:
+            if g.healthy and was.get(g.uuid) is False:
+                log.info("gpu.recovered", node=self._node_name, gpu=g.index, uuid=g.uuid)
+        if previous.node_faults and not verdict.node_faults:
+            log.info("node.faults_cleared", node=self._node_name)
+
+
+def _log_fault(node: str | None, f: Fault) -> None:
+    event = "gpu.unhealthy" if f.uuid is not None else "node.unhealthy"
+    log.warning(event, node=node, gpu=f.gpu_index, uuid=f.uuid, reason=f.reason, detail=f.detail)

@@ -1,0 +1,167 @@
+"""gpuguard's configuration: one frozen dataclass tree, built once at the CLI edge and validated there.
+
+Only gpuguard.cli reads flags and environment variables; everything else receives these objects.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from gpuguard.errors import ConfigError
+
+# Default ignored Xids: application-level or informational in NVIDIA's Xid catalog. A bad kernel or a
+# killed process produces these on healthy hardware; tainting a node for them would punish the GPU for
+# the workload's bug.
+DEFAULT_IGNORED_XIDS: frozenset[int] = frozenset(
+    {
+        8,  # GPU stopped processing (watchdog on a channel): usually an application hang
+        11,  # invalid or corrupted push buffer stream: application-level
+        13,  # graphics engine exception: application error (e.g. out-of-range access in a kernel)
+        31,  # GPU memory page fault: application illegal address access
+        32,  # invalid or corrupted push buffer stream (PBDMA): application-level
+        39,  # application-level per the catalog
+        40,  # application-level per the catalog
+        41,  # application-level per the catalog
+        43,  # GPU stopped processing: the channel was reset after an application fault
+        45,  # preemptive cleanup after a previous error, e.g. a killed process
+        63,  # ECC page retirement / row remap recorded: informational (a failure is Xid 64)
+        68,  # video processor (NVDEC) exception: application-level
+        69,  # graphics engine class error: application-level
+        92,  # high single-bit ECC error rate: informational, corrected errors
+        93,  # non-fatal violation of provisioned InfoROM wear limit: informational
+        94,  # contained ECC error: the affected application is terminated, the GPU keeps serving
+        121,  # C2C link corrected error: informational
+        137,  # application-level per the catalog
+        154,  # GPU recovery action changed: informational (the action itself is reported separately)
+        157,  # informational per the catalog
+        161,  # informational per the catalog
+    }
+)
+# Note: 109 (context switch timeout) is a fault per the catalog (its resolution is a GPU reset), although
+# NVIDIA's device plugin ignores it. It is deliberately not in the list above.
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """What makes a GPU unhealthy. Built once from flags/env by gpuguard.config."""
+
+    ecc_threshold: int = 0
+    """Volatile uncorrected ECC errors tolerated; 0 because any uncorrected error can corrupt results."""
+    ignored_xids: frozenset[int] = DEFAULT_IGNORED_XIDS
+    """Xids that are not faults (application-level/informational in NVIDIA's catalog)."""
+    expected_gpus: int | None = None
+    """GPUs the node must have; None: the count at the first successful NVML init."""
+    allow_no_gpu: bool = False
+    """Treat an NVML init failure as "no GPUs here" instead of a fault (mixed pools, laptops)."""
+
+
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """What gpuguard does to its own node."""
+
+    name: str | None = None
+    """The node the agent runs on (downward API NODE_NAME); None only in a dry run."""
+    taint_effect: str = "NoSchedule"
+    """NoSchedule keeps new pods off and leaves running ones alone: a sick GPU's pods fail on their own,
+    and a false positive must not evict a healthy serving fleet."""
+    cordon: bool = True
+    """Also set spec.unschedulable, so `kubectl get nodes` shows it and drain tooling sees it."""
+    recover: bool = True
+    """Remove our own taint once the fault's evidence is gone (a repaired node returns without a human)."""
+    recover_after: int = 3
+    """Consecutive healthy checks before recovery: one lucky read must not undo a quarantine."""
+    dry_run: bool = False
+    """Log the exact change instead of writing it."""
+    kubeconfig: str | None = None
+    """None: in-cluster config, then KUBECONFIG, then ~/.kube/config."""
+    api_timeout: float = 10.0
+    """Seconds per API request (connect and read), so a hanging API server never stalls the agent."""
+    retry_max_wait: float = 2.0
+    """Cap of the exponential backoff between retries of a transient API failure: a repaired API server
+    sees the pending write within this long of coming back."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "0.0.0.0"  # noqa: S104 - kubelet probes the pod IP
+    """All interfaces: kubelet's probes come to the pod IP."""
+    port: int = 9847
+    """gpuguard's port for /healthz, /readyz and /metrics."""
+
+
+@dataclass(frozen=True)
+class Config:
+    backend: str = "nvml"
+    scenario: str | None = None
+    interval: float = 3.0
+    """Seconds between polls (ECC, lost GPUs). Xids do not wait for it: they wake the loop at once."""
+    run_for: float | None = None
+    """Stop after this many seconds (demos and tests); None: until SIGTERM."""
+    log_format: str = "auto"
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    node: NodeSettings = field(default_factory=NodeSettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+MIN_INTERVAL = 0.05
+# A Kubernetes node name is a DNS subdomain.
+_NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError (one line, names the flag) for any value that cannot work."""
+    if cfg.backend not in ("nvml", "mock"):
+        raise ConfigError(f"--backend must be nvml or mock, not {cfg.backend!r}")
+    if cfg.scenario is not None and cfg.backend != "mock":
+        raise ConfigError("--scenario needs --backend mock")
+    if not MIN_INTERVAL <= cfg.interval <= 3600:
+        raise ConfigError(f"--interval must be between {MIN_INTERVAL} and 3600 seconds")
+    if cfg.run_for is not None and cfg.run_for <= 0:
+        raise ConfigError("--run-for must be > 0")
+    if cfg.log_format not in ("auto", "json", "console"):
+        raise ConfigError("--log-format must be json or console")
+    p = cfg.policy
+    if p.ecc_threshold < 0:
+        raise ConfigError("--ecc-threshold must be >= 0")
+    if p.expected_gpus is not None and p.expected_gpus < 0:
+        raise ConfigError("--expected-gpus must be >= 0")
+    n = cfg.node
+    if n.taint_effect not in TAINT_EFFECTS:
+        raise ConfigError(f"--taint-effect must be one of {', '.join(TAINT_EFFECTS)}")
+    if n.recover_after < 1:
+        raise ConfigError("--recover-after must be >= 1")
+    if n.name is not None and not _NODE_NAME.match(n.name):
+        raise ConfigError(f"--node {n.name!r} is not a valid Kubernetes node name")
+    if n.name is None and not n.dry_run:
+        raise ConfigError("no node name: pass --node or set NODE_NAME (or use --dry-run)")
+    if not 0 <= cfg.server.port <= 65535:
+        raise ConfigError("--listen port must be 0..65535")
+
+
+def parse_xids(text: str, *, flag: str) -> frozenset[int]:
+    """'79, 48,109' -> {48, 79, 109}; '' -> {}."""
+    codes: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        if not part.isdigit() or len(part) > 6:
+            raise ConfigError(f"{flag}: {part!r} is not an Xid code (comma-separated integers)")
+        codes.add(int(part))
+    return frozenset(codes)
+
+
+def parse_listen(text: str) -> ServerSettings:
+    """'HOST:PORT', ':PORT' or '[::1]:PORT'."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or len(port) > 5:
+        raise ConfigError(f"--listen {text!r}: expected HOST:PORT, e.g. 0.0.0.0:9847")
+    host = host.strip("[]") or "0.0.0.0"  # noqa: S104
+    return ServerSettings(host=host, port=int(port))

@@ -1,0 +1,51 @@
+"""gpuguard's error hierarchy. Adapters translate library errors into these with `raise ... from exc`;
+only the CLI maps them to exit codes.
+
+    GpuguardError
+    ├── ConfigError            bad flag, env value or file: exit 2, one line, no traceback
+    │   └── ScenarioError      malformed mock scenario (names the event)
+    ├── BackendError           a backend could not be used at all (not a GPU fault: those are readings)
+    └── NodeUpdateError        a Kubernetes read or write failed
+        ├── TransientApiError  connection error, timeout, 5xx, 429: retried with backoff
+        │   (retry_after: seconds the server asked us to wait, if it said)
+        ├── ConflictError      409: the node changed under us; re-read and re-plan
+        └── PermanentApiError  any other 4xx: logged once, not retried in a loop
+"""
+
+from __future__ import annotations
+
+
+class GpuguardError(Exception):
+    """Base of every error gpuguard raises on purpose."""
+
+
+class ConfigError(GpuguardError):
+    pass
+
+
+class ScenarioError(ConfigError):
+    pass
+
+
+class BackendError(GpuguardError):
+    pass
+
+
+class NodeUpdateError(GpuguardError):
+    pass
+
+
+class TransientApiError(NodeUpdateError):
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ConflictError(NodeUpdateError):
+    pass
+
+
+class PermanentApiError(NodeUpdateError):
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status

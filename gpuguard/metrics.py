@@ -1,0 +1,71 @@
+"""Prometheus metrics. The registry is injected (the CLI passes the default one; tests their own)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from gpuguard import __version__
+from gpuguard.model import Verdict
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.gpu_healthy = Gauge(
+            "gpuguard_gpu_healthy",
+            "1 if the GPU is healthy, 0 if not.",
+            ["gpu", "uuid"],
+            registry=registry,
+        )
+        self.ecc = Gauge(
+            "gpuguard_gpu_ecc_uncorrected_volatile",
+            "Volatile uncorrected ECC error count (absent where ECC is not applicable).",
+            ["gpu", "uuid"],
+            registry=registry,
+        )
+        self.xids = Counter(
+            "gpuguard_xid_events_total",
+            "Critical Xid events seen.",
+            ["gpu", "uuid", "xid", "ignored"],
+            registry=registry,
+        )
+        self.quarantined = Gauge(
+            "gpuguard_node_quarantined", "1 while gpuguard's taint is on the node.", registry=registry
+        )
+        self.check_duration = Histogram(
+            "gpuguard_check_duration_seconds",
+            "Time of one check (read every GPU and evaluate).",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=registry,
+        )
+        self.api_requests = Counter(
+            "gpuguard_api_requests_total",
+            "Kubernetes API requests made.",
+            ["verb", "code"],
+            registry=registry,
+        )
+        self.api_retries = Counter(
+            "gpuguard_api_retries_total",
+            "Kubernetes API requests retried after a transient failure.",
+            registry=registry,
+        )
+        self.last_check = Gauge(
+            "gpuguard_last_check_timestamp_seconds",
+            "Unix time of the last completed check.",
+            registry=registry,
+        )
+        self.build = Info("gpuguard_build", "gpuguard build information.", registry=registry)
+        self.build.info({"version": __version__})
+
+    def observe_check(self, verdict: Verdict, *, duration: float, wall: float) -> None:
+        self.check_duration.observe(duration)
+        self.last_check.set(wall)
+        for g in verdict.gpus:
+            labels = (str(g.index), g.uuid)
+            self.gpu_healthy.labels(*labels).set(1 if g.healthy else 0)
+            if g.ecc_uncorrected is not None:
+                self.ecc.labels(*labels).set(g.ecc_uncorrected)
+        for x, ignored in [(x, "true") for x in verdict.ignored_xids] + [
+            (x, "false") for x in verdict.fatal_xids
+        ]:
+            self.xids.labels(str(x.gpu_index), x.uuid, str(x.code), ignored).inc()

@@ -1,0 +1,692 @@
+"""The only code that writes to Kubernetes: gpuguard's taint, cordon, annotations and Events on its own node.
+
+Three layers:
+- `plan()`: pure. Given the node as last read and the policy's verdict, the change to make, or None when the
+  node already matches (the idempotence every restart relies on). All ownership and recovery rules live here.
+- `NodeWriter`: a narrow seam with two implementations, `KubeNodeWriter` (the API server) and
+  `DryRunNodeWriter` (logs the exact patch, applies it to an in-memory copy, needs no cluster).
+- `NodeReconciler`: runs plan + write on its own thread with optimistic concurrency (every patch carries the
+  resourceVersion it was planned against; a 409 means re-read and re-plan) and tenacity retries for transient
+  failures, so the GPU checks never wait for the API server.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import structlog
+import tenacity
+
+from gpuguard import __version__
+from gpuguard.config import NodeSettings
+from gpuguard.errors import (
+    ConflictError,
+    NodeUpdateError,
+    PermanentApiError,
+    TransientApiError,
+)
+from gpuguard.model import ECC, NVML_INIT, Verdict
+from gpuguard.policy import primary
+
+log = structlog.get_logger("gpuguard.node")
+
+DOMAIN = "gpuguard.io"
+TAINT_KEY = f"{DOMAIN}/gpu-unhealthy"
+ANN_REASON = f"{DOMAIN}/reason"
+ANN_SINCE = f"{DOMAIN}/since"
+ANN_BOOT_ID = f"{DOMAIN}/boot-id"
+ANN_CORDONED = f"{DOMAIN}/cordoned"
+ANN_FAULTS = f"{DOMAIN}/faults"
+OUR_ANNOTATIONS = (ANN_REASON, ANN_SINCE, ANN_BOOT_ID, ANN_CORDONED, ANN_FAULTS)
+# Faults whose evidence the GPU itself shows gone without a reboot: the volatile ECC counter reads
+# within the threshold again (driver reload or GPU reset), or NVML initialises again.
+_CLEARED_WITHOUT_REBOOT = frozenset({ECC, NVML_INIT})
+USER_AGENT = f"gpuguard/{__version__}"
+_MAX_REASON = 1024
+
+
+@dataclass(frozen=True)
+class Taint:
+    key: str
+    effect: str
+    value: str | None = None
+    time_added: str | None = None
+
+    @classmethod
+    def from_api(cls, d: Mapping[str, Any]) -> Taint:
+        return cls(
+            key=str(d.get("key", "")),
+            effect=str(d.get("effect", "")),
+            value=d.get("value"),
+            time_added=d.get("timeAdded"),
+        )
+
+    def to_api(self) -> dict[str, str]:
+        out = {"key": self.key, "effect": self.effect}
+        if self.value is not None:
+            out["value"] = self.value
+        if self.time_added is not None:
+            out["timeAdded"] = self.time_added
+        return out
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """The part of a Node that gpuguard reads and owns, at one resourceVersion."""
+
+    name: str
+    resource_version: str = ""
+    uid: str = ""
+    taints: tuple[Taint, ...] = ()
+    unschedulable: bool = False
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    boot_id: str = ""
+
+    @classmethod
+    def from_api(cls, obj: Mapping[str, Any]) -> NodeView:
+        meta = obj.get("metadata") or {}
+        spec = obj.get("spec") or {}
+        info = (obj.get("status") or {}).get("nodeInfo") or {}
+        return cls(
+            name=str(meta.get("name", "")),
+            resource_version=str(meta.get("resourceVersion", "")),
+            uid=str(meta.get("uid", "")),
+            taints=tuple(Taint.from_api(t) for t in spec.get("taints") or ()),
+            unschedulable=bool(spec.get("unschedulable", False)),
+            annotations=dict(meta.get("annotations") or {}),
+            boot_id=str(info.get("bootID", "")),
+        )
+
+    @property
+    def our_taint(self) -> Taint | None:
+        return next((t for t in self.taints if t.key == TAINT_KEY), None)
+
+    @property
+    def recorded_faults(self) -> frozenset[str]:
+        raw = self.annotations.get(ANN_FAULTS, "")
+        return frozenset(k for k in raw.split(",") if k)
+
+    @property
+    def cordoned_by_us(self) -> bool:
+        return self.annotations.get(ANN_CORDONED) == "true"
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    type: str  # Normal | Warning
+    reason: str  # GPUUnhealthy | GPURecovered
+    message: str
+
+
+@dataclass(frozen=True)
+class NodeChange:
+    """One write to the node. `taints` is the whole new list (the API replaces it whole) or None."""
+
+    action: str  # taint | add-faults | recover
+    taints: tuple[Taint, ...] | None = None
+    unschedulable: bool | None = None
+    annotations: Mapping[str, str | None] = field(default_factory=dict)
+    event: EventSpec | None = None
+
+    def patch(self, resource_version: str) -> dict[str, Any]:
+        """A JSON merge patch with the resourceVersion precondition (409 if the node moved on)."""
+        meta: dict[str, Any] = {"resourceVersion": resource_version}
+        if self.annotations:
+            meta["annotations"] = dict(self.annotations)
+        body: dict[str, Any] = {"metadata": meta}
+        spec: dict[str, Any] = {}
+        if self.taints is not None:
+            spec["taints"] = [t.to_api() for t in self.taints]
+        if self.unschedulable is not None:
+            spec["unschedulable"] = self.unschedulable
+        if spec:
+            body["spec"] = spec
+        return body
+
+
+def plan(
+    node: NodeView,
+    verdict: Verdict,
+    *,
+    healthy_streak: int,
+    settings: NodeSettings,
+    now: datetime,
+) -> NodeChange | None:
+    """The change that brings `node` in line with `verdict`, or None. Pure.
+
+    Ownership: only the taint with key TAINT_KEY, the annotations in OUR_ANNOTATIONS and a cordon that
+    ANN_CORDONED says we placed are ever changed or removed; every other taint is carried over as it is.
+    """
+    faults = verdict.faults
+    recorded = node.recorded_faults
+    ours = node.our_taint
+    if faults:
+        keys = {f.key for f in faults}
+        new = [f for f in faults if f.key not in recorded]
+        if ours is not None or not new:
+            # Already tainted, or the taint was removed by hand for these very faults: respect it.
+            if not new:
+                return None
+            return NodeChange(
+                action="add-faults",
+                annotations={
+                    ANN_FAULTS: _join_keys(recorded | keys),
+                    ANN_REASON: _reason_text(faults),
+                },
+                event=EventSpec("Warning", "GPUUnhealthy", _reason_text(new)),
+            )
+        first = primary(new)
+        assert first is not None
+        annotations: dict[str, str | None] = {
+            ANN_REASON: _reason_text(faults),
+            ANN_SINCE: node.annotations.get(ANN_SINCE) or _rfc3339(now),
+            ANN_BOOT_ID: node.boot_id,
+            ANN_FAULTS: _join_keys(recorded | keys),
+        }
+        unschedulable = None
+        if settings.cordon and not node.unschedulable:
+            unschedulable = True
+            annotations[ANN_CORDONED] = "true"
+        taint = Taint(key=TAINT_KEY, value=first.reason, effect=settings.taint_effect)
+        return NodeChange(
+            action="taint",
+            taints=(*node.taints, taint),
+            unschedulable=unschedulable,
+            annotations=annotations,
+            event=EventSpec("Warning", "GPUUnhealthy", _reason_text(faults)),
+        )
+
+    owned = ours is not None or any(k in node.annotations for k in OUR_ANNOTATIONS)
+    if not owned or not settings.recover or healthy_streak < settings.recover_after:
+        return None
+    if not evidence_gone(node):
+        return None
+    return NodeChange(
+        action="recover",
+        taints=tuple(t for t in node.taints if t.key != TAINT_KEY) if ours is not None else None,
+        unschedulable=False if node.cordoned_by_us and node.unschedulable else None,
+        annotations=dict.fromkeys((k for k in OUR_ANNOTATIONS if k in node.annotations), None),
+        event=EventSpec(
+            "Normal",
+            "GPURecovered",
+            "GPUs healthy again and the fault's evidence is gone"
+            + (f" (was: {node.annotations.get(ANN_REASON)})" if ANN_REASON in node.annotations else ""),
+        ),
+    )
+
+
+def evidence_gone(node: NodeView) -> bool:
+    """Whether every recorded fault is proven cleared, given that the GPUs now read healthy.
+
+    ECC and NVML init faults clear with a driver reload or GPU reset, which the healthy reading itself
+    shows; everything else (an Xid, a lost or missing GPU, a failed row remap) needs a reboot, shown by a
+    bootID that differs from the one recorded when the taint was placed. An agent restart changes neither.
+    """
+    reasons = {k.split("/", 1)[0] for k in node.recorded_faults}
+    if reasons <= _CLEARED_WITHOUT_REBOOT:
+        return True
+    recorded_boot = node.annotations.get(ANN_BOOT_ID, "")
+    return bool(recorded_boot) and bool(node.boot_id) and recorded_boot != node.boot_id
+
+
+def apply_change(node: NodeView, change: NodeChange, *, resource_version: str | None = None) -> NodeView:
+    """What the API server does with the patch (for the dry run and for tests). Pure."""
+    annotations = dict(node.annotations)
+    for k, v in change.annotations.items():
+        if v is None:
+            annotations.pop(k, None)
+        else:
+            annotations[k] = v
+    return replace(
+        node,
+        taints=node.taints if change.taints is None else change.taints,
+        unschedulable=node.unschedulable if change.unschedulable is None else change.unschedulable,
+        annotations=annotations,
+        resource_version=resource_version
+        if resource_version is not None
+        else str(int(node.resource_version or "0") + 1),
+    )
+
+
+def _reason_text(faults: Any) -> str:
+    text = "; ".join(f.message for f in faults)
+    return text if len(text) <= _MAX_REASON else text[: _MAX_REASON - 3] + "..."
+
+
+def _join_keys(keys: Any) -> str:
+    return ",".join(sorted(keys))
+
+
+def _rfc3339(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# -- writers -----------------------------------------------------------------------------------------------
+
+
+class NodeWriter(Protocol):
+    def read(self) -> NodeView: ...
+
+    def patch(self, node: NodeView, change: NodeChange) -> NodeView:
+        """Apply `change` planned against `node`; ConflictError if the node has moved on."""
+
+    def record_event(self, node: NodeView, event: EventSpec) -> None: ...
+
+
+class DryRunNodeWriter:
+    """Writes nothing: logs the exact patch it would send and keeps the result in memory.
+
+    Starts from the real node when one can be read (so a dry run on a live cluster shows the real
+    decisions), else from an empty node named after --node (or "dry-run").
+    """
+
+    def __init__(self, initial: NodeView) -> None:
+        self._node = initial
+
+    def read(self) -> NodeView:
+        return self._node
+
+    def patch(self, node: NodeView, change: NodeChange) -> NodeView:
+        log.info(
+            "node.dry_run",
+            node=node.name,
+            action=change.action,
+            patch=json.dumps(change.patch(node.resource_version), sort_keys=True),
+        )
+        self._node = apply_change(self._node, change)
+        return self._node
+
+    def record_event(self, node: NodeView, event: EventSpec) -> None:
+        log.info("node.dry_run_event", node=node.name, type=event.type, reason=event.reason)
+
+
+class KubeNodeWriter:
+    """The API server. Translates kubernetes-client errors into gpuguard's transient/permanent/conflict."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        api_client: Any,
+        timeout: float = 10.0,
+        event_namespace: str = "default",
+    ) -> None:
+        from kubernetes import client  # noqa: PLC0415 - heavy import, only when a cluster is used
+
+        api_client.user_agent = USER_AGENT
+        self._name = name
+        self._core: Any = client.CoreV1Api(api_client)
+        self._timeout = timeout
+        self._event_namespace = event_namespace
+
+    def read(self) -> NodeView:
+        with _translate(f"read node {self._name}"):
+            resp = self._core.read_node(self._name, _preload_content=False, _request_timeout=self._timeout)
+            return NodeView.from_api(json.loads(resp.data))
+
+    def patch(self, node: NodeView, change: NodeChange) -> NodeView:
+        with _translate(f"patch node {self._name}"):
+            resp = self._core.patch_node(
+                self._name,
+                change.patch(node.resource_version),
+                _content_type="application/merge-patch+json",
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            )
+            return NodeView.from_api(json.loads(resp.data))
+
+    def record_event(self, node: NodeView, event: EventSpec) -> None:
+        now = datetime.now(UTC)
+        stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{node.name}.{time.time_ns():x}", "namespace": self._event_namespace},
+            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": node.uid},
+            "type": event.type,
+            "reason": event.reason,
+            "message": event.message,
+            "source": {"component": "gpuguard", "host": node.name},
+            "reportingComponent": "gpuguard",
+            "reportingInstance": node.name,
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+        }
+        with _translate("create event"):
+            self._core.create_namespaced_event(
+                self._event_namespace, body, _preload_content=False, _request_timeout=self._timeout
+            )
+
+
+class _translate:
+    """Context manager: kubernetes/urllib3 exceptions -> gpuguard.errors, with `raise ... from`."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None or isinstance(exc, NodeUpdateError):
+            return
+        from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
+        from urllib3.exceptions import HTTPError  # noqa: PLC0415
+
+        if isinstance(exc, ApiException):
+            status = int(exc.status or 0)
+            detail = _api_message(exc)
+            if status == 409:
+                raise ConflictError(f"{self.what}: conflict: {detail}") from exc
+            if status == 429 or status >= 500 or status == 0:
+                raise TransientApiError(
+                    f"{self.what}: HTTP {status}: {detail}", retry_after=_retry_after(exc)
+                ) from exc
+            raise PermanentApiError(f"{self.what}: HTTP {status}: {detail}", status=status) from exc
+        if isinstance(exc, HTTPError | OSError | TimeoutError):
+            raise TransientApiError(f"{self.what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _api_message(exc: Any) -> str:
+    try:
+        return str(json.loads(exc.body).get("message", exc.reason))[:300]
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.reason)[:300]
+
+
+def _retry_after(exc: Any) -> float | None:
+    headers = getattr(exc, "headers", None) or {}
+    value = headers.get("Retry-After") if hasattr(headers, "get") else None
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def load_api_client(kubeconfig: str | None) -> Any:
+    """In-cluster config, then KUBECONFIG, then ~/.kube/config; or the file given. ConfigError otherwise."""
+    from kubernetes import client  # noqa: PLC0415
+    from kubernetes import config as _config  # noqa: PLC0415
+    from kubernetes.config.config_exception import ConfigException  # noqa: PLC0415
+
+    from gpuguard.errors import ConfigError  # noqa: PLC0415
+
+    config: Any = _config  # its loaders are untyped
+    configuration = client.Configuration()
+    try:
+        if kubeconfig:
+            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        else:
+            try:
+                config.load_incluster_config(client_configuration=configuration)
+            except ConfigException:
+                config.load_kube_config(client_configuration=configuration)
+    except (ConfigException, OSError, TypeError, ValueError) as exc:
+        where = kubeconfig or "in-cluster, $KUBECONFIG or ~/.kube/config"
+        raise ConfigError(f"no usable Kubernetes config ({where}): {exc}") from None
+    # tenacity owns the retries: urllib3's own would retry connection errors three times in a tight loop.
+    configuration.retries = False
+    return client.ApiClient(configuration)
+
+
+# -- reconciler --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """What /healthz reports about the node (in a dry run: what gpuguard would have done)."""
+
+    tainted: bool = False
+    cordoned: bool = False
+    reconciled: bool = False
+
+
+class NodeReconciler:
+    """Applies the latest verdict to the node on its own thread, so the GPU checks never wait for the API.
+
+    The node is read once at start and then kept from the answers to our own writes: a healthy node costs
+    no API request at all. Every write carries the resourceVersion it was planned against; a 409 re-reads
+    and re-plans, so another controller's concurrent taints and labels are never lost.
+    """
+
+    def __init__(
+        self,
+        writer: NodeWriter,
+        settings: NodeSettings,
+        *,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        retry_deadline: float = 60.0,
+        max_conflicts: int = 10,
+    ) -> None:
+        self._writer = writer
+        self._settings = settings
+        self._now = now
+        self._retry_deadline = retry_deadline
+        self._max_conflicts = max_conflicts
+        self._cond = threading.Condition()
+        self._latest: tuple[Verdict, int] | None = None
+        self._generation = 0
+        self._done_generation = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._node: NodeView | None = None
+        self._status = NodeStatus()
+        self._api_down = False
+        self._rejected: tuple[str, float] | None = None
+        self._override_logged: frozenset[str] = frozenset()
+        self.writes = 0
+
+    @property
+    def status(self) -> NodeStatus:
+        return self._status
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="gpuguard-node", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 1.5) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, verdict: Verdict, healthy_streak: int) -> None:
+        """Hand over the newest verdict (latest wins: an old one is never applied after a newer one)."""
+        with self._cond:
+            self._latest = (verdict, healthy_streak)
+            self._generation += 1
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """For tests and one-shot runs: block until every submitted verdict has been reconciled."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._done_generation < self._generation:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def reconcile_now(self) -> None:
+        """One synchronous reconcile of the latest verdict (the thread's body; also for tests)."""
+        with self._cond:
+            generation = self._generation
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(TransientApiError),
+            wait=self._wait,
+            stop=tenacity.stop_after_delay(self._retry_deadline) | _StopOn(self._stop),
+            sleep=self._sleep,
+            before_sleep=self._before_sleep,
+            reraise=True,
+        )
+        try:
+            retrying(self._reconcile_once)
+            if self._api_down:
+                self._api_down = False
+                log.info("api.available", node=self._settings.name)
+        except TransientApiError as exc:
+            log.warning("node.write_deferred", node=self._settings.name, error=str(exc))
+        except PermanentApiError as exc:
+            self._reject(str(exc))
+        finally:
+            with self._cond:
+                self._done_generation = max(self._done_generation, generation)
+                self._cond.notify_all()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                while self._done_generation >= self._generation and not self._stop.is_set():
+                    self._cond.wait()
+            if self._stop.is_set():
+                return
+            self.reconcile_now()
+
+    def _reconcile_once(self) -> None:
+        with self._cond:
+            latest = self._latest
+        if latest is None:
+            return
+        verdict, streak = latest
+        node = self._node if self._node is not None else self._read()
+        for _ in range(self._max_conflicts):
+            change = plan(node, verdict, healthy_streak=streak, settings=self._settings, now=self._now())
+            if change is None:
+                self._log_override(node, verdict)
+                self._set_node(node)
+                return
+            if (
+                self._rejected is not None
+                and self._rejected[0] == _signature(change)
+                and (time.monotonic() < self._rejected[1])
+            ):
+                return  # the API refused this very change recently: do not hammer it
+            try:
+                node = self._writer.patch(node, change)
+            except ConflictError:
+                log.info("node.conflict", node=node.name, resource_version=node.resource_version)
+                node = self._read()
+                continue
+            except TransientApiError:
+                self._node = None  # the write may or may not have landed: read again next time
+                raise
+            self.writes += 1
+            self._rejected = None
+            self._set_node(node)
+            self._log_change(node, change, verdict)
+            if change.event is not None:
+                self._record_event(node, change.event)
+            return
+        raise TransientApiError(f"node {node.name}: still conflicting after {self._max_conflicts} tries")
+
+    def _read(self) -> NodeView:
+        try:
+            node = self._writer.read()
+        except TransientApiError:
+            self._node = None
+            raise
+        self._set_node(node)
+        return node
+
+    def _set_node(self, node: NodeView) -> None:
+        self._node = node
+        self._status = NodeStatus(
+            tainted=node.our_taint is not None, cordoned=node.unschedulable, reconciled=True
+        )
+
+    def _record_event(self, node: NodeView, event: EventSpec) -> None:
+        # Best effort: the taint is what protects the scale-out; a lost Event must not block it.
+        try:
+            self._writer.record_event(node, event)
+        except NodeUpdateError as exc:
+            log.warning("node.event_failed", node=node.name, reason=event.reason, error=str(exc))
+
+    def _log_change(self, node: NodeView, change: NodeChange, verdict: Verdict) -> None:
+        faults = verdict.faults
+        first = primary(faults)
+        name = {"taint": "node.tainted", "add-faults": "node.fault_added", "recover": "node.recovered"}
+        log.warning(
+            name[change.action],
+            node=node.name,
+            reason=first.reason if first else None,
+            gpu=first.gpu_index if first else None,
+            uuid=first.uuid if first else None,
+            detail=change.event.message if change.event else None,
+            cordoned=bool(change.unschedulable),
+            uncordoned=change.unschedulable is False,
+            dry_run=self._settings.dry_run,
+        ) if change.action != "recover" else log.info(
+            name[change.action],
+            node=node.name,
+            uncordoned=change.unschedulable is False,
+            dry_run=self._settings.dry_run,
+        )
+
+    def _log_override(self, node: NodeView, verdict: Verdict) -> None:
+        keys = frozenset(f.key for f in verdict.faults)
+        if keys and node.our_taint is None and keys != self._override_logged:
+            self._override_logged = keys
+            log.warning(
+                "node.taint_removed_by_operator",
+                node=node.name,
+                faults=_join_keys(keys),
+                note="not re-added for the same fault; a new fault taints again",
+            )
+
+    def _reject(self, message: str) -> None:
+        log.error("node.write_rejected", node=self._settings.name, error=message, retry_in_s=300)
+        with self._cond:
+            latest = self._latest
+        if latest is not None and self._node is not None:
+            change = plan(
+                self._node,
+                latest[0],
+                healthy_streak=latest[1],
+                settings=self._settings,
+                now=self._now(),
+            )
+            if change is not None:
+                self._rejected = (_signature(change), time.monotonic() + 300)
+
+    def _wait(self, state: tenacity.RetryCallState) -> float:
+        base = tenacity.wait_exponential_jitter(
+            multiplier=0.1, jitter=0.1, max=self._settings.retry_max_wait
+        )(state)
+        exc = state.outcome.exception() if state.outcome else None
+        retry_after = getattr(exc, "retry_after", None)
+        if retry_after:
+            return max(base, min(float(retry_after), 30.0))
+        return base
+
+    def _sleep(self, seconds: float) -> None:
+        self._stop.wait(seconds)
+
+    def _before_sleep(self, state: tenacity.RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        if not self._api_down:
+            self._api_down = True
+            log.warning("api.unavailable", node=self._settings.name, error=str(exc))
+        log.debug("api.retry", attempt=state.attempt_number, error=str(exc))
+
+
+class _StopOn(tenacity.stop.stop_base):
+    """Stop retrying once the agent shuts down."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self._event = event
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        return self._event.is_set()
+
+
+def _signature(change: NodeChange) -> str:
+    return json.dumps(change.patch(""), sort_keys=True)

@@ -1,0 +1,5 @@
+"""GPU backends: they report readings and decide nothing (see gpuguard.policy for the decisions)."""
+
+from gpuguard.nvml.base import Backend, Wakeup
+
+__all__ = ["Backend", "Wakeup"]

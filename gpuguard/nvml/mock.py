@@ -1,0 +1,280 @@
+"""The mock backend: a scenario file drives what the GPUs report, so the whole agent runs with no GPU.
+
+The scenario format is a public contract (tests outside the project use it): see docs/scenario.md.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any, TypeGuard
+
+import yaml
+
+from gpuguard.errors import ScenarioError
+from gpuguard.model import GpuReading, Snapshot, XidEvent
+from gpuguard.nvml.base import Wakeup
+
+DEFAULT_SCENARIO = "demo.yaml"
+
+_DEVICE_KEYS = {"index", "uuid", "name", "pci_bus_id"}
+# Event actions and the type each takes.
+_ACTIONS: dict[str, type] = {
+    "ecc_uncorrected": int,
+    "xid": int,
+    "lost": bool,
+    "remove": bool,
+    "ecc_supported": bool,
+    "row_remap_failure": bool,
+    "row_remap_pending": bool,
+}
+_MAX_GPUS = 1024
+
+
+@dataclass(frozen=True)
+class ScenarioEvent:
+    at: float
+    gpu: int
+    actions: tuple[tuple[str, int | bool], ...]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    devices: tuple[GpuReading, ...]
+    events: tuple[ScenarioEvent, ...]
+
+
+def load_scenario(path: str | Path | None) -> Scenario:
+    """Read and validate a scenario file (None: the embedded demo). Raises ScenarioError, one line."""
+    if path is None:
+        text = resources.files("gpuguard.examples").joinpath(DEFAULT_SCENARIO).read_text("utf-8")
+        return parse_scenario(text, source=f"<embedded {DEFAULT_SCENARIO}>")
+    p = Path(path)
+    try:
+        text = p.read_text("utf-8")
+    except FileNotFoundError:
+        raise ScenarioError(f"scenario {p}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ScenarioError(f"scenario {p}: cannot read: {exc}") from None
+    return parse_scenario(text, source=str(p))
+
+
+def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" line {where.line + 1}" if where is not None else ""
+        raise ScenarioError(f"scenario {source}:{line} not valid YAML") from None
+    except RecursionError:
+        raise ScenarioError(f"scenario {source}: nested too deeply") from None
+    if not isinstance(doc, dict):
+        raise ScenarioError(f"scenario {source}: expected a mapping with 'gpus' or 'devices'")
+    unknown = set(doc) - {"gpus", "devices", "events"}
+    if unknown:
+        raise ScenarioError(f"scenario {source}: unknown key {_names(unknown)}")
+    devices = _parse_devices(doc, source)
+    indices = {d.index for d in devices}
+    raw_events = doc.get("events") or []
+    if not isinstance(raw_events, list):
+        raise ScenarioError(f"scenario {source}: 'events' must be a list")
+    events = [_parse_event(i, e, indices, source) for i, e in enumerate(raw_events)]
+    events.sort(key=lambda e: e.at)  # stable: same-time events keep file order
+    return Scenario(devices=devices, events=tuple(events))
+
+
+def _parse_devices(doc: Mapping[str, Any], source: str) -> tuple[GpuReading, ...]:
+    if ("gpus" in doc) == ("devices" in doc):
+        raise ScenarioError(f"scenario {source}: give exactly one of 'gpus' or 'devices'")
+    if "gpus" in doc:
+        n = doc["gpus"]
+        if not _is_int(n) or not 0 <= n <= _MAX_GPUS:
+            raise ScenarioError(f"scenario {source}: 'gpus' must be an integer 0..{_MAX_GPUS}")
+        return tuple(_default_device(i) for i in range(n))
+    raw = doc["devices"]
+    if not isinstance(raw, list) or len(raw) > _MAX_GPUS:
+        raise ScenarioError(f"scenario {source}: 'devices' must be a list of at most {_MAX_GPUS}")
+    devices: list[GpuReading] = []
+    for pos, d in enumerate(raw):
+        where = f"scenario {source}: devices[{pos}]"
+        if not isinstance(d, dict):
+            raise ScenarioError(f"{where}: expected a mapping like {{index: 0, uuid: GPU-...}}")
+        unknown = set(d) - _DEVICE_KEYS
+        if unknown:
+            raise ScenarioError(f"{where}: unknown key {_names(unknown)}")
+        index = d.get("index")
+        if not _is_int(index) or index < 0:
+            raise ScenarioError(f"{where}: 'index' must be a non-negative integer")
+        base = _default_device(index)
+        for key in ("uuid", "name", "pci_bus_id"):
+            if key in d and (not isinstance(d[key], str) or not d[key] or len(d[key]) > 256):
+                raise ScenarioError(f"{where}: '{key}' must be a non-empty string")
+        devices.append(
+            replace(
+                base,
+                uuid=d.get("uuid", base.uuid),
+                name=d.get("name", base.name),
+                pci_bus_id=d.get("pci_bus_id", base.pci_bus_id),
+            )
+        )
+    if len({d.index for d in devices}) != len(devices):
+        raise ScenarioError(f"scenario {source}: duplicate device index")
+    if len({d.uuid for d in devices}) != len(devices):
+        raise ScenarioError(f"scenario {source}: duplicate device uuid")
+    return tuple(sorted(devices, key=lambda d: d.index))
+
+
+def _parse_event(pos: int, e: object, indices: set[int], source: str) -> ScenarioEvent:
+    where = f"scenario {source}: events[{pos}]"
+    if not isinstance(e, dict):
+        raise ScenarioError(f"{where}: expected a mapping like {{at: 2.0, gpu: 0, xid: 79}}")
+    where = f"{where} ({_summary(e)})"
+    unknown = set(e) - {"at", "gpu"} - set(_ACTIONS)
+    if unknown:
+        raise ScenarioError(f"{where}: unknown key {_names(unknown)}")
+    at = e.get("at")
+    if isinstance(at, bool) or not isinstance(at, int | float) or not 0 <= at < 1e9:
+        raise ScenarioError(f"{where}: 'at' must be a number of seconds >= 0")
+    gpu = e.get("gpu")
+    if not _is_int(gpu):
+        raise ScenarioError(f"{where}: 'gpu' must be a device index")
+    if gpu not in indices:
+        raise ScenarioError(f"{where}: unknown GPU {gpu}")
+    actions: list[tuple[str, int | bool]] = []
+    for key, kind in _ACTIONS.items():
+        if key not in e:
+            continue
+        value = e[key]
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise ScenarioError(f"{where}: '{key}' must be true or false")
+            if key == "remove" and not value:
+                raise ScenarioError(f"{where}: 'remove' can only be true")
+        elif not _is_int(value) or value < 0 or value > 2**32 - 1:
+            raise ScenarioError(f"{where}: '{key}' must be an integer 0..4294967295")
+        actions.append((key, value))
+    if not actions:
+        raise ScenarioError(f"{where}: no action (one of {', '.join(_ACTIONS)})")
+    return ScenarioEvent(at=float(at), gpu=gpu, actions=tuple(actions))
+
+
+def _default_device(index: int) -> GpuReading:
+    return GpuReading(
+        index=index,
+        uuid=f"GPU-mock-{index}",
+        name="Mock GPU",
+        pci_bus_id=f"00000000:{index + 1:02X}:00.0",
+    )
+
+
+def _is_int(v: object) -> TypeGuard[int]:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _names(keys: set[Any]) -> str:
+    return ", ".join(repr(str(k)) for k in sorted(keys, key=str))
+
+
+def _summary(e: Mapping[Any, Any]) -> str:
+    parts = [f"{k}: {e[k]!r}" for k in ("at", "gpu") if k in e]
+    return ", ".join(parts)[:120] or "no at/gpu"
+
+
+class MockBackend:
+    """A real Backend implementation driven by a Scenario and a clock (injectable for tests)."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        start_timer: bool = True,
+    ) -> None:
+        self._scenario = scenario
+        self._clock = clock
+        self._start_timer = start_timer
+        self._lock = threading.Lock()
+        self._gpus: dict[int, GpuReading] = {d.index: d for d in scenario.devices}
+        self._pending_xids: list[XidEvent] = []
+        self._next_event = 0
+        self._t0: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def open(self, wakeup: Wakeup) -> None:
+        self._t0 = self._clock()
+        if self._start_timer and any(k == "xid" for ev in self._scenario.events for k, _ in ev.actions):
+            # Same wake-up path as the nvml backend's event thread: an Xid does not wait for the poll.
+            self._thread = threading.Thread(
+                target=self._xid_timer, args=(wakeup,), name="gpuguard-mock-xid", daemon=True
+            )
+            self._thread.start()
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            self._apply_due()
+            xids = tuple(self._pending_xids)
+            self._pending_xids.clear()
+            gpus = tuple(self._gpus[i] for i in sorted(self._gpus))
+        return Snapshot(gpus=tuple(_as_read(g) for g in gpus), xids=xids, driver_version="mock")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def _elapsed(self) -> float:
+        if self._t0 is None:
+            raise RuntimeError("MockBackend.snapshot() before open()")
+        return self._clock() - self._t0
+
+    def _apply_due(self) -> None:
+        now = self._elapsed()
+        events = self._scenario.events
+        while self._next_event < len(events) and events[self._next_event].at <= now:
+            self._apply(events[self._next_event])
+            self._next_event += 1
+
+    def _apply(self, ev: ScenarioEvent) -> None:
+        g = self._gpus.get(ev.gpu)
+        if g is None:  # removed earlier in the scenario: nothing left to change
+            return
+        for key, value in ev.actions:
+            if key == "xid":
+                self._pending_xids.append(XidEvent(gpu_index=g.index, uuid=g.uuid, code=int(value)))
+            elif key == "remove":
+                del self._gpus[ev.gpu]
+                return
+            elif key == "ecc_uncorrected":
+                g = replace(g, ecc_uncorrected=int(value))
+            elif key == "lost":
+                g = replace(g, lost=bool(value))
+            elif key == "ecc_supported":
+                g = replace(g, ecc_supported=bool(value))
+            elif key == "row_remap_failure":
+                g = replace(g, remap_failure=bool(value))
+            elif key == "row_remap_pending":
+                g = replace(g, remap_pending=bool(value))
+        self._gpus[ev.gpu] = g
+
+    def _xid_timer(self, wakeup: Wakeup) -> None:
+        for ev in self._scenario.events:
+            if not any(k == "xid" for k, _ in ev.actions):
+                continue
+            delay = ev.at - self._elapsed()
+            if delay > 0 and self._stop.wait(delay):
+                return
+            wakeup()
+
+
+def _as_read(g: GpuReading) -> GpuReading:
+    """What NVML would report for this state: a lost GPU answers nothing, ECC off reads as N/A."""
+    if g.lost:
+        return replace(g, ecc_uncorrected=None, remap_failure=None, remap_pending=None)
+    if not g.ecc_supported:
+        return replace(g, ecc_uncorrected=None)
+    return g

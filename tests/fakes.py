@@ -1,0 +1,57 @@
+"""Stateful fakes with inject_* / assert_* helpers (preferred over patching)."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from gpuguard.errors import ConflictError, NodeUpdateError
+from gpuguard.node import EventSpec, NodeChange, NodeView, apply_change
+
+
+class FakeNodeWriter:
+    """Behaves like the API server for one Node: resourceVersion preconditions, injected failures."""
+
+    def __init__(self, node: NodeView) -> None:
+        self.node = node
+        self.reads = 0
+        self.patches: list[NodeChange] = []
+        self.events: list[EventSpec] = []
+        self._read_errors: deque[NodeUpdateError] = deque()
+        self._patch_errors: deque[NodeUpdateError] = deque()
+        self._lock = threading.Lock()
+
+    def inject_error(self, *errors: NodeUpdateError, on: str = "patch") -> None:
+        """The next patches (or reads, with on="read") fail with these errors, in order."""
+        (self._read_errors if on == "read" else self._patch_errors).extend(errors)
+
+    def edit(self, **changes: object) -> None:
+        """Another writer changes the node (bumps the resourceVersion)."""
+        with self._lock:
+            fields = {**self.node.__dict__, **changes}
+            fields["resource_version"] = str(int(self.node.resource_version) + 1)
+            self.node = NodeView(**fields)
+
+    def read(self) -> NodeView:
+        with self._lock:
+            self.reads += 1
+            if self._read_errors:
+                raise self._read_errors.popleft()
+            return self.node
+
+    def patch(self, node: NodeView, change: NodeChange) -> NodeView:
+        with self._lock:
+            if self._patch_errors:
+                raise self._patch_errors.popleft()
+            if node.resource_version != self.node.resource_version:
+                raise ConflictError("resourceVersion mismatch")
+            self.patches.append(change)
+            self.node = apply_change(self.node, change)
+            return self.node
+
+    def record_event(self, node: NodeView, event: EventSpec) -> None:
+        self.events.append(event)
+
+    @property
+    def writes(self) -> int:
+        return len(self.patches)

@@ -1,0 +1,148 @@
+"""The loop with the mock backend, driven by an injected clock (no sleeping), and once in real time."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from prometheus_client import CollectorRegistry
+
+from gpuguard.agent import Agent
+from gpuguard.config import NodeSettings, PolicySettings
+from gpuguard.metrics import Metrics
+from gpuguard.node import DryRunNodeWriter, NodeReconciler, NodeView
+from gpuguard.nvml.mock import MockBackend, parse_scenario
+from tests.fakes import FakeNodeWriter
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+SCENARIO = """
+gpus: 2
+events:
+  - {at: 1.0, gpu: 1, xid: 13}
+  - {at: 2.0, gpu: 1, ecc_uncorrected: 3}
+  - {at: 5.0, gpu: 1, ecc_uncorrected: 0}
+"""
+
+
+def make(text: str = SCENARIO, *, writer: FakeNodeWriter | None = None, interval: float = 1.0):  # type: ignore[no-untyped-def]
+    clock = Clock()
+    backend = MockBackend(parse_scenario(text), clock=clock, start_timer=False)
+    backend.open(lambda: None)
+    writer = writer or FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))
+    reconciler = NodeReconciler(writer, NodeSettings(name="gpu-1", recover_after=2))
+    metrics = Metrics(CollectorRegistry())
+    agent = Agent(
+        backend=backend,
+        reconciler=reconciler,
+        policy=PolicySettings(),
+        interval=interval,
+        node_name="gpu-1",
+        metrics=metrics,
+        clock=clock,
+    )
+    return agent, clock, writer, reconciler, metrics
+
+
+def step(agent: Agent, reconciler: NodeReconciler, clock: Clock, to: float) -> None:
+    clock.t = 1000.0 + to
+    agent.check_once()
+    reconciler.reconcile_now()
+
+
+def test_healthy_then_ignored_xid_then_ecc_fault_then_recovery_after_reset() -> None:
+    agent, clock, writer, r, metrics = make()
+    step(agent, r, clock, 0.0)
+    assert agent.status().verdict.healthy and agent.status().ready
+    step(agent, r, clock, 1.0)  # Xid 13: ignored
+    assert agent.status().verdict.healthy and writer.writes == 0
+    step(agent, r, clock, 2.0)  # ECC 3
+    s = agent.status()
+    assert not s.verdict.healthy and s.tainted and s.cordoned
+    assert writer.writes == 1
+    step(agent, r, clock, 3.0)
+    step(agent, r, clock, 4.0)
+    assert writer.writes == 1  # still sick, node already matches
+    step(agent, r, clock, 5.0)  # reset: healthy streak 1
+    assert agent.status().tainted
+    step(agent, r, clock, 6.0)  # streak 2 = --recover-after 2
+    s = agent.status()
+    assert not s.tainted and not s.cordoned and writer.writes == 2
+    assert [e.reason for e in writer.events] == ["GPUUnhealthy", "GPURecovered"]
+    text = metrics.registry.get_sample_value(
+        "gpuguard_xid_events_total", {"gpu": "1", "uuid": "GPU-mock-1", "xid": "13", "ignored": "true"}
+    )
+    assert text == 1.0
+
+
+def test_healthz_turns_stalled_after_three_intervals_without_a_check() -> None:
+    agent, clock, _, r, _ = make(interval=1.0)
+    step(agent, r, clock, 0.0)
+    clock.t += 2.9
+    assert agent.status().alive
+    clock.t += 0.2
+    assert not agent.status().alive
+
+
+def test_not_ready_before_the_first_check_and_reconcile() -> None:
+    agent, *_ = make()
+    assert not agent.status().ready
+
+
+def test_an_xid_wakes_the_loop_long_before_the_next_poll() -> None:
+    backend = MockBackend(parse_scenario("gpus: 2\nevents:\n  - {at: 0.3, gpu: 0, xid: 79}\n"))
+    writer = DryRunNodeWriter(NodeView(name="n", resource_version="1"))
+    reconciler = NodeReconciler(writer, NodeSettings(name="n", dry_run=True))
+    agent = Agent(
+        backend=backend,
+        reconciler=reconciler,
+        policy=PolicySettings(),
+        interval=30.0,
+        node_name="n",
+        dry_run=True,
+    )
+    t = threading.Thread(target=agent.run, daemon=True)
+    start = time.monotonic()
+    t.start()
+    try:
+        deadline = start + 5
+        while time.monotonic() < deadline and not agent.status().tainted:
+            time.sleep(0.01)
+        elapsed = time.monotonic() - start
+        assert agent.status().tainted, "the Xid never tainted the (dry-run) node"
+        assert elapsed < 2.0, f"took {elapsed:.2f}s with a 30 s interval"
+    finally:
+        agent.stop_event.set()
+        t.join(5)
+    assert not t.is_alive()
+
+
+def test_a_backend_exception_does_not_kill_the_loop() -> None:
+    class Broken(MockBackend):
+        calls = 0
+
+        def snapshot(self):
+            Broken.calls += 1
+            if Broken.calls == 1:
+                raise RuntimeError("boom")
+            return super().snapshot()
+
+    backend = Broken(parse_scenario("gpus: 1"))
+    reconciler = NodeReconciler(DryRunNodeWriter(NodeView(name="n")), NodeSettings(name="n", dry_run=True))
+    agent = Agent(
+        backend=backend,
+        reconciler=reconciler,
+        policy=PolicySettings(),
+        interval=0.05,
+        node_name="n",
+        dry_run=True,
+    )
+    agent.run(run_for=0.5)
+    assert agent.checks >= 2

@@ -1,0 +1,282 @@
+"""The CLI as users run it (subprocesses): exit codes, one-line errors without tracebacks, and
+`watch --dry-run` on the mock backend showing faults on /healthz within two intervals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("GPUGUARD_") and k != "NODE_NAME"}
+
+
+def run(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpuguard", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**ENV, **(env or {})},
+        cwd=ROOT,
+    )
+
+
+def write(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "s.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_version_prints_the_version() -> None:
+    r = run("version")
+    assert r.returncode == 0 and r.stdout.startswith("gpuguard 0.")
+
+
+def test_check_on_healthy_gpus_exits_0_and_prints_a_table(tmp_path: Path) -> None:
+    r = run("check", "--backend", "mock", "--scenario", write(tmp_path, "gpus: 2"))
+    assert r.returncode == 0, r.stderr
+    assert "GPU-mock-1" in r.stdout and r.stdout.strip().endswith("healthy")
+
+
+def test_check_on_an_unhealthy_gpu_exits_1(tmp_path: Path) -> None:
+    s = write(tmp_path, "gpus: 2\nevents:\n  - {at: 0, gpu: 1, ecc_uncorrected: 2}\n")
+    r = run("check", "--backend", "mock", "--scenario", s)
+    assert r.returncode == 1
+    assert "ecc: 2 uncorrected volatile ECC errors" in r.stdout
+
+
+def test_check_json_output(tmp_path: Path) -> None:
+    s = write(tmp_path, "gpus: 1\nevents:\n  - {at: 0, gpu: 0, lost: true}\n")
+    r = run("check", "--backend", "mock", "--scenario", s, "-o", "json")
+    assert r.returncode == 1
+    doc = json.loads(r.stdout)
+    assert doc["healthy"] is False and doc["gpus"][0]["reasons"][0].startswith("gpu-lost: ")
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["watch", "--interval", "abc", "--dry-run", "--backend", "mock"], {}, "--interval"),
+        (["watch", "--interval", "0.01", "--dry-run", "--backend", "mock"], {}, "--interval must be between"),
+        (["watch", "--dry-run", "--backend", "gpu"], {}, "--backend"),
+        (["watch", "--dry-run", "--backend", "mock", "--scenario", "/nonexistent.yaml"], {}, "no such file"),
+        (["watch", "--backend", "mock"], {}, "no node name"),
+        (
+            ["watch", "--dry-run", "--backend", "mock", "--node", "Bad_Name!"],
+            {},
+            "not a valid Kubernetes node name",
+        ),
+        (["watch", "--dry-run", "--backend", "mock", "--listen", "nonsense"], {}, "--listen"),
+        (["watch", "--dry-run", "--backend", "mock", "--ignore-xids", "13,x"], {}, "--ignore-xids"),
+        (["watch", "--dry-run", "--backend", "mock", "--recover-after", "0"], {}, "--recover-after"),
+        (["watch", "--dry-run", "--backend", "mock", "--taint-effect", "Evict"], {}, "--taint-effect"),
+        (["watch", "--dry-run", "--scenario", "x.yaml"], {}, "--scenario needs --backend mock"),
+        (["watch", "--dry-run", "--backend", "mock"], {"GPUGUARD_INTERVAL": "fast"}, "--interval"),
+        (["watch", "--dry-run", "--backend", "mock"], {"GPUGUARD_ECC_THRESHOLD": "-1"}, "--ecc-threshold"),
+        (["check", "--backend", "mock", "--expected-gpus", "-3"], {}, "--expected-gpus"),
+        (["watch", "--nope"], {}, "No such option"),
+        (["frobnicate"], {}, "No such command"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_without_a_traceback(
+    args: list[str], env: dict[str, str], message: str
+) -> None:
+    r = run(*args, env=env)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_malformed_scenario_names_the_event_and_exits_2(tmp_path: Path) -> None:
+    s = write(tmp_path, "gpus: 1\nevents:\n  - {at: 1, gpu: 4, xid: 79}\n")
+    for cmd in (["check"], ["watch", "--dry-run"]):
+        r = run(*cmd, "--backend", "mock", "--scenario", s)
+        assert r.returncode == 2
+        assert "events[0] (at: 1, gpu: 4): unknown GPU 4" in r.stderr
+        assert "Traceback" not in r.stderr
+
+
+def test_a_port_in_use_is_a_clear_error() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run("watch", "--dry-run", "--backend", "mock", "--listen", f"127.0.0.1:{port}", "--run-for", "1")
+    assert r.returncode == 2 and "Address already in use" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@contextmanager
+def watching(
+    scenario: str, *extra: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpuguard",
+            "watch",
+            "--dry-run",
+            "--backend",
+            "mock",
+            "--scenario",
+            scenario,
+            "--listen",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+            *extra,
+        ],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**ENV, **(env or {})},
+        cwd=ROOT,
+    )
+    try:
+        assert p.stderr is not None
+        port = None
+        deadline = time.monotonic() + 20
+        while port is None and time.monotonic() < deadline:
+            line = p.stderr.readline()
+            if not line:
+                break
+            doc = json.loads(line)
+            if doc["event"] == "server.listening":
+                port = int(doc["port"])
+        assert port is not None, "the agent never logged server.listening"
+        yield p, port
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
+def healthz(port: int) -> dict:  # type: ignore[type-arg]
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+            return json.loads(r.read())  # type: ignore[no-any-return]
+    except urllib.error.HTTPError as e:
+        return json.loads(e.read())  # type: ignore[no-any-return]
+
+
+def wait_for(port: int, pred, timeout: float) -> tuple[dict, float]:  # type: ignore[no-untyped-def,type-arg]
+    start = time.monotonic()
+    while True:
+        doc = healthz(port)
+        if pred(doc) or time.monotonic() - start > timeout:
+            return doc, time.monotonic() - start
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize(
+    ("event", "reason"),
+    [("ecc_uncorrected: 3", "ecc: 3 uncorrected"), ("xid: 79", "xid-79: GPU has fallen off the bus")],
+)
+def test_watch_dry_run_shows_a_fault_on_healthz_within_two_intervals(
+    tmp_path: Path, event: str, reason: str
+) -> None:
+    s = write(tmp_path, f"gpus: 2\nevents:\n  - {{at: 1.0, gpu: 1, {event}}}\n")
+    with watching(s, "--interval", "0.2") as (_, port):
+        doc, _ = wait_for(port, lambda d: d["last_check"] is not None, 5)
+        assert doc["healthy"] is True and doc["tainted"] is False and doc["dry_run"] is True
+        # The event is due 1.0 s after start; allow two intervals (0.4 s) after that.
+        doc, _ = wait_for(port, lambda d: not d["healthy"], 3)
+        assert not doc["healthy"], doc
+        gpu1 = doc["gpus"][1]
+        assert gpu1["healthy"] is False and gpu1["reasons"][0].startswith(reason)
+        doc, _ = wait_for(port, lambda d: d["tainted"], 1)
+        assert doc["tainted"] and doc["cordoned"]
+
+
+def test_watch_dry_run_fault_appears_within_two_intervals_of_its_time(tmp_path: Path) -> None:
+    s = write(tmp_path, "gpus: 2\nevents:\n  - {at: 2.0, gpu: 0, ecc_uncorrected: 1}\n")
+    with watching(s, "--interval", "0.2") as (_, port):
+        wait_for(port, lambda d: d["last_check"] is not None, 5)
+        start = time.monotonic()
+        doc, _ = wait_for(port, lambda d: not d["healthy"], 5)
+        # The server came up just before the first check, so the event is due at most ~2.0 s from `start`.
+        assert time.monotonic() - start <= 2.0 + 2 * 0.2 + 0.3
+        assert not doc["healthy"]
+
+
+def test_watch_dry_run_stays_healthy_for_an_ignored_xid(tmp_path: Path) -> None:
+    s = write(tmp_path, "gpus: 2\nevents:\n  - {at: 0.3, gpu: 1, xid: 13}\n")
+    with watching(s, "--interval", "0.2") as (_, port):
+        time.sleep(1.2)
+        doc = healthz(port)
+        assert doc["healthy"] is True and doc["tainted"] is False and doc["last_check"] is not None
+
+
+def test_watch_logs_the_exact_change_it_would_make_in_dry_run(tmp_path: Path) -> None:
+    s = write(tmp_path, "gpus: 1\nevents:\n  - {at: 0.1, gpu: 0, xid: 48}\n")
+    r = run(
+        "watch",
+        "--dry-run",
+        "--backend",
+        "mock",
+        "--scenario",
+        s,
+        "--interval",
+        "0.1",
+        "--run-for",
+        "1.5",
+        "--listen",
+        "127.0.0.1:0",
+        "--log-format",
+        "json",
+        "--node",
+        "gpu-node-7",
+    )
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(line) for line in r.stderr.splitlines()]
+    names = [e["event"] for e in events]
+    assert "gpu.unhealthy" in names and "node.tainted" in names
+    dry = next(e for e in events if e["event"] == "node.dry_run")
+    patch = json.loads(dry["patch"])
+    assert patch["spec"]["taints"] == [
+        {"key": "gpuguard.io/gpu-unhealthy", "value": "xid-48", "effect": "NoSchedule"}
+    ]
+    assert patch["spec"]["unschedulable"] is True
+    assert dry["node"] == "gpu-node-7"
+    assert "check.completed" not in names  # nothing per healthy tick above debug
+
+
+def test_sigterm_stops_watch_promptly_with_exit_0(tmp_path: Path) -> None:
+    s = write(tmp_path, "gpus: 1")
+    with watching(s, "--interval", "3") as (p, _):
+        time.sleep(0.3)
+        start = time.monotonic()
+        p.terminate()
+        assert p.wait(5) == 0
+        assert time.monotonic() - start < 2.0
+
+
+def test_env_vars_configure_every_flag(tmp_path: Path) -> None:
+    s = write(tmp_path, "gpus: 1\nevents:\n  - {at: 0, gpu: 0, xid: 13}\n")
+    r = run("check", env={"GPUGUARD_BACKEND": "mock", "GPUGUARD_SCENARIO": s, "GPUGUARD_FATAL_XIDS": "13"})
+    assert r.returncode == 1 and "xid-13" in r.stdout  # 13 made fatal by the env var
+    r = run(
+        "check",
+        env={
+            "GPUGUARD_BACKEND": "mock",
+            "GPUGUARD_SCENARIO": write(tmp_path, "gpus: 2"),
+            "GPUGUARD_EXPECTED_GPUS": "4",
+        },
+    )
+    assert r.returncode == 1 and "expected 4 GPUs" in r.stdout

@@ -1,0 +1,272 @@
+"""What the node writer decides to send for a given Node: idempotence, ownership, recovery rules.
+
+Pure: plan() and apply_change() need no cluster. The real API server proves the same in tests/integration.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from gpuguard.config import NodeSettings, PolicySettings
+from gpuguard.model import GpuReading, Snapshot, Verdict, XidEvent
+from gpuguard.node import (
+    ANN_BOOT_ID,
+    ANN_CORDONED,
+    ANN_FAULTS,
+    ANN_REASON,
+    ANN_SINCE,
+    TAINT_KEY,
+    NodeChange,
+    NodeView,
+    Taint,
+    apply_change,
+    plan,
+)
+from gpuguard.policy import evaluate
+
+NOW = datetime(2026, 12, 2, 12, 0, 0, tzinfo=UTC)
+SETTINGS = NodeSettings(name="gpu-1")
+FOREIGN = Taint(
+    key="example.com/maintenance", value="x", effect="NoExecute", time_added="2026-01-01T00:00:00Z"
+)
+GPUS = (GpuReading(index=0, uuid="GPU-0"), GpuReading(index=1, uuid="GPU-1"))
+
+
+def verdict(*, ecc: int = 0, xid: int | None = None, lost: bool = False) -> Verdict:
+    g0 = GpuReading(index=0, uuid="GPU-0", ecc_uncorrected=ecc, lost=lost)
+    xids = (XidEvent(1, "GPU-1", xid),) if xid is not None else ()
+    return evaluate(Snapshot(gpus=(g0, GPUS[1]), xids=xids), previous=None, settings=PolicySettings())
+
+
+HEALTHY = verdict()
+
+
+def node(**kw: object) -> NodeView:
+    base: dict[str, object] = {"name": "gpu-1", "resource_version": "10", "boot_id": "boot-a"}
+    base.update(kw)
+    return NodeView(**base)  # type: ignore[arg-type]
+
+
+def decide(
+    n: NodeView, v: Verdict, *, streak: int = 0, settings: NodeSettings = SETTINGS
+) -> NodeChange | None:
+    return plan(n, v, healthy_streak=streak, settings=settings, now=NOW)
+
+
+def tainted(v: Verdict, n: NodeView | None = None, settings: NodeSettings = SETTINGS) -> NodeView:
+    n = n or node()
+    change = decide(n, v, settings=settings)
+    assert change is not None
+    return apply_change(n, change)
+
+
+def test_a_healthy_node_needs_no_write() -> None:
+    assert decide(node(), HEALTHY, streak=100) is None
+
+
+def test_the_first_fault_taints_cordons_and_annotates_in_one_change() -> None:
+    change = decide(node(taints=(FOREIGN,)), verdict(ecc=3))
+    assert change is not None and change.action == "taint"
+    assert change.patch("10") == {
+        "metadata": {
+            "resourceVersion": "10",
+            "annotations": {
+                ANN_REASON: "ecc: 3 uncorrected volatile ECC errors (GPU 0, GPU-0)",
+                ANN_SINCE: "2026-12-02T12:00:00Z",
+                ANN_BOOT_ID: "boot-a",
+                ANN_FAULTS: "ecc/GPU-0",
+                ANN_CORDONED: "true",
+            },
+        },
+        "spec": {
+            "taints": [
+                {
+                    "key": "example.com/maintenance",
+                    "value": "x",
+                    "effect": "NoExecute",
+                    "timeAdded": "2026-01-01T00:00:00Z",
+                },
+                {"key": TAINT_KEY, "value": "ecc", "effect": "NoSchedule"},
+            ],
+            "unschedulable": True,
+        },
+    }
+    assert change.event is not None and (change.event.type, change.event.reason) == (
+        "Warning",
+        "GPUUnhealthy",
+    )
+
+
+@pytest.mark.parametrize("effect", ["NoSchedule", "PreferNoSchedule", "NoExecute"])
+def test_the_taint_effect_follows_the_setting(effect: str) -> None:
+    n = tainted(verdict(xid=79), settings=NodeSettings(name="gpu-1", taint_effect=effect))
+    assert n.our_taint == Taint(key=TAINT_KEY, value="xid-79", effect=effect)
+
+
+def test_no_cordon_taints_without_touching_unschedulable() -> None:
+    change = decide(node(), verdict(ecc=1), settings=NodeSettings(name="gpu-1", cordon=False))
+    assert change is not None and change.unschedulable is None
+    assert ANN_CORDONED not in change.annotations
+
+
+def test_an_admin_cordon_is_not_claimed_as_ours() -> None:
+    change = decide(node(unschedulable=True), verdict(ecc=1))
+    assert change is not None and change.unschedulable is None
+    assert ANN_CORDONED not in change.annotations
+
+
+def test_a_node_that_already_matches_gets_no_write_as_after_an_agent_restart() -> None:
+    n = tainted(verdict(ecc=3))
+    assert decide(n, verdict(ecc=3)) is None
+    assert decide(n, verdict(ecc=7)) is None  # same fault, more errors: nothing new to say
+
+
+def test_a_restarted_agent_that_no_longer_sees_the_xid_keeps_the_taint() -> None:
+    n = tainted(verdict(xid=79))
+    assert decide(n, HEALTHY, streak=1000) is None
+
+
+def test_a_new_fault_on_a_tainted_node_adds_to_the_record_without_a_second_taint() -> None:
+    n = tainted(verdict(ecc=3))
+    v = evaluate(
+        Snapshot(
+            gpus=(GpuReading(index=0, uuid="GPU-0", ecc_uncorrected=3), GPUS[1]),
+            xids=(XidEvent(1, "GPU-1", 79),),
+        ),
+        previous=None,
+        settings=PolicySettings(),
+    )
+    change = decide(n, v)
+    assert change is not None and change.action == "add-faults"
+    assert change.taints is None and change.unschedulable is None
+    assert change.annotations[ANN_FAULTS] == "ecc/GPU-0,xid-79/GPU-1"
+    after = apply_change(n, change)
+    assert after.our_taint == n.our_taint
+    assert decide(after, v) is None
+
+
+def test_a_taint_removed_by_hand_is_not_re_added_for_the_same_fault() -> None:
+    n = tainted(verdict(ecc=3))
+    by_hand = NodeView(**{**n.__dict__, "taints": ()})
+    assert decide(by_hand, verdict(ecc=3)) is None
+
+
+def test_a_taint_removed_by_hand_comes_back_for_a_new_fault() -> None:
+    n = tainted(verdict(ecc=3))
+    by_hand = NodeView(**{**n.__dict__, "taints": ()})
+    v = evaluate(
+        Snapshot(
+            gpus=(GpuReading(index=0, uuid="GPU-0", ecc_uncorrected=3), GPUS[1]),
+            xids=(XidEvent(1, "GPU-1", 79),),
+        ),
+        previous=None,
+        settings=PolicySettings(),
+    )
+    change = decide(by_hand, v)
+    assert change is not None and change.action == "taint"
+    assert apply_change(by_hand, change).our_taint == Taint(TAINT_KEY, "NoSchedule", "xid-79")
+
+
+def test_ecc_recovers_after_enough_healthy_checks_once_the_counter_is_reset() -> None:
+    n = tainted(verdict(ecc=3), node(taints=(FOREIGN,)))
+    assert decide(n, HEALTHY, streak=2) is None  # --recover-after 3
+    change = decide(n, HEALTHY, streak=3)
+    assert change is not None and change.action == "recover"
+    after = apply_change(n, change)
+    assert after.taints == (FOREIGN,)
+    assert after.unschedulable is False
+    assert after.annotations == {}
+    assert change.event is not None and change.event.reason == "GPURecovered"
+    assert decide(after, HEALTHY, streak=4) is None
+
+
+def test_an_xid_recovers_only_after_the_node_rebooted() -> None:
+    n = tainted(verdict(xid=79))
+    assert decide(n, HEALTHY, streak=10) is None
+    rebooted = NodeView(**{**n.__dict__, "boot_id": "boot-b"})
+    change = decide(rebooted, HEALTHY, streak=3)
+    assert change is not None and change.action == "recover"
+
+
+@pytest.mark.parametrize("v", [verdict(lost=True), verdict(xid=48)])
+def test_non_ecc_faults_need_a_new_boot_id(v: Verdict) -> None:
+    n = tainted(v)
+    assert decide(n, HEALTHY, streak=10) is None
+    assert decide(NodeView(**{**n.__dict__, "boot_id": "boot-b"}), HEALTHY, streak=10) is not None
+
+
+def test_an_admins_own_cordon_survives_recovery() -> None:
+    n = tainted(verdict(ecc=1), node(unschedulable=True))
+    change = decide(n, HEALTHY, streak=3)
+    assert change is not None
+    after = apply_change(n, change)
+    assert after.unschedulable is True and after.our_taint is None
+
+
+def test_an_admin_who_uncordoned_during_the_fault_is_not_uncordoned_again() -> None:
+    n = tainted(verdict(ecc=1))
+    uncordoned = NodeView(**{**n.__dict__, "unschedulable": False})
+    change = decide(uncordoned, HEALTHY, streak=3)
+    assert change is not None and change.unschedulable is None
+    assert change.annotations[ANN_CORDONED] is None  # our record of the cordon is cleaned up
+
+
+def test_no_recover_keeps_the_taint_forever() -> None:
+    n = tainted(verdict(ecc=1))
+    assert decide(n, HEALTHY, streak=1000, settings=NodeSettings(name="gpu-1", recover=False)) is None
+
+
+def test_foreign_taints_and_annotations_are_never_changed() -> None:
+    n = node(taints=(FOREIGN,), annotations={"example.com/owner": "team-a"})
+    t = tainted(verdict(ecc=1), n)
+    change = decide(t, HEALTHY, streak=3)
+    assert change is not None
+    after = apply_change(t, change)
+    assert FOREIGN in after.taints
+    assert after.annotations == {"example.com/owner": "team-a"}
+    assert all(k.startswith("gpuguard.io/") for k in change.annotations)
+
+
+def test_a_recorded_boot_id_that_is_missing_blocks_reboot_based_recovery() -> None:
+    n = tainted(verdict(xid=79))
+    no_record = NodeView(
+        **{
+            **n.__dict__,
+            "annotations": {k: v for k, v in n.annotations.items() if k != ANN_BOOT_ID},
+            "boot_id": "boot-b",
+        }
+    )
+    assert decide(no_record, HEALTHY, streak=10) is None
+
+
+def test_since_is_kept_when_a_new_fault_re_taints() -> None:
+    n = tainted(verdict(ecc=3))
+    by_hand = NodeView(**{**n.__dict__, "taints": ()})
+    later = plan(
+        by_hand,
+        verdict(ecc=3, xid=79),
+        healthy_streak=0,
+        settings=SETTINGS,
+        now=datetime(2027, 1, 1, tzinfo=UTC),
+    )
+    assert later is not None and later.annotations[ANN_SINCE] == "2026-12-02T12:00:00Z"
+
+
+def test_node_view_reads_the_api_object() -> None:
+    obj = {
+        "metadata": {"name": "gpu-1", "resourceVersion": "42", "uid": "u-1", "annotations": {"a": "b"}},
+        "spec": {"taints": [{"key": "k", "effect": "NoSchedule"}], "unschedulable": True},
+        "status": {"nodeInfo": {"bootID": "boot-z"}},
+    }
+    v = NodeView.from_api(obj)
+    assert (v.name, v.resource_version, v.uid, v.unschedulable, v.boot_id) == (
+        "gpu-1",
+        "42",
+        "u-1",
+        True,
+        "boot-z",
+    )
+    assert v.taints == (Taint(key="k", effect="NoSchedule"),)
+    assert NodeView.from_api({"metadata": {"name": "bare"}}).taints == ()

@@ -1,0 +1,260 @@
+"""The policy, table-driven: every fault kind, every default, the sticky memory, and what is not a fault."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from gpuguard.config import DEFAULT_IGNORED_XIDS, PolicySettings
+from gpuguard.model import GpuReading, Snapshot, Verdict, XidEvent
+from gpuguard.policy import evaluate, primary
+
+DEFAULT = PolicySettings()
+
+
+def gpu(i: int, **kw: object) -> GpuReading:
+    return replace(GpuReading(index=i, uuid=f"GPU-{i}"), **kw)  # type: ignore[arg-type]
+
+
+def snap(*gpus: GpuReading, xids: tuple[XidEvent, ...] = (), init_error: str | None = None) -> Snapshot:
+    return Snapshot(gpus=gpus, xids=xids, init_error=init_error)
+
+
+def reasons(v: Verdict) -> list[str]:
+    return [f.reason for f in v.faults]
+
+
+TWO = (gpu(0), gpu(1))
+
+
+@pytest.mark.parametrize(
+    ("case", "snapshot", "settings", "expected"),
+    [
+        ("all healthy", snap(*TWO), DEFAULT, []),
+        (
+            "one uncorrected ECC error is a fault at the default threshold 0",
+            snap(gpu(0, ecc_uncorrected=1), gpu(1)),
+            DEFAULT,
+            ["ecc"],
+        ),
+        (
+            "ECC at the threshold is tolerated",
+            snap(gpu(0, ecc_uncorrected=5), gpu(1)),
+            PolicySettings(ecc_threshold=5),
+            [],
+        ),
+        (
+            "ECC above the threshold is a fault",
+            snap(gpu(0, ecc_uncorrected=6), gpu(1)),
+            PolicySettings(ecc_threshold=5),
+            ["ecc"],
+        ),
+        (
+            "ECC not supported is not applicable, not a fault",
+            snap(gpu(0, ecc_supported=False, ecc_uncorrected=None), gpu(1)),
+            DEFAULT,
+            [],
+        ),
+        (
+            "a fatal Xid is a fault named after its code",
+            snap(*TWO, xids=(XidEvent(0, "GPU-0", 79),)),
+            DEFAULT,
+            ["xid-79"],
+        ),
+        (
+            "an ignored application Xid is not a fault",
+            snap(*TWO, xids=(XidEvent(0, "GPU-0", 13),)),
+            DEFAULT,
+            [],
+        ),
+        (
+            "Xid 109 is a fault although NVIDIA's device plugin ignores it",
+            snap(*TWO, xids=(XidEvent(0, "GPU-0", 109),)),
+            DEFAULT,
+            ["xid-109"],
+        ),
+        ("an unknown Xid is a fault", snap(*TWO, xids=(XidEvent(1, "GPU-1", 9999),)), DEFAULT, ["xid-9999"]),
+        (
+            "--ignore-xids replaces the list: 13 becomes a fault",
+            snap(*TWO, xids=(XidEvent(0, "GPU-0", 13),)),
+            PolicySettings(ignored_xids=frozenset({79})),
+            ["xid-13"],
+        ),
+        (
+            "--ignore-xids replaces the list: 79 becomes ignored",
+            snap(*TWO, xids=(XidEvent(0, "GPU-0", 79),)),
+            PolicySettings(ignored_xids=frozenset({79})),
+            [],
+        ),
+        (
+            "a lost GPU is a fault",
+            snap(gpu(0, lost=True, ecc_uncorrected=None), gpu(1)),
+            DEFAULT,
+            ["gpu-lost"],
+        ),
+        ("a failed row remap is a fault", snap(gpu(0, remap_failure=True), gpu(1)), DEFAULT, ["row-remap"]),
+        ("a pending row remap is not a fault", snap(gpu(0, remap_pending=True), gpu(1)), DEFAULT, []),
+        (
+            "fewer GPUs than --expected-gpus at the first init",
+            snap(*TWO),
+            PolicySettings(expected_gpus=3),
+            ["gpu-missing"],
+        ),
+        ("more GPUs than --expected-gpus is fine", snap(*TWO), PolicySettings(expected_gpus=1), []),
+        ("NVML init failure is a node fault", snap(init_error="DRIVER_NOT_LOADED"), DEFAULT, ["nvml-init"]),
+        (
+            "NVML init failure with --allow-no-gpu is healthy",
+            snap(init_error="LIBRARY_NOT_FOUND"),
+            PolicySettings(allow_no_gpu=True),
+            [],
+        ),
+        (
+            "a transient query error is not a fault",
+            snap(gpu(0, ecc_uncorrected=None, transient_errors=("ecc:TIMEOUT",)), gpu(1)),
+            DEFAULT,
+            [],
+        ),
+        ("zero GPUs at the first init with no expectation is healthy", snap(), DEFAULT, []),
+    ],
+)
+def test_a_single_snapshot_is_judged_as_the_catalog_says(
+    case: str, snapshot: Snapshot, settings: PolicySettings, expected: list[str]
+) -> None:
+    assert reasons(evaluate(snapshot, previous=None, settings=settings)) == expected, case
+
+
+@pytest.mark.parametrize("code", sorted(DEFAULT_IGNORED_XIDS))
+def test_every_default_ignored_xid_leaves_the_gpu_healthy(code: int) -> None:
+    v = evaluate(snap(*TWO, xids=(XidEvent(0, "GPU-0", code),)), previous=None, settings=DEFAULT)
+    assert v.healthy
+    assert [x.code for x in v.ignored_xids] == [code]
+
+
+@pytest.mark.parametrize("code", [48, 61, 62, 63 + 1, 74, 79, 95, 109, 119, 120, 1, 200])
+def test_xids_outside_the_ignored_list_are_faults(code: int) -> None:
+    v = evaluate(snap(*TWO, xids=(XidEvent(1, "GPU-1", code),)), previous=None, settings=DEFAULT)
+    assert reasons(v) == [f"xid-{code}"]
+    assert v.gpus[1].faults[0].message.startswith(f"xid-{code}: ")
+
+
+def test_the_default_ignored_list_is_the_catalog_list_from_the_issue() -> None:
+    assert sorted(DEFAULT_IGNORED_XIDS) == [
+        8,
+        11,
+        13,
+        31,
+        32,
+        39,
+        40,
+        41,
+        43,
+        45,
+        63,
+        68,
+        69,
+        92,
+        93,
+        94,
+        121,
+        137,
+        154,
+        157,
+        161,
+    ]
+
+
+def test_an_xid_stays_a_fault_on_later_checks_because_the_driver_never_repeats_it() -> None:
+    first = evaluate(snap(*TWO, xids=(XidEvent(0, "GPU-0", 79),)), previous=None, settings=DEFAULT)
+    later = evaluate(snap(*TWO), previous=first, settings=DEFAULT)
+    assert reasons(later) == ["xid-79"]
+    assert later.fatal_xids == ()  # counted once, when delivered
+
+
+def test_ecc_is_not_sticky_a_counter_reset_clears_it() -> None:
+    bad = evaluate(snap(gpu(0, ecc_uncorrected=3), gpu(1)), previous=None, settings=DEFAULT)
+    reset = evaluate(snap(*TWO), previous=bad, settings=DEFAULT)
+    assert reasons(bad) == ["ecc"]
+    assert reset.healthy
+
+
+def test_an_unreadable_ecc_counter_keeps_the_last_ecc_judgement_instead_of_flapping() -> None:
+    bad = evaluate(snap(gpu(0, ecc_uncorrected=3), gpu(1)), previous=None, settings=DEFAULT)
+    unreadable = evaluate(
+        snap(gpu(0, ecc_uncorrected=None, transient_errors=("ecc:UNKNOWN",)), gpu(1)),
+        previous=bad,
+        settings=DEFAULT,
+    )
+    assert reasons(unreadable) == ["ecc"]
+
+
+def test_a_lost_gpu_stays_lost_even_if_a_later_read_succeeds() -> None:
+    lost = evaluate(snap(gpu(0, lost=True), gpu(1)), previous=None, settings=DEFAULT)
+    back = evaluate(snap(*TWO), previous=lost, settings=DEFAULT)
+    assert reasons(back) == ["gpu-lost"]
+
+
+def test_a_gpu_that_disappears_keeps_its_entry_with_gpu_missing() -> None:
+    first = evaluate(snap(*TWO), previous=None, settings=DEFAULT)
+    gone = evaluate(snap(gpu(0)), previous=first, settings=DEFAULT)
+    assert [(g.index, g.uuid, g.present, g.healthy) for g in gone.gpus] == [
+        (0, "GPU-0", True, True),
+        (1, "GPU-1", False, False),
+    ]
+    assert gone.gpus[1].faults[0].message.startswith("gpu-missing: ")
+    assert gone.node_faults == ()  # accounted for by the GPU's own entry, not twice
+
+
+def test_expected_gpus_defaults_to_the_count_at_the_first_successful_init() -> None:
+    failed = evaluate(snap(init_error="DRIVER_NOT_LOADED"), previous=None, settings=DEFAULT)
+    assert failed.expected_gpus is None
+    first = evaluate(snap(*TWO), previous=failed, settings=DEFAULT)
+    assert first.expected_gpus == 2 and first.healthy
+
+
+def test_init_failure_after_success_keeps_known_gpus_listed() -> None:
+    ok = evaluate(snap(*TWO), previous=None, settings=DEFAULT)
+    failed = evaluate(snap(init_error="UNKNOWN"), previous=ok, settings=DEFAULT)
+    assert reasons(failed) == ["nvml-init"]
+    assert [g.uuid for g in failed.gpus] == ["GPU-0", "GPU-1"]
+    assert failed.node_faults[0].message == "nvml-init: NVML initialization failed: UNKNOWN"
+
+
+def test_an_xid_from_an_unknown_device_is_a_node_fault_not_lost() -> None:
+    v = evaluate(snap(*TWO, xids=(XidEvent(-1, "GPU-unknown", 79),)), previous=None, settings=DEFAULT)
+    assert reasons(v) == ["xid-79"]
+    assert v.node_faults[0].uuid == "GPU-unknown"
+
+
+def test_the_same_xid_twice_on_one_gpu_is_one_fault() -> None:
+    x = XidEvent(0, "GPU-0", 79)
+    v = evaluate(snap(*TWO, xids=(x, x)), previous=None, settings=DEFAULT)
+    assert reasons(v) == ["xid-79"]
+
+
+def test_reason_strings_start_with_the_taint_value() -> None:
+    v = evaluate(
+        snap(gpu(0, ecc_uncorrected=3), gpu(1), xids=(XidEvent(1, "GPU-1", 79),)),
+        previous=None,
+        settings=DEFAULT,
+    )
+    assert [f.message for f in v.faults] == [
+        "ecc: 3 uncorrected volatile ECC errors (GPU 0, GPU-0)",
+        "xid-79: GPU has fallen off the bus (GPU 1, GPU-1)",
+    ]
+
+
+def test_the_primary_reason_is_the_most_severe_fault() -> None:
+    v = evaluate(
+        snap(gpu(0, ecc_uncorrected=3), gpu(1, lost=True), xids=(XidEvent(0, "GPU-0", 48),)),
+        previous=None,
+        settings=DEFAULT,
+    )
+    first = primary(v.faults)
+    assert first is not None and first.reason == "gpu-lost"
+    assert primary(()) is None
+
+
+def test_evaluate_is_pure_the_same_inputs_give_the_same_verdict() -> None:
+    s = snap(gpu(0, ecc_uncorrected=2), gpu(1), xids=(XidEvent(1, "GPU-1", 79),))
+    assert evaluate(s, previous=None, settings=DEFAULT) == evaluate(s, previous=None, settings=DEFAULT)

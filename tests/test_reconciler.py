@@ -1,0 +1,119 @@
+"""The reconciler: optimistic concurrency, retries of transient failures, no tight loop on a 4xx."""
+
+from __future__ import annotations
+
+from gpuguard.config import NodeSettings, PolicySettings
+from gpuguard.errors import ConflictError, PermanentApiError, TransientApiError
+from gpuguard.model import GpuReading, Snapshot
+from gpuguard.node import TAINT_KEY, NodeReconciler, NodeView, Taint
+from gpuguard.policy import evaluate
+from tests.fakes import FakeNodeWriter
+
+SETTINGS = NodeSettings(name="gpu-1", retry_max_wait=0.01)
+SICK = evaluate(
+    Snapshot(gpus=(GpuReading(index=0, uuid="GPU-0", ecc_uncorrected=2),)),
+    previous=None,
+    settings=PolicySettings(),
+)
+HEALTHY = evaluate(
+    Snapshot(gpus=(GpuReading(index=0, uuid="GPU-0"),)), previous=None, settings=PolicySettings()
+)
+
+
+def make(**kw: object) -> tuple[FakeNodeWriter, NodeReconciler]:
+    writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))
+    return writer, NodeReconciler(writer, SETTINGS, **kw)  # type: ignore[arg-type]
+
+
+def test_a_healthy_node_costs_one_read_at_start_and_nothing_after() -> None:
+    writer, r = make()
+    for _ in range(50):
+        r.submit(HEALTHY, 1)
+        r.reconcile_now()
+    assert (writer.reads, writer.writes) == (1, 0)
+    assert r.status.reconciled and not r.status.tainted
+
+
+def test_a_fault_is_one_write_and_one_event() -> None:
+    writer, r = make()
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.writes == 1 and [e.reason for e in writer.events] == ["GPUUnhealthy"]
+    assert r.status.tainted and r.status.cordoned
+
+
+def test_a_conflict_re_reads_and_keeps_the_other_writers_taint() -> None:
+    writer, r = make()
+    r.submit(HEALTHY, 1)
+    r.reconcile_now()  # caches resourceVersion 1
+    foreign = Taint(key="other.io/x", effect="NoSchedule")
+    writer.edit(taints=(foreign,))  # resourceVersion 2 behind our back
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.node.taints[0] == foreign
+    assert writer.node.our_taint is not None and writer.node.our_taint.key == TAINT_KEY
+    assert writer.reads == 2
+
+
+def test_transient_failures_are_retried_until_the_write_lands() -> None:
+    writer, r = make()
+    writer.inject_error(TransientApiError("connection refused"), TransientApiError("503"))
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.writes == 1
+
+
+def test_retry_after_is_honoured() -> None:
+    waits: list[float] = []
+    writer, r = make()
+    r._sleep = waits.append  # type: ignore[method-assign,assignment]
+    writer.inject_error(TransientApiError("429", retry_after=1.5))
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert waits and waits[0] >= 1.5
+    assert writer.writes == 1
+
+
+def test_a_permanent_error_is_not_retried_in_a_loop() -> None:
+    writer, r = make()
+    r.submit(HEALTHY, 1)
+    r.reconcile_now()
+    writer.inject_error(PermanentApiError("403 forbidden", status=403))
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    for _ in range(20):
+        r.submit(SICK, 0)
+        r.reconcile_now()
+    # one refused attempt, one re-read after it, then silence until the backoff expires
+    assert writer.writes == 0
+    assert writer.reads <= 2
+
+
+def test_a_conflict_storm_is_ridden_out_and_the_write_lands() -> None:
+    writer, r = make(max_conflicts=3)
+    writer.inject_error(*[ConflictError("x")] * 50)
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.writes == 1
+    assert writer.reads >= 50 // 3
+
+
+def test_endless_conflicts_stop_at_the_retry_deadline_without_hanging() -> None:
+    writer, r = make(retry_deadline=0.2, max_conflicts=3)
+    writer.inject_error(*[ConflictError("x")] * 100_000)
+    r.submit(SICK, 0)
+    r.reconcile_now()  # does not raise, does not hang
+    assert writer.writes == 0
+
+
+def test_the_background_thread_applies_the_latest_verdict() -> None:
+    writer, r = make()
+    r.start()
+    try:
+        r.submit(SICK, 0)
+        assert r.wait_idle(5)
+        assert writer.writes == 1
+    finally:
+        r.stop()
