@@ -181,7 +181,12 @@ def check(output: str, **kw: Any) -> int:
     before it started (the taint written by `watch` is what remembers them).
     """
     cfg = _config(kw, watch=False)
+    import logging  # noqa: PLC0415
+
+    from gpuguard import logs  # noqa: PLC0415
     from gpuguard.policy import evaluate  # noqa: PLC0415
+
+    logs.configure(cfg.log_format, level=logging.WARNING)  # stdout is the table; stderr only problems
 
     backend = _backend(cfg)
     backend.open(lambda: None)

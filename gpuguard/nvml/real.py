@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pynvml
@@ -63,6 +63,8 @@ class _Device:
     ecc_supported: bool
     remap_supported: bool
     lost_at_enumeration: bool = False
+    # Set when the device could not be described (handle or UUID query failed): re-enumerate next pass.
+    enumeration_error: str | None = None
 
 
 class NvmlBackend:
@@ -97,7 +99,9 @@ class NvmlBackend:
             # The driver itself stopped answering: report it like an init failure, then re-init.
             log.warning("nvml.device_count_failed", error=error_name(exc))
             return Snapshot(init_error=error_name(exc), driver_version=self._driver)
-        if count != len(self._devices):
+        if count != len(self._devices) or any(
+            d.enumeration_error and not d.lost_at_enumeration for d in self._devices
+        ):
             self._enumerate(count)
         gpus = tuple(self._read(d) for d in self._devices)
         with self._lock:
@@ -156,17 +160,20 @@ class NvmlBackend:
         registered = set(self._by_handle)
         devices: list[_Device] = []
         for i in range(count):
+            before = known.get(i)
             try:
                 handle = pynvml.nvmlDeviceGetHandleByIndex(i)
             except pynvml.NVMLError as exc:
+                # The real driver answers GPU_IS_LOST here for a GPU that fell off the bus: keep the
+                # device (a lost GPU is a fault, not an absence) under the identity we last knew.
                 log.warning("nvml.handle_failed", gpu=i, error=error_name(exc))
+                devices.append(_unreachable(i, before, lost=_is_lost(exc), error=error_name(exc)))
                 continue
-            devices.append(
-                self._describe(i, handle, known.get(i), register=_handle_key(handle) not in registered)
-            )
+            key = _handle_key(handle)
+            devices.append(self._describe(i, handle, before, register=key not in registered))
         with self._lock:
             self._devices = devices
-            self._by_handle = {_handle_key(d.handle): d for d in devices}
+            self._by_handle = {_handle_key(d.handle): d for d in devices if d.handle is not None}
 
     def _describe(self, index: int, handle: Any, before: _Device | None, *, register: bool) -> _Device:
         try:
@@ -174,16 +181,8 @@ class NvmlBackend:
         except pynvml.NVMLError as exc:
             # A GPU lost before we ever read its UUID keeps the identity we had, or a placeholder.
             log.warning("nvml.uuid_failed", gpu=index, error=error_name(exc))
-            uuid = before.uuid if before else f"GPU-unknown-{index}"
-            return _Device(
-                index,
-                handle,
-                uuid,
-                before.name if before else "",
-                "",
-                False,
-                False,
-                lost_at_enumeration=_is_lost(exc),
+            return replace(
+                _unreachable(index, before, lost=_is_lost(exc), error=error_name(exc)), handle=handle
             )
         name = _optional(lambda: _text(pynvml.nvmlDeviceGetName(handle)), "")
         pci = _optional(lambda: _text(pynvml.nvmlDeviceGetPciInfo(handle).busId), "")
@@ -225,6 +224,8 @@ class NvmlBackend:
         )
         if d.lost_at_enumeration:
             return _lost(base)
+        if d.handle is None or d.enumeration_error:
+            return replace(base, transient_errors=(f"enumerate:{d.enumeration_error}",))
         ecc: int | None = None
         remap_failure: bool | None = None
         remap_pending: bool | None = None
@@ -285,6 +286,21 @@ class NvmlBackend:
                 index, uuid = (d.index, d.uuid) if d else (-1, "GPU-unknown")
                 self._pending.append(XidEvent(gpu_index=index, uuid=uuid, code=int(data.eventData)))
             self._wakeup()
+
+
+def _unreachable(index: int, before: _Device | None, *, lost: bool, error: str) -> _Device:
+    """A device we cannot describe: it keeps the identity we last knew, or a placeholder."""
+    return _Device(
+        index=index,
+        handle=None,
+        uuid=before.uuid if before else f"GPU-unknown-{index}",
+        name=before.name if before else "",
+        pci_bus_id=before.pci_bus_id if before else "",
+        ecc_supported=before.ecc_supported if before else True,
+        remap_supported=False,
+        lost_at_enumeration=lost,
+        enumeration_error=error,
+    )
 
 
 def _lost(base: GpuReading) -> GpuReading:

@@ -1,0 +1,886 @@
+"""Tests for the fake libnvidia-ml.so.1 in tests/fakenvml, driven through the real pynvml.
+
+pynvml caches the loaded library for the whole process, so every scenario runs
+in its own Python subprocess with LD_LIBRARY_PATH pointing at the fake. The
+subprocess prints ``RESULT {json}`` lines that the test then checks.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD_SH = ROOT / "tests" / "fakenvml" / "build.sh"
+LIB_DIR = ROOT / "build" / "fakenvml"
+LIB_NAME = "libnvidia-ml.so.1"
+
+# Every NVML symbol the pynvml wrappers gpuguard relies on look up.
+REQUIRED_SYMBOLS = [
+    "nvmlInit",
+    "nvmlInit_v2",
+    "nvmlInitWithFlags",
+    "nvmlShutdown",
+    "nvmlErrorString",
+    "nvmlSystemGetDriverVersion",
+    "nvmlDeviceGetCount_v2",
+    "nvmlDeviceGetHandleByIndex_v2",
+    "nvmlDeviceGetHandleByUUID",
+    "nvmlDeviceGetIndex",
+    "nvmlDeviceGetUUID",
+    "nvmlDeviceGetName",
+    "nvmlDeviceGetPciInfo_v3",
+    "nvmlDeviceGetEccMode",
+    "nvmlDeviceGetTotalEccErrors",
+    "nvmlDeviceGetRemappedRows",
+    "nvmlEventSetCreate",
+    "nvmlDeviceGetSupportedEventTypes",
+    "nvmlDeviceRegisterEvents",
+    "nvmlEventSetWait_v2",
+    "nvmlEventSetWait",
+    "nvmlEventSetFree",
+]
+
+# Runs first in every subprocess script.
+PRELUDE = '''
+import ctypes, json, os, sys, threading, time
+import pynvml as nv
+
+STATE = os.environ.get("FAKE_NVML_STATE", "")
+XID = nv.nvmlEventTypeXidCriticalError
+
+def out(**kw):
+    print("RESULT " + json.dumps(kw), flush=True)
+
+def err(fn, *args):
+    """Name of the NVMLError class fn(*args) raises, or None."""
+    try:
+        fn(*args)
+    except nv.NVMLError as e:
+        return type(e).__name__
+    return None
+
+def write_state(text, mode="rewrite"):
+    """Writes the state file in place ("rewrite", "append") or atomically ("rename")."""
+    if mode == "append":
+        with open(STATE, "a") as f:
+            f.write(text)
+    elif mode == "rewrite":
+        with open(STATE, "w") as f:
+            f.write(text)
+    else:
+        tmp = STATE + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, STATE)
+
+def read_state():
+    with open(STATE) as f:
+        return f.read()
+'''
+
+
+@pytest.fixture(scope="session")
+def lib_dir() -> Path:
+    """Builds the fake library once per session; a compiler failure fails the tests."""
+    proc = subprocess.run(["sh", str(BUILD_SH), str(LIB_DIR)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, f"build.sh failed:\n{proc.stdout}{proc.stderr}"
+    assert (LIB_DIR / LIB_NAME).is_file()
+    return LIB_DIR
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Path:
+    return tmp_path / "gpus.state"
+
+
+def write(path: Path, text: str) -> None:
+    path.write_text(textwrap.dedent(text))
+
+
+def run_nvml(
+    lib_dir: Path,
+    script: str,
+    state: Path | None,
+    *,
+    extra_env: dict[str, str] | None = None,
+    timeout: float = 60.0,
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_NVML_")}
+    env["LD_LIBRARY_PATH"] = str(lib_dir)
+    if state is not None:
+        env["FAKE_NVML_STATE"] = str(state)
+    env.update(extra_env or {})
+    code = PRELUDE + textwrap.dedent(script)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def results(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    merged: dict[str, Any] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            merged.update(json.loads(line.removeprefix("RESULT ")))
+    return merged
+
+
+def nvml(
+    lib_dir: Path, script: str, state: Path | None, extra_env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    return results(run_nvml(lib_dir, script, state, extra_env=extra_env))
+
+
+# --------------------------------------------------------------------------
+# Build
+# --------------------------------------------------------------------------
+
+
+def test_build_exports_symbols_and_soname(lib_dir: Path) -> None:
+    again = subprocess.run(["sh", str(BUILD_SH), str(lib_dir)], capture_output=True, text=True, check=True)
+    assert again.stdout == "", "an up-to-date library must not be rebuilt"
+
+    # Load by path in a subprocess: loading it here would hand this soname to
+    # any later in-process CDLL("libnvidia-ml.so.1").
+    res = nvml(
+        lib_dir,
+        f"""
+        lib = ctypes.CDLL({str(lib_dir / LIB_NAME)!r})
+        out(missing=[n for n in {REQUIRED_SYMBOLS!r} if not hasattr(lib, n)])
+        """,
+        None,
+    )
+    assert res["missing"] == []
+
+    readelf = subprocess.run(
+        ["readelf", "-d", str(lib_dir / LIB_NAME)], capture_output=True, text=True, check=False
+    )
+    if readelf.returncode == 0:
+        assert "Library soname: [libnvidia-ml.so.1]" in readelf.stdout
+
+
+# --------------------------------------------------------------------------
+# Init, basic queries, argument checks
+# --------------------------------------------------------------------------
+
+
+def test_basic_queries(lib_dir: Path, state: Path) -> None:
+    write(
+        state,
+        """\
+        # two GPUs
+        driver 535.161.08   # trailing comment
+        gpu 1
+        gpu 0 uuid=GPU-0a name="NVIDIA H200"
+        """,
+    )
+    res = nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        gpus = []
+        for i in range(nv.nvmlDeviceGetCount()):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            pci = nv.nvmlDeviceGetPciInfo(h)
+            uuid = nv.nvmlDeviceGetUUID(h)
+            gpus.append(dict(
+                uuid=uuid, name=nv.nvmlDeviceGetName(h), index=nv.nvmlDeviceGetIndex(h),
+                by_uuid=nv.nvmlDeviceGetIndex(nv.nvmlDeviceGetHandleByUUID(uuid)),
+                busId=pci.busId, busIdLegacy=pci.busIdLegacy,
+                domain=pci.domain, bus=pci.bus, device=pci.device,
+                pciDeviceId=pci.pciDeviceId,
+            ))
+        out(driver=nv.nvmlSystemGetDriverVersion(), gpus=gpus,
+            unknown_uuid=err(nv.nvmlDeviceGetHandleByUUID, "GPU-nope"),
+            init_v2=nv.nvmlLib.nvmlInit_v2(), init_flags=nv.nvmlLib.nvmlInitWithFlags(0))
+        nv.nvmlShutdown()
+        """,
+        state,
+    )
+    assert res["driver"] == "535.161.08"
+    assert res["gpus"] == [
+        {
+            "uuid": "GPU-0a",
+            "name": "NVIDIA H200",
+            "index": 0,
+            "by_uuid": 0,
+            "busId": "00000000:3B:00.0",
+            "busIdLegacy": "0000:3B:00.0",
+            "domain": 0,
+            "bus": 0x3B,
+            "device": 0,
+            "pciDeviceId": 0x233010DE,
+        },
+        {
+            "uuid": "GPU-00000000-fake-0000-0000-000000000001",
+            "name": "NVIDIA Fake GPU",
+            "index": 1,
+            "by_uuid": 1,
+            "busId": "00000000:3C:00.0",
+            "busIdLegacy": "0000:3C:00.0",
+            "domain": 0,
+            "bus": 0x3C,
+            "device": 0,
+            "pciDeviceId": 0x233010DE,
+        },
+    ]
+    assert res["unknown_uuid"] == "NVMLError_NotFound"
+    assert res["init_v2"] == 0
+    assert res["init_flags"] == 0
+
+
+def test_defaults_with_empty_file(lib_dir: Path, state: Path) -> None:
+    state.write_text("")
+    res = nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        out(driver=nv.nvmlSystemGetDriverVersion(), count=nv.nvmlDeviceGetCount(),
+            handle0=err(nv.nvmlDeviceGetHandleByIndex, 0))
+        """,
+        state,
+    )
+    assert res == {"driver": "550.54.15", "count": 0, "handle0": "NVMLError_InvalidArgument"}
+
+
+def test_refcount_and_uninitialized(lib_dir: Path, state: Path) -> None:
+    write(state, "gpu 0\n")
+    res = nvml(
+        lib_dir,
+        """
+        nv._LoadNvmlLibrary()  # library loaded but nvmlInit not called yet
+        before = err(nv.nvmlDeviceGetCount)
+        nv.nvmlInit()
+        nv.nvmlInit()
+        nv.nvmlShutdown()
+        still = nv.nvmlDeviceGetCount()
+        nv.nvmlShutdown()
+        after = err(nv.nvmlDeviceGetCount)
+        extra = err(nv.nvmlShutdown)
+        evset = err(nv.nvmlEventSetCreate)
+        nv.nvmlInit()
+        out(before=before, still=still, after=after, extra=extra, evset=evset,
+            again=nv.nvmlDeviceGetCount())
+        """,
+        state,
+    )
+    assert res == {
+        "before": "NVMLError_Uninitialized",
+        "still": 1,
+        "after": "NVMLError_Uninitialized",
+        "extra": "NVMLError_Uninitialized",
+        "evset": "NVMLError_Uninitialized",
+        "again": 1,
+    }
+
+
+def test_invalid_arguments_and_buffer_sizes(lib_dir: Path, state: Path) -> None:
+    write(state, "gpu 0 uuid=GPU-0a\n")
+    res = nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        lib = nv.nvmlLib
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        small = ctypes.create_string_buffer(6)
+        exact = ctypes.create_string_buffer(7)
+        count = ctypes.c_ulonglong()
+        bogus = ctypes.c_void_p(0x1000)
+        data = nv.c_nvmlEventData_t()
+        out(
+            bad_index=err(nv.nvmlDeviceGetHandleByIndex, 1),
+            null_count=lib.nvmlDeviceGetCount_v2(None),
+            null_handle_out=lib.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(0), None),
+            null_uuid_in=lib.nvmlDeviceGetHandleByUUID(None, ctypes.byref(nv.c_nvmlDevice_t())),
+            bogus_handle=lib.nvmlDeviceGetUUID(bogus, exact, ctypes.c_uint(7)),
+            null_device=lib.nvmlDeviceGetUUID(None, exact, ctypes.c_uint(7)),
+            small_uuid=lib.nvmlDeviceGetUUID(h, small, ctypes.c_uint(6)),
+            exact_uuid=lib.nvmlDeviceGetUUID(h, exact, ctypes.c_uint(7)),
+            exact_value=exact.value.decode(),
+            small_driver=lib.nvmlSystemGetDriverVersion(small, ctypes.c_uint(6)),
+            null_name=lib.nvmlDeviceGetName(h, None, ctypes.c_uint(96)),
+            null_pci=lib.nvmlDeviceGetPciInfo_v3(h, None),
+            bad_error_type=lib.nvmlDeviceGetTotalEccErrors(
+                h, ctypes.c_uint(2), ctypes.c_uint(0), ctypes.byref(count)),
+            bad_counter_type=lib.nvmlDeviceGetTotalEccErrors(
+                h, ctypes.c_uint(1), ctypes.c_uint(7), ctypes.byref(count)),
+            null_remap=lib.nvmlDeviceGetRemappedRows(h, None, None, None, None),
+            null_set_out=lib.nvmlEventSetCreate(None),
+            wait_null_set=lib.nvmlEventSetWait_v2(None, ctypes.byref(data), ctypes.c_uint(0)),
+            free_bogus_set=lib.nvmlEventSetFree(bogus),
+            register_zero=err(nv.nvmlDeviceRegisterEvents, h, 0, nv.nvmlEventSetCreate()),
+            register_bogus_set=lib.nvmlDeviceRegisterEvents(h, ctypes.c_ulonglong(XID), bogus),
+        )
+        """,
+        state,
+    )
+    invalid, insufficient = 2, 7
+    assert res.pop("bad_index") == "NVMLError_InvalidArgument"
+    assert res.pop("register_zero") == "NVMLError_InvalidArgument"
+    assert res.pop("small_uuid") == insufficient
+    assert res.pop("small_driver") == insufficient
+    assert res.pop("exact_uuid") == 0
+    assert res.pop("exact_value") == "GPU-0a"
+    assert res == dict.fromkeys(res, invalid)
+
+
+def test_error_strings_and_every_init_error_name(lib_dir: Path, state: Path) -> None:
+    """Each NVML_ERROR_* name of pynvml works in init_error and maps to its exception."""
+    write(state, "gpu 0\n")
+    res = nvml(
+        lib_dir,
+        """
+        names = sorted(n[len("NVML_ERROR_"):] for n in dir(nv) if n.startswith("NVML_ERROR_"))
+        raised, strings = {}, {}
+        for name in names:
+            code = getattr(nv, "NVML_ERROR_" + name)
+            write_state("gpu 0\\ninit_error %s  # injected\\n" % name)
+            try:
+                nv.nvmlInit()
+                raised[name] = None
+            except nv.NVMLError as e:
+                raised[name] = [e.value, type(e).__name__]
+            strings[name] = nv.nvmlErrorString(code)
+        write_state("gpu 0\\n")
+        nv.nvmlInit()  # a retry after the fault is gone succeeds
+        out(names=names, raised=raised, strings=strings,
+            codes={n: getattr(nv, "NVML_ERROR_" + n) for n in names},
+            classes={n: nv.nvmlExceptionClass(getattr(nv, "NVML_ERROR_" + n)).__name__
+                     for n in names},
+            success=nv.nvmlErrorString(0), bogus=nv.nvmlErrorString(12345),
+            count=nv.nvmlDeviceGetCount())
+        """,
+        state,
+    )
+    assert len(res["names"]) >= 30
+    for name in res["names"]:
+        assert res["raised"][name] == [res["codes"][name], res["classes"][name]], name
+        if name != "UNKNOWN":
+            assert res["strings"][name] not in ("", "Unknown Error"), name
+    assert res["strings"]["GPU_IS_LOST"] == "GPU is lost"
+    assert res["strings"]["DRIVER_NOT_LOADED"] == "Driver Not Loaded"
+    assert res["strings"]["UNKNOWN"] == "Unknown Error"
+    assert res["success"] == "Success"
+    assert res["bogus"] == "Unknown Error"
+    assert res["count"] == 1
+
+
+def test_init_error_driver_not_loaded(lib_dir: Path, state: Path) -> None:
+    write(state, "init_error DRIVER_NOT_LOADED\ngpu 0\n")
+    res = nvml(
+        lib_dir,
+        """
+        try:
+            nv.nvmlInit()
+            out(raised=None)
+        except nv.NVMLError_DriverNotLoaded as e:
+            out(raised=type(e).__name__, text=str(e))
+        """,
+        state,
+    )
+    assert res == {"raised": "NVMLError_DriverNotLoaded", "text": "Driver Not Loaded"}
+
+
+@pytest.mark.parametrize("missing", ["env", "file"])
+def test_no_state_file(lib_dir: Path, state: Path, missing: str) -> None:
+    proc = run_nvml(
+        lib_dir,
+        "out(raised=err(nv.nvmlInit))",
+        None if missing == "env" else state,
+    )
+    assert results(proc) == {"raised": "NVMLError_DriverNotLoaded"}
+    if missing == "env":
+        assert "fakenvml: FAKE_NVML_STATE is not set" in proc.stderr
+    else:
+        assert f"fakenvml: cannot read FAKE_NVML_STATE file {state}" in proc.stderr
+
+
+def test_library_not_found(tmp_path: Path, state: Path) -> None:
+    if ctypes.util.find_library("nvidia-ml"):
+        pytest.skip("this host has a real libnvidia-ml installed")
+    write(state, "gpu 0\n")
+    res = nvml(tmp_path, "out(raised=err(nv.nvmlInit))", state)
+    assert res == {"raised": "NVMLError_LibraryNotFound"}
+
+
+@pytest.mark.parametrize(
+    ("content", "line", "reason"),
+    [
+        ("gpu 0\nbogus 1\n", 2, "unknown keyword 'bogus'"),
+        ("gpu 0 color=red   # why\n", 1, "unknown key 'color'"),
+        ("gpu 0 ecc=two\n", 1, "bad value 'two' for 'ecc'"),
+        ("gpu 0 lost=yes\n", 1, "bad value 'yes' for 'lost'"),
+        ("gpu 0 ecc=1 ecc=2\n", 1, "duplicate key 'ecc'"),
+        ("gpu 0 ecc\n", 1, "expected key=value, got 'ecc'"),
+        ("gpu 0\n\ngpu 2\n", 3, "gpu 1 is missing (gpu indices must be 0..n-1 without gaps)"),
+        ("gpu 0\ngpu 0\n", 2, "duplicate gpu 0 (first on line 1)"),
+        ("gpu x\n", 1, "expected: gpu <index 0..1023> [key=value...]"),
+        ("init_error NOT_A_THING\n", 1, "unknown error name 'NOT_A_THING'"),
+        ("gpu 0 error=NOPE\n", 1, "unknown error name 'NOPE'"),
+        ("gpu 0 uuid=A\ngpu 1 uuid=A\n", 2, "duplicate uuid 'A' (also gpu 0)"),
+        ("gpu 0\nxid 1 79\n", 2, "xid for gpu 1, but there is no such gpu line"),
+        ("gpu 0\nxid 0\n", 2, "expected: xid <gpu index> <xid code>"),
+        ('gpu 0 name="H100\n', 1, "unterminated quote"),
+        ("driver 1 2\n", 1, "expected: driver <version>"),
+    ],
+)
+def test_malformed_line(lib_dir: Path, state: Path, content: str, line: int, reason: str) -> None:
+    state.write_text(content)
+    proc = run_nvml(lib_dir, "out(raised=err(nv.nvmlInit))", state)
+    assert results(proc) == {"raised": "NVMLError_Unknown"}
+    text = content.splitlines()[line - 1]
+    assert f"fakenvml: {state}:{line}: {reason}: {text}\n" in proc.stderr
+
+
+def test_malformed_edit_after_init_keeps_last_good_state(lib_dir: Path, state: Path) -> None:
+    write(state, "gpu 0 ecc=1\n")
+    proc = run_nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        U = nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+        V = nv.NVML_VOLATILE_ECC
+        write_state("gpu 0 ecc=oops\\n")
+        kept = [nv.nvmlDeviceGetTotalEccErrors(h, U, V) for _ in range(5)]
+        os.remove(STATE)
+        gone = [nv.nvmlDeviceGetTotalEccErrors(h, U, V) for _ in range(3)]
+        write_state("gpu 0 ecc=3\\n", "rename")
+        out(kept=kept, gone=gone, fixed=nv.nvmlDeviceGetTotalEccErrors(h, U, V))
+        """,
+        state,
+    )
+    assert results(proc) == {"kept": [1] * 5, "gone": [1] * 3, "fixed": 3}
+    message = f"fakenvml: {state}:1: bad value 'oops' for 'ecc': gpu 0 ecc=oops\n"
+    assert proc.stderr.count(message) == 1, proc.stderr
+    assert proc.stderr.count("cannot stat FAKE_NVML_STATE") == 1, proc.stderr
+
+
+# --------------------------------------------------------------------------
+# Health data
+# --------------------------------------------------------------------------
+
+
+def test_ecc_counts(lib_dir: Path, state: Path) -> None:
+    write(state, "gpu 0\ngpu 1 ecc=2\n")
+    res = nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        rows = []
+        for i in range(2):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            rows.append([
+                nv.nvmlDeviceGetEccMode(h),
+                nv.nvmlDeviceGetTotalEccErrors(h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                                               nv.NVML_VOLATILE_ECC),
+                nv.nvmlDeviceGetTotalEccErrors(h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                                               nv.NVML_AGGREGATE_ECC),
+                nv.nvmlDeviceGetTotalEccErrors(h, nv.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+                                               nv.NVML_VOLATILE_ECC),
+            ])
+        out(rows=rows)
+        """,
+        state,
+    )
+    assert res["rows"] == [[[1, 1], 0, 0, 0], [[1, 1], 2, 2, 0]]
+
+
+def test_ecc_not_supported(lib_dir: Path, state: Path) -> None:
+    write(state, "gpu 0 ecc_supported=0 ecc=4\n")
+    res = nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        s = nv.nvmlEventSetCreate()
+        try:
+            nv.nvmlDeviceGetEccMode(h)
+            mode = None
+        except nv.NVMLError_NotSupported as e:
+            mode = type(e).__name__
+        out(mode=mode,
+            total=err(nv.nvmlDeviceGetTotalEccErrors, h, 1, 0),
+            remapped=list(nv.nvmlDeviceGetRemappedRows(h)),
+            supported=nv.nvmlDeviceGetSupportedEventTypes(h),
+            register_dbe=err(nv.nvmlDeviceRegisterEvents, h,
+                             nv.nvmlEventTypeDoubleBitEccError, s),
+            register_xid=err(nv.nvmlDeviceRegisterEvents, h, XID, s))
+        """,
+        state,
+    )
+    assert res == {
+        "mode": "NVMLError_NotSupported",
+        "total": "NVMLError_NotSupported",
+        "remapped": [0, 0, 0, 0],
+        "supported": 0x8 | 0x4 | 0x10,
+        "register_dbe": "NVMLError_NotSupported",
+        "register_xid": None,
+    }
+
+
+def test_remapped_rows(lib_dir: Path, state: Path) -> None:
+    write(
+        state,
+        """\
+        gpu 0
+        gpu 1 remap_pending=1 remap_failure=1 remap_corr=3 remap_unc=1
+        gpu 2 remap_pending=1
+        """,
+    )
+    res = nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        out(rows=[list(nv.nvmlDeviceGetRemappedRows(nv.nvmlDeviceGetHandleByIndex(i)))
+                  for i in range(3)])
+        """,
+        state,
+    )
+    assert res["rows"] == [[0, 0, 0, 0], [3, 1, 1, 1], [0, 0, 1, 0]]
+
+
+def test_lost_gpu(lib_dir: Path, state: Path) -> None:
+    write(state, "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\n")
+    res = nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        h1 = nv.nvmlDeviceGetHandleByIndex(1)
+        s = nv.nvmlEventSetCreate()
+        write_state(read_state().replace("uuid=GPU-0b", "uuid=GPU-0b lost=1"))
+        try:
+            nv.nvmlDeviceGetUUID(h1)
+            uuid = None
+        except nv.NVMLError_GpuIsLost as e:
+            uuid = type(e).__name__
+        out(uuid=uuid,
+            others=[err(f, *a) for f, a in [
+                (nv.nvmlDeviceGetName, (h1,)),
+                (nv.nvmlDeviceGetPciInfo, (h1,)),
+                (nv.nvmlDeviceGetEccMode, (h1,)),
+                (nv.nvmlDeviceGetTotalEccErrors, (h1, 1, 0)),
+                (nv.nvmlDeviceGetRemappedRows, (h1,)),
+                (nv.nvmlDeviceGetSupportedEventTypes, (h1,)),
+                (nv.nvmlDeviceRegisterEvents, (h1, XID, s)),
+                (nv.nvmlDeviceGetHandleByIndex, (1,)),
+                (nv.nvmlDeviceGetHandleByUUID, ("GPU-0b",)),
+            ]],
+            index=nv.nvmlDeviceGetIndex(h1),
+            count=nv.nvmlDeviceGetCount(),
+            healthy=nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetHandleByIndex(0)))
+        """,
+        state,
+    )
+    assert res == {
+        "uuid": "NVMLError_GpuIsLost",
+        "others": ["NVMLError_GpuIsLost"] * 9,
+        "index": 1,
+        "count": 2,
+        "healthy": "GPU-0a",
+    }
+
+
+def test_device_error_is_transient(lib_dir: Path, state: Path) -> None:
+    write(state, "gpu 0 ecc=1 error=TIMEOUT\n")
+    res = nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        try:
+            nv.nvmlDeviceGetTotalEccErrors(h, 1, 0)
+            ecc = None
+        except nv.NVMLError_Timeout as e:
+            ecc = type(e).__name__
+        failing = dict(ecc=ecc, uuid=err(nv.nvmlDeviceGetUUID, h),
+                       remapped=err(nv.nvmlDeviceGetRemappedRows, h),
+                       index=nv.nvmlDeviceGetIndex(h))
+        write_state("gpu 0 ecc=1\\n")
+        out(failing=failing, recovered=nv.nvmlDeviceGetTotalEccErrors(h, 1, 0))
+        """,
+        state,
+    )
+    assert res == {
+        "failing": {
+            "ecc": "NVMLError_Timeout",
+            "uuid": "NVMLError_Timeout",
+            "remapped": "NVMLError_Timeout",
+            "index": 0,
+        },
+        "recovered": 1,
+    }
+
+
+@pytest.mark.parametrize("mode", ["rewrite", "rename"])
+def test_edits_seen_on_next_query(lib_dir: Path, state: Path, mode: str) -> None:
+    """Back-to-back same-size edits: the file's mtime may not even change between them."""
+    write(state, "gpu 0 ecc=0\n")
+    res = nvml(
+        lib_dir,
+        f"""
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        seen = []
+        for i in range(50):
+            write_state("gpu 0 ecc=%d\\n" % (i % 10), {mode!r})
+            seen.append(nv.nvmlDeviceGetTotalEccErrors(h, 1, 0))
+        write_state("gpu 0 ecc=0\\ngpu 1 ecc=7\\n", {mode!r})
+        out(seen=seen, count=nv.nvmlDeviceGetCount(),
+            gpu1=nv.nvmlDeviceGetTotalEccErrors(nv.nvmlDeviceGetHandleByIndex(1), 1, 0))
+        """,
+        state,
+    )
+    assert res == {"seen": [i % 10 for i in range(50)], "count": 2, "gpu1": 7}
+
+
+# --------------------------------------------------------------------------
+# Events
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["append", "rewrite", "rename", "append-no-inotify", "rename-no-inotify"])
+def test_xid_wait_timeout_and_wakeup(lib_dir: Path, state: Path, mode: str) -> None:
+    """The no-inotify variants exercise the 5 ms polling fallback."""
+    write(state, "gpu 0\ngpu 1\n")
+    no_inotify = mode.endswith("-no-inotify")
+    mode = mode.removesuffix("-no-inotify")
+    res = nvml(
+        lib_dir,
+        f"""
+        MODE = {mode!r}
+        def add(lines):
+            write_state(lines if MODE == "append" else read_state() + lines, MODE)
+
+        nv.nvmlInit()
+        h0, h1 = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
+        s = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(h1, XID, s)
+
+        t = time.monotonic()
+        idle = err(nv.nvmlEventSetWait_v2, s, 200)
+        idle_s = time.monotonic() - t
+
+        injected = {{}}
+        def writer():
+            time.sleep(0.1)
+            injected["t"] = time.monotonic()
+            add("xid 1 79\\n")
+        th = threading.Thread(target=writer)
+        t = time.monotonic()
+        th.start()
+        d = nv.nvmlEventSetWait_v2(s, 5000)
+        done = time.monotonic()
+        th.join()
+        event = dict(type=d.eventType, data=d.eventData, gpu=nv.nvmlDeviceGetIndex(d.device),
+                     gi=d.gpuInstanceId, ci=d.computeInstanceId)
+        again = err(nv.nvmlEventSetWait_v2, s, 200)
+
+        # Two more in one write: gpu 1's reaches this set, gpu 0's is parked
+        # until a set registers for gpu 0.
+        add("xid 0 48\\nxid 1 94\\n")
+        second = nv.nvmlEventSetWait_v2(s, 1000).eventData
+        nothing = err(nv.nvmlEventSetWait_v2, s, 50)
+        nv.nvmlDeviceRegisterEvents(h0, XID, s)
+        parked = nv.nvmlEventSetWait_v2(s, 1000)
+        out(idle=idle, idle_s=idle_s, waited_s=done - t, latency_s=done - injected["t"],
+            event=event, again=again, second=second, nothing=nothing,
+            parked=[parked.eventData, nv.nvmlDeviceGetIndex(parked.device)],
+            end=err(nv.nvmlEventSetWait_v2, s, 50))
+        nv.nvmlEventSetFree(s)
+        nv.nvmlShutdown()
+        """,
+        state,
+        {"FAKE_NVML_NO_INOTIFY": "1"} if no_inotify else None,
+    )
+    label = mode + (" without inotify" if no_inotify else "")
+    print(
+        f"\n[{label}] Xid wake-up latency: {res['latency_s'] * 1000:.2f} ms "
+        f"(wait returned after {res['waited_s'] * 1000:.1f} ms; 200 ms idle wait took "
+        f"{res['idle_s'] * 1000:.1f} ms)"
+    )
+    assert res["idle"] == "NVMLError_Timeout"
+    assert 0.18 <= res["idle_s"] < 1.0
+    assert res["event"] == {"type": 8, "data": 79, "gpu": 1, "gi": 0xFFFFFFFF, "ci": 0xFFFFFFFF}
+    assert 0.09 <= res["waited_s"] < 1.0
+    assert res["latency_s"] < 0.5
+    assert res["again"] == "NVMLError_Timeout"
+    assert res["second"] == 94
+    assert res["nothing"] == "NVMLError_Timeout"
+    assert res["parked"] == [48, 0]
+    assert res["end"] == "NVMLError_Timeout"
+
+
+def test_xid_lines_present_at_start_are_delivered_once(lib_dir: Path, state: Path) -> None:
+    write(state, "gpu 0\nxid 0 13\nxid 0 31\n")
+    res = nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        a = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(h, XID | nv.nvmlEventTypePState, a)
+        first = [nv.nvmlEventSetWait_v2(a, 1000).eventData for _ in range(2)]
+        a_end = err(nv.nvmlEventSetWait_v2, a, 50)
+        b = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(h, XID, b)
+        b_old = err(nv.nvmlEventSetWait_v2, b, 50)
+
+        write_state("xid 0 43\\n", "append")  # both sets listen now: both get it
+        both = [nv.nvmlEventSetWait_v2(x, 1000).eventData for x in (a, b)]
+        nv.nvmlEventSetFree(a)
+        nv.nvmlEventSetFree(b)
+
+        # Truncating xid lines fires nothing and does not re-arm them.
+        write_state("gpu 0\\nxid 0 13\\n")
+        nv.nvmlShutdown()
+        nv.nvmlInit()  # re-init does not replay anything either
+        c = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(h, XID, c)
+        replay = err(nv.nvmlEventSetWait_v2, c, 50)
+        # The mark is 3, the file now has 1 xid line: of these three, only the
+        # last one (the 4th xid line) is new.
+        write_state("xid 0 1\\nxid 0 2\\nxid 0 3\\n", "append")
+        after_truncate = [nv.nvmlEventSetWait_v2(c, 1000).eventData]
+        after_truncate.append(err(nv.nvmlEventSetWait_v2, c, 50))
+        out(first=first, a_end=a_end, b_old=b_old, both=both, replay=replay,
+            after_truncate=after_truncate)
+        """,
+        state,
+    )
+    assert res == {
+        "first": [13, 31],
+        "a_end": "NVMLError_Timeout",
+        "b_old": "NVMLError_Timeout",
+        "both": [43, 43],
+        "replay": "NVMLError_Timeout",
+        "after_truncate": [3, "NVMLError_Timeout"],
+    }
+
+
+def test_wait_v1_fills_only_the_old_struct(lib_dir: Path, state: Path) -> None:
+    write(state, "gpu 0\nxid 0 62\n")
+    res = nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        s = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(nv.nvmlDeviceGetHandleByIndex(0), XID, s)
+        buf = (ctypes.c_ubyte * 32)(*([0xAB] * 32))
+        rc = nv.nvmlLib.nvmlEventSetWait(s, ctypes.byref(buf), ctypes.c_uint(1000))
+        raw = bytes(buf)
+        out(rc=rc, type=int.from_bytes(raw[8:16], sys.byteorder),
+            data=int.from_bytes(raw[16:24], sys.byteorder), tail=list(raw[24:]),
+            v2_size=ctypes.sizeof(nv.c_nvmlEventData_t), pci_size=ctypes.sizeof(nv.nvmlPciInfo_t))
+        """,
+        state,
+    )
+    assert res == {
+        "rc": 0,
+        "type": 8,
+        "data": 62,
+        "tail": [0xAB] * 8,
+        "v2_size": 32,
+        "pci_size": 68,
+    }
+
+
+def test_wait_after_free_or_shutdown_does_not_crash(lib_dir: Path, state: Path) -> None:
+    write(state, "gpu 0\n")
+    res = nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+
+        def wait_in_thread(s):
+            r = {}
+            def run():
+                t = time.monotonic()
+                r["err"] = err(nv.nvmlEventSetWait_v2, s, 5000)
+                r["s"] = time.monotonic() - t
+            th = threading.Thread(target=run)
+            th.start()
+            return th, r
+
+        s = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(h, XID, s)
+        th, freed = wait_in_thread(s)
+        time.sleep(0.2)
+        nv.nvmlEventSetFree(s)
+        th.join()
+        stale = [err(nv.nvmlEventSetWait_v2, s, 10), err(nv.nvmlEventSetFree, s),
+                 err(nv.nvmlDeviceRegisterEvents, h, XID, s)]
+
+        s2 = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(h, XID, s2)
+        th, shut = wait_in_thread(s2)
+        time.sleep(0.2)
+        nv.nvmlShutdown()
+        th.join()
+        after = [err(nv.nvmlEventSetWait_v2, s2, 10), err(nv.nvmlEventSetFree, s2)]
+        nv.nvmlInit()
+        out(freed=freed, stale=stale, shut=shut, after=after,
+            reinit=err(nv.nvmlEventSetWait_v2, s2, 10))
+        """,
+        state,
+    )
+    assert res["freed"]["err"] == "NVMLError_InvalidArgument"
+    assert res["freed"]["s"] < 1.0
+    assert res["stale"] == ["NVMLError_InvalidArgument"] * 3
+    assert res["shut"]["err"] == "NVMLError_Uninitialized"
+    assert res["shut"]["s"] < 1.0
+    assert res["after"] == ["NVMLError_Uninitialized"] * 2
+    assert res["reinit"] == "NVMLError_InvalidArgument"
+
+
+def test_queries_run_while_another_thread_waits(lib_dir: Path, state: Path) -> None:
+    write(state, "gpu 0 ecc=0\ngpu 1\n")
+    res = nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        h0, h1 = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
+        s = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(h1, XID, s)
+        got = {}
+        def waiter():
+            got["xid"] = nv.nvmlEventSetWait_v2(s, 5000).eventData
+        th = threading.Thread(target=waiter)
+        th.start()
+        time.sleep(0.05)
+        n = 2000
+        t = time.monotonic()
+        for _ in range(n):
+            nv.nvmlDeviceGetTotalEccErrors(h0, 1, 0)
+        per_call_us = (time.monotonic() - t) / n * 1e6
+        write_state("gpu 0 ecc=5\\ngpu 1\\n")
+        ecc = nv.nvmlDeviceGetTotalEccErrors(h0, 1, 0)
+        alive = th.is_alive()
+        write_state("xid 1 119\\n", "append")
+        th.join(2)
+        out(per_call_us=per_call_us, ecc=ecc, alive=alive, xid=got.get("xid"),
+            done=not th.is_alive())
+        """,
+        state,
+    )
+    print(f"\nquery cost while another thread waits: {res['per_call_us']:.1f} us/call")
+    assert res["per_call_us"] < 500
+    assert res["ecc"] == 5
+    assert res["alive"], "the waiter must still be blocked before the Xid is written"
+    assert res["xid"] == 119
+    assert res["done"]
