@@ -21,11 +21,19 @@ $(STAMP): pyproject.toml
 run: install
 	$(BIN)/gpuguard watch --dry-run --backend mock --interval 0.5 --run-for 8 --listen 127.0.0.1:0 --log-format console
 
-test: install
+# The fake libnvidia-ml.so.1 (tests/fakenvml), built with the machine's gcc; the real nvml backend runs on it.
+fakenvml:
+	tests/fakenvml/build.sh build/fakenvml
+
+test: install fakenvml
 	$(BIN)/python -m pytest -q
 
-unit: install
+unit: install fakenvml
 	$(BIN)/python -m pytest -q --ignore=tests/integration
+
+# Every performance figure in docs/performance.md comes from here.
+bench: install fakenvml
+	$(BIN)/python bench/run.py
 
 lint: install
 	$(BIN)/ruff check .

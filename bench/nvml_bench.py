@@ -1,0 +1,224 @@
+"""Benchmarks of the production NVML path: the real `gpuguard watch --backend nvml` process, pynvml
+and the fake libnvidia-ml.so.1 (tests/fakenvml).
+Run by `make bench` through bench/run.py; prints nothing itself.
+
+- Xid -> /healthz: an Xid line appended to the fake library's state file, until /healthz lists it.
+- ECC -> /healthz: the ECC counter set, until /healthz turns unhealthy (ECC is polled at --interval).
+- CPU per check: backend.snapshot() + policy.evaluate() in one process, for N GPUs.
+- RSS of the agent after it ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+LIB_DIR = ROOT / "build" / "fakenvml"
+
+
+def env_for(state: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUGUARD_")}
+    return {**env, "LD_LIBRARY_PATH": str(LIB_DIR), "FAKE_NVML_STATE": str(state)}
+
+
+def gpu_lines(n: int, ecc: dict[int, int] | None = None) -> str:
+    ecc = ecc or {}
+    return "".join(f"gpu {i} uuid=GPU-bench-{i:03d} ecc={ecc.get(i, 0)}\n" for i in range(n))
+
+
+@contextmanager
+def agent(state: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpuguard",
+            "watch",
+            "--backend",
+            "nvml",
+            "--dry-run",
+            "--listen",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+            *args,
+        ],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=env_for(state),
+        cwd=ROOT,
+    )
+    try:
+        assert p.stderr is not None
+        port = None
+        while port is None:
+            line = p.stderr.readline()
+            if not line:
+                raise RuntimeError("agent exited before listening")
+            doc = json.loads(line)
+            if doc["event"] == "server.listening":
+                port = int(doc["port"])
+        # Drain stderr so the agent never blocks on a full pipe.
+        import threading
+
+        threading.Thread(target=p.stderr.read, daemon=True).start()
+        wait(port, lambda d: d["last_check"] is not None, 10)
+        yield p, port
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
+def healthz(port: int) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+            return json.loads(r.read())  # type: ignore[no-any-return]
+    except urllib.error.HTTPError as e:
+        return json.loads(e.read())  # type: ignore[no-any-return]
+
+
+def wait(port: int, pred: Callable[[dict[str, Any]], bool], timeout: float) -> float:
+    """Seconds until pred(/healthz) holds, polling every millisecond or so."""
+    start = time.perf_counter()
+    while True:
+        if pred(healthz(port)):
+            return time.perf_counter() - start
+        if time.perf_counter() - start > timeout:
+            raise TimeoutError("condition not met")
+        time.sleep(0.001)
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def xid_latency(samples: int = 60, gpus: int = 8, interval: float = 3.0) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as d:
+        state = Path(d) / "nvml.state"
+        state.write_text(gpu_lines(gpus))
+        lat: list[float] = []
+        with agent(state, "--interval", str(interval)) as (_, port):
+            text = state.read_text()
+            for i in range(samples):
+                code = 1000 + i  # unknown Xids are faults; a distinct code per sample is a new reason
+                gpu = i % gpus
+                time.sleep(random.uniform(0.05, 0.3))  # land at a random phase of the poll
+                text += f"xid {gpu} {code}\n"
+                t0 = time.perf_counter()
+                state.write_text(text)
+                wait(port, _shows(f"xid-{code}:"), 10)
+                lat.append(time.perf_counter() - t0)
+    return _summary(lat)
+
+
+def _shows(prefix: str) -> Callable[[dict[str, Any]], bool]:
+    return lambda doc: any(r.startswith(prefix) for g in doc["gpus"] for r in g["reasons"])
+
+
+def ecc_latency(samples: int = 20, gpus: int = 8, interval: float = 3.0) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as d:
+        state = Path(d) / "nvml.state"
+        state.write_text(gpu_lines(gpus))
+        lat: list[float] = []
+        with agent(state, "--interval", str(interval)) as (_, port):
+            for i in range(samples):
+                time.sleep(random.uniform(0, interval))  # a random phase of the poll
+                t0 = time.perf_counter()
+                state.write_text(gpu_lines(gpus, {i % gpus: 1}))
+                wait(port, lambda doc: not doc["healthy"], interval + 5)
+                lat.append(time.perf_counter() - t0)
+                state.write_text(gpu_lines(gpus))
+                wait(port, lambda doc: doc["healthy"], interval + 5)
+    return _summary(lat)
+
+
+def _summary(lat: list[float]) -> dict[str, Any]:
+    return {
+        "n": len(lat),
+        "p50_ms": percentile(lat, 50) * 1000,
+        "p95_ms": percentile(lat, 95) * 1000,
+        "p99_ms": percentile(lat, 99) * 1000,
+        "max_ms": max(lat) * 1000,
+    }
+
+
+_CPU_WORKER = r"""
+import json, sys, time
+from gpuguard.config import PolicySettings
+from gpuguard.nvml.real import NvmlBackend
+from gpuguard.policy import evaluate
+b = NvmlBackend(); b.open(lambda: None)
+settings = PolicySettings(); v = None
+for _ in range(20):
+    v = evaluate(b.snapshot(), previous=v, settings=settings)
+n = int(sys.argv[1])
+t0 = time.process_time(); w0 = time.perf_counter()
+for _ in range(n):
+    v = evaluate(b.snapshot(), previous=v, settings=settings)
+cpu = time.process_time() - t0; wall = time.perf_counter() - w0
+b.close()
+print(json.dumps({"cpu_us": cpu / n * 1e6, "wall_us": wall / n * 1e6, "gpus": len(v.gpus),
+                  "healthy": v.healthy}))
+"""
+
+
+def cpu_per_check(gpus: int, checks: int = 300) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as d:
+        state = Path(d) / "nvml.state"
+        state.write_text(gpu_lines(gpus))
+        r = subprocess.run(
+            [sys.executable, "-c", _CPU_WORKER, str(checks)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=env_for(state),
+            cwd=ROOT,
+        )
+    out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+    if out["gpus"] != gpus or not out["healthy"]:
+        raise RuntimeError(f"CPU bench with {gpus} GPUs read {out}: {r.stdout[-2000:]} {r.stderr[-2000:]}")
+    return out
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def agent_rss(gpus: int = 8, seconds: float = 20.0) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as d:
+        state = Path(d) / "nvml.state"
+        state.write_text(gpu_lines(gpus))
+        with agent(state, "--interval", "0.05") as (p, _):
+            time.sleep(seconds)
+            rss = rss_mb(p.pid)
+            cpu = _proc_cpu_seconds(p.pid)
+    return {"rss_mb": rss, "seconds": seconds, "interval": 0.05, "cpu_s": cpu}
+
+
+def _proc_cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def mean(xs: list[float]) -> float:
+    return statistics.fmean(xs)
