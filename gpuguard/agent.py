@@ -20,6 +20,7 @@ from gpuguard.model import Fault, Verdict
 from gpuguard.node import NodeReconciler
 from gpuguard.nvml.base import Backend
 from gpuguard.policy import evaluate
+from gpuguard.state import StateStore
 
 log = structlog.get_logger("gpuguard.agent")
 
@@ -51,6 +52,8 @@ class Agent:
         node_name: str | None,
         dry_run: bool = False,
         metrics: Metrics | None = None,
+        state: StateStore | None = None,
+        flap_window: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], datetime] = lambda: datetime.now(UTC),
         stop: threading.Event | None = None,
@@ -62,6 +65,12 @@ class Agent:
         self._node_name = node_name
         self._dry_run = dry_run
         self._metrics = metrics
+        self._state = state
+        self._flap_window = flap_window
+        self._episodes: list[float] = []
+        self._last_unhealthy = -float("inf")
+        self._was_healthy = True
+        self._restored: Verdict | None = None
         self._clock = clock
         self._wall = wall
         self.stop_event = stop or threading.Event()
@@ -81,6 +90,7 @@ class Agent:
         """Run until the stop event is set (SIGTERM) or `run_for` seconds have passed."""
         self._started = self._clock()
         deadline = None if run_for is None else self._started + run_for
+        self.restore()
         self._backend.open(self.wakeup)
         self._reconciler.start()
         log.info("agent.started", node=self._node_name, interval=self._interval, dry_run=self._dry_run)
@@ -104,19 +114,28 @@ class Agent:
             self._reconciler.stop()
             self._backend.close()
 
+    def restore(self) -> None:
+        """Load the faults recorded earlier in this boot (an Xid the driver will not deliver again)."""
+        if self._state is not None and self._verdict is None:
+            sticky = self._state.load()
+            self._restored = Verdict(sticky=sticky) if sticky else None
+
     def check_once(self) -> Verdict:
         t0 = self._clock()
         snapshot = self._backend.snapshot()
         previous = self._verdict
-        verdict = evaluate(snapshot, previous=previous, settings=self._policy)
+        verdict = evaluate(snapshot, previous=previous or self._restored, settings=self._policy)
         self._streak = self._streak + 1 if verdict.healthy else 0
         self._log_transitions(previous, verdict)
+        if self._state is not None:
+            self._state.save(verdict.sticky)  # before the write: a crash now must not lose the fault
         now = self._clock()
+        flapping = self._flapping(verdict, now)
         self._verdict = verdict
         self._last_check = now
         self._last_check_wall = self._wall()
         self.checks += 1
-        self._reconciler.submit(verdict, self._streak)
+        self._reconciler.submit(verdict, self._streak, flapping=flapping)
         if self._metrics is not None:
             self._metrics.observe_check(verdict, duration=now - t0, wall=self._last_check_wall.timestamp())
             self._metrics.quarantined.set(1 if self._reconciler.status.tainted else 0)
@@ -137,6 +156,17 @@ class Agent:
             dry_run=self._dry_run,
             last_check=self._last_check_wall,
         )
+
+    def _flapping(self, verdict: Verdict, now: float) -> bool:
+        """Faults that came back within --flap-window: hold the quarantine until the GPUs stay healthy for
+        a whole window, so an alternating GPU costs one write per episode, not one per flip."""
+        if not verdict.healthy:
+            if self._was_healthy:
+                self._episodes.append(now)
+            self._last_unhealthy = now
+        self._was_healthy = verdict.healthy
+        self._episodes = [t for t in self._episodes if now - t <= self._flap_window]
+        return len(self._episodes) >= 2 and now - self._last_unhealthy < self._flap_window
 
     def _safe_check(self) -> None:
         try:

@@ -164,6 +164,43 @@ def cli() -> None:
     help="Consecutive healthy checks before gpuguard removes its own taint.",
 )
 @_opt("--no-recover", is_flag=True, default=False, help="Never remove the taint; a human does.")
+@_opt(
+    "--max-quarantined",
+    type=str,
+    default="10%",
+    show_default=True,
+    help="Cluster-wide budget of GPU nodes gpuguard may fully quarantine: a count or a percentage of "
+    "nodes labelled nvidia.com/gpu.present=true. Past it, only a PreferNoSchedule taint.",
+)
+@_opt(
+    "--flap-window",
+    type=float,
+    default=600.0,
+    show_default=True,
+    help="Seconds: a fault that returns within this window keeps the node quarantined until the GPUs "
+    "stay healthy for a whole window.",
+)
+@_opt(
+    "--state-dir",
+    type=str,
+    default="/var/lib/gpuguard",
+    show_default=True,
+    help="Where faults that only a reboot clears are kept across agent restarts ('' to disable).",
+)
+@_opt(
+    "--budget-recheck",
+    type=float,
+    default=60.0,
+    hidden=True,
+    help="Seconds between budget lists while a quarantine is deferred.",
+)
+@_opt(
+    "--boot-id-file",
+    type=str,
+    default="/proc/sys/kernel/random/boot_id",
+    hidden=True,
+    help="The host's boot ID (tests point it elsewhere to simulate a reboot).",
+)
 @_opt("--run-for", type=float, default=None, help="Stop after this many seconds (demos, tests).")
 def watch(**kw: Any) -> int:
     """Watch the GPUs and keep this node's taint in line with their health (the DaemonSet's command)."""
@@ -209,6 +246,46 @@ def check(output: str, **kw: Any) -> int:
 
 
 @cli.command()
+@_opt(
+    "--kubeconfig",
+    type=str,
+    default=None,
+    help="Default: in-cluster config, then KUBECONFIG, then ~/.kube/config.",
+)
+@click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
+def status(kubeconfig: str | None, output: str) -> int:
+    """The cluster view for an operator: nodes quarantined by gpuguard, with reason, since and GPU."""
+    from gpuguard.node import load_api_client, quarantined_nodes  # noqa: PLC0415
+
+    try:
+        rows = quarantined_nodes(load_api_client(kubeconfig))
+    except GpuguardError as exc:
+        raise ConfigError(f"status: {exc}") from None
+    if output == "json":
+        click.echo(json.dumps(rows, indent=2))
+        return EXIT_OK
+    if not rows:
+        click.echo("no node is quarantined by gpuguard")
+        return EXIT_OK
+    table = [("NODE", "STATE", "REASON", "SINCE", "GPUGUARD-CORDON", "FAULTS")]
+    for r in rows:
+        table.append(
+            (
+                r["node"],
+                r["state"],
+                str(r["reason"]),
+                str(r["since"]),
+                "yes" if r["cordoned_by_gpuguard"] else "no",
+                ",".join(r["faults"]),
+            )
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(5)]
+    for row in table:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row[:5], widths, strict=True)) + "  " + row[5])
+    return EXIT_OK
+
+
+@cli.command()
 def version() -> int:
     """Print gpuguard's version."""
     click.echo(f"gpuguard {__version__}")
@@ -244,11 +321,16 @@ def _config(kw: dict[str, Any], *, watch: bool) -> Config:
         recover_after=kw["recover_after"],
         dry_run=kw["dry_run"],
         kubeconfig=kw["kubeconfig"],
+        max_quarantined=kw["max_quarantined"].strip(),
+        budget_recheck=kw["budget_recheck"],
+        flap_window=kw["flap_window"],
     )
     return Config(
         **common,
         interval=kw["interval"],
         run_for=kw["run_for"],
+        state_dir=kw["state_dir"] or None,
+        boot_id_file=kw["boot_id_file"],
         node=node,
         server=parse_listen(kw["listen"]),
     )
@@ -272,11 +354,16 @@ def _watch(cfg: Config) -> int:
     from gpuguard.metrics import Metrics  # noqa: PLC0415
     from gpuguard.node import NodeReconciler  # noqa: PLC0415
     from gpuguard.server import HealthServer  # noqa: PLC0415
+    from gpuguard.state import StateStore, read_boot_id  # noqa: PLC0415
 
     logs.configure(cfg.log_format)
     backend = _backend(cfg)  # a bad scenario fails here, before anything starts
-    writer = _writer(cfg.node)
-    reconciler = NodeReconciler(writer, cfg.node)
+    metrics = Metrics(REGISTRY)
+    writer = _writer(cfg.node, metrics)
+    reconciler = NodeReconciler(writer, cfg.node, metrics=metrics)
+    state = None
+    if cfg.state_dir and not cfg.node.dry_run:
+        state = StateStore(cfg.state_dir, boot_id=read_boot_id(cfg.boot_id_file))
     agent = Agent(
         backend=backend,
         reconciler=reconciler,
@@ -284,7 +371,9 @@ def _watch(cfg: Config) -> int:
         interval=cfg.interval,
         node_name=cfg.node.name,
         dry_run=cfg.node.dry_run,
-        metrics=Metrics(REGISTRY),
+        metrics=metrics,
+        state=state,
+        flap_window=cfg.node.flap_window,
     )
     try:
         server = HealthServer(agent.status, host=cfg.server.host, port=cfg.server.port, registry=REGISTRY)
@@ -308,13 +397,16 @@ def _watch(cfg: Config) -> int:
     return EXIT_OK
 
 
-def _writer(settings: NodeSettings) -> Any:
+def _writer(settings: NodeSettings, metrics: Any = None) -> Any:
     from gpuguard.node import DryRunNodeWriter, KubeNodeWriter, NodeView, load_api_client  # noqa: PLC0415
 
     if not settings.dry_run:
         assert settings.name is not None  # validated
         return KubeNodeWriter(
-            settings.name, api_client=load_api_client(settings.kubeconfig), timeout=settings.api_timeout
+            settings.name,
+            api_client=load_api_client(settings.kubeconfig),
+            timeout=settings.api_timeout,
+            metrics=metrics,
         )
     name = settings.name or "dry-run"
     initial = NodeView(name=name, resource_version="1", boot_id="dry-run")

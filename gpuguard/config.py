@@ -81,6 +81,15 @@ class NodeSettings:
     """None: in-cluster config, then KUBECONFIG, then ~/.kube/config."""
     api_timeout: float = 10.0
     """Seconds per API request (connect and read), so a hanging API server never stalls the agent."""
+    max_quarantined: str = "10%"
+    """Cluster-wide budget: GPU nodes gpuguard may fully quarantine at once (a count or a percentage of nodes
+    labelled nvidia.com/gpu.present=true). A bad driver roll-out that makes every node report an Xid must
+    not take the whole fleet out of service; past the budget a node only gets a PreferNoSchedule taint."""
+    budget_recheck: float = 60.0
+    """Seconds between budget lists while a quarantine is deferred: one cheap request a minute at most."""
+    flap_window: float = 600.0
+    """Seconds: a fault that comes back within this long of the previous one keeps the node quarantined
+    until the GPUs stay healthy for this long (one write per episode, not one per flip)."""
     retry_max_wait: float = 2.0
     """Cap of the exponential backoff between retries of a transient API failure: a repaired API server
     sees the pending write within this long of coming back."""
@@ -100,6 +109,9 @@ class Config:
     scenario: str | None = None
     interval: float = 3.0
     """Seconds between polls (ECC, lost GPUs). Xids do not wait for it: they wake the loop at once."""
+    state_dir: str | None = None
+    """Durable fault state (gpuguard.state); None: none (dry runs, tests)."""
+    boot_id_file: str = "/proc/sys/kernel/random/boot_id"
     run_for: float | None = None
     """Stop after this many seconds (demos and tests); None: until SIGTERM."""
     log_format: str = "auto"
@@ -113,6 +125,7 @@ class Config:
 
 MIN_INTERVAL = 0.05
 # A Kubernetes node name is a DNS subdomain.
+_BUDGET = re.compile(r"^(\d{1,6}|\d{1,3}(\.\d{1,3})?%)$")
 _NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 
@@ -138,6 +151,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"--taint-effect must be one of {', '.join(TAINT_EFFECTS)}")
     if n.recover_after < 1:
         raise ConfigError("--recover-after must be >= 1")
+    if not _BUDGET.match(n.max_quarantined) or (
+        n.max_quarantined.endswith("%") and float(n.max_quarantined[:-1]) > 100
+    ):
+        raise ConfigError("--max-quarantined must be a count (e.g. 5) or a percentage 0..100% (e.g. 10%)")
+    if not 0 <= n.flap_window <= 7 * 86400:
+        raise ConfigError("--flap-window must be between 0 and 604800 seconds")
     if n.name is not None and not _NODE_NAME.match(n.name):
         raise ConfigError(f"--node {n.name!r} is not a valid Kubernetes node name")
     if n.name is None and not n.dry_run:

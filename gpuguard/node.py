@@ -13,6 +13,8 @@ Three layers:
 from __future__ import annotations
 
 import json
+import math
+import random
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -31,7 +33,7 @@ from gpuguard.errors import (
     PermanentApiError,
     TransientApiError,
 )
-from gpuguard.model import ECC, NVML_INIT, Verdict
+from gpuguard.model import ECC, NVML_INIT, Fault, Verdict
 from gpuguard.policy import primary
 
 log = structlog.get_logger("gpuguard.node")
@@ -43,7 +45,17 @@ ANN_SINCE = f"{DOMAIN}/since"
 ANN_BOOT_ID = f"{DOMAIN}/boot-id"
 ANN_CORDONED = f"{DOMAIN}/cordoned"
 ANN_FAULTS = f"{DOMAIN}/faults"
-OUR_ANNOTATIONS = (ANN_REASON, ANN_SINCE, ANN_BOOT_ID, ANN_CORDONED, ANN_FAULTS)
+ANN_DEFERRED = f"{DOMAIN}/quarantine-deferred"
+OUR_ANNOTATIONS = (ANN_REASON, ANN_SINCE, ANN_BOOT_ID, ANN_CORDONED, ANN_FAULTS, ANN_DEFERRED)
+# "true": fully quarantined (counts against --max-quarantined); "deferred": the budget was spent, so only a
+# PreferNoSchedule taint until there is room.
+LABEL_QUARANTINED = f"{DOMAIN}/quarantined"
+# The startup gate: GPU nodes may register with this taint (kubelet --register-with-taints); gpuguard
+# removes it after its first complete healthy check, or replaces it with the unhealthy taint.
+UNVERIFIED_TAINT_KEY = f"{DOMAIN}/unverified"
+GPU_NODE_SELECTOR = "nvidia.com/gpu.present=true"
+CONDITION_TYPE = "GPUHealthy"
+SOFT_EFFECT = "PreferNoSchedule"
 # Faults whose evidence the GPU itself shows gone without a reboot: the volatile ECC counter reads
 # within the threshold again (driver reload or GPU reset), or NVML initialises again.
 _CLEARED_WITHOUT_REBOOT = frozenset({ECC, NVML_INIT})
@@ -87,6 +99,9 @@ class NodeView:
     unschedulable: bool = False
     annotations: Mapping[str, str] = field(default_factory=dict)
     boot_id: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    # status.conditions[type=GPUHealthy].status ("True"/"False"), None if absent.
+    gpu_condition: str | None = None
 
     @classmethod
     def from_api(cls, obj: Mapping[str, Any]) -> NodeView:
@@ -101,6 +116,15 @@ class NodeView:
             unschedulable=bool(spec.get("unschedulable", False)),
             annotations=dict(meta.get("annotations") or {}),
             boot_id=str(info.get("bootID", "")),
+            labels=dict(meta.get("labels") or {}),
+            gpu_condition=next(
+                (
+                    str(c.get("status"))
+                    for c in (obj.get("status") or {}).get("conditions") or ()
+                    if c.get("type") == CONDITION_TYPE
+                ),
+                None,
+            ),
         )
 
     @property
@@ -115,6 +139,35 @@ class NodeView:
     @property
     def cordoned_by_us(self) -> bool:
         return self.annotations.get(ANN_CORDONED) == "true"
+
+    @property
+    def deferred(self) -> bool:
+        return self.labels.get(LABEL_QUARANTINED) == "deferred"
+
+    @property
+    def unverified(self) -> bool:
+        return any(t.key == UNVERIFIED_TAINT_KEY for t in self.taints)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The cluster-wide quarantine budget as read with one list of GPU nodes (this node excluded)."""
+
+    gpu_nodes: int
+    quarantined: int
+    limit: int
+
+    @property
+    def has_room(self) -> bool:
+        return self.quarantined < self.limit
+
+
+def budget_limit(spec: str, gpu_nodes: int) -> int:
+    """--max-quarantined as a node count: "5" or "10%" (of GPU nodes, rounded up so that a small pool can
+    still quarantine one node). "100%" never defers."""
+    if spec.endswith("%"):
+        return math.ceil(gpu_nodes * float(spec[:-1]) / 100)
+    return int(spec)
 
 
 @dataclass(frozen=True)
@@ -133,12 +186,15 @@ class NodeChange:
     unschedulable: bool | None = None
     annotations: Mapping[str, str | None] = field(default_factory=dict)
     event: EventSpec | None = None
+    labels: Mapping[str, str | None] = field(default_factory=dict)
 
     def patch(self, resource_version: str) -> dict[str, Any]:
         """A JSON merge patch with the resourceVersion precondition (409 if the node moved on)."""
         meta: dict[str, Any] = {"resourceVersion": resource_version}
         if self.annotations:
             meta["annotations"] = dict(self.annotations)
+        if self.labels:
+            meta["labels"] = dict(self.labels)
         body: dict[str, Any] = {"metadata": meta}
         spec: dict[str, Any] = {}
         if self.taints is not None:
@@ -157,61 +213,64 @@ def plan(
     healthy_streak: int,
     settings: NodeSettings,
     now: datetime,
+    budget: Budget | None = None,
+    flapping: bool = False,
 ) -> NodeChange | None:
     """The change that brings `node` in line with `verdict`, or None. Pure.
 
-    Ownership: only the taint with key TAINT_KEY, the annotations in OUR_ANNOTATIONS and a cordon that
-    ANN_CORDONED says we placed are ever changed or removed; every other taint is carried over as it is.
+    Ownership: only the taints with key TAINT_KEY (and UNVERIFIED_TAINT_KEY, the startup gate), the
+    annotations in OUR_ANNOTATIONS, the label LABEL_QUARANTINED and a cordon that ANN_CORDONED says we placed
+    are ever changed or removed; every other taint is carried over exactly as it was read.
+    `budget` None means no budget information (dry run without a cluster): quarantine fully.
+    `flapping`: faults came back within --flap-window, so recovery waits (see the agent).
     """
     faults = verdict.faults
     recorded = node.recorded_faults
     ours = node.our_taint
+    full = budget is None or budget.has_room
     if faults:
         keys = {f.key for f in faults}
         new = [f for f in faults if f.key not in recorded]
-        if ours is not None or not new:
-            # Already tainted, or the taint was removed by hand for these very faults: respect it.
-            if not new:
-                return None
-            return NodeChange(
-                action="add-faults",
-                annotations={
-                    ANN_FAULTS: _join_keys(recorded | keys),
-                    ANN_REASON: _reason_text(faults),
-                },
-                event=EventSpec("Warning", "GPUUnhealthy", _reason_text(new)),
+        if ours is None and new:
+            return _quarantine(
+                node, faults, new, recorded | keys, settings=settings, now=now, budget=budget, full=full
             )
-        first = primary(new)
-        assert first is not None
-        annotations: dict[str, str | None] = {
-            ANN_REASON: _reason_text(faults),
-            ANN_SINCE: node.annotations.get(ANN_SINCE) or _rfc3339(now),
-            ANN_BOOT_ID: node.boot_id,
-            ANN_FAULTS: _join_keys(recorded | keys),
-        }
-        unschedulable = None
-        if settings.cordon and not node.unschedulable:
-            unschedulable = True
-            annotations[ANN_CORDONED] = "true"
-        taint = Taint(key=TAINT_KEY, value=first.reason, effect=settings.taint_effect)
+        if ours is not None and node.deferred and full:
+            return _escalate(node, ours, faults, recorded | keys, settings=settings)
+        if not new:
+            # Already tainted for these faults, or the taint was removed by hand for these very faults.
+            return None
         return NodeChange(
-            action="taint",
-            taints=(*node.taints, taint),
-            unschedulable=unschedulable,
-            annotations=annotations,
-            event=EventSpec("Warning", "GPUUnhealthy", _reason_text(faults)),
+            action="add-faults",
+            annotations={ANN_FAULTS: _join_keys(recorded | keys), ANN_REASON: _reason_text(faults)},
+            event=EventSpec("Warning", "GPUUnhealthy", _reason_text(new)),
         )
 
-    owned = ours is not None or any(k in node.annotations for k in OUR_ANNOTATIONS)
-    if not owned or not settings.recover or healthy_streak < settings.recover_after:
+    owned = (
+        ours is not None
+        or any(k in node.annotations for k in OUR_ANNOTATIONS)
+        or LABEL_QUARANTINED in node.labels
+    )
+    if not owned:
+        if node.unverified and verdict.gpus:
+            # The startup gate: the first complete healthy check clears it.
+            return NodeChange(
+                action="verified",
+                taints=tuple(t for t in node.taints if t.key != UNVERIFIED_TAINT_KEY),
+            )
+        return None
+    if not settings.recover or healthy_streak < settings.recover_after or flapping:
         return None
     if not evidence_gone(node):
         return None
     return NodeChange(
         action="recover",
-        taints=tuple(t for t in node.taints if t.key != TAINT_KEY) if ours is not None else None,
+        taints=tuple(t for t in node.taints if t.key not in (TAINT_KEY, UNVERIFIED_TAINT_KEY))
+        if ours is not None or node.unverified
+        else None,
         unschedulable=False if node.cordoned_by_us and node.unschedulable else None,
         annotations=dict.fromkeys((k for k in OUR_ANNOTATIONS if k in node.annotations), None),
+        labels={LABEL_QUARANTINED: None} if LABEL_QUARANTINED in node.labels else {},
         event=EventSpec(
             "Normal",
             "GPURecovered",
@@ -219,6 +278,102 @@ def plan(
             + (f" (was: {node.annotations.get(ANN_REASON)})" if ANN_REASON in node.annotations else ""),
         ),
     )
+
+
+def _quarantine(
+    node: NodeView,
+    faults: tuple[Fault, ...],
+    new: list[Fault],
+    keys: set[str] | frozenset[str],
+    *,
+    settings: NodeSettings,
+    now: datetime,
+    budget: Budget | None,
+    full: bool,
+) -> NodeChange:
+    first = primary(new)
+    assert first is not None
+    annotations: dict[str, str | None] = {
+        ANN_REASON: _reason_text(faults),
+        ANN_SINCE: node.annotations.get(ANN_SINCE) or _rfc3339(now),
+        ANN_BOOT_ID: node.boot_id,
+        ANN_FAULTS: _join_keys(keys),
+    }
+    unschedulable = None
+    if full and settings.cordon and not node.unschedulable:
+        unschedulable = True
+        annotations[ANN_CORDONED] = "true"
+    message = _reason_text(faults)
+    if not full:
+        assert budget is not None
+        annotations[ANN_DEFERRED] = (
+            f"quarantine budget spent: {budget.quarantined} of {budget.gpu_nodes} GPU nodes quarantined, "
+            f"limit {budget.limit} (--max-quarantined {settings.max_quarantined})"
+        )
+        message = f"{message}; {annotations[ANN_DEFERRED]}: soft taint only"
+    taint = Taint(key=TAINT_KEY, value=first.reason, effect=settings.taint_effect if full else SOFT_EFFECT)
+    kept = tuple(t for t in node.taints if t.key != UNVERIFIED_TAINT_KEY)
+    return NodeChange(
+        action="taint" if full else "defer",
+        taints=(*kept, taint),
+        unschedulable=unschedulable,
+        annotations=annotations,
+        labels={LABEL_QUARANTINED: "true" if full else "deferred"},
+        event=EventSpec("Warning", "GPUUnhealthy" if full else "GPUQuarantineDeferred", message),
+    )
+
+
+def _escalate(
+    node: NodeView,
+    ours: Taint,
+    faults: tuple[Fault, ...],
+    keys: set[str] | frozenset[str],
+    *,
+    settings: NodeSettings,
+) -> NodeChange:
+    """A deferred quarantine becomes full once the budget has room again."""
+    annotations: dict[str, str | None] = {
+        ANN_DEFERRED: None,
+        ANN_FAULTS: _join_keys(keys),
+        ANN_REASON: _reason_text(faults),
+    }
+    unschedulable = None
+    if settings.cordon and not node.unschedulable:
+        unschedulable = True
+        annotations[ANN_CORDONED] = "true"
+    hard = replace(ours, effect=settings.taint_effect, time_added=None)
+    return NodeChange(
+        action="escalate",
+        taints=tuple(hard if t.key == TAINT_KEY else t for t in node.taints),
+        unschedulable=unschedulable,
+        annotations=annotations,
+        labels={LABEL_QUARANTINED: "true"},
+        event=EventSpec("Warning", "GPUUnhealthy", f"quarantine budget has room: {_reason_text(faults)}"),
+    )
+
+
+def plan_condition(
+    current: str | None, verdict: Verdict, *, last_keys: frozenset[str] | None, now: datetime
+) -> dict[str, str] | None:
+    """The GPUHealthy node condition to write, or None when it already says this (updated only on change:
+    a status flip, or a different set of faults)."""
+    status = "True" if verdict.healthy else "False"
+    keys = frozenset(f.key for f in verdict.faults)
+    if current == status and (last_keys is None or last_keys == keys):
+        return None
+    stamp = _rfc3339(now)
+    return {
+        "type": CONDITION_TYPE,
+        "status": status,
+        "reason": "GPUsHealthy" if verdict.healthy else "GPUFault",
+        "message": (
+            f"{len(verdict.gpus)} GPUs healthy (gpuguard)"
+            if verdict.healthy
+            else _reason_text(verdict.faults)
+        ),
+        "lastHeartbeatTime": stamp,
+        "lastTransitionTime": stamp,
+    }
 
 
 def evidence_gone(node: NodeView) -> bool:
@@ -237,21 +392,27 @@ def evidence_gone(node: NodeView) -> bool:
 
 def apply_change(node: NodeView, change: NodeChange, *, resource_version: str | None = None) -> NodeView:
     """What the API server does with the patch (for the dry run and for tests). Pure."""
-    annotations = dict(node.annotations)
-    for k, v in change.annotations.items():
-        if v is None:
-            annotations.pop(k, None)
-        else:
-            annotations[k] = v
     return replace(
         node,
         taints=node.taints if change.taints is None else change.taints,
         unschedulable=node.unschedulable if change.unschedulable is None else change.unschedulable,
-        annotations=annotations,
+        annotations=_merge(node.annotations, change.annotations),
+        labels=_merge(node.labels, change.labels),
         resource_version=resource_version
         if resource_version is not None
         else str(int(node.resource_version or "0") + 1),
     )
+
+
+def _merge(current: Mapping[str, str], patch: Mapping[str, str | None]) -> dict[str, str]:
+    """A JSON merge patch on a string map: None removes the key."""
+    out = dict(current)
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = v
+    return out
 
 
 def _reason_text(faults: Any) -> str:
@@ -277,6 +438,12 @@ class NodeWriter(Protocol):
         """Apply `change` planned against `node`; ConflictError if the node has moved on."""
 
     def record_event(self, node: NodeView, event: EventSpec) -> None: ...
+
+    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+        """The quarantine budget (one list of GPU nodes), or None where there is no cluster to ask."""
+
+    def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
+        """Patch nodes/status; returns the node as the server now has it (a new resourceVersion)."""
 
 
 class DryRunNodeWriter:
@@ -305,6 +472,14 @@ class DryRunNodeWriter:
     def record_event(self, node: NodeView, event: EventSpec) -> None:
         log.info("node.dry_run_event", node=node.name, type=event.type, reason=event.reason)
 
+    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+        return None
+
+    def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
+        log.info("node.dry_run_condition", node=node.name, condition=json.dumps(dict(condition)))
+        self._node = replace(self._node, gpu_condition=condition["status"])
+        return self._node
+
 
 class KubeNodeWriter:
     """The API server. Translates kubernetes-client errors into gpuguard's transient/permanent/conflict."""
@@ -316,6 +491,7 @@ class KubeNodeWriter:
         api_client: Any,
         timeout: float = 10.0,
         event_namespace: str = "default",
+        metrics: Any = None,
     ) -> None:
         from kubernetes import client  # noqa: PLC0415 - heavy import, only when a cluster is used
 
@@ -324,14 +500,15 @@ class KubeNodeWriter:
         self._core: Any = client.CoreV1Api(api_client)
         self._timeout = timeout
         self._event_namespace = event_namespace
+        self._metrics = metrics
 
     def read(self) -> NodeView:
-        with _translate(f"read node {self._name}"):
+        with _translate(f"read node {self._name}", "get", self._metrics):
             resp = self._core.read_node(self._name, _preload_content=False, _request_timeout=self._timeout)
             return NodeView.from_api(json.loads(resp.data))
 
     def patch(self, node: NodeView, change: NodeChange) -> NodeView:
-        with _translate(f"patch node {self._name}"):
+        with _translate(f"patch node {self._name}", "patch", self._metrics):
             resp = self._core.patch_node(
                 self._name,
                 change.patch(node.resource_version),
@@ -359,22 +536,59 @@ class KubeNodeWriter:
             "lastTimestamp": stamp,
             "count": 1,
         }
-        with _translate("create event"):
+        with _translate("create event", "create", self._metrics):
             self._core.create_namespaced_event(
                 self._event_namespace, body, _preload_content=False, _request_timeout=self._timeout
             )
 
+    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+        """One list of the GPU nodes' metadata only (PartialObjectMetadataList: no specs, no statuses)."""
+        with _translate("list GPU nodes", "list", self._metrics):
+            resp = self._core.list_node(
+                label_selector=GPU_NODE_SELECTOR,
+                _headers={"Accept": "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"},
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            )
+            items = json.loads(resp.data)["items"]
+        names = [i["metadata"]["name"] for i in items]
+        quarantined = sum(
+            1
+            for i in items
+            if i["metadata"]["name"] != exclude
+            and (i["metadata"].get("labels") or {}).get(LABEL_QUARANTINED) == "true"
+        )
+        total = len(names) if exclude in names else len(names) + 1
+        return Budget(gpu_nodes=total, quarantined=quarantined, limit=budget_limit(spec, total))
+
+    def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
+        with _translate(f"patch node {self._name} status", "patch", self._metrics):
+            resp = self._core.patch_node_status(
+                self._name,
+                {"status": {"conditions": [dict(condition)]}},
+                _content_type="application/strategic-merge-patch+json",  # conditions merge by type
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            )
+            return NodeView.from_api(json.loads(resp.data))
+
 
 class _translate:
-    """Context manager: kubernetes/urllib3 exceptions -> gpuguard.errors, with `raise ... from`."""
+    """Context manager: kubernetes/urllib3 exceptions -> gpuguard.errors, with `raise ... from`; counts
+    each request in gpuguard_api_requests_total{verb,code}."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, verb: str = "", metrics: Any = None) -> None:
         self.what = what
+        self.verb = verb
+        self.metrics = metrics
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
+        if self.metrics is not None:
+            code = "200" if exc is None else str(getattr(exc, "status", None) or "error")
+            self.metrics.api_requests.labels(self.verb, code).inc()
         if exc is None or isinstance(exc, NodeUpdateError):
             return
         from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
@@ -436,6 +650,36 @@ def load_api_client(kubeconfig: str | None) -> Any:
     return client.ApiClient(configuration)
 
 
+def quarantined_nodes(api_client: Any, *, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """For `gpuguard status`: every node gpuguard has quarantined (fully or deferred), one list request."""
+    from kubernetes import client  # noqa: PLC0415
+
+    core: Any = client.CoreV1Api(api_client)
+    with _translate("list quarantined nodes", "list"):
+        resp = core.list_node(
+            label_selector=LABEL_QUARANTINED, _preload_content=False, _request_timeout=timeout
+        )
+        items = json.loads(resp.data)["items"]
+    rows = []
+    for item in items:
+        n = NodeView.from_api(item)
+        taint = n.our_taint
+        rows.append(
+            {
+                "node": n.name,
+                "state": "deferred" if n.deferred else "quarantined",
+                "reason": taint.value if taint else None,
+                "effect": taint.effect if taint else None,
+                "since": n.annotations.get(ANN_SINCE),
+                "faults": sorted(n.recorded_faults),
+                "detail": n.annotations.get(ANN_REASON),
+                "cordoned_by_gpuguard": n.cordoned_by_us and n.unschedulable,
+                "unschedulable": n.unschedulable,
+            }
+        )
+    return sorted(rows, key=lambda r: str(r["node"]))
+
+
 # -- reconciler --------------------------------------------------------------------------------------------
 
 
@@ -463,15 +707,19 @@ class NodeReconciler:
         *,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
         retry_deadline: float = 60.0,
-        max_conflicts: int = 10,
+        max_conflicts: int = 20,
+        metrics: Any = None,
     ) -> None:
         self._writer = writer
+        self._metrics = metrics
+        self._condition_keys: frozenset[str] | None = None
         self._settings = settings
         self._now = now
         self._retry_deadline = retry_deadline
         self._max_conflicts = max_conflicts
         self._cond = threading.Condition()
-        self._latest: tuple[Verdict, int] | None = None
+        self._latest: tuple[Verdict, int, bool] | None = None
+        self._budget_checked = -math.inf
         self._generation = 0
         self._done_generation = 0
         self._stop = threading.Event()
@@ -481,6 +729,7 @@ class NodeReconciler:
         self._api_down = False
         self._rejected: tuple[str, float] | None = None
         self._override_logged: frozenset[str] = frozenset()
+        self._attempt: NodeChange | None = None
         self.writes = 0
 
     @property
@@ -498,10 +747,10 @@ class NodeReconciler:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def submit(self, verdict: Verdict, healthy_streak: int) -> None:
+    def submit(self, verdict: Verdict, healthy_streak: int, *, flapping: bool = False) -> None:
         """Hand over the newest verdict (latest wins: an old one is never applied after a newer one)."""
         with self._cond:
-            self._latest = (verdict, healthy_streak)
+            self._latest = (verdict, healthy_streak, flapping)
             self._generation += 1
             self._cond.notify_all()
 
@@ -549,20 +798,25 @@ class NodeReconciler:
                     self._cond.wait()
             if self._stop.is_set():
                 return
-            self.reconcile_now()
+            try:
+                self.reconcile_now()
+            except Exception:
+                # A bug must not kill the writer thread for good: log it, and the next verdict retries.
+                log.exception("node.reconcile_failed", node=self._settings.name)
 
     def _reconcile_once(self) -> None:
         with self._cond:
             latest = self._latest
         if latest is None:
             return
-        verdict, streak = latest
+        verdict, streak, flapping = latest
         node = self._node if self._node is not None else self._read()
-        for _ in range(self._max_conflicts):
-            change = plan(node, verdict, healthy_streak=streak, settings=self._settings, now=self._now())
+        for attempt in range(self._max_conflicts):
+            change = self._plan(node, verdict, streak, flapping)
             if change is None:
                 self._log_override(node, verdict)
                 self._set_node(node)
+                self._update_condition(node, verdict)
                 return
             if (
                 self._rejected is not None
@@ -570,10 +824,13 @@ class NodeReconciler:
                 and (time.monotonic() < self._rejected[1])
             ):
                 return  # the API refused this very change recently: do not hammer it
+            self._attempt = change
             try:
                 node = self._writer.patch(node, change)
             except ConflictError:
                 log.info("node.conflict", node=node.name, resource_version=node.resource_version)
+                # A little jitter: two writers that re-read in lockstep would keep colliding.
+                self._sleep(random.uniform(0, 0.005 * (attempt + 1)))  # noqa: S311 - jitter, not crypto
                 node = self._read()
                 continue
             except TransientApiError:
@@ -583,10 +840,39 @@ class NodeReconciler:
             self._rejected = None
             self._set_node(node)
             self._log_change(node, change, verdict)
+            self._update_condition(node, verdict)
             if change.event is not None:
                 self._record_event(node, change.event)
             return
         raise TransientApiError(f"node {node.name}: still conflicting after {self._max_conflicts} tries")
+
+    def _plan(self, node: NodeView, verdict: Verdict, streak: int, flapping: bool) -> NodeChange | None:
+        kw: dict[str, Any] = {
+            "healthy_streak": streak,
+            "settings": self._settings,
+            "now": self._now(),
+            "flapping": flapping,
+        }
+        change = plan(node, verdict, **kw)
+        if change is None or change.action not in ("taint", "escalate"):
+            return change
+        if self._settings.max_quarantined == "100%":
+            return change  # no budget: no list request
+        if change.action == "escalate" and (
+            time.monotonic() - self._budget_checked < self._settings.budget_recheck
+        ):
+            return None  # deferred: at most one list per minute to see whether the budget has room
+        self._budget_checked = time.monotonic()
+        budget = self._writer.budget(self._settings.max_quarantined, exclude=node.name)
+        if budget is not None and not budget.has_room and change.action == "taint":
+            log.warning(
+                "node.quarantine_deferred",
+                node=node.name,
+                quarantined=budget.quarantined,
+                limit=budget.limit,
+                gpu_nodes=budget.gpu_nodes,
+            )
+        return plan(node, verdict, budget=budget, **kw)
 
     def _read(self) -> NodeView:
         try:
@@ -603,6 +889,23 @@ class NodeReconciler:
             tainted=node.our_taint is not None, cordoned=node.unschedulable, reconciled=True
         )
 
+    def _update_condition(self, node: NodeView, verdict: Verdict) -> None:
+        """The GPUHealthy condition, written only when it changes (best effort, like Events)."""
+        condition = plan_condition(
+            node.gpu_condition, verdict, last_keys=self._condition_keys, now=self._now()
+        )
+        if condition is None:
+            self._condition_keys = frozenset(f.key for f in verdict.faults)
+            return
+        try:
+            updated = self._writer.set_condition(node, condition)
+        except NodeUpdateError as exc:
+            log.warning("node.condition_failed", node=node.name, error=str(exc))
+            return
+        self._condition_keys = frozenset(f.key for f in verdict.faults)
+        self._set_node(updated)
+        log.info("node.condition", node=node.name, status=condition["status"], reason=condition["reason"])
+
     def _record_event(self, node: NodeView, event: EventSpec) -> None:
         # Best effort: the taint is what protects the scale-out; a lost Event must not block it.
         try:
@@ -613,7 +916,14 @@ class NodeReconciler:
     def _log_change(self, node: NodeView, change: NodeChange, verdict: Verdict) -> None:
         faults = verdict.faults
         first = primary(faults)
-        name = {"taint": "node.tainted", "add-faults": "node.fault_added", "recover": "node.recovered"}
+        name = {
+            "taint": "node.tainted",
+            "defer": "node.tainted_soft",
+            "escalate": "node.quarantine_escalated",
+            "add-faults": "node.fault_added",
+            "recover": "node.recovered",
+            "verified": "node.verified",
+        }
         log.warning(
             name[change.action],
             node=node.name,
@@ -624,7 +934,7 @@ class NodeReconciler:
             cordoned=bool(change.unschedulable),
             uncordoned=change.unschedulable is False,
             dry_run=self._settings.dry_run,
-        ) if change.action != "recover" else log.info(
+        ) if change.action not in ("recover", "verified") else log.info(
             name[change.action],
             node=node.name,
             uncordoned=change.unschedulable is False,
@@ -644,18 +954,8 @@ class NodeReconciler:
 
     def _reject(self, message: str) -> None:
         log.error("node.write_rejected", node=self._settings.name, error=message, retry_in_s=300)
-        with self._cond:
-            latest = self._latest
-        if latest is not None and self._node is not None:
-            change = plan(
-                self._node,
-                latest[0],
-                healthy_streak=latest[1],
-                settings=self._settings,
-                now=self._now(),
-            )
-            if change is not None:
-                self._rejected = (_signature(change), time.monotonic() + 300)
+        if self._attempt is not None:
+            self._rejected = (_signature(self._attempt), time.monotonic() + 300)
 
     def _wait(self, state: tenacity.RetryCallState) -> float:
         base = tenacity.wait_exponential_jitter(
@@ -672,6 +972,8 @@ class NodeReconciler:
 
     def _before_sleep(self, state: tenacity.RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
+        if self._metrics is not None:
+            self._metrics.api_retries.inc()
         if not self._api_down:
             self._api_down = True
             log.warning("api.unavailable", node=self._settings.name, error=str(exc))

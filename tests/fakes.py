@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Mapping
 
 from gpuguard.errors import ConflictError, NodeUpdateError
-from gpuguard.node import EventSpec, NodeChange, NodeView, apply_change
+from gpuguard.node import Budget, EventSpec, NodeChange, NodeView, apply_change
 
 
 class FakeNodeWriter:
@@ -20,6 +21,9 @@ class FakeNodeWriter:
         self._read_errors: deque[NodeUpdateError] = deque()
         self._patch_errors: deque[NodeUpdateError] = deque()
         self._lock = threading.Lock()
+        self.quarantine_budget: Budget | None = None
+        self.budget_lists = 0
+        self.conditions: list[dict[str, str]] = []
 
     def inject_error(self, *errors: NodeUpdateError, on: str = "patch") -> None:
         """The next patches (or reads, with on="read") fail with these errors, in order."""
@@ -55,3 +59,15 @@ class FakeNodeWriter:
     @property
     def writes(self) -> int:
         return len(self.patches)
+
+    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+        self.budget_lists += 1
+        return self.quarantine_budget
+
+    def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
+        with self._lock:
+            self.conditions.append(dict(condition))
+            fields = {**self.node.__dict__, "gpu_condition": condition["status"]}
+            fields["resource_version"] = str(int(self.node.resource_version) + 1)
+            self.node = NodeView(**fields)
+            return self.node

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from gpuguard.agent import Agent
@@ -146,3 +147,37 @@ def test_a_backend_exception_does_not_kill_the_loop() -> None:
     )
     agent.run(run_for=0.5)
     assert agent.checks >= 2
+
+
+def test_a_restarted_agent_restores_the_xid_it_saw_before_it_was_killed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from gpuguard.state import StateStore
+
+    scenario = "gpus: 2\nevents:\n  - {at: 1.0, gpu: 1, xid: 79}\n"
+    agent, clock, writer, _r, _ = make(scenario)
+    agent._state = StateStore(tmp_path, boot_id="boot-1")
+    clock.t += 1.0
+    agent.check_once()  # sees the Xid and saves it... and is killed before any write
+    assert writer.writes == 0
+    again, _clock2, writer2, r2, _ = make("gpus: 2")
+    again._state = StateStore(tmp_path, boot_id="boot-1")
+    again.restore()
+    again.check_once()
+    r2.reconcile_now()
+    assert writer2.node.our_taint is not None and writer2.node.our_taint.value == "xid-79"
+
+
+@pytest.mark.parametrize(("flap_window", "writes"), [(600.0, 3), (0.0, 12)])
+def test_a_flapping_gpu_costs_one_write_per_episode_not_one_per_flip(flap_window: float, writes: int) -> None:
+    # ECC errors for one check, then a reset for three, six times over (six "episodes").
+    events = "\n".join(
+        f"  - {{at: {4 * k + 1}.0, gpu: 0, ecc_uncorrected: 1}}\n"
+        f"  - {{at: {4 * k + 2}.0, gpu: 0, ecc_uncorrected: 0}}"
+        for k in range(6)
+    )
+    agent, clock, writer, r, _ = make(f"gpus: 1\nevents:\n{events}\n")
+    agent._flap_window = flap_window
+    for t in range(0, 26):
+        step(agent, r, clock, float(t))
+    # With the window: taint, recover, taint again (the second episode) and then hold -> 3 writes.
+    # Without it (--flap-window 0): a taint and a recovery per episode -> 12 writes.
+    assert writer.writes == writes

@@ -14,14 +14,19 @@ from gpuguard.model import GpuReading, Snapshot, Verdict, XidEvent
 from gpuguard.node import (
     ANN_BOOT_ID,
     ANN_CORDONED,
+    ANN_DEFERRED,
     ANN_FAULTS,
     ANN_REASON,
     ANN_SINCE,
+    LABEL_QUARANTINED,
     TAINT_KEY,
+    UNVERIFIED_TAINT_KEY,
+    Budget,
     NodeChange,
     NodeView,
     Taint,
     apply_change,
+    budget_limit,
     plan,
 )
 from gpuguard.policy import evaluate
@@ -79,6 +84,7 @@ def test_the_first_fault_taints_cordons_and_annotates_in_one_change() -> None:
                 ANN_FAULTS: "ecc/GPU-0",
                 ANN_CORDONED: "true",
             },
+            "labels": {"gpuguard.io/quarantined": "true"},
         },
         "spec": {
             "taints": [
@@ -178,6 +184,7 @@ def test_ecc_recovers_after_enough_healthy_checks_once_the_counter_is_reset() ->
     assert after.taints == (FOREIGN,)
     assert after.unschedulable is False
     assert after.annotations == {}
+    assert after.labels == {}
     assert change.event is not None and change.event.reason == "GPURecovered"
     assert decide(after, HEALTHY, streak=4) is None
 
@@ -270,3 +277,105 @@ def test_node_view_reads_the_api_object() -> None:
     )
     assert v.taints == (Taint(key="k", effect="NoSchedule"),)
     assert NodeView.from_api({"metadata": {"name": "bare"}}).taints == ()
+
+
+# -- quarantine budget, startup gate, flapping -------------------------------------------------------------
+
+
+def test_past_the_budget_a_fault_gets_only_a_soft_taint_no_cordon_and_a_deferred_label() -> None:
+    spent = Budget(gpu_nodes=40, quarantined=4, limit=4)
+    change = plan(node(), verdict(ecc=1), healthy_streak=0, settings=SETTINGS, now=NOW, budget=spent)
+    assert change is not None and change.action == "defer"
+    after = apply_change(node(), change)
+    assert after.our_taint == Taint(TAINT_KEY, "PreferNoSchedule", "ecc")
+    assert not after.unschedulable and ANN_CORDONED not in after.annotations
+    assert after.labels == {LABEL_QUARANTINED: "deferred"}
+    assert "4 of 40 GPU nodes" in after.annotations[ANN_DEFERRED]
+    assert change.event is not None and change.event.reason == "GPUQuarantineDeferred"
+    # Still no room: nothing to write on later checks.
+    assert plan(after, verdict(ecc=1), healthy_streak=0, settings=SETTINGS, now=NOW, budget=spent) is None
+
+
+def test_a_deferred_quarantine_escalates_when_the_budget_has_room() -> None:
+    spent = Budget(gpu_nodes=40, quarantined=4, limit=4)
+    deferred = apply_change(
+        node(),
+        plan(
+            node(),
+            verdict(ecc=1),
+            healthy_streak=0,
+            settings=SETTINGS,  # type: ignore[arg-type]
+            now=NOW,
+            budget=spent,
+        ),
+    )
+    room = Budget(gpu_nodes=40, quarantined=3, limit=4)
+    change = plan(deferred, verdict(ecc=1), healthy_streak=0, settings=SETTINGS, now=NOW, budget=room)
+    assert change is not None and change.action == "escalate"
+    after = apply_change(deferred, change)
+    assert after.our_taint == Taint(TAINT_KEY, "NoSchedule", "ecc")
+    assert after.unschedulable and after.cordoned_by_us
+    assert after.labels == {LABEL_QUARANTINED: "true"} and ANN_DEFERRED not in after.annotations
+
+
+def test_a_deferred_node_recovers_like_any_other() -> None:
+    spent = Budget(gpu_nodes=10, quarantined=1, limit=1)
+    deferred = apply_change(
+        node(),
+        plan(
+            node(),
+            verdict(ecc=1),
+            healthy_streak=0,
+            settings=SETTINGS,  # type: ignore[arg-type]
+            now=NOW,
+            budget=spent,
+        ),
+    )
+    change = decide(deferred, HEALTHY, streak=3)
+    assert change is not None
+    after = apply_change(deferred, change)
+    assert after.our_taint is None and after.labels == {} and after.annotations == {}
+
+
+@pytest.mark.parametrize(
+    ("spec", "nodes", "limit"),
+    [
+        ("10%", 40, 4),
+        ("10%", 5, 1),
+        ("10%", 1, 1),
+        ("0%", 40, 0),
+        ("100%", 7, 7),
+        ("3", 100, 3),
+        ("12.5%", 8, 1),
+    ],
+)
+def test_the_budget_limit_is_a_count_or_a_percentage_rounded_up(spec: str, nodes: int, limit: int) -> None:
+    assert budget_limit(spec, nodes) == limit
+
+
+def test_the_startup_gate_is_removed_after_the_first_healthy_check() -> None:
+    gate = Taint(key=UNVERIFIED_TAINT_KEY, effect="NoSchedule")
+    change = decide(node(taints=(gate, FOREIGN)), HEALTHY)
+    assert change is not None and change.action == "verified"
+    assert change.taints == (FOREIGN,)
+    assert change.unschedulable is None and not change.annotations
+
+
+def test_the_startup_gate_is_replaced_by_the_unhealthy_taint_on_a_fault() -> None:
+    gate = Taint(key=UNVERIFIED_TAINT_KEY, effect="NoSchedule")
+    change = decide(node(taints=(gate,)), verdict(xid=79))
+    assert change is not None and change.action == "taint"
+    assert change.taints == (Taint(TAINT_KEY, "NoSchedule", "xid-79"),)
+
+
+def test_the_startup_gate_waits_for_a_check_that_saw_gpus() -> None:
+    gate = Taint(key=UNVERIFIED_TAINT_KEY, effect="NoSchedule")
+    from gpuguard.model import Verdict as V
+
+    assert decide(node(taints=(gate,)), V()) is None
+
+
+def test_a_flapping_gpu_keeps_the_node_quarantined() -> None:
+    n = tainted(verdict(ecc=1))
+    assert plan(n, HEALTHY, healthy_streak=10, settings=SETTINGS, now=NOW, flapping=True) is None
+    assert plan(n, HEALTHY, healthy_streak=10, settings=SETTINGS, now=NOW, flapping=False) is not None

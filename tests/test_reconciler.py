@@ -117,3 +117,55 @@ def test_the_background_thread_applies_the_latest_verdict() -> None:
         assert writer.writes == 1
     finally:
         r.stop()
+
+
+def test_a_fault_reads_the_budget_once_and_defers_when_it_is_spent() -> None:
+    from gpuguard.node import Budget
+
+    writer, r = make()
+    writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=1, limit=1)
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.budget_lists == 1
+    assert writer.node.our_taint is not None and writer.node.our_taint.effect == "PreferNoSchedule"
+    # While deferred: the budget is re-read at most once a minute, not at every check.
+    for _ in range(20):
+        r.submit(SICK, 0)
+        r.reconcile_now()
+    assert writer.budget_lists == 1 and writer.writes == 1
+    writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
+    r._budget_checked -= 61
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.budget_lists == 2
+    assert writer.node.our_taint is not None and writer.node.our_taint.effect == "NoSchedule"
+    assert writer.node.unschedulable
+
+
+def test_no_budget_list_when_the_budget_is_unlimited() -> None:
+    writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))
+    r = NodeReconciler(writer, NodeSettings(name="gpu-1", max_quarantined="100%"))
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.budget_lists == 0 and writer.writes == 1
+
+
+def test_the_gpu_healthy_condition_is_written_only_when_it_changes() -> None:
+    writer, r = make()
+    for _ in range(5):
+        r.submit(HEALTHY, 1)
+        r.reconcile_now()
+    for _ in range(5):
+        r.submit(SICK, 0)
+        r.reconcile_now()
+    assert [c["status"] for c in writer.conditions] == ["True", "False"]
+    assert writer.conditions[1]["reason"] == "GPUFault"
+    assert writer.conditions[1]["message"].startswith("ecc: 2 uncorrected")
+
+
+def test_a_restarted_agent_does_not_rewrite_a_condition_that_already_matches() -> None:
+    writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b", gpu_condition="True"))
+    r = NodeReconciler(writer, SETTINGS)
+    r.submit(HEALTHY, 1)
+    r.reconcile_now()
+    assert writer.conditions == [] and writer.writes == 0

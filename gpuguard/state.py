@@ -1,0 +1,143 @@
+"""Durable fault state: the faults only a reboot clears (Xids, lost GPUs...), kept in a small file so that a
+fault seen while the API server was unreachable still ends in a taint after the agent restarts.
+
+The driver delivers an Xid once and never replays it to a restarted process; without this file, an agent
+killed between the Xid and its write would forget the fault. The file is keyed by the host's boot ID: after a
+reboot the faults' evidence is gone by definition, so a file from another boot is discarded.
+
+Written atomically (temp file, fsync, rename, fsync of the directory), versioned, and tolerant: a corrupt or
+foreign file is logged and moved aside; an unwritable directory gives a warning and gpuguard runs on without
+durability.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gpuguard.model import Fault
+
+log = structlog.get_logger("gpuguard.state")
+
+VERSION = 1
+KIND = "gpuguard-state"
+FILE_NAME = "state.json"
+HOST_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+MAX_BYTES = 1 << 20
+
+
+def read_boot_id(path: str = HOST_BOOT_ID) -> str:
+    """The host's boot ID (the same value the kubelet reports as status.nodeInfo.bootID)."""
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
+class StateStore:
+    def __init__(self, directory: str | Path | None, *, boot_id: str) -> None:
+        self._dir = Path(directory) if directory else None
+        self._boot_id = boot_id
+        self._last: tuple[Fault, ...] | None = None
+        self._disabled = self._dir is None
+
+    @property
+    def path(self) -> Path | None:
+        return self._dir / FILE_NAME if self._dir else None
+
+    def load(self) -> tuple[Fault, ...]:
+        """The sticky faults recorded during this boot (empty after a reboot or on any problem)."""
+        path = self.path
+        if path is None or not path.exists():
+            return ()
+        try:
+            raw = path.read_bytes()[:MAX_BYTES]
+            doc = json.loads(raw)
+            faults = _parse(doc)
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            self._move_aside(path, f"{type(exc).__name__}: {exc}")
+            return ()
+        if doc.get("boot_id") != self._boot_id:
+            log.info("state.previous_boot_discarded", path=str(path), faults=len(faults))
+            return ()
+        self._last = faults
+        if faults:
+            log.warning("state.restored", path=str(path), faults=[f.key for f in faults])
+        return faults
+
+    def save(self, faults: tuple[Fault, ...]) -> None:
+        """Write the file if the faults changed since the last write. Never raises."""
+        if self._disabled or faults == self._last:
+            return
+        assert self._dir is not None
+        doc = {
+            "kind": KIND,
+            "version": VERSION,
+            "boot_id": self._boot_id,
+            "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "faults": [
+                {"reason": f.reason, "detail": f.detail, "uuid": f.uuid, "gpu_index": f.gpu_index}
+                for f in faults
+            ],
+        }
+        try:
+            self._dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".state-", dir=self._dir)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(doc, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self._dir / FILE_NAME)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            dfd = os.open(self._dir, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as exc:
+            self._disabled = True
+            log.warning(
+                "state.unavailable",
+                directory=str(self._dir),
+                error=str(exc),
+                note="running without durable fault state",
+            )
+            return
+        self._last = faults
+
+    def _move_aside(self, path: Path, why: str) -> None:
+        aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+        try:
+            path.replace(aside)
+        except OSError:
+            aside = path
+        log.warning("state.corrupt", path=str(path), moved_to=str(aside), error=why[:300])
+
+
+def _parse(doc: Any) -> tuple[Fault, ...]:
+    if not isinstance(doc, dict) or doc.get("kind") != KIND:
+        raise ValueError("not a gpuguard state file")
+    if doc.get("version") != VERSION:
+        raise ValueError(f"unsupported version {doc.get('version')!r}")
+    faults = []
+    for f in doc["faults"]:
+        uuid, index = f.get("uuid"), f.get("gpu_index")
+        if not isinstance(f["reason"], str) or not isinstance(f["detail"], str):
+            raise TypeError("fault reason/detail must be strings")
+        if uuid is not None and not isinstance(uuid, str):
+            raise TypeError("fault uuid must be a string")
+        if index is not None and (not isinstance(index, int) or isinstance(index, bool)):
+            raise TypeError("fault gpu_index must be an integer")
+        faults.append(Fault(reason=f["reason"][:64], detail=f["detail"][:512], uuid=uuid, gpu_index=index))
+    return tuple(faults)

@@ -1,0 +1,78 @@
+"""Durable fault state: atomic, versioned, keyed by boot, tolerant of corrupt, foreign and unwritable."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from gpuguard.model import Fault
+from gpuguard.state import FILE_NAME, StateStore
+
+XID = Fault("xid-79", "GPU has fallen off the bus (GPU 1, GPU-b)", uuid="GPU-b", gpu_index=1)
+LOST = Fault("gpu-lost", "GPU is lost (GPU 0, GPU-a)", uuid="GPU-a", gpu_index=0)
+
+
+def test_faults_saved_in_one_boot_are_restored_in_the_same_boot(tmp_path: Path) -> None:
+    StateStore(tmp_path, boot_id="boot-1").save((XID, LOST))
+    assert StateStore(tmp_path, boot_id="boot-1").load() == (XID, LOST)
+
+
+def test_faults_from_a_previous_boot_are_discarded(tmp_path: Path) -> None:
+    StateStore(tmp_path, boot_id="boot-1").save((XID,))
+    assert StateStore(tmp_path, boot_id="boot-2").load() == ()
+
+
+def test_the_file_is_versioned_and_written_atomically(tmp_path: Path) -> None:
+    StateStore(tmp_path, boot_id="b").save((XID,))
+    doc = json.loads((tmp_path / FILE_NAME).read_text())
+    assert doc["kind"] == "gpuguard-state" and doc["version"] == 1 and doc["boot_id"] == "b"
+    assert [p.name for p in tmp_path.iterdir()] == [FILE_NAME]  # no temp file left behind
+
+
+def test_an_unchanged_state_is_not_rewritten(tmp_path: Path) -> None:
+    s = StateStore(tmp_path, boot_id="b")
+    s.save((XID,))
+    mtime = (tmp_path / FILE_NAME).stat().st_mtime_ns
+    os.utime(tmp_path / FILE_NAME, ns=(1, 1))
+    s.save((XID,))
+    assert (tmp_path / FILE_NAME).stat().st_mtime_ns == 1 != mtime
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b"\xff\xfe\x00binary",
+        b'{"kind": "something-else", "version": 1}',
+        b"[]",
+        b'{"kind": "gpuguard-state", "version": 99, "faults": []}',
+        b'{"kind": "gpuguard-state", "version": 1, "boot_id": "b", "faults": [{"reason": 7, "detail": "x"}]}',
+        b'{"kind": "gpuguard-state", "version": 1, "boot_id": "b"}',
+        b"",
+    ],
+)
+def test_a_corrupt_or_foreign_file_is_moved_aside_not_a_crash(tmp_path: Path, content: bytes) -> None:
+    (tmp_path / FILE_NAME).write_bytes(content)
+    s = StateStore(tmp_path, boot_id="b")
+    assert s.load() == ()
+    assert not (tmp_path / FILE_NAME).exists()
+    assert any(p.name.startswith(f"{FILE_NAME}.corrupt-") for p in tmp_path.iterdir())
+    s.save((XID,))  # and the store keeps working
+    assert StateStore(tmp_path, boot_id="b").load() == (XID,)
+
+
+def test_an_unwritable_state_dir_warns_and_runs_on(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    s = StateStore(blocker / "sub", boot_id="b")  # a directory under a regular file cannot exist
+    s.save((XID,))  # no exception
+    assert s.load() == ()
+
+
+def test_no_state_dir_means_no_durability(tmp_path: Path) -> None:
+    s = StateStore(None, boot_id="b")
+    s.save((XID,))
+    assert s.load() == ()
