@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install run test unit lint fakenvml testenv kube-up kube-down bench clean
+.PHONY: install run test unit lint fakenvml testenv helm kube-up kube-down kube-status bench clean
 
 install: $(STAMP)
 
@@ -25,7 +25,28 @@ run: install
 fakenvml:
 	tests/fakenvml/build.sh build/fakenvml
 
-test: install fakenvml
+# etcd and kube-apiserver built from their official Go modules (pinned in hack/testenv/versions.env), cached
+# under .cache/testenv/<versions>/: the first build takes ~7 minutes, later ones reuse the binaries.
+testenv:
+	bash hack/testenv/build.sh
+
+# helm, built once from its pinned Go module into .cache/helm/<version>/ (~3-4 min cold on 2 cores).
+helm:
+	hack/helm/build.sh
+
+# A control plane on 127.0.0.1 for manual use; prints the admin kubeconfig path (.kube-test/kubeconfig).
+kube-up: install testenv
+	$(BIN)/python hack/testenv/controlplane.py up
+
+kube-down: install
+	$(BIN)/python hack/testenv/controlplane.py down
+
+kube-status: install
+	$(BIN)/python hack/testenv/controlplane.py status
+
+# Unit tests, the nvml backend through the fake library, and the integration tests against a real
+# etcd + kube-apiserver that the test session starts on 127.0.0.1 and stops again.
+test: install fakenvml testenv helm
 	$(BIN)/python -m pytest -q
 
 unit: install fakenvml
@@ -40,6 +61,7 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/hadolint Dockerfile
+	"$$(hack/helm/build.sh)" lint --strict deploy/helm/gpuguard
 
 clean:
 	rm -rf build .kube-test .pytest_cache .mypy_cache .ruff_cache

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -31,6 +32,7 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 
 NAMESPACE = "gpuguard"
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+STATE_DIR = "/var/lib/gpuguard"
 API_VERSIONS = {
     "Namespace": "v1",
     "ServiceAccount": "v1",
@@ -67,8 +69,23 @@ def _container() -> dict[str, Any]:
     return container
 
 
+def _init_container() -> dict[str, Any]:
+    init = _pod_spec()["initContainers"]
+    assert [c["name"] for c in init] == ["state-dir"]
+    container: dict[str, Any] = init[0]
+    return container
+
+
 def _env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {e["name"]: e for e in container.get("env", [])}
+
+
+def _watch_variables() -> set[str]:
+    read: set[str] = set()
+    for param in cli.commands["watch"].params:
+        envvar = getattr(param, "envvar", None)
+        read.update([envvar] if isinstance(envvar, str) else envvar or [])
+    return read
 
 
 def _effective_security_context() -> dict[str, Any]:
@@ -187,7 +204,7 @@ def test_every_manifest_matches_the_kubernetes_api_schema(kind: str) -> None:
     assert not snake, f"snake_case field names: {snake}"
 
 
-def test_the_cluster_role_grants_exactly_get_and_patch_on_nodes_and_create_on_events() -> None:
+def test_the_cluster_role_grants_exactly_nodes_get_list_patch_node_status_patch_and_events_create() -> None:
     rules = _one("ClusterRole")["rules"]
     granted = set()
     for rule in rules:
@@ -196,7 +213,13 @@ def test_the_cluster_role_grants_exactly_get_and_patch_on_nodes_and_create_on_ev
             for resource in rule["resources"]:
                 for verb in rule["verbs"]:
                     granted.add((group, resource, verb))
-    assert granted == {("", "nodes", "get"), ("", "nodes", "patch"), ("", "events", "create")}
+    assert granted == {
+        ("", "nodes", "get"),
+        ("", "nodes", "list"),  # the quarantine budget counts quarantined GPU nodes
+        ("", "nodes", "patch"),
+        ("", "nodes/status", "patch"),  # the GPUHealthy node condition
+        ("", "events", "create"),
+    }
 
 
 def test_the_cluster_role_binding_binds_the_cluster_role_to_the_daemon_sets_service_account() -> None:
@@ -270,13 +293,21 @@ def test_the_node_name_comes_from_the_downward_api() -> None:
 
 
 def test_every_gpuguard_variable_in_the_manifest_is_read_by_the_watch_command() -> None:
-    read: set[str] = set()
-    for param in cli.commands["watch"].params:
-        envvar = getattr(param, "envvar", None)
-        read.update([envvar] if isinstance(envvar, str) else envvar or [])
     ours = {name for name in _env(_container()) if name.startswith("GPUGUARD_") or name == "NODE_NAME"}
     assert ours, "the manifest sets gpuguard variables"
-    assert ours <= read, f"not read by `gpuguard watch`: {sorted(ours - read)}"
+    missing = ours - _watch_variables()
+    assert not missing, f"not read by `gpuguard watch`: {sorted(missing)}"
+
+
+def test_the_manifest_spells_out_the_agents_budget_flap_window_and_state_dir_defaults() -> None:
+    env = _env(_container())
+    assert env["GPUGUARD_MAX_QUARANTINED"]["value"] == "10%"
+    assert env["GPUGUARD_FLAP_WINDOW"]["value"] == "600"
+    assert env["GPUGUARD_STATE_DIR"]["value"] == STATE_DIR
+    defaults = {p.name: p.default for p in cli.commands["watch"].params}
+    assert defaults["max_quarantined"] == env["GPUGUARD_MAX_QUARANTINED"]["value"]
+    assert defaults["flap_window"] == float(env["GPUGUARD_FLAP_WINDOW"]["value"])
+    assert defaults["state_dir"] == env["GPUGUARD_STATE_DIR"]["value"]
 
 
 def test_nvml_is_injected_by_the_container_toolkit_without_requesting_a_gpu() -> None:
@@ -323,17 +354,93 @@ def test_the_container_runs_hardened_as_a_numeric_non_root_user() -> None:
         assert sc[key] != 0
 
 
-def test_the_pod_shares_no_host_namespace_and_mounts_no_host_path() -> None:
+def test_the_pod_shares_no_host_namespace_and_its_only_host_path_is_the_state_dir() -> None:
     spec = _pod_spec()
     for key in ("hostNetwork", "hostPID", "hostIPC"):
         assert spec.get(key, False) is False, key
-    assert not [v["name"] for v in spec.get("volumes", []) if "hostPath" in v]
-    assert not [p for p in _container()["ports"] if "hostPort" in p]
+    host_paths = {v["name"]: v["hostPath"] for v in spec["volumes"] if "hostPath" in v}
+    assert host_paths == {"state": {"path": STATE_DIR, "type": "DirectoryOrCreate"}}
+    for c in spec["containers"] + spec["initContainers"]:
+        assert not [p for p in c.get("ports", []) if "hostPort" in p], c["name"]
 
 
-def test_the_namespace_enforces_the_restricted_pod_security_standard() -> None:
+def test_the_state_dir_is_mounted_read_write_where_the_agent_is_told_to_keep_its_state() -> None:
+    mounts = [m for m in _container()["volumeMounts"] if m["name"] == "state"]
+    assert mounts == [{"name": "state", "mountPath": STATE_DIR}], "read-write, no subPath"
+    assert _env(_container())["GPUGUARD_STATE_DIR"]["value"] == STATE_DIR
+    assert _effective_security_context()["readOnlyRootFilesystem"] is True, "the volume, not the image"
+
+
+def test_the_init_container_is_the_documented_root_exception_with_only_chown() -> None:
+    init = _init_container()
+    sc = init["securityContext"]
+    assert sc == {
+        "runAsNonRoot": False,  # overrides the pod's runAsNonRoot: true, which kubelet would enforce
+        "runAsUser": 0,
+        "runAsGroup": 0,
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert init["volumeMounts"] == [{"name": "state", "mountPath": STATE_DIR}], "nothing else"
+    assert init["image"] == _container()["image"], "no second image to pull, pin and trust"
+    assert "args" not in init and "env" not in init and "ports" not in init
+    assert "memory" in init["resources"]["limits"]
+
+
+def _init_script() -> str:
+    command = _init_container()["command"]
+    assert command[:2] == ["python", "-c"] and len(command) == 3, "the image has python, not a shell"
+    script: str = command[2]
+    return script
+
+
+def test_the_init_container_hands_the_state_dir_to_the_agents_uid_and_gid() -> None:
+    script = _init_script()
+    sc = _effective_security_context()
+    assert f"p = '{STATE_DIR}'" in script
+    assert script.endswith(f"os.chown(p, {sc['runAsUser']}, {sc['runAsGroup']})")
+    assert "os.chmod(p, 0o700)" in script
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv to drop capabilities"
+)
+@pytest.mark.parametrize("before", ["fresh from kubelet", "already the agent's", "mode changed"])
+def test_the_init_containers_script_works_with_only_the_chown_capability(tmp_path: Path, before: str) -> None:
+    """Without FOWNER root may chmod only what it owns: a chown to 65532 before the chmod fails."""
+    state = tmp_path / "state"
+    state.mkdir()
+    owner, mode = {
+        "fresh from kubelet": (0, 0o755),
+        "already the agent's": (65532, 0o700),
+        "mode changed": (65532, 0o777),
+    }[before]
+    os.chown(state, owner, owner)
+    state.chmod(mode)
+    caps = ["--inh-caps=-all,+chown", "--ambient-caps=-all,+chown", "--bounding-set=-all,+chown"]
+    script = _init_script().replace(STATE_DIR, str(state))
+    result = subprocess.run(
+        ["setpriv", "--reuid=0", "--regid=0", "--clear-groups", *caps, sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert (result.returncode, result.stderr) == (0, "")
+    st = state.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (65532, 65532, 0o700)
+
+
+def test_the_namespace_admits_the_host_path_and_applies_without_warnings() -> None:
     labels = _one("Namespace")["metadata"]["labels"]
-    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+    # Both "baseline" and "restricted" reject any hostPath volume; the agent container itself meets
+    # "restricted" (test_the_container_runs_hardened_as_a_numeric_non_root_user).
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+    for mode in ("warn", "audit"):
+        assert labels.get(f"pod-security.kubernetes.io/{mode}", "privileged") == "privileged", mode
 
 
 def test_the_pod_mounts_a_short_lived_projected_token_instead_of_the_automatic_one() -> None:

@@ -1,0 +1,40 @@
+{{/*
+The objects mirror deploy/daemonset.yaml exactly with the default values (tests/test_helm.py), so
+their labels are that file's labels: no helm.sh/chart or app.kubernetes.io/instance.
+*/}}
+
+{{- define "gpuguard.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "gpuguard.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gpuguard.labels" -}}
+app.kubernetes.io/name: {{ include "gpuguard.name" . }}
+{{- end -}}
+
+{{- define "gpuguard.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion | toString) -}}
+{{- end -}}
+
+{{/* The agent's uid and gid: the Dockerfile's USER. */}}
+{{- define "gpuguard.uid" -}}65532{{- end -}}
+
+{{/* The agent's default --listen port; another port is passed as GPUGUARD_LISTEN. */}}
+{{- define "gpuguard.defaultPort" -}}9847{{- end -}}
+
+{{/* Whether a value is set: not null (0 and false count as set). */}}
+{{- define "gpuguard.isSet" -}}
+{{- if not (kindIs "invalid" .) -}}{{- if ne (toString .) "" -}}true{{- end -}}{{- end -}}
+{{- end -}}

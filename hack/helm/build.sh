@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Build the pinned helm binary used by tests/test_helm.py and `make lint`, and print its path.
+#
+# Why from source: the machines reach only package registries, so helm's release tarballs
+# (get.helm.sh) are out of reach; the Go module proxy serves helm.sh/helm/v4, which builds to
+# the same static binary with CGO_ENABLED=0. `go install MODULE/cmd/helm@VERSION` builds with
+# helm's own go.mod/go.sum at that tag (checked against sum.golang.org), so no wrapper module is
+# needed: the pinned version below pins the whole dependency graph.
+#
+# Everything (binary, module cache, build cache) lives in
+#   .cache/helm/<HELM_VERSION>/
+# and a second run only checks that the binary is there and prints its path. The binary is
+# installed under a temporary name and renamed, so an interrupted build never leaves a
+# half-written helm behind; changing HELM_VERSION builds into a new directory.
+#
+# stdout: exactly one line, the absolute path of the binary. Progress goes to stderr.
+#
+# Usage: hack/helm/build.sh [--force]
+#   --force   rebuild even if the cache has the binary
+# Env: GPUGUARD_HELM_CACHE  cache root (default: <repo>/.cache/helm)
+set -euo pipefail
+
+# The pin. helm.sh/helm/v3 versions (e.g. v3.21.4) work too: the module path follows the major.
+HELM_VERSION=v4.3.2
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+
+force=0
+for arg in "$@"; do
+    case "$arg" in
+        --force) force=1 ;;
+        -h | --help)
+            sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+            exit 0
+            ;;
+        *)
+            echo "build.sh: unknown argument: $arg" >&2
+            exit 2
+            ;;
+    esac
+done
+
+if [[ ! $HELM_VERSION =~ ^v([0-9]+)\.[0-9]+\.[0-9]+$ ]]; then
+    echo "build.sh: HELM_VERSION '$HELM_VERSION' is not vMAJOR.MINOR.PATCH" >&2
+    exit 1
+fi
+MODULE="helm.sh/helm/v${BASH_REMATCH[1]}"
+
+CACHE_ROOT=${GPUGUARD_HELM_CACHE:-$ROOT/.cache/helm}
+CACHE="$CACHE_ROOT/$HELM_VERSION"
+BIN="$CACHE/helm"
+
+# The fast path: no lock, no go. The binary only ever appears by an atomic rename after it
+# reported the pinned version, so its presence means a complete build.
+if [[ $force == 0 && -x "$BIN" ]]; then
+    echo "$BIN"
+    exit 0
+fi
+
+mkdir -p "$CACHE"
+# One build at a time per version (pytest and `make helm` may race); the loser waits and reuses.
+exec 9>"$CACHE/.lock"
+if ! flock -n 9; then
+    echo "build.sh: another build holds $CACHE/.lock; waiting for it..." >&2
+    flock 9
+    if [[ $force == 0 && -x "$BIN" ]]; then
+        echo "$BIN"
+        exit 0
+    fi
+fi
+
+command -v go >/dev/null || {
+    echo "build.sh: 'go' not found in PATH (Go >= 1.26 is needed)" >&2
+    exit 1
+}
+
+# Private GOPATH/GOMODCACHE/GOCACHE per version so the build never depends on, or pollutes,
+# the user's Go caches; -modcacherw keeps the cache deletable with rm -rf.
+export GOPATH="$CACHE/gopath"
+export GOMODCACHE="$GOPATH/pkg/mod"
+export GOCACHE="$CACHE/gocache"
+export GOTOOLCHAIN=local
+export CGO_ENABLED=0
+export GOFLAGS="-buildvcs=false -modcacherw"
+export GOWORK=off
+unset GOBIN GOOS GOARCH
+
+# What helm's own Makefile sets for a tagged release (minus the git commit, which the module
+# proxy does not carry): `helm version` then reports the pinned version.
+ldflags="-s -w -X $MODULE/internal/version.version=$HELM_VERSION"
+ldflags+=" -X $MODULE/internal/version.metadata= -X $MODULE/internal/version.gitTreeState=clean"
+if [[ $MODULE == helm.sh/helm/v3 ]]; then
+    # helm 3 takes the Kubernetes version that `helm template` and `helm lint` assume from ldflags
+    # (its Makefile derives it from client-go v0.N: 1.N); without them it assumes 1.20.
+    gomod=$(go mod download -json "$MODULE@$HELM_VERSION" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')
+    minor=$(sed -n 's/^[[:space:]]*k8s\.io\/client-go v0\.\([0-9]*\)\..*/\1/p' "$gomod")
+    if [[ -z "$minor" ]]; then
+        echo "build.sh: no k8s.io/client-go v0.N requirement in $MODULE@$HELM_VERSION's go.mod" >&2
+        exit 1
+    fi
+    for pkg in pkg/lint/rules pkg/chartutil; do
+        ldflags+=" -X $MODULE/$pkg.k8sVersionMajor=1 -X $MODULE/$pkg.k8sVersionMinor=$minor"
+    done
+fi
+
+tmp=$(mktemp -d "$CACHE/install.XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
+
+echo "build.sh: building helm $HELM_VERSION from $MODULE (CGO_ENABLED=0; a few minutes cold)" >&2
+start=$SECONDS
+# -dwarf=false: the linker strips DWARF anyway (-s -w); not generating it saves ~10% of the cold build.
+GOBIN="$tmp" go install -trimpath -gcflags=all=-dwarf=false -ldflags "$ldflags" \
+    "$MODULE/cmd/helm@$HELM_VERSION" >&2
+
+# Refuse a binary that does not report the pinned version.
+got=$("$tmp/helm" version --template '{{.Version}}')
+if [[ "$got" != "$HELM_VERSION" ]]; then
+    echo "build.sh: version mismatch: built helm reports '$got', want '$HELM_VERSION'" >&2
+    exit 1
+fi
+mv -f "$tmp/helm" "$BIN"
+echo "build.sh: built helm $HELM_VERSION in $((SECONDS - start)) s" >&2
+echo "$BIN"

@@ -1,0 +1,224 @@
+#!/usr/bin/env bash
+# Build the pinned kube-apiserver and etcd used by the integration tests.
+#
+# Why from source: the machines reach only package registries, so the official release
+# tarballs are out of reach; the Go module proxy serves k8s.io/kubernetes and
+# go.etcd.io/etcd/server/v3, which build to the same binaries with CGO_ENABLED=0.
+#
+# Each binary is built through a small wrapper module (hack/testenv/kube-apiserver,
+# hack/testenv/etcd) whose committed go.mod/go.sum pin the whole dependency graph. When
+# versions.env changes, the wrappers are regenerated (commit the new go.mod/go.sum).
+#
+# Everything (binaries, module cache, build cache) lives in
+#   .cache/testenv/<KUBE_VERSION>-<ETCD_VERSION>/
+# and a second run only checks a stamp file and prints the paths.
+#
+# Usage: hack/testenv/build.sh [--force] [--regenerate]
+#   --force       rebuild the binaries even if the cache has them
+#   --regenerate  rewrite the wrapper modules' go.mod/go.sum from versions.env
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+
+force=0
+regenerate=0
+for arg in "$@"; do
+    case "$arg" in
+        --force) force=1 ;;
+        --regenerate) regenerate=1 ;;
+        -h | --help)
+            sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+            exit 0
+            ;;
+        *)
+            echo "build.sh: unknown argument: $arg" >&2
+            exit 2
+            ;;
+    esac
+done
+
+# versions.env is plain KEY=VALUE; read only the two keys we need instead of sourcing it.
+read_pin() {
+    local value
+    value=$(sed -n "s/^$1=\(v[0-9][0-9.]*\)[[:space:]]*$/\1/p" "$HERE/versions.env")
+    if [[ -z "$value" ]]; then
+        echo "build.sh: $1 missing or malformed in $HERE/versions.env" >&2
+        exit 1
+    fi
+    printf '%s' "$value"
+}
+KUBE_VERSION=$(read_pin KUBE_VERSION)
+ETCD_VERSION=$(read_pin ETCD_VERSION)
+# k8s.io/kubernetes vX.Y.Z publishes its staging modules (k8s.io/api, ...) as v0.Y.Z.
+STAGING_VERSION="v0.${KUBE_VERSION#v1.}"
+IFS=. read -r KUBE_MAJOR KUBE_MINOR _ <<<"${KUBE_VERSION#v}"
+
+CACHE_ROOT=${GPUGUARD_TESTENV_CACHE:-$ROOT/.cache/testenv}
+CACHE="$CACHE_ROOT/$KUBE_VERSION-$ETCD_VERSION"
+BIN="$CACHE/bin"
+STAMP="$CACHE/.complete"
+STAMP_WANT="kube-apiserver $KUBE_VERSION etcd $ETCD_VERSION"
+
+mkdir -p "$CACHE"
+# One build at a time per version (pytest and `make kube-up` may race).
+exec 9>"$CACHE/.lock"
+if ! flock -n 9; then
+    echo "build.sh: another build holds $CACHE/.lock; waiting for it..." >&2
+    flock 9
+fi
+
+print_paths() {
+    echo "kube-apiserver: $BIN/kube-apiserver"
+    echo "etcd: $BIN/etcd"
+}
+
+wrappers_current() {
+    local req='^[[:space:]]*(require[[:space:]]+)?'
+    grep -Eq "${req}k8s\.io/kubernetes $KUBE_VERSION([[:space:]]|\$)" \
+        "$HERE/kube-apiserver/go.mod" 2>/dev/null &&
+        grep -Eq "${req}go\.etcd\.io/etcd/server/v3 $ETCD_VERSION([[:space:]]|\$)" \
+            "$HERE/etcd/go.mod" 2>/dev/null &&
+        [[ -s "$HERE/kube-apiserver/go.sum" && -s "$HERE/etcd/go.sum" ]]
+}
+
+if [[ $force == 0 && $regenerate == 0 && -x "$BIN/kube-apiserver" && -x "$BIN/etcd" &&
+    "$(cat "$STAMP" 2>/dev/null)" == "$STAMP_WANT" ]]; then
+    echo "build.sh: reusing cached binaries for $STAMP_WANT"
+    print_paths
+    exit 0
+fi
+
+command -v go >/dev/null || {
+    echo "build.sh: 'go' not found in PATH (Go >= 1.26 is needed)" >&2
+    exit 1
+}
+command -v python3 >/dev/null || {
+    echo "build.sh: 'python3' not found in PATH" >&2
+    exit 1
+}
+
+# Private GOPATH/GOMODCACHE/GOCACHE per version so the build never depends on, or
+# pollutes, the user's Go caches; -modcacherw keeps the cache deletable with rm -rf.
+export GOPATH="$CACHE/gopath"
+export GOMODCACHE="$GOPATH/pkg/mod"
+export GOCACHE="$CACHE/gocache"
+export GOTOOLCHAIN=local
+export CGO_ENABLED=0
+export GOFLAGS="-buildvcs=false -modcacherw"
+export GOWORK=off
+
+# json_field FILE_OR_- KEY...: print a field of a JSON document (python3 is always there).
+json_field() {
+    python3 -c '
+import json, sys
+src = sys.argv[1]
+doc = json.load(sys.stdin if src == "-" else open(src))
+for key in sys.argv[2:]:
+    doc = doc[key]
+print(doc if not isinstance(doc, (list, dict)) else json.dumps(doc))
+' "$@"
+}
+
+# gen_wrapper DIR MODULE VERSION TOOL_PKG STAGING_VERSION
+# Writes DIR/go.mod and DIR/go.sum for a module that requires MODULE@VERSION and
+# declares TOOL_PKG as a tool. When STAGING_VERSION is set, every requirement that
+# MODULE's go.mod lists at v0.0.0 (its staging modules, resolved upstream through
+# local replaces that do not apply to dependents) is replaced by STAGING_VERSION.
+# The go and godebug directives follow MODULE's so runtime defaults match upstream.
+gen_wrapper() {
+    local dir=$1 module=$2 version=$3 tool=$4 staging=${5:-}
+    local dl gomod_path modjson gover godebugs staged line tmp
+    echo "build.sh: generating wrapper module $dir for $module@$version"
+    dl=$(go mod download -json "$module@$version")
+    gomod_path=$(json_field - GoMod <<<"$dl")
+    modjson=$(go mod edit -json "$gomod_path")
+    gover=$(json_field - Go <<<"$modjson")
+
+    local -a edits=("-go=$gover" "-require=$module@$version" "-tool=$tool")
+    godebugs=$(python3 -c '
+import json, sys
+for d in json.load(sys.stdin).get("GoDebug") or []:
+    print(d["Key"] + "=" + d["Value"])
+' <<<"$modjson")
+    while IFS= read -r line; do
+        [[ -n "$line" ]] && edits+=("-godebug=$line")
+    done <<<"$godebugs"
+    if [[ -n "$staging" ]]; then
+        staged=$(python3 -c '
+import json, sys
+for r in json.load(sys.stdin).get("Require") or []:
+    if r["Version"] == "v0.0.0":
+        print(r["Path"])
+' <<<"$modjson")
+        local count=0
+        while IFS= read -r line; do
+            [[ -z "$line" ]] && continue
+            edits+=("-replace=$line=$line@$staging")
+            count=$((count + 1))
+        done <<<"$staged"
+        if [[ $count == 0 ]]; then
+            echo "build.sh: $module@$version lists no v0.0.0 staging modules?" >&2
+            exit 1
+        fi
+        echo "build.sh: replacing $count staging modules with $staging"
+    fi
+
+    tmp=$(mktemp -d "$CACHE/wrapper.XXXXXX")
+    (
+        cd "$tmp"
+        printf '// Generated by hack/testenv/build.sh from versions.env; do not edit.\n' >go.mod
+        printf 'module gpuguard.test/testenv/%s\n' "$(basename "$dir")" >>go.mod
+        go mod edit "${edits[@]}"
+        go mod tidy
+    )
+    mkdir -p "$dir"
+    mv -f "$tmp/go.mod" "$dir/go.mod"
+    mv -f "$tmp/go.sum" "$dir/go.sum"
+    rm -rf "$tmp"
+}
+
+if [[ $regenerate == 1 ]] || ! wrappers_current; then
+    gen_wrapper "$HERE/etcd" go.etcd.io/etcd/server/v3 "$ETCD_VERSION" go.etcd.io/etcd/server/v3
+    gen_wrapper "$HERE/kube-apiserver" k8s.io/kubernetes "$KUBE_VERSION" \
+        k8s.io/kubernetes/cmd/kube-apiserver "$STAGING_VERSION"
+    echo "build.sh: wrapper modules regenerated; commit hack/testenv/{etcd,kube-apiserver}/go.{mod,sum}"
+fi
+
+rm -f "$STAMP"
+mkdir -p "$BIN"
+
+# The release's publication time stands in for the build date: reproducible, and close.
+kube_info=$(cd "$HERE/kube-apiserver" && go mod download -json "k8s.io/kubernetes@$KUBE_VERSION")
+build_date=$(json_field "$(json_field - Info <<<"$kube_info")" Time)
+
+kube_ldflags="-s -w"
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    kube_ldflags+=" -X $pkg.gitVersion=$KUBE_VERSION"
+    kube_ldflags+=" -X $pkg.gitMajor=$KUBE_MAJOR -X $pkg.gitMinor=$KUBE_MINOR"
+    kube_ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.gitCommit="
+    kube_ldflags+=" -X $pkg.buildDate=$build_date"
+done
+etcd_ldflags="-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA=module-$ETCD_VERSION"
+
+echo "build.sh: building etcd $ETCD_VERSION (CGO_ENABLED=0)"
+(cd "$HERE/etcd" && go build -mod=readonly -trimpath -ldflags "$etcd_ldflags" \
+    -o "$BIN/etcd.tmp" go.etcd.io/etcd/server/v3)
+echo "build.sh: building kube-apiserver $KUBE_VERSION (CGO_ENABLED=0; several minutes cold)"
+(cd "$HERE/kube-apiserver" && go build -mod=readonly -trimpath -ldflags "$kube_ldflags" \
+    -o "$BIN/kube-apiserver.tmp" k8s.io/kubernetes/cmd/kube-apiserver)
+
+# Refuse a binary that does not report the pinned version before marking the cache done.
+got_etcd=$("$BIN/etcd.tmp" --version | sed -n 's/^etcd Version: //p')
+got_kube=$("$BIN/kube-apiserver.tmp" --version | sed -n 's/^Kubernetes //p')
+if [[ "v$got_etcd" != "$ETCD_VERSION" || "$got_kube" != "$KUBE_VERSION" ]]; then
+    echo "build.sh: version mismatch: etcd reports '$got_etcd', kube-apiserver '$got_kube'" >&2
+    exit 1
+fi
+mv -f "$BIN/etcd.tmp" "$BIN/etcd"
+mv -f "$BIN/kube-apiserver.tmp" "$BIN/kube-apiserver"
+printf '%s' "$STAMP_WANT" >"$STAMP.tmp"
+mv -f "$STAMP.tmp" "$STAMP"
+
+echo "build.sh: built $STAMP_WANT"
+print_paths

@@ -1,0 +1,982 @@
+"""A real, throwaway Kubernetes control plane (etcd + kube-apiserver) on 127.0.0.1.
+
+Why: gpuguard talks to the API server (nodes, taints, tokens, RBAC); fakes drift from the
+real thing, so the integration tests and ``make kube-up`` run the genuine binaries that
+``hack/testenv/build.sh`` builds from the pinned Go modules. There is no
+kube-controller-manager, scheduler or kubelet: tests create what those would (e.g.
+ServiceAccounts) themselves.
+
+Use it as a CLI::
+
+    python hack/testenv/controlplane.py up       # build if needed, start, print kubeconfig
+    python hack/testenv/controlplane.py status   # exit 0 when up and ready
+    python hack/testenv/controlplane.py down     # idempotent
+
+or from Python (pytest puts ``hack/testenv`` on ``sys.path`` and does
+``import controlplane``)::
+
+    cp = ControlPlane(state_dir=tmp)   # .kube-test/ by default
+    cp.start()
+    ...                                # cp.kubeconfig_path, cp.url, cp.audit_events()
+    cp.stop()
+
+Only the standard library and ``cryptography`` are needed. Set ``GPUGUARD_TESTENV_CACHE``
+to move the binary cache (build.sh honours it too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import datetime
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+TESTENV_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTENV_DIR.parent.parent
+BUILD_SCRIPT = TESTENV_DIR / "build.sh"
+VERSIONS_FILE = TESTENV_DIR / "versions.env"
+DEFAULT_STATE_DIR = REPO_ROOT / ".kube-test"
+STATE_FILE_NAME = "state.json"
+KUBECONFIG_NAME = "kubeconfig"
+
+SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
+SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
+API_AUDIENCES = (SERVICE_ACCOUNT_ISSUER,)
+AUDIT_POLICY = """\
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: ["RequestReceived"]
+rules:
+  - level: Metadata
+"""
+LOG_TAIL_LINES = 40
+
+
+class ControlPlaneError(RuntimeError):
+    """Raised when the control plane cannot be built, started or reached."""
+
+
+# --------------------------------------------------------------------------- versions
+
+
+def read_versions(path: Path = VERSIONS_FILE) -> dict[str, str]:
+    """Parse versions.env (KEY=VALUE lines) so Python and build.sh share one pin."""
+    versions: dict[str, str] = {}
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        key, _, value = line.partition("=")
+        versions[key.strip()] = value.strip()
+    for key in ("KUBE_VERSION", "ETCD_VERSION"):
+        if key not in versions:
+            raise ControlPlaneError(f"{key} missing from {path}")
+    return versions
+
+
+def kube_version() -> str:
+    """The pinned Kubernetes release, e.g. ``v1.36.3``."""
+    return read_versions()["KUBE_VERSION"]
+
+
+def etcd_version() -> str:
+    """The pinned etcd release, e.g. ``v3.6.8``."""
+    return read_versions()["ETCD_VERSION"]
+
+
+def cache_dir() -> Path:
+    """Where build.sh puts the binaries for the pinned versions (same rule as build.sh)."""
+    root = Path(os.environ.get("GPUGUARD_TESTENV_CACHE", REPO_ROOT / ".cache" / "testenv"))
+    return root / f"{kube_version()}-{etcd_version()}"
+
+
+@dataclass(frozen=True)
+class Binaries:
+    """Paths of the two executables the control plane runs."""
+
+    etcd: Path
+    kube_apiserver: Path
+
+
+def cached_binaries() -> Binaries | None:
+    """The built binaries, or None when build.sh has not completed for these versions."""
+    cache = cache_dir()
+    bins = Binaries(etcd=cache / "bin" / "etcd", kube_apiserver=cache / "bin" / "kube-apiserver")
+    stamp = cache / ".complete"
+    if stamp.is_file() and all(os.access(p, os.X_OK) for p in (bins.etcd, bins.kube_apiserver)):
+        return bins
+    return None
+
+
+def build(*, quiet: bool = False) -> Binaries:
+    """Run build.sh (instant when cached; several minutes cold) and return the paths.
+
+    Its progress goes to stderr (fd 2) so that `up` keeps stdout for the kubeconfig path.
+    """
+    out = subprocess.DEVNULL if quiet else 2
+    result = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=out, check=False)
+    if result.returncode != 0:
+        raise ControlPlaneError(f"{BUILD_SCRIPT} failed with exit code {result.returncode}")
+    bins = cached_binaries()
+    if bins is None:
+        raise ControlPlaneError(f"{BUILD_SCRIPT} succeeded but {cache_dir()} is incomplete")
+    return bins
+
+
+def ensure_binaries(*, allow_build: bool = True) -> Binaries:
+    """Return the binaries, building them first when allowed; fail clearly otherwise."""
+    bins = cached_binaries()
+    if bins is not None:
+        return bins
+    if not allow_build:
+        raise ControlPlaneError(
+            f"kube-apiserver/etcd for {kube_version()}/{etcd_version()} are not built; "
+            f"run: bash {BUILD_SCRIPT.relative_to(REPO_ROOT)}"
+        )
+    return build()
+
+
+# --------------------------------------------------------------------------- PKI
+
+
+@dataclass(frozen=True)
+class _KeyPair:
+    key: ec.EllipticCurvePrivateKey
+    cert: x509.Certificate
+
+
+def _new_key() -> ec.EllipticCurvePrivateKey:
+    # P-256: fast to generate, and accepted by kube-apiserver for TLS and SA tokens.
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _cert(
+    subject: x509.Name,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: _KeyPair | None,
+    *,
+    ca: bool = False,
+    usages: list[x509.ObjectIdentifier] | None = None,
+    sans: list[x509.GeneralName] | None = None,
+) -> _KeyPair:
+    now = datetime.datetime.now(datetime.UTC)
+    signer_key = issuer.key if issuer else key
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer.cert.subject if issuer else subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=7))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+    )
+    if issuer is not None:
+        builder = builder.add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer.key.public_key()),
+            critical=False,
+        )
+    if ca:
+        builder = builder.add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+    else:
+        builder = builder.add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=True,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+    if usages:
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    return _KeyPair(key=key, cert=builder.sign(signer_key, hashes.SHA256()))
+
+
+def _name(common_name: str, org: str | None = None) -> x509.Name:
+    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+    if org:
+        attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
+    return x509.Name(attrs)
+
+
+def _pem_cert(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+@dataclass(frozen=True)
+class Pki:
+    """File paths of the generated CA, serving, admin-client and SA-signing material."""
+
+    ca_cert: Path
+    serving_cert: Path
+    serving_key: Path
+    admin_cert: Path
+    admin_key: Path
+    sa_public_key: Path
+    sa_signing_key: Path
+
+
+def generate_pki(directory: Path) -> Pki:
+    """Create a fresh CA and the certs/keys kube-apiserver and an admin client need."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca = _cert(_name("gpuguard-test-ca"), _new_key(), None, ca=True)
+    serving = _cert(
+        _name("kube-apiserver"),
+        _new_key(),
+        ca,
+        usages=[ExtendedKeyUsageOID.SERVER_AUTH],
+        sans=[
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            # The `kubernetes` Service IP: first host of the service range.
+            x509.IPAddress(ipaddress.IPv4Network(SERVICE_CLUSTER_IP_RANGE)[1]),
+            x509.DNSName("localhost"),
+            x509.DNSName("kubernetes"),
+            x509.DNSName("kubernetes.default"),
+            x509.DNSName("kubernetes.default.svc"),
+            x509.DNSName("kubernetes.default.svc.cluster.local"),
+        ],
+    )
+    # O=system:masters is bound to cluster-admin by the default RBAC policy.
+    admin = _cert(
+        _name("admin", "system:masters"),
+        _new_key(),
+        ca,
+        usages=[ExtendedKeyUsageOID.CLIENT_AUTH],
+    )
+    sa_key = _new_key()
+    pki = Pki(
+        ca_cert=directory / "ca.crt",
+        serving_cert=directory / "apiserver.crt",
+        serving_key=directory / "apiserver.key",
+        admin_cert=directory / "admin.crt",
+        admin_key=directory / "admin.key",
+        sa_public_key=directory / "sa.pub",
+        sa_signing_key=directory / "sa.key",
+    )
+    pki.ca_cert.write_bytes(_pem_cert(ca.cert))
+    pki.serving_cert.write_bytes(_pem_cert(serving.cert))
+    _write_private(pki.serving_key, _pem_key(serving.key))
+    pki.admin_cert.write_bytes(_pem_cert(admin.cert))
+    _write_private(pki.admin_key, _pem_key(admin.key))
+    pki.sa_public_key.write_bytes(
+        sa_key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    _write_private(pki.sa_signing_key, _pem_key(sa_key))
+    return pki
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (races are retried by start())."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _pid_alive(pid: int) -> bool:
+    """True if pid runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _pid_runs(pid: int, exe: str) -> bool:
+    """True if pid is alive and still runs exe (guards against pid reuse after a reboot)."""
+    if not _pid_alive(pid):
+        return False
+    try:
+        argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0].decode()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return argv0 == exe
+
+
+def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return f"(no log at {path})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class State:
+    """What `down` in another process needs: pids, ports and directories."""
+
+    work_dir: str
+    state_dir: str
+    etcd_bin: str
+    apiserver_bin: str
+    etcd_client_port: int
+    etcd_peer_port: int
+    apiserver_port: int
+    etcd_pid: int | None = None
+    apiserver_pid: int | None = None
+    kube_version: str = ""
+    etcd_version: str = ""
+    started_at: float = field(default_factory=time.time)
+
+    @classmethod
+    def load(cls, path: Path) -> State | None:
+        """Read state.json; None if absent or unreadable (treated as 'not running')."""
+        try:
+            data = json.loads(path.read_text())
+            return cls(**data)
+        except (FileNotFoundError, json.JSONDecodeError, TypeError):
+            return None
+
+    def save(self, path: Path) -> None:
+        """Write atomically so a concurrent reader never sees half a file."""
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        tmp.replace(path)
+
+
+class ControlPlane:
+    """etcd + kube-apiserver processes plus the files (PKI, kubeconfig, audit log) around them.
+
+    All paths derive from ``state_dir`` (kubeconfig, state.json) and a temporary
+    ``work_dir`` (PKI, etcd data, logs, audit log) that stop() removes.
+    """
+
+    def __init__(
+        self,
+        state_dir: Path = DEFAULT_STATE_DIR,
+        *,
+        allow_build: bool = True,
+        ready_timeout: float = 90.0,
+        die_with_parent: bool = False,
+    ) -> None:
+        """die_with_parent: have the kernel SIGKILL the servers when this process dies, so
+        a test run killed hard (no teardown) leaves no server running (the work dir in /tmp
+        stays). `up` must not use it: its servers outlive it."""
+        self.state_dir = Path(state_dir)
+        self.allow_build = allow_build
+        self.ready_timeout = ready_timeout
+        self.die_with_parent = die_with_parent
+        self.state: State | None = None
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    # ---- paths and URLs
+
+    @property
+    def state_path(self) -> Path:
+        """state.json, read by `down`/`status` and by test-session reuse."""
+        return self.state_dir / STATE_FILE_NAME
+
+    @property
+    def kubeconfig_path(self) -> Path:
+        """Admin kubeconfig (client cert data embedded)."""
+        return self.state_dir / KUBECONFIG_NAME
+
+    def _require_state(self) -> State:
+        if self.state is None:
+            raise ControlPlaneError("control plane not started")
+        return self.state
+
+    @property
+    def work_dir(self) -> Path:
+        """Temporary directory with PKI, etcd data, logs and the audit log."""
+        return Path(self._require_state().work_dir)
+
+    @property
+    def url(self) -> str:
+        """https URL of kube-apiserver."""
+        return f"https://127.0.0.1:{self._require_state().apiserver_port}"
+
+    @property
+    def etcd_url(self) -> str:
+        """Plain-http client URL of etcd (loopback only)."""
+        return f"http://127.0.0.1:{self._require_state().etcd_client_port}"
+
+    @property
+    def pki_dir(self) -> Path:
+        """Directory with the generated certificates and keys."""
+        return self.work_dir / "pki"
+
+    @property
+    def ca_path(self) -> Path:
+        """CA that signed the serving and admin certificates."""
+        return self.pki_dir / "ca.crt"
+
+    @property
+    def audit_log_path(self) -> Path:
+        """JSON-lines audit log (level Metadata for every request, written blocking)."""
+        return self.work_dir / "audit.log"
+
+    @property
+    def apiserver_log_path(self) -> Path:
+        """stdout/stderr of kube-apiserver."""
+        return self.work_dir / "kube-apiserver.log"
+
+    @property
+    def etcd_log_path(self) -> Path:
+        """stdout/stderr of etcd."""
+        return self.work_dir / "etcd.log"
+
+    # ---- lifecycle
+
+    @classmethod
+    def attach(cls, state_dir: Path = DEFAULT_STATE_DIR) -> ControlPlane | None:
+        """A handle on a control plane another process started, if it is alive and ready."""
+        cp = cls(state_dir)
+        state = State.load(cp.state_path)
+        if state is None:
+            return None
+        cp.state = state
+        if not cp.is_running() or not cp.is_ready():
+            return None
+        return cp
+
+    def start(self) -> None:
+        """Build if needed, then start etcd and kube-apiserver and write the kubeconfig.
+
+        On any failure everything started so far is stopped and removed again.
+        """
+        if self.state is not None:
+            raise ControlPlaneError("already started")
+        if ControlPlane.attach(self.state_dir) is not None:
+            raise ControlPlaneError(
+                f"{self.state_path} describes a running control plane; reuse it with "
+                "ControlPlane.attach() or stop it with `controlplane.py down`"
+            )
+        # A stale state.json may still name a live etcd (e.g. the apiserver crashed).
+        ControlPlane.stop_recorded(self.state_dir)
+        bins = ensure_binaries(allow_build=self.allow_build)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        work_dir = Path(tempfile.mkdtemp(prefix="gpuguard-kube-"))
+        versions = read_versions()
+        self.state = State(
+            work_dir=str(work_dir),
+            state_dir=str(self.state_dir),
+            etcd_bin=str(bins.etcd),
+            apiserver_bin=str(bins.kube_apiserver),
+            etcd_client_port=0,
+            etcd_peer_port=0,
+            apiserver_port=0,
+            kube_version=versions["KUBE_VERSION"],
+            etcd_version=versions["ETCD_VERSION"],
+        )
+        try:
+            generate_pki(self.pki_dir)
+            (work_dir / "audit-policy.yaml").write_text(AUDIT_POLICY)
+            self._start_etcd_with_retry()
+            self._start_apiserver_with_retry()
+            self.write_kubeconfig()
+        except BaseException:
+            self.stop()
+            raise
+
+    @classmethod
+    def stop_recorded(cls, state_dir: Path = DEFAULT_STATE_DIR) -> bool:
+        """Stop whatever state.json in state_dir describes, alive or not; False if nothing."""
+        cp = cls(state_dir)
+        state = State.load(cp.state_path)
+        if state is None:
+            return False
+        cp.state = state
+        cp.stop()
+        return True
+
+    def stop(self) -> None:
+        """Stop both processes and delete the work dir, kubeconfig and state; idempotent."""
+        state = self.state
+        if state is None:
+            return
+        self.stop_apiserver()
+        self._stop_process("etcd", state.etcd_pid, state.etcd_bin)
+        state.etcd_pid = None
+        shutil.rmtree(state.work_dir, ignore_errors=True)
+        if self._state_file_is_ours_or_absent():
+            for path in (self.state_path, self.kubeconfig_path):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+        self.state = None
+
+    def stop_apiserver(self) -> None:
+        """Stop kube-apiserver only (etcd and all files stay), e.g. for an outage test."""
+        state = self._require_state()
+        self._stop_process("kube-apiserver", state.apiserver_pid, state.apiserver_bin)
+        state.apiserver_pid = None
+        self._save_state()
+
+    def start_apiserver(self) -> None:
+        """(Re)start kube-apiserver with the same flags, port and certificates; wait ready."""
+        state = self._require_state()
+        if state.apiserver_pid is not None and _pid_runs(state.apiserver_pid, state.apiserver_bin):
+            raise ControlPlaneError(f"kube-apiserver already runs (pid {state.apiserver_pid})")
+        self._spawn("kube-apiserver", self._apiserver_args(), self.apiserver_log_path)
+        self.wait_ready()
+
+    def is_running(self) -> bool:
+        """Both processes alive (says nothing about readiness)."""
+        state = self.state
+        if state is None or state.etcd_pid is None or state.apiserver_pid is None:
+            return False
+        return _pid_runs(state.etcd_pid, state.etcd_bin) and _pid_runs(
+            state.apiserver_pid, state.apiserver_bin
+        )
+
+    def is_ready(self) -> bool:
+        """GET /readyz answers 200."""
+        try:
+            status, _ = self.get("/readyz", timeout=5)
+        except (OSError, ControlPlaneError):
+            return False
+        return status == 200
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until /readyz is 200; on timeout raise with the tail of the apiserver log."""
+        state = self._require_state()
+        deadline = time.monotonic() + (self.ready_timeout if timeout is None else timeout)
+        last = "no answer yet"
+        while time.monotonic() < deadline:
+            if state.apiserver_pid is None or not _pid_alive(state.apiserver_pid):
+                raise ControlPlaneError(
+                    f"kube-apiserver exited during startup; last lines of "
+                    f"{self.apiserver_log_path}:\n{_tail(self.apiserver_log_path)}"
+                )
+            try:
+                status, body = self.get("/readyz?verbose", timeout=5)
+                if status == 200:
+                    return
+                last = f"HTTP {status}: " + " | ".join(line for line in body.splitlines() if "failed" in line)
+            except OSError as e:
+                last = str(e)
+            time.sleep(0.25)
+        raise ControlPlaneError(
+            f"kube-apiserver not ready at {self.url} after {timeout or self.ready_timeout:.0f}s "
+            f"({last}); last lines of {self.apiserver_log_path}:\n"
+            f"{_tail(self.apiserver_log_path)}"
+        )
+
+    # ---- requests and files for tests
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """TLS context trusting the test CA and presenting the admin client cert."""
+        ctx = ssl.create_default_context(cafile=str(self.ca_path))
+        ctx.load_cert_chain(str(self.pki_dir / "admin.crt"), str(self.pki_dir / "admin.key"))
+        return ctx
+
+    def get(self, path: str, *, timeout: float = 10) -> tuple[int, str]:
+        """GET path as admin; returns (status, body) even for HTTP errors."""
+        req = urllib.request.Request(self.url + path, headers={"User-Agent": "gpuguard-testenv"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout, context=self.ssl_context()) as r:
+                return int(r.status), r.read().decode(errors="replace")
+        except urllib.error.HTTPError as e:
+            return int(e.code), e.read().decode(errors="replace")
+
+    def version(self) -> dict[str, Any]:
+        """The parsed /version document."""
+        status, body = self.get("/version")
+        if status != 200:
+            raise ControlPlaneError(f"/version answered HTTP {status}: {body}")
+        doc: dict[str, Any] = json.loads(body)
+        return doc
+
+    def write_kubeconfig(self) -> Path:
+        """Write the admin kubeconfig (data embedded, so it survives copying) and return it."""
+
+        def b64(path: Path) -> str:
+            return base64.b64encode(path.read_bytes()).decode()
+
+        text = f"""\
+apiVersion: v1
+kind: Config
+clusters:
+  - name: gpuguard-test
+    cluster:
+      server: {self.url}
+      certificate-authority-data: {b64(self.ca_path)}
+users:
+  - name: admin
+    user:
+      client-certificate-data: {b64(self.pki_dir / "admin.crt")}
+      client-key-data: {b64(self.pki_dir / "admin.key")}
+contexts:
+  - name: gpuguard-test
+    context:
+      cluster: gpuguard-test
+      user: admin
+current-context: gpuguard-test
+"""
+        tmp = self.kubeconfig_path.with_suffix(".tmp")
+        _write_private(tmp, text.encode())
+        tmp.replace(self.kubeconfig_path)
+        return self.kubeconfig_path
+
+    def audit_line_count(self) -> int:
+        """Number of lines in the audit log now; pass as since_line to see only newer ones."""
+        try:
+            with self.audit_log_path.open("rb") as f:
+                return sum(1 for _ in f)
+        except FileNotFoundError:
+            return 0
+
+    def audit_events(
+        self,
+        user_agent_prefix: str | None = None,
+        since_line: int | None = None,
+        *,
+        stage: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Parsed audit events (one JSON object per line), optionally filtered.
+
+        Why: apiserver_request_total has no user-agent label, so tests count a client's
+        requests here. Most requests log one ResponseComplete event; watches and other
+        long-running requests also log ResponseStarted, so pass stage="ResponseComplete"
+        to count each request once. A torn last line (write in progress) is skipped.
+        """
+        events: list[dict[str, Any]] = []
+        try:
+            with self.audit_log_path.open(encoding="utf-8", errors="replace") as f:
+                for index, line in enumerate(f):
+                    if since_line is not None and index < since_line:
+                        continue
+                    try:
+                        event = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    if stage is not None and event.get("stage") != stage:
+                        continue
+                    agent = str(event.get("userAgent", ""))
+                    if user_agent_prefix is not None and not agent.startswith(user_agent_prefix):
+                        continue
+                    events.append(event)
+        except FileNotFoundError:
+            pass
+        return events
+
+    # ---- internals
+
+    def _state_file_is_ours_or_absent(self) -> bool:
+        """Never touch a state.json/kubeconfig that describes another control plane."""
+        on_disk = State.load(self.state_path)
+        return on_disk is None or (self.state is not None and on_disk.work_dir == self.state.work_dir)
+
+    def _save_state(self) -> None:
+        if self.state is not None and self._state_file_is_ours_or_absent():
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self.state.save(self.state_path)
+
+    def _spawn(self, name: str, args: list[str], log_path: Path) -> None:
+        state = self._require_state()
+        setpriv = shutil.which("setpriv")
+        if self.die_with_parent and setpriv:
+            # util-linux setpriv sets PR_SET_PDEATHSIG and execs the server (same pid,
+            # same argv[0]); no preexec_fn, which is unsafe in threaded processes. KILL,
+            # not TERM: a TERMed apiserver waits forever for the etcd dying beside it.
+            args = [setpriv, "--pdeathsig=KILL", "--", *args]
+        with log_path.open("ab") as log:
+            log.write(f"\n==== {time.strftime('%F %T')} starting {name}\n".encode())
+            log.flush()
+            # Own session = own process group, so stop() can signal the whole group and
+            # Ctrl-C in a terminal running `up` does not reach the servers.
+            proc = subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=state.work_dir,
+            )
+        self._procs[name] = proc
+        if name == "etcd":
+            state.etcd_pid = proc.pid
+        else:
+            state.apiserver_pid = proc.pid
+        self._save_state()
+
+    def _stop_process(self, name: str, pid: int | None, exe: str, grace: float = 15.0) -> None:
+        proc = self._procs.pop(name, None)
+        # Our own child is judged by Popen (its argv[0] may still be setpriv's); a server
+        # another process started, by pid and argv[0] (a reused pid is left alone).
+        alive = proc.poll() is None if proc is not None else pid is not None and _pid_runs(pid, exe)
+        if pid is None or not alive:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                break
+            if proc is None and not _pid_alive(pid):
+                break
+            time.sleep(0.05)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        if proc is not None:
+            proc.wait()
+            return
+        while _pid_alive(pid):
+            time.sleep(0.05)
+        # Not our child: init reaps the zombie, lazily. Wait briefly so that `pgrep` right
+        # after `down` shows nothing.
+        deadline = time.monotonic() + 5.0
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _etcd_args(self) -> list[str]:
+        s = self._require_state()
+        peer = f"http://127.0.0.1:{s.etcd_peer_port}"
+        client = f"http://127.0.0.1:{s.etcd_client_port}"
+        return [
+            s.etcd_bin,
+            "--name=gpuguard-test",
+            f"--data-dir={Path(s.work_dir) / 'etcd'}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=gpuguard-test={peer}",
+            "--initial-cluster-state=new",
+            # Test data is disposable: skip fsync, it dominates latency on slow disks.
+            "--unsafe-no-fsync",
+            "--log-level=warn",
+        ]
+
+    def _apiserver_args(self) -> list[str]:
+        s = self._require_state()
+        pki = self.pki_dir
+        return [
+            s.apiserver_bin,
+            f"--etcd-servers={self.etcd_url}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={s.apiserver_port}",
+            f"--tls-cert-file={pki / 'apiserver.crt'}",
+            f"--tls-private-key-file={pki / 'apiserver.key'}",
+            f"--client-ca-file={pki / 'ca.crt'}",
+            "--authorization-mode=Node,RBAC",
+            f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+            f"--service-account-key-file={pki / 'sa.pub'}",
+            f"--service-account-signing-key-file={pki / 'sa.key'}",
+            f"--api-audiences={','.join(API_AUDIENCES)}",
+            f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
+            f"--audit-policy-file={Path(s.work_dir) / 'audit-policy.yaml'}",
+            f"--audit-log-path={self.audit_log_path}",
+            "--audit-log-format=json",
+            # blocking: each event is written before the response, so tests can read it.
+            "--audit-log-mode=blocking",
+            "--audit-log-maxsize=0",
+            "--allow-privileged=true",
+            # The Endpoints of the `kubernetes` Service may not be loopback; nothing here
+            # needs them, and reconciling them would log errors forever.
+            "--endpoint-reconciler-type=none",
+            "--profiling=false",
+            "--v=1",
+        ]
+
+    def _wait_etcd(self, timeout: float = 30.0) -> None:
+        state = self._require_state()
+        deadline = time.monotonic() + timeout
+        last = "no answer yet"
+        while time.monotonic() < deadline:
+            if state.etcd_pid is None or not _pid_alive(state.etcd_pid):
+                raise ControlPlaneError(
+                    f"etcd exited during startup; last lines of {self.etcd_log_path}:\n"
+                    f"{_tail(self.etcd_log_path)}"
+                )
+            try:
+                with urllib.request.urlopen(self.etcd_url + "/health", timeout=2) as r:
+                    if json.loads(r.read()).get("health") == "true":
+                        return
+            except (OSError, ValueError) as e:
+                last = str(e)
+            time.sleep(0.1)
+        raise ControlPlaneError(
+            f"etcd not healthy at {self.etcd_url} after {timeout:.0f}s ({last}); last lines of "
+            f"{self.etcd_log_path}:\n{_tail(self.etcd_log_path)}"
+        )
+
+    def _start_etcd_with_retry(self, attempts: int = 3) -> None:
+        state = self._require_state()
+        for attempt in range(1, attempts + 1):
+            state.etcd_client_port, state.etcd_peer_port = free_port(), free_port()
+            self._spawn("etcd", self._etcd_args(), self.etcd_log_path)
+            try:
+                self._wait_etcd()
+                return
+            except ControlPlaneError:
+                self._stop_process("etcd", state.etcd_pid, state.etcd_bin)
+                state.etcd_pid = None
+                shutil.rmtree(Path(state.work_dir) / "etcd", ignore_errors=True)
+                if attempt == attempts or "address already in use" not in _tail(self.etcd_log_path):
+                    raise
+
+    def _start_apiserver_with_retry(self, attempts: int = 3) -> None:
+        state = self._require_state()
+        for attempt in range(1, attempts + 1):
+            state.apiserver_port = free_port()
+            self._spawn("kube-apiserver", self._apiserver_args(), self.apiserver_log_path)
+            try:
+                self.wait_ready()
+                return
+            except ControlPlaneError:
+                self.stop_apiserver()
+                if attempt == attempts or "address already in use" not in _tail(self.apiserver_log_path):
+                    raise
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+@contextlib.contextmanager
+def _state_lock(state_dir: Path) -> Iterator[None]:
+    """Serialise up/down/status on one state dir (e.g. two `make kube-up` at once)."""
+    import fcntl
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with (state_dir / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def cmd_up(state_dir: Path, *, allow_build: bool) -> int:
+    """Start (or find running) a control plane and print the kubeconfig path."""
+    with _state_lock(state_dir):
+        running = ControlPlane.attach(state_dir)
+        if running is not None:
+            print(f"control plane already up at {running.url}", file=sys.stderr)
+            print(running.kubeconfig_path)
+            return 0
+        cp = ControlPlane(state_dir, allow_build=allow_build)
+        cp.start()
+        version = cp.version().get("gitVersion", "?")
+        print(f"kube-apiserver {version} ready at {cp.url}", file=sys.stderr)
+        print(f"audit log: {cp.audit_log_path}", file=sys.stderr)
+        print(f"export KUBECONFIG={cp.kubeconfig_path}", file=sys.stderr)
+        print(cp.kubeconfig_path)
+        return 0
+
+
+def cmd_down(state_dir: Path) -> int:
+    """Stop the control plane described by state.json; fine if there is none."""
+    with _state_lock(state_dir):
+        if ControlPlane.stop_recorded(state_dir):
+            print("control plane stopped", file=sys.stderr)
+        else:
+            print("control plane not running", file=sys.stderr)
+        with contextlib.suppress(FileNotFoundError):
+            (state_dir / KUBECONFIG_NAME).unlink()
+        return 0
+
+
+def cmd_status(state_dir: Path) -> int:
+    """Print what runs; exit 0 only when both processes run and /readyz is 200."""
+    cp = ControlPlane(state_dir)
+    state = State.load(cp.state_path)
+    if state is None:
+        print("down (no state)")
+        return 3
+    cp.state = state
+    etcd_up = state.etcd_pid is not None and _pid_runs(state.etcd_pid, state.etcd_bin)
+    api_up = state.apiserver_pid is not None and _pid_runs(state.apiserver_pid, state.apiserver_bin)
+    running = etcd_up and api_up
+    ready = api_up and cp.is_ready()
+    verdict = "up" if running and ready else "degraded" if etcd_up or api_up else "down"
+    print(f"{verdict}: {cp.url}")
+    print(f"  etcd           pid {state.etcd_pid} running={etcd_up} {cp.etcd_url}")
+    print(f"  kube-apiserver pid {state.apiserver_pid} running={api_up} ready={ready}")
+    print(f"  kubeconfig     {cp.kubeconfig_path}")
+    print(f"  audit log      {cp.audit_log_path}")
+    return 0 if running and ready else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: up | down | status."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("command", choices=["up", "down", "status"])
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=DEFAULT_STATE_DIR,
+        help=f"where kubeconfig and state.json live (default {DEFAULT_STATE_DIR})",
+    )
+    parser.add_argument(
+        "--no-build",
+        action="store_true",
+        help="fail instead of running build.sh when the binaries are missing",
+    )
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "up":
+            return cmd_up(args.state_dir, allow_build=not args.no_build)
+        if args.command == "down":
+            return cmd_down(args.state_dir)
+        return cmd_status(args.state_dir)
+    except ControlPlaneError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

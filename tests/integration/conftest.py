@@ -1,0 +1,96 @@
+"""Fixtures that run integration tests against a real kube-apiserver (hack/testenv).
+
+The control plane code lives in ``hack/testenv/controlplane.py`` (shared with
+``make kube-up``); this file puts that directory on ``sys.path`` and imports it as
+``controlplane``.
+
+By default the session starts its own control plane (state in a pytest temp dir, so a
+``make kube-up`` cluster is left alone) and stops it at the end. With
+``GPUGUARD_KUBECONFIG_REUSE=1`` and a live cluster described by ``.kube-test/state.json``
+(``make kube-up``), that cluster is used and left running, which makes repeated runs fast.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+
+TESTENV_DIR = Path(__file__).resolve().parents[2] / "hack" / "testenv"
+if str(TESTENV_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTENV_DIR))
+
+import controlplane  # noqa: E402
+
+REUSE_ENV = "GPUGUARD_KUBECONFIG_REUSE"
+
+
+def _reuse_requested() -> bool:
+    return os.environ.get(REUSE_ENV, "") == "1"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build kube-apiserver/etcd before the first test starts.
+
+    Why here and not in the fixture: a cold build takes many minutes, and pytest-timeout's
+    per-test limit also covers the fixture setup of the first test that needs them.
+    """
+    if session.config.option.collectonly:
+        return
+    if not any("control_plane" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    if controlplane.cached_binaries() is not None:
+        return
+    if _reuse_requested() and controlplane.ControlPlane.attach() is not None:
+        return
+    reporter: Any = session.config.pluginmanager.getplugin("terminalreporter")
+    capman: Any = session.config.pluginmanager.getplugin("capturemanager")
+    if reporter is not None:
+        reporter.write_line("building kube-apiserver and etcd (hack/testenv/build.sh; cold: several minutes)")
+    try:
+        if capman is not None:
+            with capman.global_and_fixture_disabled():
+                controlplane.build()
+        else:
+            controlplane.build(quiet=True)
+    except controlplane.ControlPlaneError as e:
+        # The fixture reports the missing binaries to every test that needs them.
+        if reporter is not None:
+            reporter.write_line(f"build failed: {e}", red=True)
+
+
+@pytest.fixture(scope="session")
+def control_plane(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[controlplane.ControlPlane]:
+    """A running etcd + kube-apiserver for the whole session (reused when asked to)."""
+    if _reuse_requested():
+        running = controlplane.ControlPlane.attach()
+        if running is not None:
+            yield running
+            return
+    # The build ran in pytest_collection_finish; building here would hit the test timeout.
+    cp = controlplane.ControlPlane(
+        tmp_path_factory.mktemp("kube-test"), allow_build=False, die_with_parent=True
+    )
+    try:
+        cp.start()
+        yield cp
+    finally:
+        cp.stop()
+
+
+@pytest.fixture(scope="session")
+def admin_api(control_plane: controlplane.ControlPlane) -> Iterator[kubernetes.client.ApiClient]:
+    """A kubernetes.client.ApiClient authenticated as cluster admin (system:masters)."""
+    client: kubernetes.client.ApiClient = kubernetes.config.new_client_from_config(  # type: ignore[no-untyped-call]
+        config_file=str(control_plane.kubeconfig_path)
+    )
+    with closing(client):
+        yield client

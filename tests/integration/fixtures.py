@@ -1,0 +1,83 @@
+"""Shared fixtures of the integration tests: the deploy manifests applied once, and agents started as the
+DaemonSet's ServiceAccount on nodes the tests create."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+
+from gpuguard import __version__
+from tests.integration.kube import GPUS_OK, Admin, Agent, eventually, token_kubeconfig
+
+USER_AGENT = f"gpuguard/{__version__}"
+WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
+_names = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def admin(admin_api: kubernetes.client.ApiClient) -> Admin:
+    a = Admin(admin_api)
+    created = a.apply_deploy_manifests()
+    assert {
+        "Namespace/gpuguard",
+        "ServiceAccount/gpuguard",
+        "ClusterRole/gpuguard",
+        "ClusterRoleBinding/gpuguard",
+        "DaemonSet/gpuguard",
+    } <= set(created)
+    return a
+
+
+@pytest.fixture
+def start_agent(
+    admin: Admin, control_plane: Any, fakenvml: Path, tmp_path: Path
+) -> Iterator[Callable[..., tuple[Agent, str, Path]]]:
+    """start_agent(node=None, state=None, args=()) -> (agent, node name, state file); a node is created if
+    not given. Every agent is stopped at the end."""
+    agents: list[Agent] = []
+
+    def start(
+        node: str | None = None,
+        state: Path | None = None,
+        args: tuple[str, ...] = (),
+        host_boot_id: str = "host-boot-1",
+        **node_kw: Any,
+    ) -> tuple[Agent, str, Path]:
+        if node is None:
+            node = f"gpu-node-{next(_names)}-{int(time.time() * 1000) % 100000}"
+            admin.make_node(node, **node_kw)
+        if state is None:
+            state = tmp_path / f"{node}.state"
+            state.write_text(GPUS_OK)
+        token = admin.agent_token(node)
+        kubeconfig = token_kubeconfig(
+            tmp_path / f"{node}.kubeconfig",
+            server=control_plane.url,
+            ca_path=control_plane.ca_path,
+            token=token,
+        )
+        if not any(a.startswith("--max-quarantined") for a in args):
+            # The budget is cluster-wide and other tests leave quarantined nodes behind: only the budget
+            # test sets one.
+            args = ("--max-quarantined", "100%", *args)
+        agent = Agent(
+            node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml, args=args, host_boot_id=host_boot_id
+        ).start()
+        agents.append(agent)
+        eventually(agent.ready, 15, what="agent /readyz")
+        return agent, node, state
+
+    yield start
+    for a in agents:
+        if a.proc is not None and a.proc.poll() is None:
+            a.stop()
+        # Shown by pytest only when the test failed: what each agent said above info.
+        for line in a.lines:
+            if line.get("level") in ("warning", "error") or line.get("event") == "non-json":
+                print(a.node, line)

@@ -1,0 +1,276 @@
+"""Helpers for the integration tests: admin operations on the real API server, the agent's own identity
+(a ServiceAccount token bound to a Pod on its node, never admin), and the agent as a real subprocess
+(`gpuguard watch --backend nvml` through pynvml and the fake NVML library)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import kubernetes
+import yaml
+
+utils: Any = kubernetes.utils  # untyped
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+NAMESPACE = "gpuguard"
+SERVICE_ACCOUNT = "gpuguard"
+TAINT_KEY = "gpuguard.io/gpu-unhealthy"
+T = TypeVar("T")
+
+
+def eventually(fn: Callable[[], T | None], timeout: float, interval: float = 0.05, what: str = "") -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or fn}")
+        time.sleep(interval)
+
+
+class Admin:
+    """Cluster-admin operations the tests do themselves (there is no kubelet or controller-manager)."""
+
+    def __init__(self, api: kubernetes.client.ApiClient) -> None:
+        self.api = api
+        self.core: Any = kubernetes.client.CoreV1Api(api)
+        self.apps: Any = kubernetes.client.AppsV1Api(api)
+
+    def make_node(
+        self,
+        name: str,
+        *,
+        boot_id: str = "boot-1",
+        taints: list[dict[str, str]] | None = None,
+        unschedulable: bool = False,
+    ) -> None:
+        body = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": name, "labels": {"nvidia.com/gpu.present": "true"}},
+            "spec": {"taints": taints or [], "unschedulable": unschedulable},
+        }
+        self.core.create_node(body)
+        self.set_boot_id(name, boot_id)
+
+    def set_boot_id(self, name: str, boot_id: str) -> None:
+        self.core.patch_node_status(name, {"status": {"nodeInfo": {"bootID": boot_id}}})
+
+    def node(self, name: str) -> dict[str, Any]:
+        resp = self.core.read_node(name, _preload_content=False)
+        return json.loads(resp.data)  # type: ignore[no-any-return]
+
+    def our_taint(self, name: str) -> dict[str, Any] | None:
+        taints = self.node(name)["spec"].get("taints") or []
+        return next((t for t in taints if t["key"] == TAINT_KEY), None)
+
+    def patch_node(self, name: str, body: dict[str, Any]) -> None:
+        self.core.patch_node(name, body, _content_type="application/merge-patch+json")
+
+    def events_for(self, node: str) -> list[dict[str, Any]]:
+        resp = self.core.list_namespaced_event(
+            "default", field_selector=f"involvedObject.name={node}", _preload_content=False
+        )
+        return json.loads(resp.data)["items"]  # type: ignore[no-any-return]
+
+    def apply_deploy_manifests(self) -> list[str]:
+        """Create every manifest in deploy/ (really create: RBAC is not proven by a dry run)."""
+        created = []
+        for path in sorted(DEPLOY.glob("*.yaml")):
+            for doc in yaml.safe_load_all(path.read_text()):
+                if not doc:
+                    continue
+                try:
+                    utils.create_from_dict(self.api, doc)
+                except utils.FailToCreateError as exc:
+                    if not all(getattr(e, "status", None) == 409 for e in exc.api_exceptions):
+                        raise
+                created.append(f"{doc['kind']}/{doc['metadata']['name']}")
+        return created
+
+    def agent_token(self, node: str) -> str:
+        """A token for gpuguard's ServiceAccount bound to a Pod of the DaemonSet's template on `node`."""
+        ds = self.apps.read_namespaced_daemon_set("gpuguard", NAMESPACE, _preload_content=False)
+        template = json.loads(ds.data)["spec"]["template"]
+        pod_name = f"gpuguard-{node}"
+        spec = {**template["spec"], "nodeName": node}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": pod_name, "namespace": NAMESPACE, "labels": template["metadata"]["labels"]},
+            "spec": spec,
+        }
+        try:
+            self.core.create_namespaced_pod(NAMESPACE, body)
+        except kubernetes.client.exceptions.ApiException as exc:
+            if exc.status != 409:
+                raise
+        pod = json.loads(self.core.read_namespaced_pod(pod_name, NAMESPACE, _preload_content=False).data)
+        req = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {
+                "expirationSeconds": 3600,
+                "boundObjectRef": {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "name": pod_name,
+                    "uid": pod["metadata"]["uid"],
+                },
+            },
+        }
+        resp = self.core.create_namespaced_service_account_token(
+            SERVICE_ACCOUNT, NAMESPACE, req, _preload_content=False
+        )
+        return str(json.loads(resp.data)["status"]["token"])
+
+
+def token_kubeconfig(path: Path, *, server: str, ca_path: Path, token: str) -> Path:
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {"name": "test", "cluster": {"server": server, "certificate-authority": str(ca_path)}}
+                ],
+                "users": [{"name": "gpuguard", "user": {"token": token}}],
+                "contexts": [{"name": "gpuguard", "context": {"cluster": "test", "user": "gpuguard"}}],
+                "current-context": "gpuguard",
+            }
+        )
+    )
+    return path
+
+
+def token_client(server: str, ca_path: Path, token: str) -> kubernetes.client.ApiClient:
+    cfg = kubernetes.client.Configuration()
+    cfg.host = server
+    cfg.ssl_ca_cert = str(ca_path)
+    cfg.api_key = {"authorization": f"Bearer {token}"}
+    return kubernetes.client.ApiClient(cfg)
+
+
+GPUS_OK = "gpu 0 uuid=GPU-it-0\ngpu 1 uuid=GPU-it-1\n"
+
+
+class Agent:
+    """`gpuguard watch --backend nvml` as a subprocess, on the fake NVML library, as the ServiceAccount."""
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        kubeconfig: Path,
+        state: Path,
+        lib: Path,
+        args: tuple[str, ...] = (),
+        state_dir: Path | None = None,
+        host_boot_id: str = "host-boot-1",
+    ) -> None:
+        self.node, self.kubeconfig, self.state, self.lib, self.args = node, kubeconfig, state, lib, args
+        # Durable state per node (never the machine's /var/lib/gpuguard), keyed by a boot ID the test owns.
+        self.state_dir = state_dir or state.parent / f"{node}-gpuguard-state"
+        self.boot_id_file = state.parent / f"{node}-boot-id"
+        self.boot_id_file.write_text(host_boot_id + "\n")
+        self.proc: subprocess.Popen[str] | None = None
+        self.port = 0
+        self.lines: list[dict[str, Any]] = []
+        self._reader: threading.Thread | None = None
+        self.started_at = 0.0
+
+    def start(self) -> Agent:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUGUARD_", "KUBERNETES_"))}
+        env.update({"LD_LIBRARY_PATH": str(self.lib), "FAKE_NVML_STATE": str(self.state)})
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gpuguard",
+                "watch",
+                "--backend",
+                "nvml",
+                "--node",
+                self.node,
+                "--kubeconfig",
+                str(self.kubeconfig),
+                "--interval",
+                "0.2",
+                "--recover-after",
+                "2",
+                "--state-dir",
+                str(self.state_dir),
+                "--boot-id-file",
+                str(self.boot_id_file),
+                "--listen",
+                "127.0.0.1:0",
+                "--log-format",
+                "json",
+                *self.args,
+            ],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        eventually(lambda: self.port, 20, what="server.listening")
+        return self
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        for line in self.proc.stderr:
+            try:
+                doc = json.loads(line)
+            except json.JSONDecodeError:
+                doc = {"event": "non-json", "line": line}
+            self.lines.append(doc)
+            if doc.get("event") == "server.listening":
+                self.port = int(doc["port"])
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown path runs."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        self.proc.terminate()
+        code = self.proc.wait(10)
+        if self._reader is not None:
+            self._reader.join(5)
+        assert not any("Traceback" in json.dumps(line) for line in self.lines), self.lines
+        return code
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [line for line in self.lines if line.get("event") == name]
+
+    def healthz(self) -> tuple[int, dict[str, Any]]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False

@@ -1,0 +1,361 @@
+"""The Helm chart deploy/helm/gpuguard: its default render is deploy/daemonset.yaml, object for object.
+
+helm itself comes from hack/helm/build.sh (built once from the pinned Go module into .cache/helm/, a
+few minutes cold, instant afterwards). A failed build fails these tests; GPUGUARD_SKIP_HELM=1 skips
+them on machines without Go. Every non-default value must change exactly the agent setting it names,
+and every setting the chart can render must be one `gpuguard watch` accepts.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import gpuguard
+from gpuguard.cli import cli
+from gpuguard.config import ServerSettings
+from gpuguard.node import TAINT_KEY
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "deploy" / "helm" / "gpuguard"
+MANIFEST = ROOT / "deploy" / "daemonset.yaml"
+BUILD_SCRIPT = ROOT / "hack" / "helm" / "build.sh"
+NAMESPACE = "gpuguard"
+
+# The first run builds helm inside the test session: allow it more than pytest's default timeout.
+pytestmark = pytest.mark.timeout(1200)
+
+Docs = list[dict[str, Any]]
+
+
+# -- helpers -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Helm:
+    binary: str
+    env: dict[str, str]
+
+    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [self.binary, *args], env=self.env, capture_output=True, text=True, timeout=120, check=False
+        )
+
+    def render(self, *values: str, release: str = "gpuguard") -> Docs:
+        result = self.run("template", release, str(CHART), "--namespace", NAMESPACE, *values)
+        assert result.returncode == 0, result.stderr
+        return [d for d in yaml.safe_load_all(result.stdout) if d is not None]
+
+
+@pytest.fixture(scope="session")
+def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
+    """helm from hack/helm/build.sh, its config, cache and data directories isolated from the user's."""
+    if os.environ.get("GPUGUARD_SKIP_HELM") == "1":
+        pytest.skip("GPUGUARD_SKIP_HELM=1")
+    try:
+        result = subprocess.run(
+            [str(BUILD_SCRIPT)], capture_output=True, text=True, timeout=1100, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"hack/helm/build.sh did not finish in {exc.timeout} s")
+    if result.returncode != 0:
+        pytest.fail(
+            f"hack/helm/build.sh failed ({result.returncode}; GPUGUARD_SKIP_HELM=1 skips):\n"
+            + result.stderr[-3000:]
+        )
+    binary = result.stdout.strip().splitlines()[-1]
+    assert Path(binary).is_file(), result.stdout
+    home = tmp_path_factory.mktemp("helm-home")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HELM_")}
+    env |= {k: str(home / k.lower()) for k in ("HELM_CONFIG_HOME", "HELM_CACHE_HOME", "HELM_DATA_HOME")}
+    return Helm(binary, env)
+
+
+def _manifest() -> Docs:
+    with MANIFEST.open(encoding="utf-8") as f:
+        return [d for d in yaml.safe_load_all(f) if d is not None]
+
+
+def _by_kind(docs: Docs) -> dict[str, dict[str, Any]]:
+    out = {d["kind"]: d for d in docs}
+    assert len(out) == len(docs), "one object per kind"
+    return out
+
+
+def _sorted(docs: Docs) -> Docs:
+    return sorted(docs, key=lambda d: (d["kind"], d["metadata"]["name"]))
+
+
+def _pod_spec(docs: Docs) -> dict[str, Any]:
+    spec: dict[str, Any] = _by_kind(docs)["DaemonSet"]["spec"]["template"]["spec"]
+    return spec
+
+
+def _agent(docs: Docs) -> dict[str, Any]:
+    (container,) = _pod_spec(docs)["containers"]
+    assert container["name"] == "gpuguard"
+    return dict(container)
+
+
+def _agent_in(docs: Docs) -> dict[str, Any]:
+    """The agent container itself (not a copy), to edit."""
+    container: dict[str, Any] = _pod_spec(docs)["containers"][0]
+    return container
+
+
+def _env(docs: Docs) -> dict[str, Any]:
+    """name -> value (or the valueFrom source) of the agent container's environment."""
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in _agent(docs)["env"]}
+
+
+def _watch_variables() -> set[str]:
+    read: set[str] = set()
+    for param in cli.commands["watch"].params:
+        envvar = getattr(param, "envvar", None)
+        read.update([envvar] if isinstance(envvar, str) else envvar or [])
+    return read
+
+
+@pytest.fixture(scope="module")
+def default_render(helm: Helm) -> Docs:
+    return helm.render()
+
+
+# -- the default render ------------------------------------------------------------------------------------
+
+
+def test_the_default_render_is_exactly_the_objects_of_deploy_daemonset_yaml(default_render: Docs) -> None:
+    assert _sorted(default_render) == _sorted(_manifest())
+
+
+def test_the_chart_passes_helm_lint_strict(helm: Helm) -> None:
+    result = helm.run("lint", "--strict", str(CHART))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_charts_app_version_is_gpuguards_version_and_the_default_image_tag() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text(encoding="utf-8"))
+    assert chart["apiVersion"] == "v2"
+    assert chart["appVersion"] == gpuguard.__version__
+    assert chart["name"] == NAMESPACE
+    image = next(d for d in _manifest() if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    assert image["containers"][0]["image"].endswith(f":{chart['appVersion']}")
+
+
+# -- values that change the agent's settings ---------------------------------------------------------------
+
+# (--set arguments, variables added or changed, variables removed)
+ENV_CASES: list[tuple[list[str], dict[str, str], set[str]]] = [
+    (["--set", "taintEffect=NoExecute"], {"GPUGUARD_TAINT_EFFECT": "NoExecute"}, set()),
+    (["--set", "cordon=false"], {"GPUGUARD_NO_CORDON": "true"}, set()),
+    (["--set", "interval=1"], {"GPUGUARD_INTERVAL": "1"}, set()),
+    (["--set", "interval=0.5"], {"GPUGUARD_INTERVAL": "0.5"}, set()),
+    (["--set", "recovery.enabled=false"], {"GPUGUARD_NO_RECOVER": "true"}, set()),
+    (["--set", "recovery.recoverAfter=5"], {"GPUGUARD_RECOVER_AFTER": "5"}, set()),
+    (["--set", "budget.maxQuarantined=2"], {"GPUGUARD_MAX_QUARANTINED": "2"}, set()),
+    (["--set", "budget.maxQuarantined=25%"], {"GPUGUARD_MAX_QUARANTINED": "25%"}, set()),
+    (["--set", "budget.maxQuarantined="], {}, {"GPUGUARD_MAX_QUARANTINED"}),
+    (["--set", "flapWindow=0"], {"GPUGUARD_FLAP_WINDOW": "0"}, set()),
+    (["--set", "flapWindow=null"], {}, {"GPUGUARD_FLAP_WINDOW"}),
+    (["--set", "ignoredXids={13,43}"], {"GPUGUARD_IGNORE_XIDS": "13,43"}, set()),
+    (["--set", "fatalXids={13}"], {"GPUGUARD_FATAL_XIDS": "13"}, set()),
+    (["--set", "eccThreshold=0"], {"GPUGUARD_ECC_THRESHOLD": "0"}, set()),
+    (["--set", "eccThreshold=2"], {"GPUGUARD_ECC_THRESHOLD": "2"}, set()),
+    (
+        ["--set", "taintEffect=NoExecute", "--set", "cordon=false", "--set", "interval=1"],
+        {"GPUGUARD_TAINT_EFFECT": "NoExecute", "GPUGUARD_NO_CORDON": "true", "GPUGUARD_INTERVAL": "1"},
+        set(),
+    ),
+]
+
+
+# One value of every agent setting the chart has, none of them the default.
+EVERY_SETTING = [
+    *("--set", "taintEffect=NoExecute", "--set", "cordon=false", "--set", "interval=1"),
+    *("--set", "recovery.enabled=false", "--set", "recovery.recoverAfter=5"),
+    *("--set", "budget.maxQuarantined=2", "--set", "flapWindow=30", "--set", "eccThreshold=2"),
+    *("--set", "ignoredXids={13,43}", "--set", "fatalXids={13}", "--set", "metrics.port=9000"),
+]
+
+
+@pytest.mark.parametrize(
+    ("values", "changed", "removed"), ENV_CASES, ids=[" ".join(c[0][1::2]) for c in ENV_CASES]
+)
+def test_a_non_default_value_changes_exactly_the_agent_variable_it_names(
+    helm: Helm, default_render: Docs, values: list[str], changed: dict[str, str], removed: set[str]
+) -> None:
+    rendered = helm.render(*values)
+    expected = {k: v for k, v in _env(default_render).items() if k not in removed} | changed
+    assert _env(rendered) == expected
+    # ...and nothing else: with the default env put back, the render is the default one.
+    _agent_in(rendered)["env"] = _agent(default_render)["env"]
+    assert rendered == default_render
+
+
+def test_every_variable_the_chart_can_set_is_one_the_watch_command_reads(helm: Helm) -> None:
+    ours = {name for name in _env(helm.render(*EVERY_SETTING)) if name.startswith("GPUGUARD_")}
+    assert ours == {
+        *("GPUGUARD_LOG_FORMAT", "GPUGUARD_INTERVAL", "GPUGUARD_TAINT_EFFECT", "GPUGUARD_NO_CORDON"),
+        *(
+            "GPUGUARD_NO_RECOVER",
+            "GPUGUARD_RECOVER_AFTER",
+            "GPUGUARD_MAX_QUARANTINED",
+            "GPUGUARD_FLAP_WINDOW",
+        ),
+        *("GPUGUARD_IGNORE_XIDS", "GPUGUARD_FATAL_XIDS", "GPUGUARD_ECC_THRESHOLD", "GPUGUARD_LISTEN"),
+        "GPUGUARD_STATE_DIR",
+    }
+    missing = ours - _watch_variables()
+    assert not missing, f"not read by `gpuguard watch`: {sorted(missing)}"
+
+
+def test_the_watch_command_accepts_what_the_chart_renders(
+    helm: Helm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    values = ["--set", "taintEffect=PreferNoSchedule", "--set", "interval=0.5", "--set", "cordon=false"]
+    values += ["--set", "recovery.enabled=false", "--set", "recovery.recoverAfter=4"]
+    values += ["--set", "ignoredXids={13,43}", "--set", "fatalXids={43}", "--set", "eccThreshold=1"]
+    values += ["--set", "metrics.port=9000", "--set", "budget.maxQuarantined=12.5%", "--set", "flapWindow=30"]
+    env = _env(helm.render(*values))
+    for name, value in env.items():
+        if isinstance(value, str):
+            monkeypatch.setenv(name, value)
+    ctx = cli.commands["watch"].make_context("watch", [])
+    assert ctx.params["taint_effect"] == "PreferNoSchedule"
+    assert ctx.params["interval"] == 0.5
+    assert ctx.params["no_cordon"] is True and ctx.params["no_recover"] is True
+    assert ctx.params["recover_after"] == 4
+    assert (ctx.params["ignore_xids"], ctx.params["fatal_xids"]) == ("13,43", "43")
+    assert ctx.params["ecc_threshold"] == 1
+    assert ctx.params["listen"] == "0.0.0.0:9000"
+    assert (ctx.params["max_quarantined"], ctx.params["flap_window"]) == ("12.5%", 30.0)
+    assert ctx.params["state_dir"] == "/var/lib/gpuguard"
+
+
+def test_the_agent_starts_with_every_setting_the_chart_renders(helm: Helm, tmp_path: Path) -> None:
+    """Past flag parsing too: the agent's own validation (a bad value would be exit 2)."""
+    rendered = {k: v for k, v in _env(helm.render(*EVERY_SETTING)).items() if isinstance(v, str)}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("GPUGUARD_") and k != "NODE_NAME"}
+    env = base | rendered | {"GPUGUARD_STATE_DIR": str(tmp_path), "GPUGUARD_LISTEN": "127.0.0.1:0"}
+    result = subprocess.run(
+        [sys.executable, "-m", "gpuguard", "watch", "--dry-run", "--backend", "mock", "--run-for", "0.5"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_another_metrics_port_moves_the_listener_the_container_port_and_the_scrape_annotation(
+    helm: Helm, default_render: Docs
+) -> None:
+    rendered = helm.render("--set", "metrics.port=9000")
+    assert _env(rendered) == _env(default_render) | {"GPUGUARD_LISTEN": "0.0.0.0:9000"}
+    assert _agent(rendered)["ports"] == [{"name": "http", "containerPort": 9000, "protocol": "TCP"}]
+    annotations = _by_kind(rendered)["DaemonSet"]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == "9000"
+    assert _agent(default_render)["ports"][0]["containerPort"] == ServerSettings.port
+
+
+def test_the_scrape_annotations_can_be_turned_off(helm: Helm) -> None:
+    rendered = helm.render("--set", "metrics.scrapeAnnotations=false")
+    assert "annotations" not in _by_kind(rendered)["DaemonSet"]["spec"]["template"]["metadata"]
+
+
+def test_another_state_dir_moves_the_host_path_both_mounts_the_variable_and_the_init_script(
+    helm: Helm,
+) -> None:
+    rendered = helm.render("--set", "stateDir=/var/lib/gpu-guard")
+    spec = _pod_spec(rendered)
+    (state,) = [v for v in spec["volumes"] if v["name"] == "state"]
+    assert state["hostPath"] == {"path": "/var/lib/gpu-guard", "type": "DirectoryOrCreate"}
+    for c in spec["containers"] + spec["initContainers"]:
+        assert {"name": "state", "mountPath": "/var/lib/gpu-guard"} in c["volumeMounts"], c["name"]
+    assert _env(rendered)["GPUGUARD_STATE_DIR"] == "/var/lib/gpu-guard"
+    assert "p = '/var/lib/gpu-guard';" in spec["initContainers"][0]["command"][2]
+
+
+def test_the_image_tag_and_extra_args_reach_the_containers(helm: Helm) -> None:
+    rendered = helm.render(
+        "--set", "image.tag=0.2.0", "--set", "image.pullPolicy=Always", "--set", "extraArgs={--dry-run}"
+    )
+    spec = _pod_spec(rendered)
+    for c in spec["containers"] + spec["initContainers"]:
+        assert (c["image"], c["imagePullPolicy"]) == ("ghcr.io/gpuguard/gpuguard:0.2.0", "Always")
+    assert _agent(rendered)["args"] == ["watch", "--dry-run"]
+
+
+def test_replacing_the_tolerations_keeps_the_agents_own_taint_and_the_cordon(helm: Helm) -> None:
+    tolerations = _pod_spec(helm.render("--set-json", "tolerations=[]"))["tolerations"]
+    assert tolerations == [
+        {"key": TAINT_KEY, "operator": "Exists"},
+        {"key": "node.kubernetes.io/unschedulable", "operator": "Exists", "effect": "NoSchedule"},
+    ]
+
+
+def test_the_namespace_is_left_out_when_namespace_create_is_false(helm: Helm, default_render: Docs) -> None:
+    rendered = helm.render("--set", "namespace.create=false")
+    assert rendered == [d for d in default_render if d["kind"] != "Namespace"]
+
+
+def test_another_release_name_renames_every_object_consistently(helm: Helm) -> None:
+    docs = _by_kind(helm.render(release="gpu"))
+    for kind in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "DaemonSet"):
+        assert docs[kind]["metadata"]["name"] == "gpu-gpuguard", kind
+    binding = docs["ClusterRoleBinding"]
+    assert binding["roleRef"]["name"] == "gpu-gpuguard"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gpu-gpuguard", "namespace": NAMESPACE}]
+    assert docs["DaemonSet"]["spec"]["template"]["spec"]["serviceAccountName"] == "gpu-gpuguard"
+    assert docs["Namespace"]["metadata"]["name"] == NAMESPACE
+
+
+def test_a_render_with_every_value_changed_matches_the_kubernetes_api_schema(helm: Helm) -> None:
+    from kubernetes import client  # heavy import: only this test needs it
+
+    if not hasattr(client.V1DaemonSet, "model_validate"):
+        pytest.skip("this kubernetes client has no strict (pydantic) models")
+    values = [*EVERY_SETTING, "--set", "priorityClassName=", "--set", "nodeSelector=null"]
+    docs = _by_kind(helm.render(*values))
+    daemonset = copy.deepcopy(docs["DaemonSet"])
+    client.V1DaemonSet.model_validate(daemonset)
+    assert "priorityClassName" not in daemonset["spec"]["template"]["spec"]
+    assert "nodeSelector" not in daemonset["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (["--set", "taintEffect=NoExecut"], "/taintEffect"),
+        (["--set", "taintEfect=NoExecute"], "taintEfect"),
+        (["--set", "interval=soon"], "/interval"),
+        (["--set", "budget.maxQuarantined=ten"], "/budget/maxQuarantined"),
+        (["--set", "stateDir=relative/path"], "/stateDir"),
+        (["--set", "stateDir=/var/lib/x'; import shutil"], "/stateDir"),
+        (["--set", "metrics.port=0"], "/metrics/port"),
+    ],
+    ids=[
+        "a misspelt taint effect",
+        "a misspelt key",
+        "a word for the interval",
+        "a word for the budget",
+        "a relative state dir",
+        "python in the state dir",
+        "port 0",
+    ],
+)
+def test_the_values_schema_rejects_a_mistake_before_anything_is_deployed(
+    helm: Helm, values: list[str], message: str
+) -> None:
+    result = helm.run("template", "gpuguard", str(CHART), "--namespace", NAMESPACE, *values)
+    assert result.returncode != 0
+    assert message in result.stderr
