@@ -8,13 +8,13 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from tests.agentproc import healthz, read_port, spawn_watch, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("GPUGUARD_") and k != "NODE_NAME"}
@@ -126,62 +126,14 @@ def test_a_port_in_use_is_a_clear_error() -> None:
 def watching(
     scenario: str, *extra: str, env: dict[str, str] | None = None
 ) -> Iterator[tuple[subprocess.Popen[str], int]]:
-    p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gpuguard",
-            "watch",
-            "--dry-run",
-            "--backend",
-            "mock",
-            "--scenario",
-            scenario,
-            "--listen",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-            *extra,
-        ],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env={**ENV, **(env or {})},
-        cwd=ROOT,
+    p = spawn_watch(
+        "--dry-run", "--backend", "mock", "--scenario", scenario, *extra, env={**ENV, **(env or {})}
     )
     try:
-        assert p.stderr is not None
-        port = None
-        deadline = time.monotonic() + 20
-        while port is None and time.monotonic() < deadline:
-            line = p.stderr.readline()
-            if not line:
-                break
-            doc = json.loads(line)
-            if doc["event"] == "server.listening":
-                port = int(doc["port"])
-        assert port is not None, "the agent never logged server.listening"
-        yield p, port
+        yield p, read_port(p)
     finally:
         p.terminate()
         p.wait(10)
-
-
-def healthz(port: int) -> dict:  # type: ignore[type-arg]
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
-            return json.loads(r.read())  # type: ignore[no-any-return]
-    except urllib.error.HTTPError as e:
-        return json.loads(e.read())  # type: ignore[no-any-return]
-
-
-def wait_for(port: int, pred, timeout: float) -> tuple[dict, float]:  # type: ignore[no-untyped-def,type-arg]
-    start = time.monotonic()
-    while True:
-        doc = healthz(port)
-        if pred(doc) or time.monotonic() - start > timeout:
-            return doc, time.monotonic() - start
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize(
@@ -193,23 +145,23 @@ def test_watch_dry_run_shows_a_fault_on_healthz_within_two_intervals(
 ) -> None:
     s = write(tmp_path, f"gpus: 2\nevents:\n  - {{at: 1.0, gpu: 1, {event}}}\n")
     with watching(s, "--interval", "0.2") as (_, port):
-        doc, _ = wait_for(port, lambda d: d["last_check"] is not None, 5)
+        doc, _ = wait_until(port, lambda d: d["last_check"] is not None, 5)
         assert doc["healthy"] is True and doc["tainted"] is False and doc["dry_run"] is True
         # The event is due 1.0 s after start; allow two intervals (0.4 s) after that.
-        doc, _ = wait_for(port, lambda d: not d["healthy"], 3)
+        doc, _ = wait_until(port, lambda d: not d["healthy"], 3)
         assert not doc["healthy"], doc
         gpu1 = doc["gpus"][1]
         assert gpu1["healthy"] is False and gpu1["reasons"][0].startswith(reason)
-        doc, _ = wait_for(port, lambda d: d["tainted"], 1)
+        doc, _ = wait_until(port, lambda d: d["tainted"], 1)
         assert doc["tainted"] and doc["cordoned"]
 
 
 def test_watch_dry_run_fault_appears_within_two_intervals_of_its_time(tmp_path: Path) -> None:
     s = write(tmp_path, "gpus: 2\nevents:\n  - {at: 2.0, gpu: 0, ecc_uncorrected: 1}\n")
     with watching(s, "--interval", "0.2") as (_, port):
-        wait_for(port, lambda d: d["last_check"] is not None, 5)
+        wait_until(port, lambda d: d["last_check"] is not None, 5)
         start = time.monotonic()
-        doc, _ = wait_for(port, lambda d: not d["healthy"], 5)
+        doc, _ = wait_until(port, lambda d: not d["healthy"], 5)
         # The server came up just before the first check, so the event is due at most ~2.0 s from `start`.
         assert time.monotonic() - start <= 2.0 + 2 * 0.2 + 0.3
         assert not doc["healthy"]

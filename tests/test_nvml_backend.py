@@ -11,14 +11,14 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.agentproc import healthz, read_port, spawn_watch, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("GPUGUARD_", "FAKE_NVML"))}
@@ -134,39 +134,10 @@ def test_allow_no_gpu_makes_a_missing_library_healthy(tmp_path: Path) -> None:
 
 @contextmanager
 def watching(lib: Path, state: Path, *extra: str) -> Iterator[int]:
-    p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gpuguard",
-            "watch",
-            "--backend",
-            "nvml",
-            "--dry-run",
-            "--listen",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-            *extra,
-        ],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env=env(lib, state),
-        cwd=ROOT,
-    )
+    p = spawn_watch("--backend", "nvml", "--dry-run", *extra, env=env(lib, state))
     lines: list[str] = []
     try:
-        assert p.stderr is not None
-        port = None
-        while port is None:
-            line = p.stderr.readline()
-            if not line:
-                raise AssertionError("agent exited: " + "".join(lines))
-            lines.append(line)
-            doc = json.loads(line)
-            if doc["event"] == "server.listening":
-                port = int(doc["port"])
+        port = read_port(p, lines)
         wait_until(port, lambda d: d["last_check"] is not None, 10)
         yield port
     finally:
@@ -174,25 +145,6 @@ def watching(lib: Path, state: Path, *extra: str) -> Iterator[int]:
         _, err = p.communicate(timeout=10)
         assert p.returncode == 0, err
         assert "Traceback" not in "".join(lines) + err
-
-
-def healthz(port: int) -> dict[str, Any]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
-            return json.loads(r.read())  # type: ignore[no-any-return]
-    except urllib.error.HTTPError as e:
-        return json.loads(e.read())  # type: ignore[no-any-return]
-
-
-def wait_until(
-    port: int, pred: Callable[[dict[str, Any]], bool], timeout: float
-) -> tuple[dict[str, Any], float]:
-    start = time.monotonic()
-    while True:
-        doc = healthz(port)
-        if pred(doc) or time.monotonic() - start > timeout:
-            return doc, time.monotonic() - start
-        time.sleep(0.005)
 
 
 def append(state: Path, line: str) -> None:

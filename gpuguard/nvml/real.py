@@ -254,13 +254,9 @@ class NvmlBackend:
             if _is_lost(exc):
                 return _lost(base)
             errors.append(f"remap:{error_name(exc)}")
-        return GpuReading(
-            index=d.index,
-            uuid=d.uuid,
-            name=d.name,
-            pci_bus_id=d.pci_bus_id,
+        return replace(
+            base,
             ecc_uncorrected=ecc,
-            ecc_supported=d.ecc_supported,
             remap_failure=remap_failure,
             remap_pending=remap_pending,
             transient_errors=tuple(errors),
@@ -304,15 +300,8 @@ def _unreachable(index: int, before: _Device | None, *, lost: bool, error: str) 
 
 
 def _lost(base: GpuReading) -> GpuReading:
-    return GpuReading(
-        index=base.index,
-        uuid=base.uuid,
-        name=base.name,
-        pci_bus_id=base.pci_bus_id,
-        ecc_uncorrected=None,
-        ecc_supported=base.ecc_supported,
-        lost=True,
-    )
+    """A lost GPU answers nothing: only its identity and the fact that it is lost."""
+    return replace(base, ecc_uncorrected=None, remap_failure=None, remap_pending=None, lost=True)
 
 
 def _optional(fn: Any, default: str) -> str:

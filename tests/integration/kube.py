@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 import kubernetes
 import yaml
 
+from tests.agentproc import healthz_status
+
 utils: Any = kubernetes.utils  # untyped
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -262,11 +264,7 @@ class Agent:
         return [line for line in self.lines if line.get("event") == name]
 
     def healthz(self) -> tuple[int, dict[str, Any]]:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+        return healthz_status(self.port)
 
     def ready(self) -> bool:
         try:
