@@ -237,9 +237,12 @@ def test_the_agents_identity_is_refused_what_it_does_not_need(admin: Admin, cont
         ("list pods", core.list_pod_for_all_namespaces),
         ("create node", lambda: core.create_node({"metadata": {"name": "evil"}})),
         (
-            "patch node status",
-            lambda: core.patch_node_status(node, {"status": {"nodeInfo": {"bootID": "x"}}}),
+            # nodes/status: patch only (the GPUHealthy condition), never a whole-object update
+            "replace node status",
+            lambda: core.replace_node_status(node, core.read_node(node)),
         ),
+        ("update a node", lambda: core.replace_node(node, core.read_node(node))),
+        ("delete events", lambda: core.delete_collection_namespaced_event("default")),
     ]
     for what, call in attempts:
         with pytest.raises(kubernetes.client.exceptions.ApiException) as err:
