@@ -470,11 +470,12 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
         sys.exit(EXIT_USAGE)
     except click.ClickException as exc:
-        click.echo(f"gpuguard: error: {exc.format_message()}", err=True)
+        # One line even when click quotes an argument that holds a newline.
+        click.echo(f"gpuguard: error: {' '.join(exc.format_message().split())}", err=True)
         sys.exit(EXIT_USAGE)
     except click.exceptions.Abort:
         sys.exit(130)
     except ConfigError as exc:
-        click.echo(f"gpuguard: error: {exc}", err=True)
+        click.echo(f"gpuguard: error: {' '.join(str(exc).split())}", err=True)
         sys.exit(EXIT_USAGE)
     sys.exit(rv if isinstance(rv, int) else EXIT_OK)

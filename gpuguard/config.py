@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from gpuguard import validation
 from gpuguard.errors import ConfigError
 
 # Default ignored Xids: application-level or informational in NVIDIA's Xid catalog. A bad kernel or a
@@ -124,9 +125,8 @@ class Config:
 
 
 MIN_INTERVAL = 0.05
-# A Kubernetes node name is a DNS subdomain.
+
 _BUDGET = re.compile(r"^(\d{1,6}|\d{1,3}(\.\d{1,3})?%)$")
-_NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 
 def validate(cfg: Config) -> None:
@@ -135,9 +135,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"--backend must be nvml or mock, not {cfg.backend!r}")
     if cfg.scenario is not None and cfg.backend != "mock":
         raise ConfigError("--scenario needs --backend mock")
-    if not MIN_INTERVAL <= cfg.interval <= 3600:
+    if not MIN_INTERVAL <= cfg.interval <= 3600:  # NaN fails this too
         raise ConfigError(f"--interval must be between {MIN_INTERVAL} and 3600 seconds")
-    if cfg.run_for is not None and cfg.run_for <= 0:
+    if cfg.run_for is not None and not 0 < cfg.run_for < 1e9:  # "not >": NaN fails too
         raise ConfigError("--run-for must be > 0")
     if cfg.log_format not in ("auto", "json", "console"):
         raise ConfigError("--log-format must be json or console")
@@ -149,16 +149,21 @@ def validate(cfg: Config) -> None:
     n = cfg.node
     if n.taint_effect not in TAINT_EFFECTS:
         raise ConfigError(f"--taint-effect must be one of {', '.join(TAINT_EFFECTS)}")
+    if not 0 < n.budget_recheck <= 86400:
+        raise ConfigError("--budget-recheck must be between 0 and 86400 seconds")
     if n.recover_after < 1:
         raise ConfigError("--recover-after must be >= 1")
     if not _BUDGET.match(n.max_quarantined) or (
         n.max_quarantined.endswith("%") and float(n.max_quarantined[:-1]) > 100
     ):
         raise ConfigError("--max-quarantined must be a count (e.g. 5) or a percentage 0..100% (e.g. 10%)")
-    if not 0 <= n.flap_window <= 7 * 86400:
+    if not 0 <= n.flap_window <= 7 * 86400:  # NaN fails every comparison: rejected too
         raise ConfigError("--flap-window must be between 0 and 604800 seconds")
-    if n.name is not None and not _NODE_NAME.match(n.name):
-        raise ConfigError(f"--node {n.name!r} is not a valid Kubernetes node name")
+    if n.name is not None:
+        try:
+            validation.node_name(n.name)
+        except ConfigError as exc:
+            raise ConfigError(f"--node: {exc}") from None
     if n.name is None and not n.dry_run:
         raise ConfigError("no node name: pass --node or set NODE_NAME (or use --dry-run)")
     if not 0 <= cfg.server.port <= 65535:
@@ -171,7 +176,7 @@ def parse_xids(text: str, *, flag: str) -> frozenset[int]:
     for part in text.replace(" ", "").split(","):
         if not part:
             continue
-        if not part.isdigit() or len(part) > 6:
+        if not (part.isascii() and part.isdigit()) or len(part) > 6:
             raise ConfigError(f"{flag}: {part!r} is not an Xid code (comma-separated integers)")
         codes.add(int(part))
     return frozenset(codes)
@@ -180,7 +185,7 @@ def parse_xids(text: str, *, flag: str) -> frozenset[int]:
 def parse_listen(text: str) -> ServerSettings:
     """'HOST:PORT', ':PORT' or '[::1]:PORT'."""
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or len(port) > 5:
+    if not sep or not (port.isascii() and port.isdigit()) or len(port) > 5:
         raise ConfigError(f"--listen {text!r}: expected HOST:PORT, e.g. 0.0.0.0:9847")
     host = host.strip("[]") or "0.0.0.0"  # noqa: S104
     return ServerSettings(host=host, port=int(port))

@@ -25,9 +25,10 @@ from typing import Any, Protocol
 import structlog
 import tenacity
 
-from gpuguard import __version__
+from gpuguard import __version__, validation
 from gpuguard.config import NodeSettings
 from gpuguard.errors import (
+    ConfigError,
     ConflictError,
     NodeUpdateError,
     PermanentApiError,
@@ -134,7 +135,7 @@ class NodeView:
     @property
     def recorded_faults(self) -> frozenset[str]:
         raw = self.annotations.get(ANN_FAULTS, "")
-        return frozenset(k for k in raw.split(",") if k)
+        return frozenset(validation.fault_key(k) for k in raw.split(",") if k)
 
     @property
     def cordoned_by_us(self) -> bool:
@@ -229,8 +230,10 @@ def plan(
     ours = node.our_taint
     full = budget is None or budget.has_room
     if faults:
-        keys = {f.key for f in faults}
-        new = [f for f in faults if f.key not in recorded]
+        # Compared through fault_key on both sides: a hostile UUID can neither split a key nor make a
+        # recorded fault look new at every check.
+        keys = {validation.fault_key(f.key) for f in faults}
+        new = [f for f in faults if validation.fault_key(f.key) not in recorded]
         if ours is None and new:
             return _quarantine(
                 node, faults, new, recorded | keys, settings=settings, now=now, budget=budget, full=full
@@ -416,8 +419,7 @@ def _merge(current: Mapping[str, str], patch: Mapping[str, str | None]) -> dict[
 
 
 def _reason_text(faults: Any) -> str:
-    text = "; ".join(f.message for f in faults)
-    return text if len(text) <= _MAX_REASON else text[: _MAX_REASON - 3] + "..."
+    return validation.clean_text("; ".join(f.message for f in faults), max_bytes=_MAX_REASON)
 
 
 def _join_keys(keys: Any) -> str:
@@ -460,11 +462,12 @@ class DryRunNodeWriter:
         return self._node
 
     def patch(self, node: NodeView, change: NodeChange) -> NodeView:
+        body = _checked_patch(node, change)
         log.info(
             "node.dry_run",
             node=node.name,
             action=change.action,
-            patch=json.dumps(change.patch(node.resource_version), sort_keys=True),
+            patch=json.dumps(body, sort_keys=True),
         )
         self._node = apply_change(self._node, change)
         return self._node
@@ -476,6 +479,7 @@ class DryRunNodeWriter:
         return None
 
     def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
+        _checked_condition(node, condition)
         log.info("node.dry_run_condition", node=node.name, condition=json.dumps(dict(condition)))
         self._node = replace(self._node, gpu_condition=condition["status"])
         return self._node
@@ -508,10 +512,11 @@ class KubeNodeWriter:
             return NodeView.from_api(json.loads(resp.data))
 
     def patch(self, node: NodeView, change: NodeChange) -> NodeView:
+        body = _checked_patch(node, change)
         with _translate(f"patch node {self._name}", "patch", self._metrics):
             resp = self._core.patch_node(
                 self._name,
-                change.patch(node.resource_version),
+                body,
                 _content_type="application/merge-patch+json",
                 _preload_content=False,
                 _request_timeout=self._timeout,
@@ -528,7 +533,7 @@ class KubeNodeWriter:
             "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": node.uid},
             "type": event.type,
             "reason": event.reason,
-            "message": event.message,
+            "message": validation.clean_text(event.message),
             "source": {"component": "gpuguard", "host": node.name},
             "reportingComponent": "gpuguard",
             "reportingInstance": node.name,
@@ -562,6 +567,7 @@ class KubeNodeWriter:
         return Budget(gpu_nodes=total, quarantined=quarantined, limit=budget_limit(spec, total))
 
     def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
+        _checked_condition(node, condition)
         with _translate(f"patch node {self._name} status", "patch", self._metrics):
             resp = self._core.patch_node_status(
                 self._name,
@@ -571,6 +577,24 @@ class KubeNodeWriter:
                 _request_timeout=self._timeout,
             )
             return NodeView.from_api(json.loads(resp.data))
+
+
+def _checked_patch(node: NodeView, change: NodeChange) -> dict[str, Any]:
+    """The patch body, validated before anything is sent (label-value syntax, our keys only, sizes). A
+    refusal is a permanent error: logged once, the same change not retried for 5 minutes."""
+    body = change.patch(node.resource_version)
+    try:
+        validation.check_node_patch(body)
+    except ConfigError as exc:
+        raise PermanentApiError(f"patch node {node.name}: refused before sending: {exc}") from exc
+    return body
+
+
+def _checked_condition(node: NodeView, condition: Mapping[str, str]) -> None:
+    try:
+        validation.check_condition(condition)
+    except ConfigError as exc:
+        raise PermanentApiError(f"patch node {node.name} status: refused before sending: {exc}") from exc
 
 
 class _translate:
@@ -629,8 +653,6 @@ def load_api_client(kubeconfig: str | None) -> Any:
     from kubernetes import client  # noqa: PLC0415
     from kubernetes import config as _config  # noqa: PLC0415
     from kubernetes.config.config_exception import ConfigException  # noqa: PLC0415
-
-    from gpuguard.errors import ConfigError  # noqa: PLC0415
 
     config: Any = _config  # its loaders are untyped
     configuration = client.Configuration()

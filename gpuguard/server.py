@@ -2,13 +2,29 @@
 
 /healthz is liveness: 200 while the check loop has completed a check within the last 3 intervals, whatever
 the GPUs say (a sick GPU must not make kubelet restart the agent). /readyz: 200 after the first complete
-check and node reconcile. Only GET and HEAD on these three paths; requests are small and time-limited.
+check and node reconcile.
+
+The port is reachable by every pod in the cluster (kubelet probes the pod IP), so the server treats every
+request as hostile and bounds what one can cost:
+- only GET and HEAD, only on these three paths (405 with Allow for another method, 404 for another path);
+- the request line at most MAX_REQUEST_LINE bytes with its line ending (414), at most MAX_HEADERS header
+  lines and MAX_HEADER_BYTES bytes of them (431), no body (413, or 400 for Transfer-Encoding);
+- the whole request head must arrive within REQUEST_TIMEOUT seconds, however slowly it trickles in
+  (408), and one connection serves one request (HTTP/1.0, no keep-alive);
+- at most MAX_CONNECTIONS connections at once; beyond that, 503 and close, so a flood cannot exhaust
+  threads or memory (the pod has a 128 MiB limit).
+Nothing from the request is echoed back.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import re
+import socket
+import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,7 +39,19 @@ from gpuguard.agent import AgentStatus
 log = structlog.get_logger("gpuguard.server")
 
 REQUEST_TIMEOUT = 5.0
+"""Seconds for a client to send its whole request head; also the socket timeout for the response."""
 MAX_REQUEST_LINE = 2048
+MAX_HEADERS = 32
+MAX_HEADER_BYTES = 8192
+MAX_CONNECTIONS = 64
+LINGER = 0.25
+"""Seconds, at most, to drain what a client still sends after its answer (see finish())."""
+MAX_LINGER_BYTES = 64 * 1024
+PATHS = ("/healthz", "/readyz", "/metrics")
+ALLOWED_METHODS = ("GET", "HEAD")
+_RECV = 4096
+_CONTENT_LENGTH = re.compile(r"[0-9]{1,19}")
+_BUSY = b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
 def health_body(s: AgentStatus) -> dict[str, Any]:
@@ -61,8 +89,7 @@ class HealthServer:
         registry: CollectorRegistry | None = None,
     ) -> None:
         handler = _make_handler(status, registry)
-        self._httpd = ThreadingHTTPServer((host, port), handler)
-        self._httpd.daemon_threads = True
+        self._httpd = _BoundedServer((host, port), handler)
         self._thread: threading.Thread | None = None
 
     @property
@@ -83,22 +110,173 @@ class HealthServer:
         self._httpd.server_close()
 
 
+class _BoundedServer(ThreadingHTTPServer):
+    """One thread per connection, but never more than MAX_CONNECTIONS of them."""
+
+    daemon_threads = True
+    request_queue_size = 2 * MAX_CONNECTIONS  # connects beyond the slots wait to be told 503, not dropped
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            # Refused on the accepting thread without reading anything: a few bytes into an empty send
+            # buffer, with a timeout in case even that blocks.
+            try:
+                request.settimeout(0.5)
+                request.sendall(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()  # the thread did not start: its slot is free
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # socketserver's default prints a traceback to stderr, outside the JSON logs. A handler error is
+        # a bug (every refusal is an answer, not an exception): one structured line, and the server goes on.
+        exc = sys.exc_info()[1]
+        log.error("http.handler_error", error=f"{type(exc).__name__}: {exc}"[:300])
+
+
+class _Refused(Exception):
+    """The request is refused with this HTTP status before it is parsed (or silently, with None)."""
+
+    def __init__(self, status: int | None) -> None:
+        super().__init__(status)
+        self.status = status
+
+
 def _make_handler(
     status: Callable[[], AgentStatus], registry: CollectorRegistry | None
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        timeout = REQUEST_TIMEOUT  # a slow client cannot hold a thread forever
+        timeout = REQUEST_TIMEOUT  # the socket timeout for writing the response
         server_version = "gpuguard"
         sys_version = ""
+        protocol_version = "HTTP/1.0"  # one request per connection: no keep-alive to hold a thread
+        # What an error is answered as before the request's own version is known. The stdlib's default,
+        # HTTP/0.9, would answer with a bare body and no status line.
+        default_request_version = "HTTP/1.0"
 
-        def do_GET(self) -> None:
-            self._serve(head=False)
+        def handle(self) -> None:
+            # One request, whatever the client asks for (close_connection stays True with HTTP/1.0).
+            self.close_connection = True
+            self.handle_one_request()
 
-        def do_HEAD(self) -> None:
-            self._serve(head=True)
+        def handle_one_request(self) -> None:
+            self.requestline, self.request_version, self.command = "", self.default_request_version, ""
+            try:
+                line, headers = self._read_head()
+            except _Refused as refused:
+                if refused.status is not None:
+                    self._error(refused.status, head_only=False)
+                return
+            self.raw_requestline = line
+            # parse_request() reads the headers from rfile: give it exactly the bounded head, so it can
+            # neither block nor read past our limits.
+            socket_file, self.rfile = self.rfile, io.BytesIO(headers + b"\r\n")
+            try:
+                if not self.parse_request():
+                    return  # it has answered 400 or 505 itself, or the request line was blank
+            finally:
+                self.rfile = socket_file
+            if len(self.requestline.split()) != 3 or not self.request_version.startswith("HTTP/1."):
+                # HTTP/0.9 ("GET /path" alone, or said outright) would be answered with a bare body.
+                self.request_version = self.default_request_version
+                self._error(400, head_only=False)
+                return
+            self._dispatch()
 
-        def _serve(self, *, head: bool) -> None:
+        def _read_head(self) -> tuple[bytes, bytes]:
+            """(request line, header lines), read under the size limits and one overall deadline.
+
+            Straight from the socket with the time left as its timeout: a buffered readline() would wait
+            REQUEST_TIMEOUT per byte for a client that sends one byte at a time."""
+            deadline = time.monotonic() + REQUEST_TIMEOUT
+            buf = bytearray()
+            while True:
+                first = buf.find(b"\n")
+                if (first + 1 if first >= 0 else len(buf)) > MAX_REQUEST_LINE:  # line ending included
+                    raise _Refused(414)
+                end = _end_of_head(buf)
+                if end >= 0:
+                    break
+                if len(buf) > MAX_REQUEST_LINE + MAX_HEADER_BYTES:
+                    raise _Refused(431)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _Refused(408)
+                self.connection.settimeout(left)
+                try:
+                    chunk = self.connection.recv(_RECV)
+                except TimeoutError:
+                    raise _Refused(408) from None
+                except OSError:
+                    raise _Refused(None) from None
+                if not chunk:  # the client closed: nobody to answer
+                    raise _Refused(None)
+                buf += chunk
+            self.connection.settimeout(REQUEST_TIMEOUT)
+            line, headers = bytes(buf[: first + 1]), bytes(buf[first + 1 : end + 1])
+            if headers.count(b"\n") > MAX_HEADERS or len(headers) > MAX_HEADER_BYTES:
+                raise _Refused(431)
+            return line, headers
+
+        def finish(self) -> None:
+            super().finish()
+            # Lingering close: a refused request may leave bytes unread (a body, the rest of a huge
+            # line), and closing over unread bytes sends a TCP reset that can destroy our answer before
+            # the client reads it. Half-close, then drain briefly and boundedly, then close.
+            try:
+                self.connection.shutdown(socket.SHUT_WR)
+                deadline = time.monotonic() + LINGER
+                drained = 0
+                while drained < MAX_LINGER_BYTES and (left := deadline - time.monotonic()) > 0:
+                    self.connection.settimeout(left)
+                    chunk = self.connection.recv(_RECV)
+                    if not chunk:
+                        break
+                    drained += len(chunk)
+            except OSError:
+                pass  # the client is gone already: nothing to protect
+
+        def _dispatch(self) -> None:
+            head_only = self.command == "HEAD"
             path = self.path.split("?", 1)[0]
+            if path not in PATHS or (path == "/metrics" and registry is None):
+                self._error(404, head_only)
+            elif self.command not in ALLOWED_METHODS:
+                self._error(405, head_only, allow=", ".join(ALLOWED_METHODS))
+            elif (problem := self._body_problem()) is not None:
+                self._error(problem, head_only)
+            else:
+                self._serve(path, head_only)
+
+        def _body_problem(self) -> int | None:
+            """GET and HEAD carry no body here; one that comes anyway is refused, never read."""
+            if self.headers.get_all("Transfer-Encoding"):
+                return 400
+            lengths = self.headers.get_all("Content-Length") or []
+            if not lengths:
+                return None
+            # [0-9] and not str.isdigit(), which also accepts "²", which int() refuses.
+            if len(lengths) > 1 or not _CONTENT_LENGTH.fullmatch(lengths[0].strip()):
+                return 400
+            return 413 if int(lengths[0]) > 0 else None
+
+        def _serve(self, path: str, head: bool) -> None:
             if path == "/healthz":
                 s = status()
                 body = json.dumps(health_body(s)).encode()
@@ -107,18 +285,29 @@ def _make_handler(
                 s = status()
                 ok = s.ready
                 self._send(200 if ok else 503, "text/plain", b"ok\n" if ok else b"not ready\n", head)
-            elif path == "/metrics" and registry is not None:
-                self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry), head)
             else:
-                self._send(404, "text/plain", b"not found\n", head)
+                assert registry is not None
+                self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry), head)
 
-        def _method_not_allowed(self) -> None:
-            self.send_response(405)
-            self.send_header("Allow", "GET, HEAD")
-            self.send_header("Content-Length", "0")
+        def _error(self, code: int, head_only: bool, *, allow: str | None = None) -> None:
+            body = f"{code} {self.responses.get(code, ('error',))[0].lower()}\n".encode()
+            self.send_response(code)
+            if allow is not None:
+                self.send_header("Allow", allow)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Connection", "close")
             self.end_headers()
+            if not head_only:
+                self.wfile.write(body)
 
-        do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _method_not_allowed
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            # parse_request() answers malformed requests through here: our plain, non-echoing body, and
+            # always a status line (it may have recorded "HTTP/0.9" before it found the syntax error).
+            self.close_connection = True
+            if not self.request_version.startswith("HTTP/1."):
+                self.request_version = self.default_request_version
+            self._error(code, self.command == "HEAD")
 
         def _send(self, code: int, ctype: str, body: bytes, head: bool) -> None:
             self.send_response(code)
@@ -133,3 +322,9 @@ def _make_handler(
             log.debug("http.request", request=self.requestline[:200])
 
     return Handler
+
+
+def _end_of_head(buf: bytearray) -> int:
+    """Index of the blank line that ends the request head (CRLF or bare LF line ends), or -1."""
+    ends = [i for i in (buf.find(b"\n\r\n"), buf.find(b"\n\n")) if i >= 0]
+    return min(ends) if ends else -1

@@ -72,6 +72,9 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
         raise ScenarioError(f"scenario {source}:{line} not valid YAML") from None
     except RecursionError:
         raise ScenarioError(f"scenario {source}: nested too deeply") from None
+    except (ValueError, TypeError, AttributeError, OverflowError) as exc:
+        # PyYAML's constructors raise these for values Python cannot build (gpus: 2001-02-30, !!float x).
+        raise ScenarioError(f"scenario {source}: a value YAML cannot build: {str(exc)[:120]}") from None
     if not isinstance(doc, dict):
         raise ScenarioError(f"scenario {source}: expected a mapping with 'gpus' or 'devices'")
     unknown = set(doc) - {"gpus", "devices", "events"}
