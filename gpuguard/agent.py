@@ -86,6 +86,11 @@ class Agent:
     def wakeup(self) -> None:
         self._wake.set()
 
+    def stop(self) -> None:
+        """Stop the loop promptly (SIGTERM/SIGINT)."""
+        self.stop_event.set()
+        self._wake.set()
+
     def run(self, *, run_for: float | None = None) -> None:
         """Run until the stop event is set (SIGTERM) or `run_for` seconds have passed."""
         self._started = self._clock()
@@ -105,8 +110,9 @@ class Agent:
                     left = next_poll - self._clock()
                     if left <= 0:
                         break
-                    # Short waits so SIGTERM is noticed promptly; an Xid sets _wake and ends the wait.
-                    self._wake.wait(min(left, 0.25))
+                    # One wait per poll (an idle agent must cost next to nothing): an Xid or stop() sets
+                    # _wake and ends it at once.
+                    self._wake.wait(left)
                 if deadline is not None and self._clock() >= deadline:
                     break
         finally:

@@ -385,7 +385,7 @@ def _watch(cfg: Config) -> int:
     structlog.get_logger("gpuguard").info("server.listening", host=cfg.server.host, port=server.port)
 
     def _stop(signum: int, frame: FrameType | None) -> None:
-        agent.stop_event.set()
+        agent.stop()
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _stop)

@@ -741,6 +741,10 @@ class NodeReconciler:
         self._max_conflicts = max_conflicts
         self._cond = threading.Condition()
         self._latest: tuple[Verdict, int, bool] | None = None
+        # The decision-relevant summary of the last verdict reconciled without error (see submit()).
+        self._settled: tuple[object, ...] | None = None
+        self._pending_sig: tuple[object, ...] | None = None
+        self._blocked = False
         self._budget_checked = -math.inf
         self._generation = 0
         self._done_generation = 0
@@ -770,9 +774,23 @@ class NodeReconciler:
             self._thread.join(timeout)
 
     def submit(self, verdict: Verdict, healthy_streak: int, *, flapping: bool = False) -> None:
-        """Hand over the newest verdict (latest wins: an old one is never applied after a newer one)."""
+        """Hand over the newest verdict (latest wins: an old one is never applied after a newer one).
+
+        A verdict that cannot change any decision (same faults, a streak past --recover-after, the node
+        cached and not deferred) does not wake the writer thread: an idle agent costs next to nothing."""
+        sig = (
+            frozenset(f.key for f in verdict.faults),
+            verdict.healthy,
+            min(healthy_streak, self._settings.recover_after),
+            flapping,
+            bool(verdict.gpus),
+        )
         with self._cond:
             self._latest = (verdict, healthy_streak, flapping)
+            node = self._node
+            if sig == self._settled and node is not None and not node.deferred:
+                return
+            self._pending_sig = sig
             self._generation += 1
             self._cond.notify_all()
 
@@ -791,6 +809,9 @@ class NodeReconciler:
         """One synchronous reconcile of the latest verdict (the thread's body; also for tests)."""
         with self._cond:
             generation = self._generation
+            sig = self._pending_sig
+        settled = False
+        self._blocked = False
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(TransientApiError),
             wait=self._wait,
@@ -801,6 +822,7 @@ class NodeReconciler:
         )
         try:
             retrying(self._reconcile_once)
+            settled = not self._blocked
             if self._api_down:
                 self._api_down = False
                 log.info("api.available", node=self._settings.name)
@@ -810,6 +832,7 @@ class NodeReconciler:
             self._reject(str(exc))
         finally:
             with self._cond:
+                self._settled = sig if settled else None
                 self._done_generation = max(self._done_generation, generation)
                 self._cond.notify_all()
 
@@ -845,7 +868,8 @@ class NodeReconciler:
                 and self._rejected[0] == _signature(change)
                 and (time.monotonic() < self._rejected[1])
             ):
-                return  # the API refused this very change recently: do not hammer it
+                self._blocked = True  # refused recently: do not hammer it, but do not settle either
+                return
             self._attempt = change
             try:
                 node = self._writer.patch(node, change)

@@ -99,7 +99,7 @@ class HealthServer:
     def start(self) -> None:
         self._thread = threading.Thread(
             target=self._httpd.serve_forever,
-            kwargs={"poll_interval": 0.2},
+            kwargs={"poll_interval": 0.5},
             name="gpuguard-http",
             daemon=True,
         )

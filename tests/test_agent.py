@@ -120,7 +120,7 @@ def test_an_xid_wakes_the_loop_long_before_the_next_poll() -> None:
         assert agent.status().tainted, "the Xid never tainted the (dry-run) node"
         assert elapsed < 2.0, f"took {elapsed:.2f}s with a 30 s interval"
     finally:
-        agent.stop_event.set()
+        agent.stop()
         t.join(5)
     assert not t.is_alive()
 

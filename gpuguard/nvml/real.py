@@ -26,7 +26,7 @@ _ERROR_NAMES: dict[int, str] = {
     if n.startswith("NVML_ERROR_") and isinstance(getattr(pynvml, n), int)
 }
 # Bounded so that close() is prompt (the event thread checks its stop flag between waits).
-EVENT_WAIT_MS = 500
+EVENT_WAIT_MS = 1000
 
 
 def error_name(exc: BaseException) -> str:
