@@ -53,7 +53,7 @@ unit: install fakenvml
 	$(BIN)/python -m pytest -q --ignore=tests/integration
 
 # Every performance figure in docs/performance.md comes from here.
-bench: install fakenvml
+bench: install fakenvml testenv
 	$(BIN)/python bench/run.py
 
 lint: install

@@ -61,6 +61,8 @@ SOFT_EFFECT = "PreferNoSchedule"
 # within the threshold again (driver reload or GPU reset), or NVML initialises again.
 _CLEARED_WITHOUT_REBOOT = frozenset({ECC, NVML_INIT})
 USER_AGENT = f"gpuguard/{__version__}"
+# Seconds a budget list is reused by the re-plans after a 409, instead of listing all GPU nodes again.
+BUDGET_REUSE = 2.0
 _MAX_REASON = 1024
 
 
@@ -745,6 +747,7 @@ class NodeReconciler:
         self._settled: tuple[object, ...] | None = None
         self._pending_sig: tuple[object, ...] | None = None
         self._blocked = False
+        self._budget_cache: tuple[float, Budget | None] | None = None
         self._budget_checked = -math.inf
         self._generation = 0
         self._done_generation = 0
@@ -908,8 +911,14 @@ class NodeReconciler:
             time.monotonic() - self._budget_checked < self._settings.budget_recheck
         ):
             return None  # deferred: at most one list per minute to see whether the budget has room
-        self._budget_checked = time.monotonic()
-        budget = self._writer.budget(self._settings.max_quarantined, exclude=node.name)
+        now = time.monotonic()
+        cache = self._budget_cache
+        if change.action == "taint" and cache is not None and now - cache[0] < BUDGET_REUSE:
+            budget = cache[1]  # a 409 re-plan a moment later: the count has not moved
+        else:
+            budget = self._writer.budget(self._settings.max_quarantined, exclude=node.name)
+            self._budget_cache = (now, budget)
+        self._budget_checked = now
         if budget is not None and not budget.has_room and change.action == "taint":
             log.warning(
                 "node.quarantine_deferred",

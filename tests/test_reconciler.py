@@ -169,3 +169,14 @@ def test_a_restarted_agent_does_not_rewrite_a_condition_that_already_matches() -
     r.submit(HEALTHY, 1)
     r.reconcile_now()
     assert writer.conditions == [] and writer.writes == 0
+
+
+def test_a_conflict_re_plan_reuses_the_budget_it_just_listed() -> None:
+    from gpuguard.node import Budget
+
+    writer, r = make()
+    writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
+    writer.inject_error(ConflictError("x"), ConflictError("y"))
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.writes == 1 and writer.budget_lists == 1

@@ -1,0 +1,339 @@
+"""The fleet simulation of `make bench`: many gpuguard node writers against one real API server.
+
+Each simulated node has what a real agent has on the API side: its own `NodeReconciler` (with its own thread)
+over its own `KubeNodeWriter`, whose client comes from its own `load_api_client` call on a kubeconfig with the
+node's own Pod-bound ServiceAccount token (deploy/admission-policy.yaml lets a token write only its node). The
+GPU side is not simulated per node: verdicts are built once with `policy.evaluate` and submitted the way the
+agent's loop submits them. Reconcilers are spread over a few worker processes (`python -m bench.fleet worker
+...`), driven by `Fleet` through JSON lines on stdin/stdout; at a given CLOCK_MONOTONIC instant (shared by all
+processes on Linux) every worker submits at once.
+
+The workers count the reconcilers' own log events (conflicts, retries, deferred or rejected writes) and drop
+the log lines; the requests themselves are counted from the API server's audit log by the caller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO, Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# Log events of gpuguard.node that show API trouble or a write.
+COUNTED = (
+    "node.conflict",
+    "api.unavailable",
+    "api.retry",
+    "api.available",
+    "node.write_deferred",
+    "node.write_rejected",
+    "node.event_failed",
+    "node.tainted",
+    "node.fault_added",
+    "node.recovered",
+)
+
+
+# -- worker (its own process) ------------------------------------------------------------------------------
+
+
+class _Counting:
+    """A structlog processor: counts events by name and drops them (the bench keeps no log lines)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.samples: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, logger: Any, method: str, event: Any) -> Any:
+        import structlog
+
+        name = str(event.get("event", ""))
+        with self._lock:
+            self.counts[name] += 1
+            if name not in self.samples and "error" in event:
+                self.samples[name] = str(event["error"])[:300]
+        raise structlog.DropEvent
+
+
+def _verdicts(gpus: int = 8) -> dict[str, Any]:
+    from gpuguard.config import PolicySettings
+    from gpuguard.model import GpuReading, Snapshot
+    from gpuguard.policy import evaluate
+
+    def snap(ecc0: int) -> Snapshot:
+        return Snapshot(
+            gpus=tuple(
+                GpuReading(index=i, uuid=f"GPU-fleet-{i:03d}", ecc_uncorrected=ecc0 if i == 0 else 0)
+                for i in range(gpus)
+            )
+        )
+
+    healthy = evaluate(snap(0), previous=None, settings=PolicySettings())
+    ecc = evaluate(snap(1), previous=healthy, settings=PolicySettings())
+    assert healthy.healthy and not ecc.healthy
+    return {"healthy": healthy, "ecc": ecc}
+
+
+class Worker:
+    def __init__(self, names: list[tuple[str, str]]) -> None:
+        import structlog
+
+        from gpuguard.config import NodeSettings
+        from gpuguard.node import KubeNodeWriter, NodeReconciler, load_api_client
+
+        self.counter = _Counting()
+        structlog.configure(processors=[self.counter], cache_logger_on_first_use=False)
+        self.verdicts = _verdicts()
+        started = time.monotonic()
+        self.reconcilers: dict[str, Any] = {}
+        for name, kubeconfig in names:
+            writer = KubeNodeWriter(name, api_client=load_api_client(kubeconfig), timeout=10.0)
+            self.reconcilers[name] = NodeReconciler(writer, NodeSettings(name=name))
+        for r in self.reconcilers.values():
+            r.start()
+        self.created_s = time.monotonic() - started
+        self._loop_stop = threading.Event()
+        self._loop: threading.Thread | None = None
+        self._streak = 0
+        self.rounds = 0
+        self.loop_cpu = 0.0
+        self._loop_cpu0 = 0.0
+
+    def submit(
+        self, verdict: str, names: Iterable[str] | None, at: float | None, streak: int
+    ) -> dict[str, Any]:
+        targets = (
+            [self.reconcilers[n] for n in names] if names is not None else list(self.reconcilers.values())
+        )
+        v = self.verdicts[verdict]
+        if at is not None:
+            while (left := at - time.monotonic()) > 0:
+                time.sleep(min(left, 0.05) if left > 0.002 else 0)
+        t0 = time.monotonic()
+        for r in targets:
+            r.submit(v, streak)
+        submitted = time.monotonic()
+        not_idle = sum(1 for r in targets if not r.wait_idle(120.0))
+        return {
+            "event": "done",
+            "n": len(targets),
+            "submit_spread_s": submitted - t0,
+            "idle_at": time.monotonic(),
+            "not_idle": not_idle,
+            "reconciled": sum(1 for r in targets if r.status.reconciled),
+            "tainted": sum(1 for r in targets if r.status.tainted),
+        }
+
+    def start_loop(self, period: float, streak: int | None = None) -> None:
+        """Submit a healthy verdict to every reconciler once per `period`, spread evenly over the period, as
+        the agents' check loops would (each submit is a healthy check; the streak grows). Resumable."""
+        if streak is not None:
+            self._streak = streak
+        self._loop_stop.clear()
+        self._loop_cpu0 = time.process_time()
+
+        def run() -> None:
+            rs = list(self.reconcilers.values())
+            gap = period / max(1, len(rs))
+            nxt = time.monotonic()
+            while not self._loop_stop.is_set():
+                self._streak += 1
+                for r in rs:
+                    r.submit(self.verdicts["healthy"], self._streak)
+                    nxt += gap
+                    if self._loop_stop.wait(max(0.0, nxt - time.monotonic())):
+                        return
+                self.rounds += 1
+
+        self._loop = threading.Thread(target=run, name="fleet-loop", daemon=True)
+        self._loop.start()
+
+    def stop_loop(self) -> dict[str, Any]:
+        self._loop_stop.set()
+        if self._loop is not None:
+            self._loop.join(10)
+            self._loop = None
+            self.loop_cpu += time.process_time() - self._loop_cpu0
+        return {"event": "loop_stopped", "rounds": self.rounds, "cpu_s": self.loop_cpu}
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "event": "stats",
+            "counts": {k: self.counter.counts.get(k, 0) for k in COUNTED},
+            "errors": dict(self.counter.samples),
+        }
+
+    def close(self) -> None:
+        self._loop_stop.set()
+        for r in self.reconcilers.values():
+            r.stop(0.1)
+
+
+def worker_main(names_file: str) -> int:
+    """names_file: one "<node> <kubeconfig>" per line (each node has its own Pod-bound token)."""
+    names = [(a, b) for a, b in (line.split() for line in Path(names_file).read_text().splitlines() if line)]
+    w = Worker(names)
+    out = sys.stdout
+    _say(out, {"event": "created", "n": len(names), "seconds": w.created_s})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["cmd"]
+        if op == "submit":
+            _say(out, w.submit(cmd["verdict"], cmd.get("names"), cmd.get("at"), int(cmd.get("streak", 0))))
+        elif op == "loop":
+            streak = cmd.get("streak")
+            w.start_loop(float(cmd["period"]), None if streak is None else int(streak))
+            _say(out, {"event": "looping"})
+        elif op == "stop-loop":
+            _say(out, w.stop_loop())
+        elif op == "stats":
+            _say(out, w.stats())
+        elif op == "exit":
+            break
+    w.close()
+    _say(out, {"event": "bye"})
+    return 0
+
+
+def _say(out: IO[str], doc: dict[str, Any]) -> None:
+    out.write(json.dumps(doc) + "\n")
+    out.flush()
+
+
+# -- driver (the bench process) ----------------------------------------------------------------------------
+
+
+class Fleet:
+    """Spawns the worker processes and sends them commands; every call waits for every worker's answer."""
+
+    def __init__(self, kubeconfigs: dict[str, Path], *, processes: int, workdir: Path) -> None:
+        self.names = list(kubeconfigs)
+        self.kubeconfigs = kubeconfigs
+        self.procs: list[subprocess.Popen[str]] = []
+        self.owned: list[set[str]] = []
+        self._logs: list[IO[bytes]] = []
+        self.workdir = workdir
+        self.processes = processes
+
+    def start(self, timeout: float = 300.0) -> dict[str, Any]:
+        started = time.monotonic()
+        for i in range(self.processes):
+            part = self.names[i :: self.processes]
+            names_file = self.workdir / f"fleet-{i}.names"
+            names_file.write_text("".join(f"{n} {self.kubeconfigs[n]}\n" for n in part))
+            log = (self.workdir / f"fleet-{i}.stderr").open("wb")
+            self._logs.append(log)
+            p = subprocess.Popen(
+                [sys.executable, "-m", "bench.fleet", "worker", str(names_file)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                cwd=ROOT,
+            )
+            self.procs.append(p)
+            self.owned.append(set(part))
+        answers = self._collect("created", timeout)
+        return {
+            "seconds": time.monotonic() - started,
+            "per_process_s": [a["seconds"] for a in answers],
+            "threads_per_process": [a["n"] for a in answers],
+        }
+
+    def submit(
+        self, verdict: str, *, names: Iterable[str] | None = None, at: float | None = None, streak: int = 0
+    ) -> list[dict[str, Any]]:
+        wanted = set(names) if names is not None else None
+        for p, owned in zip(self.procs, self.owned, strict=True):
+            mine = None if wanted is None else sorted(owned & wanted)
+            self._send(p, {"cmd": "submit", "verdict": verdict, "names": mine, "at": at, "streak": streak})
+        return self._collect("done", 300)
+
+    def start_loop(self, period: float, streak: int | None = None) -> None:
+        for p in self.procs:
+            self._send(p, {"cmd": "loop", "period": period, "streak": streak})
+        self._collect("looping", 30)
+
+    def stop_loop(self) -> list[dict[str, Any]]:
+        for p in self.procs:
+            self._send(p, {"cmd": "stop-loop"})
+        return self._collect("loop_stopped", 30)
+
+    def stats(self) -> dict[str, Any]:
+        for p in self.procs:
+            self._send(p, {"cmd": "stats"})
+        total: Counter[str] = Counter()
+        errors: dict[str, str] = {}
+        for a in self._collect("stats", 30):
+            total.update(a["counts"])
+            errors.update(a["errors"])
+        return {"counts": dict(total), "errors": errors}
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(OSError):
+                    self._send(p, {"cmd": "exit"})
+        for p in self.procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        for log in self._logs:
+            log.close()
+
+    def stderr_tail(self) -> str:
+        out = []
+        for i in range(len(self.procs)):
+            text = (self.workdir / f"fleet-{i}.stderr").read_text(errors="replace")
+            out.append("\n".join(text.splitlines()[-20:]))
+        return "\n".join(out)
+
+    @staticmethod
+    def _send(p: subprocess.Popen[str], doc: dict[str, Any]) -> None:
+        assert p.stdin is not None
+        p.stdin.write(json.dumps(doc) + "\n")
+        p.stdin.flush()
+
+    def _collect(self, event: str, timeout: float) -> list[dict[str, Any]]:
+        answers: list[dict[str, Any] | None] = [None] * len(self.procs)
+
+        def read(i: int, p: subprocess.Popen[str]) -> None:
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            if line:
+                answers[i] = json.loads(line)
+
+        threads = [threading.Thread(target=read, args=(i, p), daemon=True) for i, p in enumerate(self.procs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+        if any(a is None or a.get("event") != event for a in answers):
+            raise RuntimeError(f"fleet workers did not answer {event!r}: {answers}\n{self.stderr_tail()}")
+        return [a for a in answers if a is not None]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="a fleet worker process (started by bench/k8s_bench.py)")
+    ap.add_argument("role", choices=["worker"])
+    ap.add_argument("names_file")
+    args = ap.parse_args(argv)
+    return worker_main(args.names_file)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
