@@ -144,7 +144,9 @@ class Agent:
         self._reconciler.submit(verdict, self._streak, flapping=flapping)
         if self._metrics is not None:
             self._metrics.observe_check(verdict, duration=now - t0, wall=self._last_check_wall.timestamp())
-            self._metrics.quarantined.set(1 if self._reconciler.status.tainted else 0)
+            node = self._reconciler.status
+            self._metrics.quarantined.set(1 if node.tainted and not node.deferred else 0)
+            self._metrics.quarantine_deferred.set(1 if node.deferred else 0)
         log.debug("check.completed", healthy=verdict.healthy, gpus=len(verdict.gpus))
         return verdict
 

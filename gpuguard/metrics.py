@@ -32,6 +32,11 @@ class Metrics:
         self.quarantined = Gauge(
             "gpuguard_node_quarantined", "1 while gpuguard's taint is on the node.", registry=registry
         )
+        self.quarantine_deferred = Gauge(
+            "gpuguard_node_quarantine_deferred",
+            "1 while the quarantine budget is spent and this node has only the soft taint.",
+            registry=registry,
+        )
         self.check_duration = Histogram(
             "gpuguard_check_duration_seconds",
             "Time of one check (read every GPU and evaluate).",

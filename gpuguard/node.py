@@ -714,6 +714,7 @@ class NodeStatus:
     tainted: bool = False
     cordoned: bool = False
     reconciled: bool = False
+    deferred: bool = False
 
 
 class NodeReconciler:
@@ -941,7 +942,10 @@ class NodeReconciler:
     def _set_node(self, node: NodeView) -> None:
         self._node = node
         self._status = NodeStatus(
-            tainted=node.our_taint is not None, cordoned=node.unschedulable, reconciled=True
+            tainted=node.our_taint is not None,
+            cordoned=node.unschedulable,
+            reconciled=True,
+            deferred=node.deferred,
         )
 
     def _update_condition(self, node: NodeView, verdict: Verdict) -> None:

@@ -133,6 +133,7 @@ def test_a_fault_reads_the_budget_once_and_defers_when_it_is_spent() -> None:
         r.submit(SICK, 0)
         r.reconcile_now()
     assert writer.budget_lists == 1 and writer.writes == 1
+    assert r.status.deferred and r.status.tainted and not r.status.cordoned
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
     r._budget_checked -= 61
     r.submit(SICK, 0)
