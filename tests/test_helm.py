@@ -27,6 +27,7 @@ from gpuguard.node import TAINT_KEY
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "gpuguard"
 MANIFEST = ROOT / "deploy" / "daemonset.yaml"
+ADMISSION_POLICY = ROOT / "deploy" / "admission-policy.yaml"
 BUILD_SCRIPT = ROOT / "hack" / "helm" / "build.sh"
 NAMESPACE = "gpuguard"
 
@@ -49,8 +50,8 @@ class Helm:
             [self.binary, *args], env=self.env, capture_output=True, text=True, timeout=120, check=False
         )
 
-    def render(self, *values: str, release: str = "gpuguard") -> Docs:
-        result = self.run("template", release, str(CHART), "--namespace", NAMESPACE, *values)
+    def render(self, *values: str, release: str = "gpuguard", namespace: str = NAMESPACE) -> Docs:
+        result = self.run("template", release, str(CHART), "--namespace", namespace, *values)
         assert result.returncode == 0, result.stderr
         return [d for d in yaml.safe_load_all(result.stdout) if d is not None]
 
@@ -79,8 +80,8 @@ def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
     return Helm(binary, env)
 
 
-def _manifest() -> Docs:
-    with MANIFEST.open(encoding="utf-8") as f:
+def _manifest(path: Path = MANIFEST) -> Docs:
+    with path.open(encoding="utf-8") as f:
         return [d for d in yaml.safe_load_all(f) if d is not None]
 
 
@@ -148,6 +149,58 @@ def test_the_charts_app_version_is_gpuguards_version_and_the_default_image_tag()
     assert chart["name"] == NAMESPACE
     image = next(d for d in _manifest() if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
     assert image["containers"][0]["image"].endswith(f":{chart['appVersion']}")
+
+
+# -- the admission policy (opt-in) ------------------------------------------------------------------------
+
+ADMISSION_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+ENABLE_POLICY = ("--set", "admissionPolicy.enabled=true")
+
+
+def _service_account_match(docs: Docs) -> str:
+    (condition,) = _by_kind(docs)["ValidatingAdmissionPolicy"]["spec"]["matchConditions"]
+    assert condition["name"] == "gpuguard-service-account"
+    expression: str = condition["expression"]
+    return expression
+
+
+def test_the_admission_policy_is_off_by_default(default_render: Docs) -> None:
+    assert not [d for d in default_render if d["kind"] in ADMISSION_KINDS]
+
+
+def test_enabled_the_render_is_daemonset_yaml_plus_exactly_the_objects_of_admission_policy_yaml(
+    helm: Helm,
+) -> None:
+    policy = _manifest(ADMISSION_POLICY)
+    assert sorted(d["kind"] for d in policy) == sorted(ADMISSION_KINDS)
+    assert _sorted(helm.render(*ENABLE_POLICY)) == _sorted(_manifest() + policy)
+
+
+def test_the_admission_policy_follows_the_release_name_and_namespace(helm: Helm) -> None:
+    rendered = helm.render(*ENABLE_POLICY, release="gpu", namespace="gpu-health")
+    docs = _by_kind(rendered)
+    account = docs["ServiceAccount"]["metadata"]
+    assert (account["namespace"], account["name"]) == ("gpu-health", "gpu-gpuguard")
+    assert _service_account_match(rendered) == (
+        "request.userInfo.username == 'system:serviceaccount:gpu-health:gpu-gpuguard'"
+    )
+    policy, binding = (docs[kind] for kind in ADMISSION_KINDS)
+    assert policy["metadata"]["name"] == binding["metadata"]["name"] == "gpu-gpuguard-own-node-only"
+    assert binding["spec"]["policyName"] == "gpu-gpuguard-own-node-only"
+    # ...and nothing else of the policy changes.
+    expected = _by_kind(_manifest(ADMISSION_POLICY))
+    expected_match = _service_account_match(list(expected.values()))
+    assert expected_match == "request.userInfo.username == 'system:serviceaccount:gpuguard:gpuguard'"
+    policy["spec"]["matchConditions"][0]["expression"] = expected_match
+    for doc in (policy, binding):
+        doc["metadata"]["name"] = "gpuguard-own-node-only"
+    binding["spec"]["policyName"] = "gpuguard-own-node-only"
+    assert [policy, binding] == [expected[kind] for kind in ADMISSION_KINDS]
+
+
+def test_the_chart_passes_helm_lint_strict_with_the_admission_policy(helm: Helm) -> None:
+    result = helm.run("lint", "--strict", str(CHART), *ENABLE_POLICY)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 # -- values that change the agent's settings ---------------------------------------------------------------
@@ -342,6 +395,8 @@ def test_a_render_with_every_value_changed_matches_the_kubernetes_api_schema(hel
         (["--set", "stateDir=relative/path"], "/stateDir"),
         (["--set", "stateDir=/var/lib/x'; import shutil"], "/stateDir"),
         (["--set", "metrics.port=0"], "/metrics/port"),
+        (["--set", "admissionPolicy.enabled=yes"], "/admissionPolicy/enabled"),
+        (["--set", "admissionPolicy.enable=true"], "'enable' not allowed"),
     ],
     ids=[
         "a misspelt taint effect",
@@ -351,6 +406,8 @@ def test_a_render_with_every_value_changed_matches_the_kubernetes_api_schema(hel
         "a relative state dir",
         "python in the state dir",
         "port 0",
+        "a word for the admission policy switch",
+        "a misspelt admission policy key",
     ],
 )
 def test_the_values_schema_rejects_a_mistake_before_anything_is_deployed(
