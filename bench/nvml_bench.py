@@ -17,13 +17,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from tests.agentproc import healthz, read_port, spawn_watch
 
 ROOT = Path(__file__).resolve().parents[1]
 LIB_DIR = ROOT / "build" / "fakenvml"
@@ -41,54 +42,17 @@ def gpu_lines(n: int, ecc: dict[int, int] | None = None) -> str:
 
 @contextmanager
 def agent(state: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], int]]:
-    p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gpuguard",
-            "watch",
-            "--backend",
-            "nvml",
-            "--dry-run",
-            "--listen",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-            *args,
-        ],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env=env_for(state),
-        cwd=ROOT,
-    )
+    p = spawn_watch("--backend", "nvml", "--dry-run", *args, env=env_for(state))
     try:
-        assert p.stderr is not None
-        port = None
-        while port is None:
-            line = p.stderr.readline()
-            if not line:
-                raise RuntimeError("agent exited before listening")
-            doc = json.loads(line)
-            if doc["event"] == "server.listening":
-                port = int(doc["port"])
+        port = read_port(p)
         # Drain stderr so the agent never blocks on a full pipe.
-        import threading
-
+        assert p.stderr is not None
         threading.Thread(target=p.stderr.read, daemon=True).start()
         wait(port, lambda d: d["last_check"] is not None, 10)
         yield p, port
     finally:
         p.terminate()
         p.wait(10)
-
-
-def healthz(port: int) -> dict[str, Any]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
-            return json.loads(r.read())  # type: ignore[no-any-return]
-    except urllib.error.HTTPError as e:
-        return json.loads(e.read())  # type: ignore[no-any-return]
 
 
 def wait(port: int, pred: Callable[[dict[str, Any]], bool], timeout: float) -> float:
