@@ -61,8 +61,6 @@ SOFT_EFFECT = "PreferNoSchedule"
 # within the threshold again (driver reload or GPU reset), or NVML initialises again.
 _CLEARED_WITHOUT_REBOOT = frozenset({ECC, NVML_INIT})
 USER_AGENT = f"gpuguard/{__version__}"
-# Seconds a budget list is reused by the re-plans after a 409, instead of listing all GPU nodes again.
-BUDGET_REUSE = 2.0
 _MAX_REASON = 1024
 
 
@@ -748,7 +746,8 @@ class NodeReconciler:
         self._settled: tuple[object, ...] | None = None
         self._pending_sig: tuple[object, ...] | None = None
         self._blocked = False
-        self._budget_cache: tuple[float, Budget | None] | None = None
+        # The budget listed in the current reconcile call: its 409 re-plans reuse it instead of listing again.
+        self._call_budget: tuple[Budget | None] | None = None
         self._budget_checked = -math.inf
         self._generation = 0
         self._done_generation = 0
@@ -859,6 +858,7 @@ class NodeReconciler:
         if latest is None:
             return
         verdict, streak, flapping = latest
+        self._call_budget = None
         node = self._node if self._node is not None else self._read()
         for attempt in range(self._max_conflicts):
             change = self._plan(node, verdict, streak, flapping)
@@ -908,18 +908,15 @@ class NodeReconciler:
             return change
         if self._settings.max_quarantined == "100%":
             return change  # no budget: no list request
-        if change.action == "escalate" and (
-            time.monotonic() - self._budget_checked < self._settings.budget_recheck
-        ):
-            return None  # deferred: at most one list per minute to see whether the budget has room
-        now = time.monotonic()
-        cache = self._budget_cache
-        if change.action == "taint" and cache is not None and now - cache[0] < BUDGET_REUSE:
-            budget = cache[1]  # a 409 re-plan a moment later: the count has not moved
+        if self._call_budget is not None:
+            budget = self._call_budget[0]  # a re-plan after a 409 in this reconcile: the count has not moved
         else:
+            now = time.monotonic()
+            if change.action == "escalate" and now - self._budget_checked < self._settings.budget_recheck:
+                return None  # deferred: at most one list per minute to see whether the budget has room
             budget = self._writer.budget(self._settings.max_quarantined, exclude=node.name)
-            self._budget_cache = (now, budget)
-        self._budget_checked = now
+            self._call_budget = (budget,)
+            self._budget_checked = now
         if budget is not None and not budget.has_room and change.action == "taint":
             log.warning(
                 "node.quarantine_deferred",

@@ -181,3 +181,31 @@ def test_a_conflict_re_plan_reuses_the_budget_it_just_listed() -> None:
     r.submit(SICK, 0)
     r.reconcile_now()
     assert writer.writes == 1 and writer.budget_lists == 1
+
+
+def test_an_escalation_that_meets_a_conflict_still_escalates_on_the_re_plan() -> None:
+    from gpuguard.node import Budget
+
+    writer, r = make()
+    writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=1, limit=1)
+    r.submit(SICK, 0)
+    r.reconcile_now()  # deferred: the soft taint
+    writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
+    r._budget_checked -= 61
+    writer.inject_error(ConflictError("x"))
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.budget_lists == 2  # the re-plan after the 409 reused the list of this call
+    assert writer.node.our_taint is not None and writer.node.our_taint.effect == "NoSchedule"
+    assert writer.node.unschedulable
+
+
+def test_the_next_reconcile_lists_the_budget_again() -> None:
+    from gpuguard.node import Budget
+
+    writer, r = make()
+    writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
+    writer.inject_error(TransientApiError("down"))  # the first call fails before its write lands
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.writes == 1 and writer.budget_lists == 2  # the retry counted again: time has passed
