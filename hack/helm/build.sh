@@ -25,6 +25,8 @@ HELM_VERSION=v4.3.2
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
+# shellcheck source=../lib/gobuild.sh
+source "$ROOT/hack/lib/gobuild.sh"
 
 force=0
 for arg in "$@"; do
@@ -58,33 +60,12 @@ if [[ $force == 0 && -x "$BIN" ]]; then
     exit 0
 fi
 
-mkdir -p "$CACHE"
-# One build at a time per version (pytest and `make helm` may race); the loser waits and reuses.
-exec 9>"$CACHE/.lock"
-if ! flock -n 9; then
-    echo "build.sh: another build holds $CACHE/.lock; waiting for it..." >&2
-    flock 9
-    if [[ $force == 0 && -x "$BIN" ]]; then
-        echo "$BIN"
-        exit 0
-    fi
+cache_lock "$CACHE"
+if [[ $force == 0 && -x "$BIN" ]]; then
+    echo "$BIN" # built by the build we waited for
+    exit 0
 fi
-
-command -v go >/dev/null || {
-    echo "build.sh: 'go' not found in PATH (Go >= 1.26 is needed)" >&2
-    exit 1
-}
-
-# Private GOPATH/GOMODCACHE/GOCACHE per version so the build never depends on, or pollutes,
-# the user's Go caches; -modcacherw keeps the cache deletable with rm -rf.
-export GOPATH="$CACHE/gopath"
-export GOMODCACHE="$GOPATH/pkg/mod"
-export GOCACHE="$CACHE/gocache"
-export GOTOOLCHAIN=local
-export CGO_ENABLED=0
-export GOFLAGS="-buildvcs=false -modcacherw"
-export GOWORK=off
-unset GOBIN GOOS GOARCH
+go_private_env "$CACHE"
 
 # What helm's own Makefile sets for a tagged release (minus the git commit, which the module
 # proxy does not carry): `helm version` then reports the pinned version.

@@ -20,6 +20,8 @@ set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
+# shellcheck source=../lib/gobuild.sh
+source "$ROOT/hack/lib/gobuild.sh"
 
 force=0
 regenerate=0
@@ -60,13 +62,7 @@ BIN="$CACHE/bin"
 STAMP="$CACHE/.complete"
 STAMP_WANT="kube-apiserver $KUBE_VERSION etcd $ETCD_VERSION"
 
-mkdir -p "$CACHE"
-# One build at a time per version (pytest and `make kube-up` may race).
-exec 9>"$CACHE/.lock"
-if ! flock -n 9; then
-    echo "build.sh: another build holds $CACHE/.lock; waiting for it..." >&2
-    flock 9
-fi
+cache_lock "$CACHE"
 
 print_paths() {
     echo "kube-apiserver: $BIN/kube-apiserver"
@@ -89,24 +85,11 @@ if [[ $force == 0 && $regenerate == 0 && -x "$BIN/kube-apiserver" && -x "$BIN/et
     exit 0
 fi
 
-command -v go >/dev/null || {
-    echo "build.sh: 'go' not found in PATH (Go >= 1.26 is needed)" >&2
-    exit 1
-}
+go_private_env "$CACHE"
 command -v python3 >/dev/null || {
     echo "build.sh: 'python3' not found in PATH" >&2
     exit 1
 }
-
-# Private GOPATH/GOMODCACHE/GOCACHE per version so the build never depends on, or
-# pollutes, the user's Go caches; -modcacherw keeps the cache deletable with rm -rf.
-export GOPATH="$CACHE/gopath"
-export GOMODCACHE="$GOPATH/pkg/mod"
-export GOCACHE="$CACHE/gocache"
-export GOTOOLCHAIN=local
-export CGO_ENABLED=0
-export GOFLAGS="-buildvcs=false -modcacherw"
-export GOWORK=off
 
 # json_field FILE_OR_- KEY...: print a field of a JSON document (python3 is always there).
 json_field() {

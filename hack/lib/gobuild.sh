@@ -1,0 +1,31 @@
+# Shared by hack/testenv/build.sh and hack/helm/build.sh (sourced, not run): the parts of a cached, pinned
+# Go build from the module proxy that do not depend on what is built.
+
+# cache_lock DIR: one build at a time per cache directory (pytest and make may race); a second caller
+# waits for the first and then re-checks the cache itself.
+cache_lock() {
+    mkdir -p "$1"
+    exec 9>"$1/.lock"
+    if ! flock -n 9; then
+        echo "build.sh: another build holds $1/.lock; waiting for it..." >&2
+        flock 9
+    fi
+}
+
+# go_private_env DIR: a private GOPATH/GOMODCACHE/GOCACHE under DIR, so the build never depends on, or
+# pollutes, the user's Go caches (-modcacherw keeps it deletable with rm -rf); static binaries; the
+# installed Go toolchain only; no workspace.
+go_private_env() {
+    command -v go >/dev/null || {
+        echo "build.sh: 'go' not found in PATH (Go >= 1.26 is needed)" >&2
+        exit 1
+    }
+    export GOPATH="$1/gopath"
+    export GOMODCACHE="$GOPATH/pkg/mod"
+    export GOCACHE="$1/gocache"
+    export GOTOOLCHAIN=local
+    export CGO_ENABLED=0
+    export GOFLAGS="-buildvcs=false -modcacherw"
+    export GOWORK=off
+    unset GOBIN GOOS GOARCH
+}
