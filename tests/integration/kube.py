@@ -81,6 +81,21 @@ class Admin:
     def patch_node(self, name: str, body: dict[str, Any]) -> None:
         self.core.patch_node(name, body, _content_type="application/merge-patch+json")
 
+    def update_node(self, name: str, change: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        """What a careful operator's tool does: read, build a merge patch from what it read, write it with the
+        resourceVersion; on a 409 (the agent wrote in between, e.g. its node condition) read again."""
+        for _ in range(50):
+            n = self.node(name)
+            body = change(n)
+            body.setdefault("metadata", {})["resourceVersion"] = n["metadata"]["resourceVersion"]
+            try:
+                self.patch_node(name, body)
+                return
+            except kubernetes.client.exceptions.ApiException as exc:
+                if exc.status != 409:
+                    raise
+        raise AssertionError(f"node {name}: 50 conflicts in a row")
+
     def events_for(self, node: str) -> list[dict[str, Any]]:
         resp = self.core.list_namespaced_event(
             "default", field_selector=f"involvedObject.name={node}", _preload_content=False
