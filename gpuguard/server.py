@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import selectors
 import socket
 import sys
 import threading
@@ -90,6 +91,8 @@ class HealthServer:
     ) -> None:
         handler = _make_handler(status, registry)
         self._httpd = _BoundedServer((host, port), handler)
+        self._httpd.timeout = 0.0
+        self._wake_r, self._wake_w = socket.socketpair()
         self._thread: threading.Thread | None = None
 
     @property
@@ -97,17 +100,31 @@ class HealthServer:
         return int(self._httpd.server_address[1])
 
     def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever,
-            kwargs={"poll_interval": 0.5},
-            name="gpuguard-http",
-            daemon=True,
-        )
+        self._thread = threading.Thread(target=self._serve, name="gpuguard-http", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        self._httpd.shutdown()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            return  # stopped already
+        if self._thread is not None:
+            self._thread.join(2.0)
         self._httpd.server_close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _serve(self) -> None:
+        """Accept connections until stop(). Unlike serve_forever's 0.5 s poll, the thread sleeps until a
+        connection or stop() arrives: an idle agent is woken by nothing but its own check interval."""
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._httpd, selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            while True:
+                ready = sel.select()
+                if any(key.fileobj is self._wake_r for key, _ in ready):
+                    return
+                self._httpd.handle_request()  # timeout 0: never blocks if the connection went away
 
 
 class _BoundedServer(ThreadingHTTPServer):
