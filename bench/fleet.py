@@ -99,7 +99,7 @@ class Worker:
         started = time.monotonic()
         self.reconcilers: dict[str, Any] = {}
         for name, kubeconfig in names:
-            writer = KubeNodeWriter(name, api_client=load_api_client(kubeconfig), timeout=10.0)
+            writer = KubeNodeWriter(name, api=load_api_client(kubeconfig), timeout=10.0)
             self.reconcilers[name] = NodeReconciler(writer, NodeSettings(name=name))
         for r in self.reconcilers.values():
             r.start()

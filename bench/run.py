@@ -214,7 +214,7 @@ def _healthy_rows(idle: dict[str, Any]) -> list[Row]:
             verdict(idle["cpu_s_per_hour"] < 2),
         ),
         (
-            f"RSS on a healthy node after {minutes:.0f} min (Kubernetes client loaded)",
+            f"RSS on a healthy node after {minutes:.0f} min, real API server (token kubeconfig)",
             f"{idle['rss_mb']:.1f} MB (peak {idle['hwm_mb']:.1f} MB)",
             "< 64 MB",
             verdict(idle["rss_mb"] < 64),
@@ -312,7 +312,10 @@ def _startup_rows(st: dict[str, Any], imp: dict[str, Any]) -> list[Row]:
     lazily = (
         "yes"
         if imp["kubernetes_imported"]
-        else f"no (lazily, only with a cluster: {imp['kubernetes_importtime_ms']:.0f} ms more)"
+        else (
+            "no (only for kubeconfigs that need its loader, e.g. exec plugins: "
+            f"{imp['kubernetes_importtime_ms']:.0f} ms more)"
+        )
     )
     return [
         (

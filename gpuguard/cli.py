@@ -404,7 +404,7 @@ def _writer(settings: NodeSettings, metrics: Any = None) -> Any:
         assert settings.name is not None  # validated
         return KubeNodeWriter(
             settings.name,
-            api_client=load_api_client(settings.kubeconfig),
+            api=load_api_client(settings.kubeconfig),
             timeout=settings.api_timeout,
             metrics=metrics,
         )
@@ -414,7 +414,7 @@ def _writer(settings: NodeSettings, metrics: Any = None) -> Any:
     # cluster is named (flag or in-cluster): a laptop demo must not wait on a kubeconfig's dead server.
     if settings.name and (settings.kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST")):
         try:
-            real = KubeNodeWriter(settings.name, api_client=load_api_client(settings.kubeconfig), timeout=3.0)
+            real = KubeNodeWriter(settings.name, api=load_api_client(settings.kubeconfig), timeout=3.0)
             initial = real.read()
         except GpuguardError as exc:
             import structlog  # noqa: PLC0415

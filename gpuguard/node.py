@@ -24,8 +24,9 @@ from typing import Any, Protocol
 
 import structlog
 import tenacity
+from urllib3.exceptions import HTTPError
 
-from gpuguard import __version__, validation
+from gpuguard import __version__, kubeapi, validation
 from gpuguard.config import NodeSettings
 from gpuguard.errors import (
     ConfigError,
@@ -486,42 +487,39 @@ class DryRunNodeWriter:
 
 
 class KubeNodeWriter:
-    """The API server. Translates kubernetes-client errors into gpuguard's transient/permanent/conflict."""
+    """The API server, through `gpuguard.kubeapi`. Translates its errors into transient/permanent/conflict."""
 
     def __init__(
         self,
         name: str,
         *,
-        api_client: Any,
+        api: kubeapi.Client,
         timeout: float = 10.0,
         event_namespace: str = "default",
         metrics: Any = None,
     ) -> None:
-        from kubernetes import client  # noqa: PLC0415 - heavy import, only when a cluster is used
-
-        api_client.user_agent = USER_AGENT
         self._name = name
-        self._core: Any = client.CoreV1Api(api_client)
+        self._api = api
+        self._path = kubeapi.path_of("api/v1/nodes", name)
         self._timeout = timeout
         self._event_namespace = event_namespace
         self._metrics = metrics
 
     def read(self) -> NodeView:
         with _translate(f"read node {self._name}", "get", self._metrics):
-            resp = self._core.read_node(self._name, _preload_content=False, _request_timeout=self._timeout)
-            return NodeView.from_api(json.loads(resp.data))
+            return NodeView.from_api(self._api.request("GET", self._path, timeout=self._timeout))
 
     def patch(self, node: NodeView, change: NodeChange) -> NodeView:
         body = _checked_patch(node, change)
         with _translate(f"patch node {self._name}", "patch", self._metrics):
-            resp = self._core.patch_node(
-                self._name,
-                body,
-                _content_type="application/merge-patch+json",
-                _preload_content=False,
-                _request_timeout=self._timeout,
+            doc = self._api.request(
+                "PATCH",
+                self._path,
+                body=body,
+                content_type="application/merge-patch+json",
+                timeout=self._timeout,
             )
-            return NodeView.from_api(json.loads(resp.data))
+            return NodeView.from_api(doc)
 
     def record_event(self, node: NodeView, event: EventSpec) -> None:
         now = datetime.now(UTC)
@@ -541,21 +539,20 @@ class KubeNodeWriter:
             "lastTimestamp": stamp,
             "count": 1,
         }
+        path = kubeapi.path_of("api/v1/namespaces", self._event_namespace, "events")
         with _translate("create event", "create", self._metrics):
-            self._core.create_namespaced_event(
-                self._event_namespace, body, _preload_content=False, _request_timeout=self._timeout
-            )
+            self._api.request("POST", path, body=body, timeout=self._timeout)
 
     def budget(self, spec: str, *, exclude: str) -> Budget | None:
         """One list of the GPU nodes' metadata only (PartialObjectMetadataList: no specs, no statuses)."""
         with _translate("list GPU nodes", "list", self._metrics):
-            resp = self._core.list_node(
-                label_selector=GPU_NODE_SELECTOR,
-                _headers={"Accept": "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"},
-                _preload_content=False,
-                _request_timeout=self._timeout,
-            )
-            items = json.loads(resp.data)["items"]
+            items = self._api.request(
+                "GET",
+                "/api/v1/nodes",
+                query={"labelSelector": GPU_NODE_SELECTOR},
+                accept="application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1",
+                timeout=self._timeout,
+            )["items"]
         names = [i["metadata"]["name"] for i in items]
         quarantined = sum(
             1
@@ -569,14 +566,14 @@ class KubeNodeWriter:
     def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
         _checked_condition(node, condition)
         with _translate(f"patch node {self._name} status", "patch", self._metrics):
-            resp = self._core.patch_node_status(
-                self._name,
-                {"status": {"conditions": [dict(condition)]}},
-                _content_type="application/strategic-merge-patch+json",  # conditions merge by type
-                _preload_content=False,
-                _request_timeout=self._timeout,
+            doc = self._api.request(
+                "PATCH",
+                self._path + "/status",
+                body={"status": {"conditions": [dict(condition)]}},
+                content_type="application/strategic-merge-patch+json",  # conditions merge by type
+                timeout=self._timeout,
             )
-            return NodeView.from_api(json.loads(resp.data))
+            return NodeView.from_api(doc)
 
 
 def _checked_patch(node: NodeView, change: NodeChange) -> dict[str, Any]:
@@ -598,8 +595,8 @@ def _checked_condition(node: NodeView, condition: Mapping[str, str]) -> None:
 
 
 class _translate:
-    """Context manager: kubernetes/urllib3 exceptions -> gpuguard.errors, with `raise ... from`; counts
-    each request in gpuguard_api_requests_total{verb,code}."""
+    """Context manager: kubeapi/urllib3 errors -> gpuguard.errors, with `raise ... from`; counts each request
+    in gpuguard_api_requests_total{verb,code}."""
 
     def __init__(self, what: str, verb: str = "", metrics: Any = None) -> None:
         self.what = what
@@ -615,73 +612,28 @@ class _translate:
             self.metrics.api_requests.labels(self.verb, code).inc()
         if exc is None or isinstance(exc, NodeUpdateError):
             return
-        from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
-        from urllib3.exceptions import HTTPError  # noqa: PLC0415
-
-        if isinstance(exc, ApiException):
-            status = int(exc.status or 0)
-            detail = _api_message(exc)
-            if status == 409:
-                raise ConflictError(f"{self.what}: conflict: {detail}") from exc
-            if status == 429 or status >= 500 or status == 0:
-                raise TransientApiError(
-                    f"{self.what}: HTTP {status}: {detail}", retry_after=_retry_after(exc)
-                ) from exc
-            raise PermanentApiError(f"{self.what}: HTTP {status}: {detail}", status=status) from exc
-        if isinstance(exc, HTTPError | OSError | TimeoutError):
+        if isinstance(exc, kubeapi.ApiError):
+            if exc.status == 409:
+                raise ConflictError(f"{self.what}: conflict: {exc.message}") from exc
+            if exc.status == 429 or exc.status >= 500:
+                raise TransientApiError(f"{self.what}: {exc}", retry_after=exc.retry_after) from exc
+            raise PermanentApiError(f"{self.what}: {exc}", status=exc.status) from exc
+        if isinstance(exc, HTTPError | OSError | TimeoutError | ValueError):
+            # ValueError: an answer that is not JSON (a proxy's error page): as good as no answer.
             raise TransientApiError(f"{self.what}: {type(exc).__name__}: {exc}") from exc
 
 
-def _api_message(exc: Any) -> str:
-    try:
-        return str(json.loads(exc.body).get("message", exc.reason))[:300]
-    except (TypeError, ValueError, AttributeError):
-        return str(exc.reason)[:300]
-
-
-def _retry_after(exc: Any) -> float | None:
-    headers = getattr(exc, "headers", None) or {}
-    value = headers.get("Retry-After") if hasattr(headers, "get") else None
-    try:
-        return max(0.0, float(value)) if value is not None else None
-    except ValueError:
-        return None
-
-
-def load_api_client(kubeconfig: str | None) -> Any:
+def load_api_client(kubeconfig: str | None) -> kubeapi.Client:
     """In-cluster config, then KUBECONFIG, then ~/.kube/config; or the file given. ConfigError otherwise."""
-    from kubernetes import client  # noqa: PLC0415
-    from kubernetes import config as _config  # noqa: PLC0415
-    from kubernetes.config.config_exception import ConfigException  # noqa: PLC0415
-
-    config: Any = _config  # its loaders are untyped
-    configuration = client.Configuration()
-    try:
-        if kubeconfig:
-            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-        else:
-            try:
-                config.load_incluster_config(client_configuration=configuration)
-            except ConfigException:
-                config.load_kube_config(client_configuration=configuration)
-    except (ConfigException, OSError, TypeError, ValueError) as exc:
-        where = kubeconfig or "in-cluster, $KUBECONFIG or ~/.kube/config"
-        raise ConfigError(f"no usable Kubernetes config ({where}): {exc}") from None
-    # tenacity owns the retries: urllib3's own would retry connection errors three times in a tight loop.
-    configuration.retries = False
-    return client.ApiClient(configuration)
+    return kubeapi.load(kubeconfig, user_agent=USER_AGENT)
 
 
-def quarantined_nodes(api_client: Any, *, timeout: float = 10.0) -> list[dict[str, Any]]:
+def quarantined_nodes(api: kubeapi.Client, *, timeout: float = 10.0) -> list[dict[str, Any]]:
     """For `gpuguard status`: every node gpuguard has quarantined (fully or deferred), one list request."""
-    from kubernetes import client  # noqa: PLC0415
-
-    core: Any = client.CoreV1Api(api_client)
     with _translate("list quarantined nodes", "list"):
-        resp = core.list_node(
-            label_selector=LABEL_QUARANTINED, _preload_content=False, _request_timeout=timeout
-        )
-        items = json.loads(resp.data)["items"]
+        items = api.request(
+            "GET", "/api/v1/nodes", query={"labelSelector": LABEL_QUARANTINED}, timeout=timeout
+        )["items"]
     rows = []
     for item in items:
         n = NodeView.from_api(item)

@@ -444,10 +444,7 @@ def test_the_namespace_admits_the_host_path_and_applies_without_warnings() -> No
 
 
 def test_the_pod_mounts_a_short_lived_projected_token_instead_of_the_automatic_one() -> None:
-    from kubernetes.config.incluster_config import (
-        SERVICE_CERT_FILENAME,
-        SERVICE_TOKEN_FILENAME,
-    )
+    from gpuguard import kubeapi
 
     spec = _pod_spec()
     assert spec["automountServiceAccountToken"] is False
@@ -466,8 +463,8 @@ def test_the_pod_mounts_a_short_lived_projected_token_instead_of_the_automatic_o
     assert "audience" not in token, "the API server's own audience"
     assert files["ca.crt"]["configMap"]["name"] == "kube-root-ca.crt" and files["ca.crt"]["key"] == "ca.crt"
     assert files["namespace"]["fieldRef"]["fieldPath"] == "metadata.namespace"
-    # The files the kubernetes client's in-cluster config reads.
-    assert {SERVICE_TOKEN_FILENAME, SERVICE_CERT_FILENAME} <= {f"{SA_DIR}/{p}" for p in files}
+    # The directory and files gpuguard's in-cluster config reads.
+    assert kubeapi.SA_DIR == SA_DIR and {"token", "ca.crt"} <= set(files)
 
 
 def test_the_image_is_a_pinned_version() -> None:

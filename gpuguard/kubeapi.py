@@ -1,0 +1,325 @@
+"""The Kubernetes API for gpuguard's five kinds of request: one urllib3 pool, TLS, a bearer token or a client
+certificate, JSON in and out.
+
+Why not the kubernetes package's CoreV1Api: importing it loads all of its generated models, +42 MB of RSS
+and ~280 ms of start-up on every GPU node (make bench), for five requests. The package stays a dependency
+for the kubeconfigs that only its loader understands (exec plugins, auth providers, merged KUBECONFIG
+lists): `load()` hands those to it and takes back the server, the TLS files and the token it resolved. The
+in-cluster path (the DaemonSet) and plain token or certificate kubeconfigs never import it.
+
+Errors: an HTTP status >= 400 raises `ApiError` (status, the server's message, Retry-After); connection
+and TLS failures raise urllib3's own errors. `gpuguard.node` translates both into gpuguard's errors.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import binascii
+import json
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import urllib3
+import yaml
+
+from gpuguard.errors import ConfigError
+
+SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+# What a kubeconfig user may hold for gpuguard to read it itself; anything else goes to the kubernetes loader.
+_OWN_USER_KEYS = frozenset(
+    {"token", "tokenFile", "client-certificate", "client-certificate-data", "client-key", "client-key-data"}
+)
+_OWN_CLUSTER_KEYS = frozenset(
+    {
+        "server",
+        "certificate-authority",
+        "certificate-authority-data",
+        "insecure-skip-tls-verify",
+        "extensions",
+    }
+)
+_MAX_MESSAGE = 300
+
+
+class ApiError(Exception):
+    """The API server answered with an HTTP error status."""
+
+    def __init__(self, status: int, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """Where the API server is and how to prove who we are. Files, not bytes: TLS wants paths."""
+
+    server: str
+    ca_file: str | None = None
+    insecure: bool = False
+    token: str | None = None
+    # Re-read when it changes: a projected ServiceAccount token is rotated by the kubelet (1 h lifetime).
+    token_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    # The "Authorization" header from the kubernetes loader (refreshes exec-plugin tokens itself).
+    authorization: Callable[[], str | None] | None = None
+    proxy: str | None = None
+    tls_server_name: str | None = None
+
+
+class Client:
+    """A keep-alive connection pool to one API server. Thread-safe (urllib3's pool is)."""
+
+    def __init__(self, creds: Credentials, *, user_agent: str) -> None:
+        if not creds.server.startswith(("https://", "http://")):
+            raise ConfigError(f"API server {creds.server!r} is not an http(s) URL")
+        self.creds = creds
+        self._server = creds.server.rstrip("/")
+        self._user_agent = user_agent
+        self._token_lock = threading.Lock()
+        self._token_cache: tuple[float, str] | None = None
+        tls: dict[str, Any] = {}
+        if creds.server.startswith("https://"):
+            if creds.insecure:
+                tls["cert_reqs"] = "CERT_NONE"
+            else:
+                tls["cert_reqs"] = "CERT_REQUIRED"
+                if creds.ca_file:
+                    tls["ca_certs"] = creds.ca_file
+            if creds.cert_file:
+                tls["cert_file"] = creds.cert_file
+                tls["key_file"] = creds.key_file
+            if creds.tls_server_name:
+                tls["server_hostname"] = creds.tls_server_name
+        # maxsize 4: the writer thread, plus `gpuguard status`/benches that share a client.
+        self._pool: urllib3.PoolManager = (
+            urllib3.ProxyManager(creds.proxy, num_pools=1, maxsize=4, retries=False, **tls)
+            if creds.proxy
+            else urllib3.PoolManager(num_pools=1, maxsize=4, retries=False, **tls)
+        )
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+        accept: str = "application/json",
+        timeout: float = 10.0,
+    ) -> Any:
+        """One request; the decoded JSON answer. ApiError on an HTTP error, urllib3 errors on no answer."""
+        headers = {"Accept": accept, "User-Agent": self._user_agent}
+        auth = self._authorization()
+        if auth:
+            headers["Authorization"] = auth
+        data = None
+        if body is not None:
+            data = json.dumps(body, separators=(",", ":")).encode()
+            headers["Content-Type"] = content_type
+        url = self._server + path + (f"?{urlencode(query)}" if query else "")
+        resp = self._pool.request(
+            method, url, body=data, headers=headers, timeout=urllib3.Timeout(total=timeout), retries=False
+        )
+        if resp.status >= 400:
+            raise ApiError(
+                resp.status, _message(resp.data, resp.reason), retry_after=_retry_after(resp.headers)
+            )
+        return json.loads(resp.data) if resp.data else None
+
+    def _authorization(self) -> str | None:
+        creds = self.creds
+        if creds.authorization is not None:
+            return creds.authorization()
+        if creds.token_file:
+            return f"Bearer {self._file_token(creds.token_file)}"
+        return f"Bearer {creds.token}" if creds.token else None
+
+    def _file_token(self, path: str) -> str:
+        """The token file's content, read again whenever its mtime moves (kubelet rotates it in place)."""
+        try:
+            mtime = os.stat(path).st_mtime
+        except OSError:
+            mtime = -1.0
+        with self._token_lock:
+            cached = self._token_cache
+            if cached is not None and cached[0] == mtime:
+                return cached[1]
+            try:
+                token = Path(path).read_text().strip()
+            except OSError:
+                if cached is not None:
+                    return cached[1]  # mid-rotation: the old token is still valid for a while
+                raise
+            self._token_cache = (mtime, token)
+            return token
+
+
+def path_of(*parts: str) -> str:
+    """An API path with each name segment escaped: path_of("api/v1/nodes", name)."""
+    head, *names = parts
+    return "/" + head + "".join("/" + quote(n, safe="") for n in names)
+
+
+def load(kubeconfig: str | None, *, user_agent: str) -> Client:
+    """A client for the given kubeconfig; else in-cluster, then $KUBECONFIG, then ~/.kube/config
+    (the kubernetes client's order). ConfigError, naming the file and the reason, when none is usable."""
+    if kubeconfig:
+        return Client(from_kubeconfig(kubeconfig), user_agent=user_agent)
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return Client(in_cluster(), user_agent=user_agent)
+    env = os.environ.get("KUBECONFIG", "")
+    paths = [p for p in env.split(os.pathsep) if p]
+    if len(paths) > 1:
+        return Client(_via_kubernetes(None), user_agent=user_agent)  # kubectl merges the list; so does it
+    path = paths[0] if paths else str(Path.home() / ".kube" / "config")
+    return Client(from_kubeconfig(path), user_agent=user_agent)
+
+
+def in_cluster(sa_dir: str = SA_DIR) -> Credentials:
+    host = os.environ.get("KUBERNETES_SERVICE_HOST", "")
+    port = os.environ.get("KUBERNETES_SERVICE_PORT", "")
+    if not host or not port:
+        raise ConfigError("in-cluster config: KUBERNETES_SERVICE_HOST/KUBERNETES_SERVICE_PORT are not set")
+    token, ca = Path(sa_dir, "token"), Path(sa_dir, "ca.crt")
+    for f in (token, ca):
+        if not f.is_file() or f.stat().st_size == 0:
+            raise ConfigError(
+                f"in-cluster config: {f} is missing or empty (is a ServiceAccount token mounted?)"
+            )
+    if ":" in host:
+        host = f"[{host}]"  # IPv6
+    return Credentials(server=f"https://{host}:{port}", ca_file=str(ca), token_file=str(token))
+
+
+def from_kubeconfig(path: str) -> Credentials:
+    """The current context of a kubeconfig: token, token file or client certificate read here; any other
+    kind of user (exec plugin, auth provider, basic auth, impersonation) through the kubernetes loader."""
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"kubeconfig {path}: {_one_line(exc)}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"kubeconfig {path}: not a kubeconfig (no mapping at the top)")
+    current = doc.get("current-context")
+    if not current:
+        raise ConfigError(f"kubeconfig {path}: no current-context")
+    context = _named(doc, "contexts", "context", str(current), path)
+    cluster = _named(doc, "clusters", "cluster", str(context.get("cluster")), path)
+    user_name = context.get("user")
+    user = _named(doc, "users", "user", str(user_name), path) if user_name else {}
+    if set(user) - _OWN_USER_KEYS or set(cluster) - _OWN_CLUSTER_KEYS:
+        return _via_kubernetes(path)
+    base = Path(path).resolve().parent
+    server = cluster.get("server")
+    if not isinstance(server, str) or not server:
+        raise ConfigError(f"kubeconfig {path}: cluster {context.get('cluster')!r} has no server")
+    return Credentials(
+        server=server,
+        ca_file=_file_or_data(cluster, "certificate-authority", base, path),
+        insecure=bool(cluster.get("insecure-skip-tls-verify", False)),
+        token=str(user["token"]) if user.get("token") else None,
+        token_file=str(base / user["tokenFile"]) if user.get("tokenFile") else None,
+        cert_file=_file_or_data(user, "client-certificate", base, path),
+        key_file=_file_or_data(user, "client-key", base, path),
+    )
+
+
+def _named(doc: dict[str, Any], section: str, key: str, name: str, path: str) -> dict[str, Any]:
+    for entry in doc.get(section) or []:
+        if isinstance(entry, dict) and entry.get("name") == name:
+            value = entry.get(key) or {}
+            if not isinstance(value, dict):
+                break
+            return value
+    raise ConfigError(f"kubeconfig {path}: no {key} named {name!r} in {section}")
+
+
+def _file_or_data(entry: Mapping[str, Any], key: str, base: Path, path: str) -> str | None:
+    data = entry.get(f"{key}-data")
+    if data:
+        try:
+            raw = base64.b64decode(str(data), validate=True)
+        except (binascii.Error, ValueError):
+            raise ConfigError(f"kubeconfig {path}: {key}-data is not base64") from None
+        return _private_file(raw)
+    if entry.get(key):
+        return str(base / str(entry[key]))
+    return None
+
+
+_tmpdir: str | None = None
+
+
+def _private_file(data: bytes) -> str:
+    """TLS wants key and certificates as files: write embedded data into a 0700 directory removed at exit."""
+    global _tmpdir  # noqa: PLW0603 - one directory per process
+    if _tmpdir is None:
+        _tmpdir = tempfile.mkdtemp(prefix="gpuguard-kube-")
+        atexit.register(shutil.rmtree, _tmpdir, True)
+    fd, name = tempfile.mkstemp(dir=_tmpdir)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return name
+
+
+def _via_kubernetes(path: str | None) -> Credentials:
+    """The kubernetes package's loader, for what gpuguard does not read itself. Heavy import: only here."""
+    from kubernetes import client  # noqa: PLC0415
+    from kubernetes import config as _config  # noqa: PLC0415
+    from kubernetes.config.config_exception import ConfigException  # noqa: PLC0415
+
+    loader: Any = _config  # untyped
+    configuration: Any = client.Configuration()
+    try:
+        loader.load_kube_config(config_file=path, client_configuration=configuration)
+    except (ConfigException, OSError, TypeError, ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(f"kubeconfig {path or '$KUBECONFIG'}: {_one_line(exc)}") from None
+
+    def authorization() -> str | None:
+        # The whole header value ("Bearer ..." or basic auth); refreshes an expired exec-plugin token first.
+        value = configuration.auth_settings().get("BearerToken", {}).get("value")
+        return str(value) if value else None
+
+    return Credentials(
+        server=str(configuration.host),
+        ca_file=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        cert_file=configuration.cert_file,
+        key_file=configuration.key_file,
+        authorization=authorization,
+        proxy=configuration.proxy,
+        tls_server_name=getattr(configuration, "tls_server_name", None),
+    )
+
+
+def _message(data: bytes, reason: str | None) -> str:
+    try:
+        doc = json.loads(data)
+        text = doc.get("message") if isinstance(doc, dict) else None
+    except ValueError:
+        text = None
+    return _one_line(text or reason or "no message")[:_MAX_MESSAGE]
+
+
+def _retry_after(headers: Mapping[str, str]) -> float | None:
+    value = headers.get("Retry-After")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _one_line(exc: object) -> str:
+    return " ".join(str(exc).split())

@@ -1,0 +1,322 @@
+"""gpuguard's own Kubernetes client: the config loaders and the HTTP exchange (TLS against the real API server
+is in tests/integration: every agent there talks through this client)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import yaml
+
+from gpuguard import kubeapi
+from gpuguard.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
+from gpuguard.node import KubeNodeWriter, NodeView
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def kubeconfig(tmp_path: Path, user: dict[str, Any], cluster: dict[str, Any] | None = None) -> Path:
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "c", "cluster": cluster or {"server": "https://10.0.0.1:6443"}}],
+        "users": [{"name": "u", "user": user}],
+        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u", "namespace": "ns"}}],
+        "current-context": "x",
+    }
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+# -- loaders -----------------------------------------------------------------------------------------------
+
+
+def test_a_token_kubeconfig_with_a_relative_ca_path_is_read_without_the_kubernetes_package(
+    tmp_path: Path,
+) -> None:
+    path = kubeconfig(
+        tmp_path, {"token": "abc"}, {"server": "https://k:6443", "certificate-authority": "ca.pem"}
+    )
+    creds = kubeapi.from_kubeconfig(str(path))
+    assert creds.server == "https://k:6443" and creds.token == "abc"
+    assert creds.ca_file == str(tmp_path.resolve() / "ca.pem")  # relative to the kubeconfig, as kubectl does
+    assert creds.authorization is None and not creds.insecure
+
+
+def test_embedded_certificates_become_private_files(tmp_path: Path) -> None:
+    data = {k: base64.b64encode(f"PEM {k}".encode()).decode() for k in ("ca", "cert", "key")}
+    path = kubeconfig(
+        tmp_path,
+        {"client-certificate-data": data["cert"], "client-key-data": data["key"]},
+        {"server": "https://k", "certificate-authority-data": data["ca"]},
+    )
+    creds = kubeapi.from_kubeconfig(str(path))
+    assert creds.ca_file and creds.cert_file and creds.key_file
+    assert Path(creds.key_file).read_text() == "PEM key" and Path(creds.cert_file).read_text() == "PEM cert"
+    assert Path(creds.ca_file).read_text() == "PEM ca"
+    assert stat.S_IMODE(os.stat(creds.key_file).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(Path(creds.key_file).parent).st_mode) == 0o700
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "no mapping"),
+        ("[1, 2", "kubeconfig"),
+        ("apiVersion: v1\n", "no current-context"),
+        ("current-context: x\ncontexts: []\n", "no context named 'x'"),
+        (
+            "current-context: x\ncontexts: [{name: x, context: {cluster: c, user: u}}]\nclusters: []\n",
+            "no cluster named 'c'",
+        ),
+        (
+            "current-context: x\ncontexts: [{name: x, context: {cluster: c}}]\n"
+            "clusters: [{name: c, cluster: {}}]\n",
+            "has no server",
+        ),
+        (
+            "current-context: x\ncontexts: [{name: x, context: {cluster: c}}]\n"
+            "clusters: [{name: c, cluster: {server: 'https://k', certificate-authority-data: '!!'}}]\n",
+            "not base64",
+        ),
+        ("\xff\xfe", "kubeconfig"),
+    ],
+)
+def test_a_broken_kubeconfig_is_one_clear_config_error(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "kubeconfig"
+    path.write_bytes(text.encode("latin-1"))
+    with pytest.raises(ConfigError, match=message) as err:
+        kubeapi.from_kubeconfig(str(path))
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_missing_kubeconfig_names_the_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="nope"):
+        kubeapi.load(str(tmp_path / "nope"), user_agent="t")
+
+
+def test_an_exec_plugin_user_goes_through_the_kubernetes_loader_and_its_token_is_sent(tmp_path: Path) -> None:
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text(
+        "import json\nprint(json.dumps({'apiVersion': 'client.authentication.k8s.io/v1', "
+        "'kind': 'ExecCredential', 'status': {'token': 'from-exec'}}))\n"
+    )
+    user = {
+        "exec": {
+            "apiVersion": "client.authentication.k8s.io/v1",
+            "command": sys.executable,
+            "args": [str(plugin)],
+            "interactiveMode": "Never",
+        }
+    }
+    creds = kubeapi.from_kubeconfig(str(kubeconfig(tmp_path, user)))
+    assert creds.authorization is not None and creds.authorization() == "Bearer from-exec"
+    assert creds.server == "https://10.0.0.1:6443"
+
+
+def test_in_cluster_reads_the_service_account_files_and_brackets_ipv6(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "token").write_text("tok\n")
+    (tmp_path / "ca.crt").write_text("PEM")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "fd00::1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    creds = kubeapi.in_cluster(str(tmp_path))
+    assert creds.server == "https://[fd00::1]:443"
+    assert creds.token_file == str(tmp_path / "token") and creds.ca_file == str(tmp_path / "ca.crt")
+
+
+def test_in_cluster_without_a_token_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "ca.crt").write_text("PEM")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    with pytest.raises(ConfigError, match="token is missing or empty"):
+        kubeapi.in_cluster(str(tmp_path))
+    monkeypatch.delenv("KUBERNETES_SERVICE_PORT")
+    with pytest.raises(ConfigError, match="KUBERNETES_SERVICE_PORT"):
+        kubeapi.in_cluster(str(tmp_path))
+
+
+def test_the_cli_never_imports_the_kubernetes_package_for_a_token_kubeconfig(tmp_path: Path) -> None:
+    path = kubeconfig(tmp_path, {"token": "abc"}, {"server": "http://127.0.0.1:9"})
+    code = (
+        "import sys; from gpuguard.node import load_api_client; load_api_client(sys.argv[1]); "
+        "print('kubernetes' in sys.modules)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    assert r.stdout.strip() == "False"
+
+
+# -- the HTTP exchange -------------------------------------------------------------------------------------
+
+
+class Recorder(BaseHTTPRequestHandler):
+    """A tiny API server stand-in: records each request and answers with the next queued reply."""
+
+    seen: ClassVar[list[dict[str, Any]]] = []
+    replies: ClassVar[list[tuple[int, dict[str, str], bytes]]] = []
+
+    def _reply(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        type(self).seen.append(
+            {
+                "method": self.command,
+                "path": self.path,
+                "headers": dict(self.headers),
+                "body": self.rfile.read(length) if length else b"",
+            }
+        )
+        status, headers, body = type(self).replies.pop(0) if type(self).replies else (200, {}, b"{}")
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_PATCH = do_POST = _reply
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    Recorder.seen, Recorder.replies = [], []
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+NODE = {"metadata": {"name": "gpu/1", "resourceVersion": "7", "uid": "u"}, "spec": {}, "status": {}}
+
+
+def test_a_request_carries_the_token_user_agent_and_json_body(server: str) -> None:
+    client = kubeapi.Client(kubeapi.Credentials(server=server, token="t0k"), user_agent="gpuguard/x")
+    Recorder.replies = [(200, {}, json.dumps(NODE).encode())]
+    doc = client.request(
+        "PATCH", "/api/v1/nodes/n", body={"a": 1}, content_type="application/merge-patch+json"
+    )
+    assert doc == NODE
+    req = Recorder.seen[0]
+    assert req["method"] == "PATCH" and req["path"] == "/api/v1/nodes/n"
+    assert req["headers"]["Authorization"] == "Bearer t0k" and req["headers"]["User-Agent"] == "gpuguard/x"
+    assert req["headers"]["Content-Type"] == "application/merge-patch+json"
+    assert json.loads(req["body"]) == {"a": 1}
+
+
+def test_a_node_name_and_a_query_are_escaped(server: str) -> None:
+    client = kubeapi.Client(kubeapi.Credentials(server=server), user_agent="t")
+    client.request("GET", kubeapi.path_of("api/v1/nodes", "a/b?c"), query={"labelSelector": "x=y,z"})
+    assert Recorder.seen[0]["path"] == "/api/v1/nodes/a%2Fb%3Fc?labelSelector=x%3Dy%2Cz"
+    assert "Authorization" not in Recorder.seen[0]["headers"]
+
+
+def test_a_rotated_token_file_is_read_again(server: str, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("first\n")
+    client = kubeapi.Client(kubeapi.Credentials(server=server, token_file=str(token)), user_agent="t")
+    client.request("GET", "/x")
+    client.request("GET", "/x")
+    token.write_text("second\n")
+    os.utime(token, (time.time() + 5, time.time() + 5))  # a new mtime even on a coarse clock
+    client.request("GET", "/x")
+    assert [r["headers"]["Authorization"] for r in Recorder.seen] == ["Bearer first"] * 2 + ["Bearer second"]
+
+
+def test_a_token_file_gone_mid_rotation_keeps_the_last_token(server: str, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("first")
+    client = kubeapi.Client(kubeapi.Credentials(server=server, token_file=str(token)), user_agent="t")
+    client.request("GET", "/x")
+    token.unlink()
+    client.request("GET", "/x")
+    assert Recorder.seen[1]["headers"]["Authorization"] == "Bearer first"
+
+
+@pytest.mark.parametrize(
+    ("status", "headers", "body", "error", "text"),
+    [
+        (409, {}, b'{"kind":"Status","message":"the object has been modified"}', ConflictError, "modified"),
+        (429, {"Retry-After": "3"}, b'{"message":"too many requests"}', TransientApiError, "429"),
+        (503, {}, b"<html>bad gateway</html>", TransientApiError, "503"),
+        (403, {}, b'{"message":"nodes \\"n\\" is forbidden"}', PermanentApiError, "forbidden"),
+        (422, {}, b'{"message":"taints[0].value: Invalid\\nvalue"}', PermanentApiError, "Invalid value"),
+        (200, {}, b"not json", TransientApiError, "JSONDecodeError"),
+    ],
+)
+def test_the_writer_translates_each_answer_into_gpuguards_errors(  # noqa: PLR0917 - the parameter table
+    server: str, status: int, headers: dict[str, str], body: bytes, error: type[Exception], text: str
+) -> None:
+    client = kubeapi.Client(kubeapi.Credentials(server=server), user_agent="t")
+    writer = KubeNodeWriter("n", api=client)
+    Recorder.replies = [(status, headers, body)]
+    with pytest.raises(error, match=text) as err:
+        writer.read()
+    if status == 429:
+        assert isinstance(err.value, TransientApiError) and err.value.retry_after == 3.0
+
+
+def test_no_answer_at_all_is_transient() -> None:
+    client = kubeapi.Client(kubeapi.Credentials(server="http://127.0.0.1:9"), user_agent="t")
+    with pytest.raises(TransientApiError, match="read node n"):
+        KubeNodeWriter("n", api=client, timeout=2).read()
+
+
+def test_the_writer_speaks_the_node_endpoints(server: str) -> None:
+    client = kubeapi.Client(kubeapi.Credentials(server=server), user_agent="t")
+    writer = KubeNodeWriter("gpu/1", api=client)
+    no_headers: dict[str, str] = {}
+    Recorder.replies = [(200, no_headers, json.dumps(NODE).encode())] * 2 + [
+        (200, no_headers, b'{"items": []}')
+    ]
+    node = writer.read()
+    assert isinstance(node, NodeView) and node.resource_version == "7"
+    writer.set_condition(
+        node, {"type": "GPUHealthy", "status": "True", "reason": "AllGPUsHealthy", "message": "ok"}
+    )
+    budget = writer.budget("10%", exclude="gpu/1")
+    assert budget is not None and budget.gpu_nodes == 1
+    got = [
+        (r["method"], r["path"], r["headers"].get("Content-Type"), r["headers"]["Accept"])
+        for r in Recorder.seen
+    ]
+    assert got == [
+        ("GET", "/api/v1/nodes/gpu%2F1", None, "application/json"),
+        (
+            "PATCH",
+            "/api/v1/nodes/gpu%2F1/status",
+            "application/strategic-merge-patch+json",
+            "application/json",
+        ),
+        (
+            "GET",
+            "/api/v1/nodes?labelSelector=nvidia.com%2Fgpu.present%3Dtrue",
+            None,
+            "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1",
+        ),
+    ]
+
+
+def test_a_server_that_is_not_a_url_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="not an http"):
+        kubeapi.Client(kubeapi.Credentials(server="10.0.0.1:6443"), user_agent="t")
