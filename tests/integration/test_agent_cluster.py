@@ -142,6 +142,8 @@ def test_a_taint_removed_by_hand_is_not_re_added_for_the_same_fault_only_for_a_n
     assert admin.our_taint(node) is None
     state.write_text(GPUS_OK.replace("GPU-it-0", "GPU-it-0 ecc=5") + "xid 1 48\n")  # a new fault
     assert eventually(lambda: admin.our_taint(node), 10, what="re-taint")["value"] == "xid-48"
+    # The agent logs after the API answered: the taint can be visible a moment before the line is written.
+    eventually(lambda: len(agent.events("node.tainted")) == 2, 5, what="the second node.tainted log line")
     assert len(agent.events("node.tainted")) == 2
 
 

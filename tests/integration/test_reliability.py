@@ -43,7 +43,7 @@ def test_an_xid_seen_while_the_api_is_down_still_taints_after_a_sigkill(
     taint = eventually(lambda: admin.our_taint(node), 10, what="taint from the durable state")
     assert taint["value"] == "xid-79"
     assert time.monotonic() - ready < 5 + 15  # readiness wait included; the write itself follows at once
-    assert restarted.events("node.tainted")
+    eventually(lambda: restarted.events("node.tainted"), 5, what="node.tainted, logged after the write")
 
 
 def consistent(n: dict[str, Any]) -> bool:
