@@ -17,7 +17,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -63,6 +63,10 @@ SOFT_EFFECT = "PreferNoSchedule"
 _CLEARED_WITHOUT_REBOOT = frozenset({ECC, NVML_INIT})
 USER_AGENT = f"gpuguard/{__version__}"
 _MAX_REASON = 1024
+_METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+# Seconds after a full quarantine when the quarantine order is checked a second time: by then the writes of
+# every agent that faulted in the same burst have landed (the first check runs right after our own write).
+VERIFY_SETTLE = 10.0
 
 
 @dataclass(frozen=True)
@@ -153,11 +157,16 @@ class NodeView:
 
 @dataclass(frozen=True)
 class Budget:
-    """The cluster-wide quarantine budget as read with one list of GPU nodes (this node excluded)."""
+    """The cluster-wide quarantine budget as read from the API server (this node not counted).
 
-    gpu_nodes: int
+    `gpu_nodes` is counted only when the limit needs it: not for a count, and not for a percentage when no
+    other node is quarantined (any percentage above 0 of at least this one node allows one): `limit` is
+    then 1, the least it can be, and `exact` False."""
+
     quarantined: int
     limit: int
+    gpu_nodes: int | None = None
+    exact: bool = True
 
     @property
     def has_room(self) -> bool:
@@ -172,6 +181,40 @@ def budget_limit(spec: str, gpu_nodes: int) -> int:
     return int(spec)
 
 
+def quarantine_rank(order: Iterable[tuple[str, str]], me: tuple[str, str]) -> int:
+    """How many other fully quarantined nodes come before `me` in the quarantine order: the earlier
+    gpuguard.io/since first, then the node name. Every agent reads the same annotations, so every agent
+    computes the same order: when a burst overshoots the budget, exactly the nodes past the limit yield."""
+    return sum(1 for k in set(order) if k[1] != me[1] and k < me)
+
+
+def plan_yield(node: NodeView, *, ahead: int, limit: int, settings: NodeSettings) -> NodeChange | None:
+    """A full quarantine that turned out to be past the budget (agents that faulted at the same instant all
+    saw room) steps back to the deferred state: soft taint, our cordon lifted, label "deferred". Pure.
+    None when the node is not fully quarantined by us (any more)."""
+    ours = node.our_taint
+    if ours is None or node.labels.get(LABEL_QUARANTINED) != "true" or ahead < limit:
+        return None
+    why = (
+        f"quarantine budget spent: {ahead} GPU nodes were quarantined before this one, limit {limit} "
+        f"(--max-quarantined {settings.max_quarantined})"
+    )
+    annotations: dict[str, str | None] = {ANN_DEFERRED: why}
+    unschedulable = None
+    if node.cordoned_by_us and node.unschedulable:
+        unschedulable = False
+        annotations[ANN_CORDONED] = None
+    reason = node.annotations.get(ANN_REASON, "")
+    return NodeChange(
+        action="yield",
+        taints=_with_our_effect(node, ours, SOFT_EFFECT),
+        unschedulable=unschedulable,
+        annotations=annotations,
+        labels={LABEL_QUARANTINED: "deferred"},
+        event=EventSpec("Warning", "GPUQuarantineDeferred", f"{reason}; {why}: soft taint only"),
+    )
+
+
 @dataclass(frozen=True)
 class EventSpec:
     type: str  # Normal | Warning
@@ -183,7 +226,7 @@ class EventSpec:
 class NodeChange:
     """One write to the node. `taints` is the whole new list (the API replaces it whole) or None."""
 
-    action: str  # taint | add-faults | recover
+    action: str  # taint | defer | escalate | yield | add-faults | recover | verified
     taints: tuple[Taint, ...] | None = None
     unschedulable: bool | None = None
     annotations: Mapping[str, str | None] = field(default_factory=dict)
@@ -310,8 +353,9 @@ def _quarantine(
     message = _reason_text(faults)
     if not full:
         assert budget is not None
+        of = f" of {budget.gpu_nodes}" if budget.gpu_nodes is not None else ""
         annotations[ANN_DEFERRED] = (
-            f"quarantine budget spent: {budget.quarantined} of {budget.gpu_nodes} GPU nodes quarantined, "
+            f"quarantine budget spent: {budget.quarantined}{of} GPU nodes quarantined, "
             f"limit {budget.limit} (--max-quarantined {settings.max_quarantined})"
         )
         message = f"{message}; {annotations[ANN_DEFERRED]}: soft taint only"
@@ -345,15 +389,20 @@ def _escalate(
     if settings.cordon and not node.unschedulable:
         unschedulable = True
         annotations[ANN_CORDONED] = "true"
-    hard = replace(ours, effect=settings.taint_effect, time_added=None)
     return NodeChange(
         action="escalate",
-        taints=tuple(hard if t.key == TAINT_KEY else t for t in node.taints),
+        taints=_with_our_effect(node, ours, settings.taint_effect),
         unschedulable=unschedulable,
         annotations=annotations,
         labels={LABEL_QUARANTINED: "true"},
         event=EventSpec("Warning", "GPUUnhealthy", f"quarantine budget has room: {_reason_text(faults)}"),
     )
+
+
+def _with_our_effect(node: NodeView, ours: Taint, effect: str) -> tuple[Taint, ...]:
+    """The node's taints with ours set to `effect`, in place (timeAdded dropped: the API sets it)."""
+    changed = replace(ours, effect=effect, time_added=None)
+    return tuple(changed if t.key == TAINT_KEY else t for t in node.taints)
 
 
 def plan_condition(
@@ -442,8 +491,12 @@ class NodeWriter(Protocol):
 
     def record_event(self, node: NodeView, event: EventSpec) -> None: ...
 
-    def budget(self, spec: str, *, exclude: str) -> Budget | None:
-        """The quarantine budget (one list of GPU nodes), or None where there is no cluster to ask."""
+    def budget(self, spec: str, *, exclude: str, exact: bool = False) -> Budget | None:
+        """The quarantine budget, or None where there is no cluster to ask. `exact`: count the GPU nodes
+        for a percentage even when nothing else is quarantined."""
+
+    def quarantine_order(self) -> list[tuple[str, str]]:
+        """(gpuguard.io/since, name) of every node fully quarantined by gpuguard (one small list)."""
 
     def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
         """Patch nodes/status; returns the node as the server now has it (a new resourceVersion)."""
@@ -476,8 +529,11 @@ class DryRunNodeWriter:
     def record_event(self, node: NodeView, event: EventSpec) -> None:
         log.info("node.dry_run_event", node=node.name, type=event.type, reason=event.reason)
 
-    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+    def budget(self, spec: str, *, exclude: str, exact: bool = False) -> Budget | None:
         return None
+
+    def quarantine_order(self) -> list[tuple[str, str]]:
+        return []
 
     def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
         _checked_condition(node, condition)
@@ -543,25 +599,46 @@ class KubeNodeWriter:
         with _translate("create event", "create", self._metrics):
             self._api.request("POST", path, body=body, timeout=self._timeout)
 
-    def budget(self, spec: str, *, exclude: str) -> Budget | None:
-        """One list of the GPU nodes' metadata only (PartialObjectMetadataList: no specs, no statuses)."""
+    def budget(self, spec: str, *, exclude: str, exact: bool = False) -> Budget | None:
+        """The quarantined nodes (a small list, by label); the GPU nodes too (metadata only, a list of the
+        fleet) only when a percentage needs the total: something else is quarantined, or `exact`."""
+        quarantined = sum(1 for _, name in self.quarantine_order() if name != exclude)
+        if not spec.endswith("%"):
+            return Budget(quarantined=quarantined, limit=int(spec))
+        if quarantined == 0 and not exact and budget_limit(spec, 1) >= 1:
+            return Budget(quarantined=0, limit=1, exact=False)
         with _translate("list GPU nodes", "list", self._metrics):
-            items = self._api.request(
-                "GET",
-                "/api/v1/nodes",
-                query={"labelSelector": GPU_NODE_SELECTOR},
-                accept="application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1",
-                timeout=self._timeout,
-            )["items"]
-        names = [i["metadata"]["name"] for i in items]
-        quarantined = sum(
-            1
-            for i in items
-            if i["metadata"]["name"] != exclude
-            and (i["metadata"].get("labels") or {}).get(LABEL_QUARANTINED) == "true"
-        )
+            items = (
+                self._api.request(
+                    "GET",
+                    "/api/v1/nodes",
+                    query={"labelSelector": GPU_NODE_SELECTOR},
+                    accept=_METADATA_ONLY,
+                    timeout=self._timeout,
+                )["items"]
+                or []
+            )
+        names = {i["metadata"]["name"] for i in items}
         total = len(names) if exclude in names else len(names) + 1
         return Budget(gpu_nodes=total, quarantined=quarantined, limit=budget_limit(spec, total))
+
+    def quarantine_order(self) -> list[tuple[str, str]]:
+        """Metadata of the fully quarantined nodes only (label selector): a few items, not the fleet."""
+        with _translate("list quarantined nodes", "list", self._metrics):
+            items = (
+                self._api.request(
+                    "GET",
+                    "/api/v1/nodes",
+                    query={"labelSelector": f"{LABEL_QUARANTINED}=true"},
+                    accept=_METADATA_ONLY,
+                    timeout=self._timeout,
+                )["items"]
+                or []
+            )
+        return [
+            (str((i["metadata"].get("annotations") or {}).get(ANN_SINCE, "")), str(i["metadata"]["name"]))
+            for i in items
+        ]
 
     def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
         _checked_condition(node, condition)
@@ -631,9 +708,12 @@ def load_api_client(kubeconfig: str | None) -> kubeapi.Client:
 def quarantined_nodes(api: kubeapi.Client, *, timeout: float = 10.0) -> list[dict[str, Any]]:
     """For `gpuguard status`: every node gpuguard has quarantined (fully or deferred), one list request."""
     with _translate("list quarantined nodes", "list"):
-        items = api.request(
-            "GET", "/api/v1/nodes", query={"labelSelector": LABEL_QUARANTINED}, timeout=timeout
-        )["items"]
+        items = (
+            api.request("GET", "/api/v1/nodes", query={"labelSelector": LABEL_QUARANTINED}, timeout=timeout)[
+                "items"
+            ]
+            or []
+        )
     rows = []
     for item in items:
         n = NodeView.from_api(item)
@@ -700,6 +780,10 @@ class NodeReconciler:
         self._blocked = False
         # The budget listed in the current reconcile call: its 409 re-plans reuse it instead of listing again.
         self._call_budget: tuple[Budget | None] | None = None
+        # After a full quarantine under a budget: (the budget, monotonic time of the second order check).
+        self._settle: tuple[Budget, float] | None = None
+        # Set when the order check found this node past the limit: the next plan is the yield.
+        self._yield: tuple[int, int] | None = None
         self._budget_checked = -math.inf
         self._generation = 0
         self._done_generation = 0
@@ -743,7 +827,7 @@ class NodeReconciler:
         with self._cond:
             self._latest = (verdict, healthy_streak, flapping)
             node = self._node
-            if sig == self._settled and node is not None and not node.deferred:
+            if sig == self._settled and node is not None and not node.deferred and self._settle is None:
                 return
             self._pending_sig = sig
             self._generation += 1
@@ -812,6 +896,10 @@ class NodeReconciler:
         verdict, streak, flapping = latest
         self._call_budget = None
         node = self._node if self._node is not None else self._read()
+        if self._settle is not None and time.monotonic() >= self._settle[1]:
+            budget = self._settle[0]
+            self._settle = None
+            self._check_order(node, budget)
         for attempt in range(self._max_conflicts):
             change = self._plan(node, verdict, streak, flapping)
             if change is None:
@@ -845,10 +933,43 @@ class NodeReconciler:
             self._update_condition(node, verdict)
             if change.event is not None:
                 self._record_event(node, change.event)
+            if change.action == "yield":
+                self._yield = self._settle = None
+            elif change.action in ("taint", "escalate") and self._call_budget and self._call_budget[0]:
+                budget = self._call_budget[0]
+                self._settle = (budget, time.monotonic() + VERIFY_SETTLE)
+                if self._check_order(node, budget):
+                    continue  # the next plan is the yield
             return
         raise TransientApiError(f"node {node.name}: still conflicting after {self._max_conflicts} tries")
 
+    def _check_order(self, node: NodeView, budget: Budget) -> bool:
+        """After a full quarantine: is this node past the budget in the cluster's quarantine order? Sets
+        the yield for the next plan and returns True if so. A failed list keeps the check for later."""
+        if node.our_taint is None or node.labels.get(LABEL_QUARANTINED) != "true":
+            return False
+        try:
+            order = self._writer.quarantine_order()
+            ahead = quarantine_rank(order, (node.annotations.get(ANN_SINCE, ""), node.name))
+            if ahead >= budget.limit and not budget.exact:
+                # Nothing else was quarantined when we looked, so the fleet was not counted: count it now.
+                counted = self._writer.budget(self._settings.max_quarantined, exclude=node.name, exact=True)
+                budget = counted if counted is not None else budget
+        except NodeUpdateError as exc:
+            log.warning("node.quarantine_order_failed", node=node.name, error=str(exc))
+            self._settle = (budget, time.monotonic() + VERIFY_SETTLE)
+            return False
+        if ahead < budget.limit:
+            return False
+        self._yield = (ahead, budget.limit)
+        return True
+
     def _plan(self, node: NodeView, verdict: Verdict, streak: int, flapping: bool) -> NodeChange | None:
+        if self._yield is not None:
+            change = plan_yield(node, ahead=self._yield[0], limit=self._yield[1], settings=self._settings)
+            if change is not None:
+                return change
+            self._yield = None  # recovered or changed by hand meanwhile: nothing to step back from
         kw: dict[str, Any] = {
             "healthy_streak": streak,
             "settings": self._settings,
@@ -928,6 +1049,7 @@ class NodeReconciler:
             "taint": "node.tainted",
             "defer": "node.tainted_soft",
             "escalate": "node.quarantine_escalated",
+            "yield": "node.quarantine_yielded",
             "add-faults": "node.fault_added",
             "recover": "node.recovered",
             "verified": "node.verified",

@@ -7,7 +7,15 @@ from collections import deque
 from collections.abc import Mapping
 
 from gpuguard.errors import ConflictError, NodeUpdateError
-from gpuguard.node import Budget, EventSpec, NodeChange, NodeView, apply_change
+from gpuguard.node import (
+    ANN_SINCE,
+    LABEL_QUARANTINED,
+    Budget,
+    EventSpec,
+    NodeChange,
+    NodeView,
+    apply_change,
+)
 
 
 class FakeNodeWriter:
@@ -23,6 +31,10 @@ class FakeNodeWriter:
         self._lock = threading.Lock()
         self.quarantine_budget: Budget | None = None
         self.budget_lists = 0
+        self.exact_budget: Budget | None = None  # what a count of the fleet says, when asked for it
+        self.order: list[tuple[str, str]] = []  # (since, name) of the other fully quarantined nodes
+        self.order_lists = 0
+        self.order_error: NodeUpdateError | None = None
         self.conditions: list[dict[str, str]] = []
 
     def inject_error(self, *errors: NodeUpdateError, on: str = "patch") -> None:
@@ -60,9 +72,24 @@ class FakeNodeWriter:
     def writes(self) -> int:
         return len(self.patches)
 
-    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+    def budget(self, spec: str, *, exclude: str, exact: bool = False) -> Budget | None:
         self.budget_lists += 1
+        if exact and self.exact_budget is not None:
+            return self.exact_budget
         return self.quarantine_budget
+
+    def quarantine_order(self) -> list[tuple[str, str]]:
+        self.order_lists += 1
+        if self.order_error is not None:
+            raise self.order_error
+        with self._lock:
+            me = self.node
+        mine = (
+            [(me.annotations.get(ANN_SINCE, ""), me.name)]
+            if me.labels.get(LABEL_QUARANTINED) == "true"
+            else []
+        )
+        return [*self.order, *mine]
 
     def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
         with self._lock:

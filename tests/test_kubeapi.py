@@ -21,7 +21,7 @@ import yaml
 
 from gpuguard import kubeapi
 from gpuguard.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
-from gpuguard.node import KubeNodeWriter, NodeView
+from gpuguard.node import Budget, KubeNodeWriter, NodeView
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -286,16 +286,29 @@ def test_the_writer_speaks_the_node_endpoints(server: str) -> None:
     client = kubeapi.Client(kubeapi.Credentials(server=server), user_agent="t")
     writer = KubeNodeWriter("gpu/1", api=client)
     no_headers: dict[str, str] = {}
-    Recorder.replies = [(200, no_headers, json.dumps(NODE).encode())] * 2 + [
-        (200, no_headers, b'{"items": []}')
+    quarantined = {"items": [{"metadata": {"name": "q", "annotations": {"gpuguard.io/since": "S"}}}]}
+    Recorder.replies = [
+        (200, no_headers, json.dumps(NODE).encode()),
+        (200, no_headers, json.dumps(NODE).encode()),
+        (200, no_headers, b'{"items": null}'),  # what the API server sends for an empty metadata list
+        (200, no_headers, json.dumps(quarantined).encode()),
+        (
+            200,
+            no_headers,
+            json.dumps({"items": [{"metadata": {"name": f"n{i}"}} for i in range(30)]}).encode(),
+        ),
     ]
     node = writer.read()
     assert isinstance(node, NodeView) and node.resource_version == "7"
     writer.set_condition(
         node, {"type": "GPUHealthy", "status": "True", "reason": "AllGPUsHealthy", "message": "ok"}
     )
-    budget = writer.budget("10%", exclude="gpu/1")
-    assert budget is not None and budget.gpu_nodes == 1
+    # Nothing else quarantined: one small list decides (any percentage of this one node allows one).
+    assert writer.budget("10%", exclude="gpu/1") == Budget(quarantined=0, limit=1, exact=False)
+    # Another node quarantined: the GPU nodes are counted too (30 + this one).
+    assert writer.budget("10%", exclude="gpu/1") == Budget(quarantined=1, limit=4, gpu_nodes=31)
+    quarantined_query = "/api/v1/nodes?labelSelector=gpuguard.io%2Fquarantined%3Dtrue"
+    metadata = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
     got = [
         (r["method"], r["path"], r["headers"].get("Content-Type"), r["headers"]["Accept"])
         for r in Recorder.seen
@@ -308,12 +321,9 @@ def test_the_writer_speaks_the_node_endpoints(server: str) -> None:
             "application/strategic-merge-patch+json",
             "application/json",
         ),
-        (
-            "GET",
-            "/api/v1/nodes?labelSelector=nvidia.com%2Fgpu.present%3Dtrue",
-            None,
-            "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1",
-        ),
+        ("GET", quarantined_query, None, metadata),
+        ("GET", quarantined_query, None, metadata),
+        ("GET", "/api/v1/nodes?labelSelector=nvidia.com%2Fgpu.present%3Dtrue", None, metadata),
     ]
 
 

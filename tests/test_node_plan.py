@@ -28,6 +28,8 @@ from gpuguard.node import (
     apply_change,
     budget_limit,
     plan,
+    plan_yield,
+    quarantine_rank,
 )
 from gpuguard.policy import evaluate
 
@@ -379,3 +381,57 @@ def test_a_flapping_gpu_keeps_the_node_quarantined() -> None:
     n = tainted(verdict(ecc=1))
     assert plan(n, HEALTHY, healthy_streak=10, settings=SETTINGS, now=NOW, flapping=True) is None
     assert plan(n, HEALTHY, healthy_streak=10, settings=SETTINGS, now=NOW, flapping=False) is not None
+
+
+# -- the quarantine order: agents that faulted at the same instant and all saw room ------------------------
+
+
+def test_the_quarantine_order_is_since_then_name_and_leaves_this_node_out() -> None:
+    order = [("2026-12-02T10:00:00Z", "b"), ("2026-12-02T10:00:00Z", "a"), ("2026-12-02T09:00:00Z", "z")]
+    assert quarantine_rank(order, ("2026-12-02T10:00:00Z", "b")) == 2  # z (earlier), a (same second, name)
+    assert quarantine_rank(order, ("2026-12-02T10:00:00Z", "a")) == 1
+    assert quarantine_rank(order, ("2026-12-02T09:00:00Z", "z")) == 0
+    assert quarantine_rank([*order, *order], ("2026-12-02T11:00:00Z", "c")) == 3  # a duplicate counts once
+
+
+def test_a_full_quarantine_past_the_limit_yields_to_a_soft_taint_and_lifts_only_its_own_cordon() -> None:
+    full = apply_change(
+        node(),
+        plan(node(), verdict(ecc=1), healthy_streak=0, settings=SETTINGS, now=NOW, budget=None),  # type: ignore[arg-type]
+    )
+    assert full.unschedulable and full.cordoned_by_us
+    assert plan_yield(full, ahead=3, limit=4, settings=SETTINGS) is None  # within the limit
+    change = plan_yield(full, ahead=4, limit=4, settings=SETTINGS)
+    assert change is not None and change.action == "yield"
+    after = apply_change(full, change)
+    assert after.our_taint == Taint(TAINT_KEY, "PreferNoSchedule", "ecc")
+    assert not after.unschedulable and ANN_CORDONED not in after.annotations
+    assert after.labels == {LABEL_QUARANTINED: "deferred"} and after.deferred
+    assert "4 GPU nodes were quarantined before this one, limit 4" in after.annotations[ANN_DEFERRED]
+    assert change.event is not None and change.event.reason == "GPUQuarantineDeferred"
+    assert (
+        after.recorded_faults == full.recorded_faults
+        and after.annotations[ANN_SINCE] == full.annotations[ANN_SINCE]
+    )
+    # Deferred now: nothing more to yield, and no escalation while the budget has no room.
+    assert plan_yield(after, ahead=4, limit=4, settings=SETTINGS) is None
+    spent = Budget(gpu_nodes=40, quarantined=4, limit=4)
+    assert plan(after, verdict(ecc=1), healthy_streak=0, settings=SETTINGS, now=NOW, budget=spent) is None
+
+
+def test_a_yield_keeps_a_cordon_it_did_not_place_and_every_foreign_taint() -> None:
+    foreign = Taint("other.io/x", "NoSchedule")
+    cordoned = node(taints=(foreign,), unschedulable=True)
+    full = apply_change(
+        cordoned,
+        plan(cordoned, verdict(ecc=1), healthy_streak=0, settings=SETTINGS, now=NOW, budget=None),  # type: ignore[arg-type]
+    )
+    assert not full.cordoned_by_us
+    change = plan_yield(full, ahead=1, limit=1, settings=SETTINGS)
+    assert change is not None and change.unschedulable is None
+    after = apply_change(full, change)
+    assert after.unschedulable and after.taints[0] == foreign
+
+
+def test_nothing_to_yield_on_a_node_that_is_not_fully_quarantined_by_us() -> None:
+    assert plan_yield(node(), ahead=9, limit=1, settings=SETTINGS) is None

@@ -209,3 +209,101 @@ def test_the_next_reconcile_lists_the_budget_again() -> None:
     r.submit(SICK, 0)
     r.reconcile_now()
     assert writer.writes == 1 and writer.budget_lists == 2  # the retry counted again: time has passed
+
+
+def test_a_burst_that_overshoots_the_budget_steps_back_the_node_past_the_limit() -> None:
+    """Two agents listed at the same instant and both saw room for one: the later in the quarantine order
+    (since, then name) steps back to the soft taint right after its write."""
+    from gpuguard.node import ANN_SINCE, Budget
+
+    writer, r = make()
+    writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
+    writer.order = [("2026-12-02T00:00:00Z", "gpu-0")]  # quarantined first, by another agent
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert [p.action for p in writer.patches] == ["taint", "yield"]
+    assert writer.order_lists == 1
+    n = writer.node
+    assert n.our_taint is not None and n.our_taint.effect == "PreferNoSchedule"
+    assert not n.unschedulable and n.deferred and n.annotations[ANN_SINCE]
+    assert [e.reason for e in writer.events] == ["GPUUnhealthy", "GPUQuarantineDeferred"]
+    assert r.status.deferred and not r.status.cordoned
+    # The settle check is not needed any more: a deferred node costs one budget list a minute, no more.
+    for _ in range(5):
+        r.submit(SICK, 0)
+        r.reconcile_now()
+    assert writer.order_lists == 1 and len(writer.patches) == 2
+
+
+def test_the_first_in_the_order_stays_and_checks_once_more_after_the_burst_settled() -> None:
+    from gpuguard.node import ANN_SINCE, Budget
+
+    writer, r = make()
+    writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
+    writer.order = [("2999-01-01T00:00:00Z", "gpu-9")]  # quarantined after us
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert [p.action for p in writer.patches] == ["taint"] and writer.order_lists == 1
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.order_lists == 1  # not due yet
+    # A slow writer landed after our first check, with an earlier since: the second check sees it.
+    writer.order.append(("2000-01-01T00:00:00Z", "gpu-0"))
+    assert r._settle is not None
+    r._settle = (r._settle[0], 0.0)
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.order_lists == 2
+    assert [p.action for p in writer.patches] == ["taint", "yield"]
+    assert writer.node.deferred and writer.node.annotations[ANN_SINCE]
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.order_lists == 2 and r._settle is None
+
+
+def test_a_failed_order_check_keeps_the_quarantine_and_checks_again_later() -> None:
+    from gpuguard.node import Budget
+
+    writer, r = make()
+    writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
+    writer.order_error = TransientApiError("list failed")
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert [p.action for p in writer.patches] == ["taint"] and writer.node.unschedulable
+    assert r._settle is not None
+
+
+def test_no_order_check_without_a_budget() -> None:
+    writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))
+    r = NodeReconciler(writer, NodeSettings(name="gpu-1", max_quarantined="100%"))
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.order_lists == 0 and r._settle is None
+
+
+def test_an_uncounted_budget_counts_the_fleet_only_when_another_node_comes_first() -> None:
+    from gpuguard.node import Budget
+
+    # Nothing else was quarantined at the first look, so the fleet was not counted (limit 1, the least).
+    writer, r = make()
+    writer.quarantine_budget = Budget(quarantined=0, limit=1, exact=False)
+    writer.exact_budget = Budget(quarantined=1, limit=2, gpu_nodes=20)  # 10% of 20: room for two
+    writer.order = [("2000-01-01T00:00:00Z", "gpu-0")]
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.budget_lists == 2 and [p.action for p in writer.patches] == ["taint"]
+
+    writer, r = make()
+    writer.quarantine_budget = Budget(quarantined=0, limit=1, exact=False)
+    writer.exact_budget = Budget(quarantined=1, limit=1, gpu_nodes=10)
+    writer.order = [("2000-01-01T00:00:00Z", "gpu-0")]
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.budget_lists == 2 and [p.action for p in writer.patches] == ["taint", "yield"]
+
+    writer, r = make()  # first in the order: no need to count anything
+    writer.quarantine_budget = Budget(quarantined=0, limit=1, exact=False)
+    writer.order = [("2999-01-01T00:00:00Z", "gpu-9")]
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.budget_lists == 1 and [p.action for p in writer.patches] == ["taint"]
