@@ -538,9 +538,9 @@ def document(text: str, curve_text: str, raw: dict[str, Any], elapsed: float) ->
             "Concurrency: the latency runs, the start-up runs and the NVML-only benchmarks run during that",
             "window on other nodes (requests are attributed per node, CPU per process), which keeps `make",
             "bench` under 20 minutes. So the latency figures come from a cluster of about",
-            f"{c['gpu_nodes']} GPU nodes; every full quarantine first lists the quarantined ones (the",
-            "quarantine budget; the whole fleet's metadata only when another node is already quarantined)",
-            "and checks the quarantine order right after its write and again 10 s later.",
+            f"{c['gpu_nodes']} GPU nodes; every full quarantine first lists their metadata (the quarantine",
+            "budget), then lists the quarantined nodes right after its write and again 10 s later (the",
+            "quarantine order check).",
             bullet=True,
         ),
         _para(

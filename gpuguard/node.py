@@ -158,15 +158,11 @@ class NodeView:
 @dataclass(frozen=True)
 class Budget:
     """The cluster-wide quarantine budget as read from the API server (this node not counted).
-
-    `gpu_nodes` is counted only when the limit needs it: not for a count, and not for a percentage when no
-    other node is quarantined (any percentage above 0 of at least this one node allows one): `limit` is
-    then 1, the least it can be, and `exact` False."""
+    `gpu_nodes`: counted for a percentage, None for a count (`--max-quarantined 5` needs no total)."""
 
     quarantined: int
     limit: int
     gpu_nodes: int | None = None
-    exact: bool = True
 
     @property
     def has_room(self) -> bool:
@@ -491,9 +487,8 @@ class NodeWriter(Protocol):
 
     def record_event(self, node: NodeView, event: EventSpec) -> None: ...
 
-    def budget(self, spec: str, *, exclude: str, exact: bool = False) -> Budget | None:
-        """The quarantine budget, or None where there is no cluster to ask. `exact`: count the GPU nodes
-        for a percentage even when nothing else is quarantined."""
+    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+        """The quarantine budget (one list), or None where there is no cluster to ask."""
 
     def quarantine_order(self) -> list[tuple[str, str]]:
         """(gpuguard.io/since, name) of every node fully quarantined by gpuguard (one small list)."""
@@ -529,7 +524,7 @@ class DryRunNodeWriter:
     def record_event(self, node: NodeView, event: EventSpec) -> None:
         log.info("node.dry_run_event", node=node.name, type=event.type, reason=event.reason)
 
-    def budget(self, spec: str, *, exclude: str, exact: bool = False) -> Budget | None:
+    def budget(self, spec: str, *, exclude: str) -> Budget | None:
         return None
 
     def quarantine_order(self) -> list[tuple[str, str]]:
@@ -599,14 +594,13 @@ class KubeNodeWriter:
         with _translate("create event", "create", self._metrics):
             self._api.request("POST", path, body=body, timeout=self._timeout)
 
-    def budget(self, spec: str, *, exclude: str, exact: bool = False) -> Budget | None:
-        """The quarantined nodes (a small list, by label); the GPU nodes too (metadata only, a list of the
-        fleet) only when a percentage needs the total: something else is quarantined, or `exact`."""
-        quarantined = sum(1 for _, name in self.quarantine_order() if name != exclude)
+    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+        """One list, in the fault's hot path: for a count, the quarantined nodes (by label: a few items);
+        for a percentage, every GPU node's metadata (PartialObjectMetadataList: no specs, no statuses),
+        which gives the total and, from the labels, the quarantined ones."""
         if not spec.endswith("%"):
+            quarantined = sum(1 for _, name in self.quarantine_order() if name != exclude)
             return Budget(quarantined=quarantined, limit=int(spec))
-        if quarantined == 0 and not exact and budget_limit(spec, 1) >= 1:
-            return Budget(quarantined=0, limit=1, exact=False)
         with _translate("list GPU nodes", "list", self._metrics):
             items = (
                 self._api.request(
@@ -619,6 +613,12 @@ class KubeNodeWriter:
                 or []
             )
         names = {i["metadata"]["name"] for i in items}
+        quarantined = sum(
+            1
+            for i in items
+            if i["metadata"]["name"] != exclude
+            and (i["metadata"].get("labels") or {}).get(LABEL_QUARANTINED) == "true"
+        )
         total = len(names) if exclude in names else len(names) + 1
         return Budget(gpu_nodes=total, quarantined=quarantined, limit=budget_limit(spec, total))
 
@@ -950,15 +950,11 @@ class NodeReconciler:
             return False
         try:
             order = self._writer.quarantine_order()
-            ahead = quarantine_rank(order, (node.annotations.get(ANN_SINCE, ""), node.name))
-            if ahead >= budget.limit and not budget.exact:
-                # Nothing else was quarantined when we looked, so the fleet was not counted: count it now.
-                counted = self._writer.budget(self._settings.max_quarantined, exclude=node.name, exact=True)
-                budget = counted if counted is not None else budget
         except NodeUpdateError as exc:
             log.warning("node.quarantine_order_failed", node=node.name, error=str(exc))
             self._settle = (budget, time.monotonic() + VERIFY_SETTLE)
             return False
+        ahead = quarantine_rank(order, (node.annotations.get(ANN_SINCE, ""), node.name))
         if ahead < budget.limit:
             return False
         self._yield = (ahead, budget.limit)

@@ -31,7 +31,6 @@ class FakeNodeWriter:
         self._lock = threading.Lock()
         self.quarantine_budget: Budget | None = None
         self.budget_lists = 0
-        self.exact_budget: Budget | None = None  # what a count of the fleet says, when asked for it
         self.order: list[tuple[str, str]] = []  # (since, name) of the other fully quarantined nodes
         self.order_lists = 0
         self.order_error: NodeUpdateError | None = None
@@ -72,10 +71,8 @@ class FakeNodeWriter:
     def writes(self) -> int:
         return len(self.patches)
 
-    def budget(self, spec: str, *, exclude: str, exact: bool = False) -> Budget | None:
+    def budget(self, spec: str, *, exclude: str) -> Budget | None:
         self.budget_lists += 1
-        if exact and self.exact_budget is not None:
-            return self.exact_budget
         return self.quarantine_budget
 
     def quarantine_order(self) -> list[tuple[str, str]]:

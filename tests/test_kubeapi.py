@@ -287,26 +287,25 @@ def test_the_writer_speaks_the_node_endpoints(server: str) -> None:
     writer = KubeNodeWriter("gpu/1", api=client)
     no_headers: dict[str, str] = {}
     quarantined = {"items": [{"metadata": {"name": "q", "annotations": {"gpuguard.io/since": "S"}}}]}
+    quarantined_label = {"gpuguard.io/quarantined": "true"}
+    fleet = [{"metadata": {"name": f"n{i}", "labels": quarantined_label if i < 2 else {}}} for i in range(30)]
     Recorder.replies = [
         (200, no_headers, json.dumps(NODE).encode()),
         (200, no_headers, json.dumps(NODE).encode()),
-        (200, no_headers, b'{"items": null}'),  # what the API server sends for an empty metadata list
+        (200, no_headers, json.dumps({"items": fleet}).encode()),
         (200, no_headers, json.dumps(quarantined).encode()),
-        (
-            200,
-            no_headers,
-            json.dumps({"items": [{"metadata": {"name": f"n{i}"}} for i in range(30)]}).encode(),
-        ),
+        (200, no_headers, b'{"items": null}'),  # what the API server sends for an empty metadata list
     ]
     node = writer.read()
     assert isinstance(node, NodeView) and node.resource_version == "7"
     writer.set_condition(
         node, {"type": "GPUHealthy", "status": "True", "reason": "AllGPUsHealthy", "message": "ok"}
     )
-    # Nothing else quarantined: one small list decides (any percentage of this one node allows one).
-    assert writer.budget("10%", exclude="gpu/1") == Budget(quarantined=0, limit=1, exact=False)
-    # Another node quarantined: the GPU nodes are counted too (30 + this one).
-    assert writer.budget("10%", exclude="gpu/1") == Budget(quarantined=1, limit=4, gpu_nodes=31)
+    # A percentage: the fleet's metadata, one list (30 GPU nodes + this one; 2 of them quarantined).
+    assert writer.budget("10%", exclude="gpu/1") == Budget(quarantined=2, limit=4, gpu_nodes=31)
+    # A count needs no total: the quarantined nodes only.
+    assert writer.budget("3", exclude="gpu/1") == Budget(quarantined=1, limit=3)
+    assert writer.quarantine_order() == []
     quarantined_query = "/api/v1/nodes?labelSelector=gpuguard.io%2Fquarantined%3Dtrue"
     metadata = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
     got = [
@@ -321,9 +320,9 @@ def test_the_writer_speaks_the_node_endpoints(server: str) -> None:
             "application/strategic-merge-patch+json",
             "application/json",
         ),
-        ("GET", quarantined_query, None, metadata),
-        ("GET", quarantined_query, None, metadata),
         ("GET", "/api/v1/nodes?labelSelector=nvidia.com%2Fgpu.present%3Dtrue", None, metadata),
+        ("GET", quarantined_query, None, metadata),
+        ("GET", quarantined_query, None, metadata),
     ]
 
 

@@ -279,31 +279,3 @@ def test_no_order_check_without_a_budget() -> None:
     r.submit(SICK, 0)
     r.reconcile_now()
     assert writer.order_lists == 0 and r._settle is None
-
-
-def test_an_uncounted_budget_counts_the_fleet_only_when_another_node_comes_first() -> None:
-    from gpuguard.node import Budget
-
-    # Nothing else was quarantined at the first look, so the fleet was not counted (limit 1, the least).
-    writer, r = make()
-    writer.quarantine_budget = Budget(quarantined=0, limit=1, exact=False)
-    writer.exact_budget = Budget(quarantined=1, limit=2, gpu_nodes=20)  # 10% of 20: room for two
-    writer.order = [("2000-01-01T00:00:00Z", "gpu-0")]
-    r.submit(SICK, 0)
-    r.reconcile_now()
-    assert writer.budget_lists == 2 and [p.action for p in writer.patches] == ["taint"]
-
-    writer, r = make()
-    writer.quarantine_budget = Budget(quarantined=0, limit=1, exact=False)
-    writer.exact_budget = Budget(quarantined=1, limit=1, gpu_nodes=10)
-    writer.order = [("2000-01-01T00:00:00Z", "gpu-0")]
-    r.submit(SICK, 0)
-    r.reconcile_now()
-    assert writer.budget_lists == 2 and [p.action for p in writer.patches] == ["taint", "yield"]
-
-    writer, r = make()  # first in the order: no need to count anything
-    writer.quarantine_budget = Budget(quarantined=0, limit=1, exact=False)
-    writer.order = [("2999-01-01T00:00:00Z", "gpu-9")]
-    r.submit(SICK, 0)
-    r.reconcile_now()
-    assert writer.budget_lists == 1 and [p.action for p in writer.patches] == ["taint"]
