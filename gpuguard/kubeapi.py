@@ -102,10 +102,9 @@ class Client:
             if creds.tls_server_name:
                 tls["server_hostname"] = creds.tls_server_name
         # maxsize 4: the writer thread, plus `gpuguard status`/benches that share a client.
+        pool: dict[str, Any] = {"num_pools": 1, "maxsize": 4, "retries": False, **tls}
         self._pool: urllib3.PoolManager = (
-            urllib3.ProxyManager(creds.proxy, num_pools=1, maxsize=4, retries=False, **tls)
-            if creds.proxy
-            else urllib3.PoolManager(num_pools=1, maxsize=4, retries=False, **tls)
+            urllib3.ProxyManager(creds.proxy, **pool) if creds.proxy else urllib3.PoolManager(**pool)
         )
 
     def request(

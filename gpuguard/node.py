@@ -151,6 +151,11 @@ class NodeView:
         return self.labels.get(LABEL_QUARANTINED) == "deferred"
 
     @property
+    def fully_quarantined(self) -> bool:
+        """Our taint and the label that counts against the budget (not a deferred, soft quarantine)."""
+        return self.our_taint is not None and self.labels.get(LABEL_QUARANTINED) == "true"
+
+    @property
     def unverified(self) -> bool:
         return any(t.key == UNVERIFIED_TAINT_KEY for t in self.taints)
 
@@ -189,7 +194,7 @@ def plan_yield(node: NodeView, *, ahead: int, limit: int, settings: NodeSettings
     saw room) steps back to the deferred state: soft taint, our cordon lifted, label "deferred". Pure.
     None when the node is not fully quarantined by us (any more)."""
     ours = node.our_taint
-    if ours is None or node.labels.get(LABEL_QUARANTINED) != "true" or ahead < limit:
+    if ours is None or not node.fully_quarantined or ahead < limit:
         return None
     why = (
         f"quarantine budget spent: {ahead} GPU nodes were quarantined before this one, limit {limit} "
@@ -601,17 +606,7 @@ class KubeNodeWriter:
         if not spec.endswith("%"):
             quarantined = sum(1 for _, name in self.quarantine_order() if name != exclude)
             return Budget(quarantined=quarantined, limit=int(spec))
-        with _translate("list GPU nodes", "list", self._metrics):
-            items = (
-                self._api.request(
-                    "GET",
-                    "/api/v1/nodes",
-                    query={"labelSelector": GPU_NODE_SELECTOR},
-                    accept=_METADATA_ONLY,
-                    timeout=self._timeout,
-                )["items"]
-                or []
-            )
+        items = self._list_metadata("list GPU nodes", GPU_NODE_SELECTOR)
         names = {i["metadata"]["name"] for i in items}
         quarantined = sum(
             1
@@ -624,21 +619,23 @@ class KubeNodeWriter:
 
     def quarantine_order(self) -> list[tuple[str, str]]:
         """Metadata of the fully quarantined nodes only (label selector): a few items, not the fleet."""
-        with _translate("list quarantined nodes", "list", self._metrics):
-            items = (
-                self._api.request(
-                    "GET",
-                    "/api/v1/nodes",
-                    query={"labelSelector": f"{LABEL_QUARANTINED}=true"},
-                    accept=_METADATA_ONLY,
-                    timeout=self._timeout,
-                )["items"]
-                or []
-            )
+        items = self._list_metadata("list quarantined nodes", f"{LABEL_QUARANTINED}=true")
         return [
             (str((i["metadata"].get("annotations") or {}).get(ANN_SINCE, "")), str(i["metadata"]["name"]))
             for i in items
         ]
+
+    def _list_metadata(self, what: str, selector: str) -> list[dict[str, Any]]:
+        """Nodes by label selector, metadata only (PartialObjectMetadataList: no specs, no statuses)."""
+        with _translate(what, "list", self._metrics):
+            doc = self._api.request(
+                "GET",
+                "/api/v1/nodes",
+                query={"labelSelector": selector},
+                accept=_METADATA_ONLY,
+                timeout=self._timeout,
+            )
+        return doc["items"] or []  # an empty metadata list comes as "items": null
 
     def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
         _checked_condition(node, condition)
@@ -695,8 +692,8 @@ class _translate:
             if exc.status == 429 or exc.status >= 500:
                 raise TransientApiError(f"{self.what}: {exc}", retry_after=exc.retry_after) from exc
             raise PermanentApiError(f"{self.what}: {exc}", status=exc.status) from exc
-        if isinstance(exc, HTTPError | OSError | TimeoutError | ValueError):
-            # ValueError: an answer that is not JSON (a proxy's error page): as good as no answer.
+        if isinstance(exc, HTTPError | OSError | TimeoutError | json.JSONDecodeError):
+            # An answer that is not JSON (a proxy's error page) is as good as no answer.
             raise TransientApiError(f"{self.what}: {type(exc).__name__}: {exc}") from exc
 
 
@@ -946,7 +943,7 @@ class NodeReconciler:
     def _check_order(self, node: NodeView, budget: Budget) -> bool:
         """After a full quarantine: is this node past the budget in the cluster's quarantine order? Sets
         the yield for the next plan and returns True if so. A failed list keeps the check for later."""
-        if node.our_taint is None or node.labels.get(LABEL_QUARANTINED) != "true":
+        if not node.fully_quarantined:
             return False
         try:
             order = self._writer.quarantine_order()
