@@ -26,11 +26,11 @@ fakenvml:
 	tests/fakenvml/build.sh build/fakenvml
 
 # etcd and kube-apiserver built from their official Go modules (pinned in hack/testenv/versions.env), cached
-# under .cache/testenv/<versions>/: the first build takes ~7 minutes, later ones reuse the binaries.
+# per user under ~/.cache/gpuguard/testenv/<versions>/ ($GPUGUARD_CACHE): the first build takes ~7 minutes, later ones reuse the binaries.
 testenv:
 	bash hack/testenv/build.sh
 
-# helm, built once from its pinned Go module into .cache/helm/<version>/ (~3-4 min cold on 2 cores).
+# helm, built once from its pinned Go module into ~/.cache/gpuguard/helm/<version>/ (~3-4 min cold on 2 cores).
 helm:
 	hack/helm/build.sh
 

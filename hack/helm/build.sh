@@ -8,7 +8,7 @@
 # needed: the pinned version below pins the whole dependency graph.
 #
 # Everything (binary, module cache, build cache) lives in
-#   .cache/helm/<HELM_VERSION>/
+#   ${GPUGUARD_CACHE:-~/.cache/gpuguard}/helm/<HELM_VERSION>/
 # and a second run only checks that the binary is there and prints its path. The binary is
 # installed under a temporary name and renamed, so an interrupted build never leaves a
 # half-written helm behind; changing HELM_VERSION builds into a new directory.
@@ -17,7 +17,7 @@
 #
 # Usage: hack/helm/build.sh [--force]
 #   --force   rebuild even if the cache has the binary
-# Env: GPUGUARD_HELM_CACHE  cache root (default: <repo>/.cache/helm)
+# Env: GPUGUARD_HELM_CACHE  cache root (default: ${GPUGUARD_CACHE:-~/.cache/gpuguard}/helm)
 set -euo pipefail
 
 # The pin. helm.sh/helm/v3 versions (e.g. v3.21.4) work too: the module path follows the major.
@@ -49,7 +49,7 @@ if [[ ! $HELM_VERSION =~ ^v([0-9]+)\.[0-9]+\.[0-9]+$ ]]; then
 fi
 MODULE="helm.sh/helm/v${BASH_REMATCH[1]}"
 
-CACHE_ROOT=${GPUGUARD_HELM_CACHE:-$ROOT/.cache/helm}
+CACHE_ROOT=${GPUGUARD_HELM_CACHE:-$(gpuguard_cache_root)/helm}
 CACHE="$CACHE_ROOT/$HELM_VERSION"
 BIN="$CACHE/helm"
 

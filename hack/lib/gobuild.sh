@@ -1,6 +1,13 @@
 # Shared by hack/testenv/build.sh and hack/helm/build.sh (sourced, not run): the parts of a cached, pinned
 # Go build from the module proxy that do not depend on what is built.
 
+# gpuguard_cache_root: where the pinned Go builds are cached. A per-user cache outside the clone, so a fresh
+# clone (CI, a worktree) reuses binaries already built for the same pinned versions; every build lives in a
+# directory named after its versions, so a version change builds anew. GPUGUARD_CACHE overrides it.
+gpuguard_cache_root() {
+    printf '%s' "${GPUGUARD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpuguard}"
+}
+
 # cache_lock DIR: one build at a time per cache directory (pytest and make may race); a second caller
 # waits for the first and then re-checks the cache itself.
 cache_lock() {

@@ -10,7 +10,7 @@
 # versions.env changes, the wrappers are regenerated (commit the new go.mod/go.sum).
 #
 # Everything (binaries, module cache, build cache) lives in
-#   .cache/testenv/<KUBE_VERSION>-<ETCD_VERSION>/
+#   ${GPUGUARD_CACHE:-~/.cache/gpuguard}/testenv/<KUBE_VERSION>-<ETCD_VERSION>/
 # and a second run only checks a stamp file and prints the paths.
 #
 # Usage: hack/testenv/build.sh [--force] [--regenerate]
@@ -56,7 +56,7 @@ ETCD_VERSION=$(read_pin ETCD_VERSION)
 STAGING_VERSION="v0.${KUBE_VERSION#v1.}"
 IFS=. read -r KUBE_MAJOR KUBE_MINOR _ <<<"${KUBE_VERSION#v}"
 
-CACHE_ROOT=${GPUGUARD_TESTENV_CACHE:-$ROOT/.cache/testenv}
+CACHE_ROOT=${GPUGUARD_TESTENV_CACHE:-$(gpuguard_cache_root)/testenv}
 CACHE="$CACHE_ROOT/$KUBE_VERSION-$ETCD_VERSION"
 BIN="$CACHE/bin"
 STAMP="$CACHE/.complete"

@@ -107,8 +107,10 @@ def etcd_version() -> str:
 
 
 def cache_dir() -> Path:
-    """Where build.sh puts the binaries for the pinned versions (same rule as build.sh)."""
-    root = Path(os.environ.get("GPUGUARD_TESTENV_CACHE", REPO_ROOT / ".cache" / "testenv"))
+    """Where build.sh puts the binaries for the pinned versions (same rule as hack/lib/gobuild.sh)."""
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpuguard"
+    cache = Path(os.environ.get("GPUGUARD_CACHE") or default)
+    root = Path(os.environ.get("GPUGUARD_TESTENV_CACHE") or cache / "testenv")
     return root / f"{kube_version()}-{etcd_version()}"
 
 
