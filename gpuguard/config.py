@@ -11,37 +11,14 @@ from dataclasses import dataclass, field
 
 from gpuguard import validation
 from gpuguard.errors import ConfigError
+from gpuguard.xidcatalog import CATALOG
 
-# Default ignored Xids: application-level or informational in NVIDIA's Xid catalog. A bad kernel or a
-# killed process produces these on healthy hardware; tainting a node for them would punish the GPU for
-# the workload's bug.
-DEFAULT_IGNORED_XIDS: frozenset[int] = frozenset(
-    {
-        8,  # GPU stopped processing (watchdog on a channel): usually an application hang
-        11,  # invalid or corrupted push buffer stream: application-level
-        13,  # graphics engine exception: application error (e.g. out-of-range access in a kernel)
-        31,  # GPU memory page fault: application illegal address access
-        32,  # invalid or corrupted push buffer stream (PBDMA): application-level
-        39,  # application-level per the catalog
-        40,  # application-level per the catalog
-        41,  # application-level per the catalog
-        43,  # GPU stopped processing: the channel was reset after an application fault
-        45,  # preemptive cleanup after a previous error, e.g. a killed process
-        63,  # ECC page retirement / row remap recorded: informational (a failure is Xid 64)
-        68,  # video processor (NVDEC) exception: application-level
-        69,  # graphics engine class error: application-level
-        92,  # high single-bit ECC error rate: informational, corrected errors
-        93,  # non-fatal violation of provisioned InfoROM wear limit: informational
-        94,  # contained ECC error: the affected application is terminated, the GPU keeps serving
-        121,  # C2C link corrected error: informational
-        137,  # application-level per the catalog
-        154,  # GPU recovery action changed: informational (the action itself is reported separately)
-        157,  # informational per the catalog
-        161,  # informational per the catalog
-    }
-)
-# Note: 109 (context switch timeout) is a fault per the catalog (its resolution is a GPU reset), although
-# NVIDIA's device plugin ignores it. It is deliberately not in the list above.
+# Default ignored Xids: those NVIDIA's Xid catalog files under the immediate action RESTART_APP or IGNORE,
+# plus gpuguard's named overrides (45, 154); see gpuguard/xidcatalog.py and gpuguard/data/xid_catalog.json.
+# A bad kernel or a killed process produces these on healthy hardware: tainting a node for them would punish
+# the GPU for the workload's bug. 109 (context switch timeout, RESET_GPU) is a fault, although NVIDIA's
+# device plugin ignores it.
+DEFAULT_IGNORED_XIDS: frozenset[int] = CATALOG.default_ignored()
 
 
 @dataclass(frozen=True)
@@ -51,7 +28,7 @@ class PolicySettings:
     ecc_threshold: int = 0
     """Volatile uncorrected ECC errors tolerated; 0 because any uncorrected error can corrupt results."""
     ignored_xids: frozenset[int] = DEFAULT_IGNORED_XIDS
-    """Xids that are not faults (application-level/informational in NVIDIA's catalog)."""
+    """Xids that are events, not faults (RESTART_APP/IGNORE in NVIDIA's catalog, plus 45 and 154)."""
     expected_gpus: int | None = None
     """GPUs the node must have; None: the count at the first successful NVML init."""
     allow_no_gpu: bool = False

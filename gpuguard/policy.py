@@ -1,9 +1,8 @@
 """Readings + settings -> verdict. Pure: no I/O, no clock, no NVML, no Kubernetes.
 
-Which Xids are faults follows the "resolution bucket" of NVIDIA's Xid catalog: codes whose resolution is
-an application-level fix or nothing at all (informational) are ignored by default; every other code,
-unknown ones included, is a fault, because an Xid we do not recognise on a node that serves traffic is
-more likely a new hardware failure mode than a harmless one.
+Which Xids are faults follows the immediate-action "resolution bucket" of NVIDIA's Xid catalog, shipped as
+data (gpuguard.xidcatalog): RESTART_APP and IGNORE are events by default; every other bucket, and every code
+the catalog does not list, is a fault (PolicySettings.ignored_xids carries the default and the overrides).
 """
 
 from __future__ import annotations
@@ -25,32 +24,11 @@ from gpuguard.model import (
     XidEvent,
     xid_reason,
 )
-
-# Short descriptions for the reason detail. Codes not listed are still faults (or ignored) as above.
-XID_DESCRIPTIONS: dict[int, str] = {
-    8: "GPU stopped processing",
-    13: "graphics engine exception",
-    31: "GPU memory page fault",
-    43: "GPU stopped processing",
-    45: "preemptive cleanup, due to previous errors",
-    48: "double-bit ECC error",
-    61: "internal micro-controller breakpoint/warning",
-    62: "internal micro-controller halt",
-    63: "ECC page retirement or row remapping recording event",
-    64: "ECC page retirement or row remapper recording failure",
-    74: "NVLink error",
-    79: "GPU has fallen off the bus",
-    92: "high single-bit ECC error rate",
-    94: "contained ECC error",
-    95: "uncontained ECC error",
-    109: "context switch timeout",
-    119: "GSP RPC timeout",
-    120: "GSP error",
-}
+from gpuguard.xidcatalog import CATALOG
 
 
 def describe_xid(code: int) -> str:
-    return XID_DESCRIPTIONS.get(code, "see NVIDIA's Xid catalog")
+    return CATALOG.describe(code)
 
 
 def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySettings) -> Verdict:

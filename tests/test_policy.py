@@ -9,6 +9,7 @@ import pytest
 from gpuguard.config import DEFAULT_IGNORED_XIDS, PolicySettings
 from gpuguard.model import GpuReading, Snapshot, Verdict, XidEvent
 from gpuguard.policy import evaluate, primary
+from gpuguard.xidcatalog import CATALOG
 
 DEFAULT = PolicySettings()
 
@@ -138,30 +139,58 @@ def test_xids_outside_the_ignored_list_are_faults(code: int) -> None:
     assert v.gpus[1].faults[0].message.startswith(f"xid-{code}: ")
 
 
-def test_the_default_ignored_list_is_the_catalog_list_from_the_issue() -> None:
-    assert sorted(DEFAULT_IGNORED_XIDS) == [
-        8,
-        11,
-        13,
-        31,
-        32,
-        39,
-        40,
-        41,
-        43,
-        45,
-        63,
-        68,
-        69,
-        92,
-        93,
-        94,
-        121,
-        137,
-        154,
-        157,
-        161,
+# The Xids the issue found quarantining a node although NVIDIA's catalog files them under RESTART_APP or
+# IGNORE: copy engines CE3-CE19, NVDEC1-7, NVJPG0-7, OFA, and the firmware/test/fast-path ones.
+RESTART_APP_OR_IGNORE_THAT_WERE_FAULTS = [
+    *(70, 71, 72, 75, 76, 77, 85, *range(126, 136)),
+    *(82, 83, 84, 86, 88, 89, *range(96, 106), 139),
+    *(38, 44, 66, 67, 106, 107, 141),
+]
+
+
+@pytest.mark.parametrize("code", RESTART_APP_OR_IGNORE_THAT_WERE_FAULTS)
+def test_an_xid_the_catalog_files_under_restart_app_or_ignore_does_not_quarantine(code: int) -> None:
+    assert CATALOG.entries[code].immediate_action in ("RESTART_APP", "IGNORE")
+    v = evaluate(snap(*TWO, xids=(XidEvent(0, "GPU-0", code),)), previous=None, settings=DEFAULT)
+    assert v.healthy and [x.code for x in v.ignored_xids] == [code]
+
+
+def test_the_default_is_the_catalogs_event_buckets_plus_the_named_overrides() -> None:
+    buckets = {c for c, e in CATALOG.entries.items() if e.immediate_action in ("RESTART_APP", "IGNORE")}
+    assert buckets | {45, 154} == DEFAULT_IGNORED_XIDS
+    assert set(CATALOG.overrides) == {45, 154}
+
+
+@pytest.mark.parametrize(("code", "ignored"), [(45, True), (63, True), (92, True), (94, True), (109, False)])
+def test_the_issues_fixed_points_keep_their_default(code: int, ignored: bool) -> None:
+    assert (code in DEFAULT_IGNORED_XIDS) is ignored
+
+
+def test_the_catalog_lists_every_code_with_mnemonic_bucket_source_and_date() -> None:
+    assert sorted(CATALOG.entries) == list(range(1, 173))
+    assert all(e.mnemonic for e in CATALOG.entries.values())
+    assert CATALOG.source.startswith("https://docs.nvidia.com/")
+    assert CATALOG.taken == "2026-12-03"
+    # Only 162-172 lack a bucket on the page; they are faults, as an unlisted code is.
+    assert [c for c, e in CATALOG.entries.items() if not e.immediate_action] == list(range(162, 173))
+    assert not CATALOG.is_event(163) and not CATALOG.is_event(500)
+
+
+def test_xid_999_reads_as_an_unknown_xid_and_is_a_fault() -> None:
+    v = evaluate(snap(*TWO, xids=(XidEvent(1, "GPU-1", 999),)), previous=None, settings=DEFAULT)
+    assert [f.message for f in v.faults] == [
+        "xid-999: unknown Xid (NVML reports 999 when the driver does not name the error) (GPU 1, GPU-1)"
     ]
+
+
+def test_ignore_and_fatal_flags_still_override_the_catalog() -> None:
+    settings = replace(DEFAULT, ignored_xids=(DEFAULT_IGNORED_XIDS | {79}) - {70})
+    v = evaluate(
+        snap(*TWO, xids=(XidEvent(0, "GPU-0", 79), XidEvent(1, "GPU-1", 70))),
+        previous=None,
+        settings=settings,
+    )
+    assert reasons(v) == ["xid-70"]
 
 
 def test_an_xid_stays_a_fault_on_later_checks_because_the_driver_never_repeats_it() -> None:
