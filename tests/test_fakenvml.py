@@ -47,6 +47,7 @@ REQUIRED_SYMBOLS = [
     "nvmlEventSetWait_v2",
     "nvmlEventSetWait",
     "nvmlEventSetFree",
+    "nvmlDeviceGetFieldValues",
 ]
 
 # Runs first in every subprocess script.
@@ -433,7 +434,7 @@ def test_library_not_found(tmp_path: Path, state: Path) -> None:
         ("gpu 0 error=NOPE\n", 1, "unknown error name 'NOPE'"),
         ("gpu 0 uuid=A\ngpu 1 uuid=A\n", 2, "duplicate uuid 'A' (also gpu 0)"),
         ("gpu 0\nxid 1 79\n", 2, "xid for gpu 1, but there is no such gpu line"),
-        ("gpu 0\nxid 0\n", 2, "expected: xid <gpu index> <xid code>"),
+        ("gpu 0\nxid 0\n", 2, "expected: xid <gpu index> <xid code> [gi=<n>] [ci=<n>]"),
         ('gpu 0 name="H100\n', 1, "unterminated quote"),
         ("driver 1 2\n", 1, "expected: driver <version>"),
     ],
@@ -527,7 +528,7 @@ def test_ecc_not_supported(lib_dir: Path, state: Path) -> None:
         "mode": "NVMLError_NotSupported",
         "total": "NVMLError_NotSupported",
         "remapped": [0, 0, 0, 0],
-        "supported": 0x8 | 0x4 | 0x10,
+        "supported": 0x8 | 0x4 | 0x10 | 0x8000,
         "register_dbe": "NVMLError_NotSupported",
         "register_xid": None,
     }
@@ -690,15 +691,18 @@ def test_xid_wait_timeout_and_wakeup(lib_dir: Path, state: Path, mode: str) -> N
                      gi=d.gpuInstanceId, ci=d.computeInstanceId)
         again = err(nv.nvmlEventSetWait_v2, s, 200)
 
-        # Two more in one write: gpu 1's reaches this set, gpu 0's is parked
-        # until a set registers for gpu 0.
+        # Two more in one write: gpu 1's reaches this set, gpu 0's is lost:
+        # nobody registered for it (nvml.h: events before the registration
+        # are not recorded).
         add("xid 0 48\\nxid 1 94\\n")
         second = nv.nvmlEventSetWait_v2(s, 1000).eventData
         nothing = err(nv.nvmlEventSetWait_v2, s, 50)
         nv.nvmlDeviceRegisterEvents(h0, XID, s)
+        not_replayed = err(nv.nvmlEventSetWait_v2, s, 50)
+        add("xid 0 48\\n")
         parked = nv.nvmlEventSetWait_v2(s, 1000)
         out(idle=idle, idle_s=idle_s, waited_s=done - t, latency_s=done - injected["t"],
-            event=event, again=again, second=second, nothing=nothing,
+            event=event, again=again, second=second, nothing=nothing, not_replayed=not_replayed,
             parked=[parked.eventData, nv.nvmlDeviceGetIndex(parked.device)],
             end=err(nv.nvmlEventSetWait_v2, s, 50))
         nv.nvmlEventSetFree(s)
@@ -721,11 +725,13 @@ def test_xid_wait_timeout_and_wakeup(lib_dir: Path, state: Path, mode: str) -> N
     assert res["again"] == "NVMLError_Timeout"
     assert res["second"] == 94
     assert res["nothing"] == "NVMLError_Timeout"
+    assert res["not_replayed"] == "NVMLError_Timeout"
     assert res["parked"] == [48, 0]
     assert res["end"] == "NVMLError_Timeout"
 
 
-def test_xid_lines_present_at_start_are_delivered_once(lib_dir: Path, state: Path) -> None:
+def test_events_that_happened_before_a_registration_are_not_delivered(lib_dir: Path, state: Path) -> None:
+    """nvml.h, nvmlDeviceRegisterEvents: "All events that occurred before this call are not recorded"."""
     write(state, "gpu 0\nxid 0 13\nxid 0 31\n")
     res = nvml(
         lib_dir,
@@ -734,8 +740,9 @@ def test_xid_lines_present_at_start_are_delivered_once(lib_dir: Path, state: Pat
         h = nv.nvmlDeviceGetHandleByIndex(0)
         a = nv.nvmlEventSetCreate()
         nv.nvmlDeviceRegisterEvents(h, XID | nv.nvmlEventTypePState, a)
-        first = [nv.nvmlEventSetWait_v2(a, 1000).eventData for _ in range(2)]
-        a_end = err(nv.nvmlEventSetWait_v2, a, 50)
+        first = err(nv.nvmlEventSetWait_v2, a, 100)
+        write_state("xid 0 77\\n", "append")
+        a_end = [nv.nvmlEventSetWait_v2(a, 1000).eventData, err(nv.nvmlEventSetWait_v2, a, 50)]
         b = nv.nvmlEventSetCreate()
         nv.nvmlDeviceRegisterEvents(h, XID, b)
         b_old = err(nv.nvmlEventSetWait_v2, b, 50)
@@ -752,9 +759,9 @@ def test_xid_lines_present_at_start_are_delivered_once(lib_dir: Path, state: Pat
         c = nv.nvmlEventSetCreate()
         nv.nvmlDeviceRegisterEvents(h, XID, c)
         replay = err(nv.nvmlEventSetWait_v2, c, 50)
-        # The mark is 3, the file now has 1 xid line: of these three, only the
+        # The mark is 4, the file now has 1 xid line: of these four, only the
         # last one (the 4th xid line) is new.
-        write_state("xid 0 1\\nxid 0 2\\nxid 0 3\\n", "append")
+        write_state("xid 0 1\\nxid 0 2\\nxid 0 3\\nxid 0 4\\n", "append")
         after_truncate = [nv.nvmlEventSetWait_v2(c, 1000).eventData]
         after_truncate.append(err(nv.nvmlEventSetWait_v2, c, 50))
         out(first=first, a_end=a_end, b_old=b_old, both=both, replay=replay,
@@ -763,23 +770,24 @@ def test_xid_lines_present_at_start_are_delivered_once(lib_dir: Path, state: Pat
         state,
     )
     assert res == {
-        "first": [13, 31],
-        "a_end": "NVMLError_Timeout",
+        "first": "NVMLError_Timeout",
+        "a_end": [77, "NVMLError_Timeout"],
         "b_old": "NVMLError_Timeout",
         "both": [43, 43],
         "replay": "NVMLError_Timeout",
-        "after_truncate": [3, "NVMLError_Timeout"],
+        "after_truncate": [4, "NVMLError_Timeout"],
     }
 
 
 def test_wait_v1_fills_only_the_old_struct(lib_dir: Path, state: Path) -> None:
-    write(state, "gpu 0\nxid 0 62\n")
+    write(state, "gpu 0\n")
     res = nvml(
         lib_dir,
         """
         nv.nvmlInit()
         s = nv.nvmlEventSetCreate()
         nv.nvmlDeviceRegisterEvents(nv.nvmlDeviceGetHandleByIndex(0), XID, s)
+        write_state("xid 0 62\\n", "append")
         buf = (ctypes.c_ubyte * 32)(*([0xAB] * 32))
         rc = nv.nvmlLib.nvmlEventSetWait(s, ctypes.byref(buf), ctypes.c_uint(1000))
         raw = bytes(buf)
@@ -884,3 +892,211 @@ def test_queries_run_while_another_thread_waits(lib_dir: Path, state: Path) -> N
     assert res["alive"], "the waiter must still be blocked before the Xid is written"
     assert res["xid"] == 119
     assert res["done"]
+
+
+# --------------------------------------------------------------------------
+# What nvml.h documents beyond the basics: injected per-call errors, ECC
+# switched off, no row remapping, the recovery action, MIG instance ids.
+# --------------------------------------------------------------------------
+
+
+def test_fail_lines_inject_an_error_into_one_call_for_a_count_of_calls(lib_dir: Path, state: Path) -> None:
+    write(
+        state,
+        """\
+        gpu 0
+        gpu 1
+        fail nvmlDeviceGetUUID UNKNOWN gpu=1 count=2
+        fail nvmlDeviceGetHandleByIndex NO_PERMISSION gpu=0 count=1
+        fail nvmlSystemGetDriverVersion UNKNOWN count=1
+        fail nvmlDeviceGetCount TIMEOUT count=1
+        fail nvmlEventSetCreate MEMORY count=1
+        fail nvmlDeviceGetFieldValues RESET_REQUIRED gpu=0
+        """,
+    )
+    res = nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        h1 = nv.nvmlDeviceGetHandleByIndex(1)
+        uuid = [err(nv.nvmlDeviceGetUUID, h1) for _ in range(3)]
+        handle = [err(nv.nvmlDeviceGetHandleByIndex, 0) for _ in range(2)]
+        driver = [err(nv.nvmlSystemGetDriverVersion) for _ in range(2)]
+        count = [err(nv.nvmlDeviceGetCount) for _ in range(2)]
+        create = [err(nv.nvmlEventSetCreate) for _ in range(2)]
+        h0 = nv.nvmlDeviceGetHandleByIndex(0)
+        fields = [err(nv.nvmlDeviceGetFieldValues, h, [230]) for h in (h0, h1)]
+        # A rewrite that keeps the rule keeps its progress: no new UUID failure.
+        write_state(read_state() + "# touched\\n")
+        again = err(nv.nvmlDeviceGetUUID, h1)
+        out(uuid=uuid, handle=handle, driver=driver, count=count, create=create, fields=fields, again=again)
+        """,
+        state,
+    )
+    assert res == {
+        "uuid": ["NVMLError_Unknown", "NVMLError_Unknown", None],
+        "handle": ["NVMLError_NoPermission", None],
+        "driver": ["NVMLError_Unknown", None],
+        "count": ["NVMLError_Timeout", None],
+        "create": ["NVMLError_Memory", None],
+        "fields": ["NVMLError_ResetRequired", None],
+        "again": None,
+    }
+
+
+def test_a_registration_that_fails_unknown_leaves_the_set_unusable(lib_dir: Path, state: Path) -> None:
+    """nvml.h: after NVML_ERROR_UNKNOWN from nvmlDeviceRegisterEvents the set is undefined, free it."""
+    write(state, "gpu 0\nfail nvmlDeviceRegisterEvents UNKNOWN count=1\n")
+    res = nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        bad = nv.nvmlEventSetCreate()
+        first = err(nv.nvmlDeviceRegisterEvents, h, XID, bad)
+        retry_same = err(nv.nvmlDeviceRegisterEvents, h, XID, bad)
+        good = nv.nvmlEventSetCreate()
+        fresh = err(nv.nvmlDeviceRegisterEvents, h, XID, good)
+        write_state("xid 0 79\\n", "append")
+        out(first=first, retry_same=retry_same, fresh=fresh,
+            bad_wait=err(nv.nvmlEventSetWait_v2, bad, 100),
+            good_wait=nv.nvmlEventSetWait_v2(good, 1000).eventData)
+        """,
+        state,
+    )
+    assert res == {
+        "first": "NVMLError_Unknown",
+        "retry_same": None,
+        "fresh": None,
+        "bad_wait": "NVMLError_Unknown",
+        "good_wait": 79,
+    }
+
+
+@pytest.mark.parametrize("error", ["GPU_IS_LOST", "UNKNOWN"])
+def test_a_wait_can_be_made_to_fail_while_it_blocks(lib_dir: Path, state: Path, error: str) -> None:
+    write(state, "gpu 0\n")
+    res = nvml(
+        lib_dir,
+        f"""
+        nv.nvmlInit()
+        s = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(nv.nvmlDeviceGetHandleByIndex(0), XID, s)
+        rule = "fail nvmlEventSetWait {error} count=1\\n"
+        threading.Timer(0.1, lambda: write_state(rule, "append")).start()
+        t = time.monotonic()
+        first = err(nv.nvmlEventSetWait_v2, s, 5000)
+        took = time.monotonic() - t
+        out(first=first, took=took, then=err(nv.nvmlEventSetWait_v2, s, 50))
+        """,
+        state,
+    )
+    assert res["first"] == {"GPU_IS_LOST": "NVMLError_GpuIsLost", "UNKNOWN": "NVMLError_Unknown"}[error]
+    assert res["took"] < 1.0 and res["then"] == "NVMLError_Timeout"
+
+
+def test_ecc_supported_but_disabled_and_no_row_remapping(lib_dir: Path, state: Path) -> None:
+    write(state, "gpu 0 ecc_enabled=0 ecc=3 remap_supported=0\n")
+    res = nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        out(mode=list(nv.nvmlDeviceGetEccMode(h)), total=err(nv.nvmlDeviceGetTotalEccErrors, h, 1, 0),
+            remap=err(nv.nvmlDeviceGetRemappedRows, h), ecc_events=nv.nvmlDeviceGetSupportedEventTypes(h) & 3)
+        """,
+        state,
+    )
+    assert res == {
+        "mode": [0, 0],
+        "total": "NVMLError_NotSupported",
+        "remap": "NVMLError_NotSupported",
+        "ecc_events": 0,
+    }
+
+
+def test_the_recovery_action_field_and_its_event(lib_dir: Path, state: Path) -> None:
+    write(state, "gpu 0\ngpu 1 recovery_supported=0\n")
+    res = nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        h0, h1 = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
+        def field(h):
+            v = nv.nvmlDeviceGetFieldValues(h, [nv.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])[0]
+            return [v.fieldId, v.nvmlReturn, v.valueType, v.value.uiVal if v.nvmlReturn == 0 else None]
+        s = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(h0, XID | 0x8000, s)
+        before = field(h0)
+        write_state("gpu 0 recovery_action=1\\ngpu 1 recovery_supported=0\\n")
+        d = nv.nvmlEventSetWait_v2(s, 1000)
+        event = [d.eventType, d.eventData, nv.nvmlDeviceGetIndex(d.device)]
+        out(before=before, after=field(h0), event=event, unsupported=field(h1),
+            register_unsupported=err(nv.nvmlDeviceRegisterEvents, h1, 0x8000, s))
+        """,
+        state,
+    )
+    assert res == {
+        "before": [230, 0, 1, 0],
+        "after": [230, 0, 1, 1],
+        "event": [0x8000, 0, 0],
+        "unsupported": [230, 3, 1, None],
+        "register_unsupported": "NVMLError_NotSupported",
+    }
+
+
+def test_mig_xids_carry_the_gpu_and_compute_instance(lib_dir: Path, state: Path) -> None:
+    write(state, "gpu 0\n")
+    res = nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        s = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(nv.nvmlDeviceGetHandleByIndex(0), XID, s)
+        write_state("xid 0 13 gi=2 ci=0\\n", "append")
+        d = nv.nvmlEventSetWait_v2(s, 1000)
+        out(ev=[d.eventData, d.gpuInstanceId, d.computeInstanceId])
+        """,
+        state,
+    )
+    assert res == {"ev": [13, 2, 0]}
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        # A prototype that differs from nvml.h by one pointer type.
+        (
+            "nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRows,",
+            "nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, int *corrRows,",
+        ),
+        # The legacy entry point with the old struct type instead of nvml.h's.
+        (
+            "nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data,",
+            "nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, legacy_event_data_t *data,",
+        ),
+        # An exported function nvml.h does not declare.
+        (
+            "const char *nvmlErrorString(nvmlReturn_t result)",
+            "const char *nvmlErrorStrin(nvmlReturn_t result)",
+        ),
+    ],
+)
+def test_the_build_fails_when_an_entry_point_does_not_match_nvml_h(
+    tmp_path: Path, old: str, new: str
+) -> None:
+    src = (ROOT / "tests" / "fakenvml" / "fakenvml.c").read_text()
+    assert old in src
+    (tmp_path / "fakenvml").mkdir()
+    (tmp_path / "fakenvml" / "fakenvml.c").write_text(src.replace(old, new, 1))
+    (tmp_path / "fakenvml" / "build.sh").write_bytes(BUILD_SH.read_bytes())
+    inc = next((ROOT / ".venv").glob("lib/python3*/site-packages/nvidia/cu*/include"))
+    proc = subprocess.run(
+        ["sh", str(tmp_path / "fakenvml" / "build.sh"), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NVML_INCLUDE": str(inc)},
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "error" in proc.stderr

@@ -33,87 +33,23 @@
 #include <unistd.h>
 
 /* ------------------------------------------------------------------------ */
-/* NVML types, copied from nvml.h (values checked against pynvml).          */
+/* NVML types: NVIDIA's nvml.h (package nvidia-nvml-dev), built with        */
+/* NVML_NO_UNVERSIONED_FUNC_DEFS so the legacy names are real functions.    */
+/* -Wmissing-prototypes: every exported function must be declared there,    */
+/* and the compiler rejects any definition that differs from its prototype. */
 /* ------------------------------------------------------------------------ */
 
-typedef enum nvmlReturn_enum {
-    NVML_SUCCESS = 0,
-    NVML_ERROR_UNINITIALIZED = 1,
-    NVML_ERROR_INVALID_ARGUMENT = 2,
-    NVML_ERROR_NOT_SUPPORTED = 3,
-    NVML_ERROR_NO_PERMISSION = 4,
-    NVML_ERROR_ALREADY_INITIALIZED = 5,
-    NVML_ERROR_NOT_FOUND = 6,
-    NVML_ERROR_INSUFFICIENT_SIZE = 7,
-    NVML_ERROR_INSUFFICIENT_POWER = 8,
-    NVML_ERROR_DRIVER_NOT_LOADED = 9,
-    NVML_ERROR_TIMEOUT = 10,
-    NVML_ERROR_IRQ_ISSUE = 11,
-    NVML_ERROR_LIBRARY_NOT_FOUND = 12,
-    NVML_ERROR_FUNCTION_NOT_FOUND = 13,
-    NVML_ERROR_CORRUPTED_INFOROM = 14,
-    NVML_ERROR_GPU_IS_LOST = 15,
-    NVML_ERROR_RESET_REQUIRED = 16,
-    NVML_ERROR_OPERATING_SYSTEM = 17,
-    NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18,
-    NVML_ERROR_IN_USE = 19,
-    NVML_ERROR_MEMORY = 20,
-    NVML_ERROR_NO_DATA = 21,
-    NVML_ERROR_VGPU_ECC_NOT_SUPPORTED = 22,
-    NVML_ERROR_INSUFFICIENT_RESOURCES = 23,
-    NVML_ERROR_FREQ_NOT_SUPPORTED = 24,
-    NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
-    NVML_ERROR_DEPRECATED = 26,
-    NVML_ERROR_NOT_READY = 27,
-    NVML_ERROR_GPU_NOT_FOUND = 28,
-    NVML_ERROR_INVALID_STATE = 29,
-    NVML_ERROR_RESET_TYPE_NOT_SUPPORTED = 30,
-    NVML_ERROR_UNKNOWN = 999
-} nvmlReturn_t;
-
-typedef enum nvmlEnableState_enum {
-    NVML_FEATURE_DISABLED = 0,
-    NVML_FEATURE_ENABLED = 1
-} nvmlEnableState_t;
-
-typedef enum nvmlMemoryErrorType_enum {
-    NVML_MEMORY_ERROR_TYPE_CORRECTED = 0,
-    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1,
-    NVML_MEMORY_ERROR_TYPE_COUNT
-} nvmlMemoryErrorType_t;
-
-typedef enum nvmlEccCounterType_enum {
-    NVML_VOLATILE_ECC = 0,
-    NVML_AGGREGATE_ECC = 1,
-    NVML_ECC_COUNTER_TYPE_COUNT
-} nvmlEccCounterType_t;
-
-#define nvmlEventTypeSingleBitEccError 0x0000000000000001ULL
-#define nvmlEventTypeDoubleBitEccError 0x0000000000000002ULL
-#define nvmlEventTypePState 0x0000000000000004ULL
-#define nvmlEventTypeXidCriticalError 0x0000000000000008ULL
-#define nvmlEventTypeClock 0x0000000000000010ULL
+#include <nvml.h>
 
 /* Opaque handles.  Device handles point into a static array, so they stay
  * valid (and comparable) for the life of the process. */
-typedef struct nvmlDevice_st {
+struct nvmlDevice_st {
     unsigned int index;
-} *nvmlDevice_t;
-typedef struct nvmlEventSet_st *nvmlEventSet_t;
+};
 
-/* nvmlPciInfo_t as filled by nvmlDeviceGetPciInfo_v3 (pynvml.nvmlPciInfo_t). */
-typedef struct nvmlPciInfo_st {
-    char busIdLegacy[16];
-    unsigned int domain;
-    unsigned int bus;
-    unsigned int device;
-    unsigned int pciDeviceId;
-    unsigned int pciSubSystemId;
-    char busId[32];
-} nvmlPciInfo_t;
-
-/* The layout used by nvmlDeviceGetPciInfo and _v2 (pynvml.nvmlPciInfo_v2_t). */
-typedef struct nvmlPciInfoV2_st {
+/* The layout the legacy nvmlDeviceGetPciInfo and _v2 wrote (pynvml.nvmlPciInfo_v2_t):
+ * nvml.h declares them with nvmlPciInfo_t, the library fills the old 16-byte busId form. */
+typedef struct {
     char busId[16];
     unsigned int domain;
     unsigned int bus;
@@ -121,26 +57,21 @@ typedef struct nvmlPciInfoV2_st {
     unsigned int pciDeviceId;
     unsigned int pciSubSystemId;
     unsigned int reserved0, reserved1, reserved2, reserved3;
-} nvmlPciInfoV2_t;
+} legacy_pci_info_t;
 
-/* nvmlEventData_t filled by nvmlEventSetWait_v2 (pynvml.c_nvmlEventData_t). */
-typedef struct nvmlEventData_st {
+/* The legacy nvmlEventSetWait (v1) wrote only the first three fields of nvmlEventData_t. */
+typedef struct {
     nvmlDevice_t device;
     unsigned long long eventType;
     unsigned long long eventData;
-    unsigned int gpuInstanceId;
-    unsigned int computeInstanceId;
-} nvmlEventData_t;
-
-/* The old nvmlEventSetWait (v1) wrote only the first three fields. */
-typedef struct nvmlEventDataV1_st {
-    nvmlDevice_t device;
-    unsigned long long eventType;
-    unsigned long long eventData;
-} nvmlEventDataV1_t;
+} legacy_event_data_t;
 
 _Static_assert(sizeof(nvmlPciInfo_t) == 68, "nvmlPciInfo_t layout");
-_Static_assert(sizeof(nvmlPciInfoV2_t) == 52, "nvmlPciInfo_v2_t layout");
+_Static_assert(sizeof(legacy_pci_info_t) == 52, "nvmlPciInfo_v2_t layout");
+_Static_assert(sizeof(nvmlFieldValue_t) == 40, "nvmlFieldValue_t layout");
+_Static_assert(offsetof(nvmlFieldValue_t, value) == 32, "nvmlFieldValue_t layout");
+_Static_assert(NVML_FI_DEV_GET_GPU_RECOVERY_ACTION == 230, "recovery action field id");
+_Static_assert(nvmlEventTypeGpuRecoveryAction == 0x8000, "recovery action event type");
 _Static_assert(offsetof(nvmlEventData_t, gpuInstanceId) == 24, "nvmlEventData_t layout");
 _Static_assert(sizeof(nvmlEventData_t) == 32, "nvmlEventData_t layout");
 
@@ -163,8 +94,9 @@ _Static_assert(sizeof(nvmlEventData_t) == 32, "nvmlEventData_t layout");
 #define WATCH_MASK (IN_CLOSE_WRITE | IN_MOVED_TO | IN_MODIFY | IN_CREATE | IN_DELETE | \
                     IN_MOVED_FROM | IN_ATTRIB)
 
-/* Event types the fake claims to support; only Xid events are ever produced. */
+/* Event types the fake claims to support; Xid and recovery-action events are produced. */
 #define SUPPORTED_EVENTS (nvmlEventTypeXidCriticalError | nvmlEventTypePState | nvmlEventTypeClock)
+#define MAX_FAIL_RULES 64
 #define ECC_EVENTS (nvmlEventTypeSingleBitEccError | nvmlEventTypeDoubleBitEccError)
 
 static const struct {
@@ -220,6 +152,10 @@ struct gpu_cfg {
     char name[NAME_BUF];
     unsigned long long ecc; /* uncorrected ECC errors (volatile == aggregate) */
     bool ecc_supported;
+    bool ecc_enabled;        /* ECC supported but switched off: mode DISABLED, counts N/A */
+    bool remap_supported;    /* 0: nvmlDeviceGetRemappedRows NOT_SUPPORTED (pre-Ampere, some vGPU) */
+    bool recovery_supported; /* 0: field 230 and its event NOT_SUPPORTED (drivers before R565) */
+    unsigned int recovery_action; /* NVML_FI_DEV_GET_GPU_RECOVERY_ACTION */
     bool lost;
     bool remap_failure;
     bool remap_pending;
@@ -233,6 +169,7 @@ struct gpu_cfg {
 struct xid_line {
     unsigned int gpu;
     unsigned long long code;
+    unsigned int gi, ci; /* MIG GPU / compute instance, NO_INSTANCE when not given */
     unsigned int line;
     size_t text_off, text_len;
 };
@@ -244,6 +181,14 @@ struct config {
     struct gpu_cfg gpu[MAX_GPUS];
     size_t nxid;
     struct xid_line *xid;
+    unsigned int nfail;
+    struct fail_rule {
+        char fn[48];       /* NVML function, without a _vN suffix */
+        nvmlReturn_t code;
+        int gpu;           /* -1: any */
+        long long count;   /* calls that fail; -1: every call */
+        unsigned long sig; /* hash of the line: a rewritten file keeps the rule's progress */
+    } fail[MAX_FAIL_RULES];
 };
 
 /* Identity of one version of the state file, to notice edits cheaply. */
@@ -258,7 +203,9 @@ struct file_id {
 struct event {
     struct event *next;
     unsigned int gpu;
-    unsigned long long code;
+    unsigned long long type; /* nvmlEventTypeXidCriticalError or nvmlEventTypeGpuRecoveryAction */
+    unsigned long long code; /* eventData: the Xid; 0 for other events (nvml.h) */
+    unsigned int gi, ci;
 };
 struct event_queue {
     struct event *head, *tail;
@@ -273,6 +220,7 @@ struct nvmlEventSet_st {
     int wake_fd;   /* eventfd, signalled (never drained) when the set dies */
     unsigned int busy; /* threads inside nvmlEventSetWait on this set */
     bool freed;    /* unlinked by nvmlEventSetFree or the final nvmlShutdown */
+    bool broken;   /* a registration failed with UNKNOWN: "undefined state" (nvml.h) */
 };
 
 /* ------------------------------------------------------------------------ */
@@ -290,7 +238,8 @@ static bool g_bad_valid;
 static bool g_missing_warned;
 static size_t g_xid_seen;                /* xid lines already turned into events */
 static int g_ino_fd = -1;                /* tells refresh() the file was written */
-static struct event_queue g_pending;     /* Xids no event set has registered for yet */
+static long long g_fail_used[MAX_FAIL_RULES]; /* calls each fail rule has failed */
+static unsigned long g_fail_sig[MAX_FAIL_RULES];
 static struct nvmlEventSet_st *g_sets;   /* live event sets */
 static struct nvmlDevice_st g_dev[MAX_GPUS];
 
@@ -347,16 +296,16 @@ static nvmlReturn_t copy_out(char *dst, unsigned int length, const char *src)
     return NVML_SUCCESS;
 }
 
-static bool queue_push(struct event_queue *q, unsigned int gpu, unsigned long long code)
+static bool queue_push(struct event_queue *q, const struct event *ev)
 {
     struct event *e = malloc(sizeof(*e));
     if (!e) {
-        fprintf(stderr, "fakenvml: out of memory, dropping Xid %llu for gpu %u\n", code, gpu);
+        fprintf(stderr, "fakenvml: out of memory, dropping event %llu for gpu %u\n", ev->code,
+                ev->gpu);
         return false;
     }
+    *e = *ev;
     e->next = NULL;
-    e->gpu = gpu;
-    e->code = code;
     if (q->tail)
         q->tail->next = e;
     else
@@ -487,6 +436,10 @@ static void gpu_defaults(struct gpu_cfg *g, unsigned int index)
     snprintf(g->uuid, sizeof(g->uuid), "GPU-00000000-fake-0000-0000-%012u", index);
     snprintf(g->name, sizeof(g->name), "%s", DEFAULT_NAME);
     g->ecc_supported = true;
+    g->ecc_enabled = true;
+    g->remap_supported = true;
+    g->recovery_supported = true;
+    g->recovery_action = NVML_GPU_RECOVERY_ACTION_NONE;
     g->error = NVML_SUCCESS;
 }
 
@@ -496,7 +449,8 @@ static bool parse_gpu_key(struct gpu_cfg *g, char *kv, unsigned int *seen, const
 {
     static const char *const keys[] = {"uuid", "name", "ecc", "ecc_supported", "lost",
                                        "remap_failure", "remap_pending", "remap_corr",
-                                       "remap_unc", "error"};
+                                       "remap_unc", "error", "ecc_enabled", "remap_supported",
+                                       "recovery_supported", "recovery_action"};
     char *eq = strchr(kv, '=');
     if (!eq) {
         snprintf(whybuf, whylen, "expected key=value, got '%s'", kv);
@@ -568,12 +522,58 @@ static bool parse_gpu_key(struct gpu_cfg *g, char *kv, unsigned int *seen, const
             return false;
         }
         break;
+    case 10:
+        ok = parse_bool(val, &g->ecc_enabled);
+        break;
+    case 11:
+        ok = parse_bool(val, &g->remap_supported);
+        break;
+    case 12:
+        ok = parse_bool(val, &g->recovery_supported);
+        break;
+    case 13:
+        ok = parse_uint(val, UINT_MAX, &n);
+        if (ok)
+            g->recovery_action = (unsigned int)n;
+        break;
     }
     if (!ok) {
         snprintf(whybuf, whylen, "bad value '%s' for '%s'", val, key);
         *why = whybuf;
     }
     return ok;
+}
+
+/* The calls a `fail` line may name (the base name: _v2/_v3 variants included). */
+static const char *const k_fail_functions[] = {
+    "nvmlSystemGetDriverVersion", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex",
+    "nvmlDeviceGetHandleByUUID", "nvmlDeviceGetIndex", "nvmlDeviceGetUUID", "nvmlDeviceGetName",
+    "nvmlDeviceGetPciInfo", "nvmlDeviceGetEccMode", "nvmlDeviceGetTotalEccErrors",
+    "nvmlDeviceGetRemappedRows", "nvmlDeviceGetFieldValues", "nvmlDeviceGetSupportedEventTypes",
+    "nvmlEventSetCreate", "nvmlDeviceRegisterEvents", "nvmlEventSetWait",
+};
+
+static bool fail_function_known(const char *fn)
+{
+    for (size_t i = 0; i < sizeof(k_fail_functions) / sizeof(k_fail_functions[0]); i++)
+        if (strcmp(fn, k_fail_functions[i]) == 0)
+            return true;
+    return false;
+}
+
+/* An injected error for this call (caller holds g_mu and g_cfg is set), or NVML_SUCCESS. */
+static nvmlReturn_t injected_locked(const char *fn, int gpu)
+{
+    for (unsigned int i = 0; i < g_cfg->nfail; i++) {
+        const struct fail_rule *f = &g_cfg->fail[i];
+        if (strcmp(f->fn, fn) != 0 || (f->gpu >= 0 && f->gpu != gpu))
+            continue;
+        if (f->count >= 0 && g_fail_used[i] >= f->count)
+            continue;
+        g_fail_used[i]++;
+        return f->code;
+    }
+    return NVML_SUCCESS;
 }
 
 static bool parse_state(const char *buf, size_t len, struct config *c, struct parse_error *e)
@@ -650,10 +650,20 @@ static bool parse_state(const char *buf, size_t len, struct config *c, struct pa
             if (idx + 1 > c->ngpu)
                 c->ngpu = (unsigned int)idx + 1;
         } else if (strcmp(tok[0], "xid") == 0) {
-            unsigned long long gpu, code;
-            if (n != 3 || !parse_uint(tok[1], MAX_GPUS - 1, &gpu) ||
-                !parse_uint(tok[2], ULLONG_MAX, &code)) {
-                ok = parse_fail(e, line, off, l, "expected: xid <gpu index> <xid code>");
+            unsigned long long gpu, code, gi = NO_INSTANCE, ci = NO_INSTANCE;
+            bool args_ok = n >= 3 && n <= 5 && parse_uint(tok[1], MAX_GPUS - 1, &gpu) &&
+                           parse_uint(tok[2], ULLONG_MAX, &code);
+            for (int i = 3; args_ok && i < n; i++) {
+                if (strncmp(tok[i], "gi=", 3) == 0)
+                    args_ok = parse_uint(tok[i] + 3, UINT_MAX, &gi);
+                else if (strncmp(tok[i], "ci=", 3) == 0)
+                    args_ok = parse_uint(tok[i] + 3, UINT_MAX, &ci);
+                else
+                    args_ok = false;
+            }
+            if (!args_ok) {
+                ok = parse_fail(e, line, off, l,
+                                "expected: xid <gpu index> <xid code> [gi=<n>] [ci=<n>]");
                 continue;
             }
             if (c->nxid == xid_cap) {
@@ -666,7 +676,40 @@ static bool parse_state(const char *buf, size_t len, struct config *c, struct pa
                 c->xid = x;
                 xid_cap = cap;
             }
-            c->xid[c->nxid++] = (struct xid_line){(unsigned int)gpu, code, line, off, l};
+            c->xid[c->nxid++] = (struct xid_line){(unsigned int)gpu, code, (unsigned int)gi,
+                                                  (unsigned int)ci, line, off, l};
+        } else if (strcmp(tok[0], "fail") == 0) {
+            struct fail_rule *f = &c->fail[c->nfail];
+            if (c->nfail == MAX_FAIL_RULES) {
+                ok = parse_fail(e, line, off, l, "more than %d fail lines", MAX_FAIL_RULES);
+                continue;
+            }
+            if (n < 3 || !fail_function_known(tok[1])) {
+                ok = parse_fail(e, line, off, l,
+                                "expected: fail <NVML function> <ERROR NAME> [gpu=<n>] [count=<n>]");
+                continue;
+            }
+            snprintf(f->fn, sizeof(f->fn), "%s", tok[1]);
+            if (!error_by_name(tok[2], &f->code) || f->code == NVML_SUCCESS) {
+                ok = parse_fail(e, line, off, l, "unknown error name '%s'", tok[2]);
+                continue;
+            }
+            f->gpu = -1;
+            f->count = -1;
+            for (int i = 3; ok && i < n; i++) {
+                unsigned long long v;
+                if (strncmp(tok[i], "gpu=", 4) == 0 && parse_uint(tok[i] + 4, MAX_GPUS - 1, &v))
+                    f->gpu = (int)v;
+                else if (strncmp(tok[i], "count=", 6) == 0 &&
+                         parse_uint(tok[i] + 6, LLONG_MAX, &v))
+                    f->count = (long long)v;
+                else
+                    ok = parse_fail(e, line, off, l, "bad fail option '%s'", tok[i]);
+            }
+            f->sig = 5381;
+            for (size_t i = 0; i < l; i++)
+                f->sig = f->sig * 33 + (unsigned char)buf[off + i];
+            c->nfail++;
         } else {
             ok = parse_fail(e, line, off, l, "unknown keyword '%s'", tok[0]);
         }
@@ -704,41 +747,16 @@ static bool parse_state(const char *buf, size_t len, struct config *c, struct pa
 /* Loading and reloading the state file (caller holds g_mu).                */
 /* ------------------------------------------------------------------------ */
 
-/* Hands a new Xid to every set listening for it, or parks it until one does. */
-static void deliver_xid_locked(unsigned int gpu, unsigned long long code)
+/*
+ * Hands a new event to every set registered for its type on that GPU.  A set
+ * that registers later does not get it: nvml.h, nvmlDeviceRegisterEvents,
+ * "All events that occurred before this call are not recorded".
+ */
+static void deliver_locked(const struct event *ev)
 {
-    bool taken = false;
-    for (struct nvmlEventSet_st *s = g_sets; s; s = s->next) {
-        if (s->mask[gpu] & nvmlEventTypeXidCriticalError) {
-            queue_push(&s->queue, gpu, code);
-            taken = true;
-        }
-    }
-    if (!taken)
-        queue_push(&g_pending, gpu, code);
-}
-
-/* Moves parked Xids of one GPU to a set that just registered for them. */
-static void adopt_pending_locked(struct nvmlEventSet_st *s, unsigned int gpu)
-{
-    struct event **pp = &g_pending.head;
-    struct event *last = NULL;
-    while (*pp) {
-        struct event *e = *pp;
-        if (e->gpu == gpu) {
-            *pp = e->next;
-            e->next = NULL;
-            if (s->queue.tail)
-                s->queue.tail->next = e;
-            else
-                s->queue.head = e;
-            s->queue.tail = e;
-        } else {
-            last = e;
-            pp = &e->next;
-        }
-    }
-    g_pending.tail = last;
+    for (struct nvmlEventSet_st *s = g_sets; s; s = s->next)
+        if ((s->mask[ev->gpu] & ev->type) && !s->broken)
+            queue_push(&s->queue, ev);
 }
 
 static void report_parse_error(const char *buf, const struct parse_error *pe)
@@ -827,13 +845,33 @@ static nvmlReturn_t load_locked(bool initializing)
     free(buf);
     g_bad_valid = false;
 
+    /* Fail rules keep how many calls they have failed across rewrites of the
+     * file, as long as the rule at that position is the same line. */
+    for (unsigned int i = 0; i < MAX_FAIL_RULES; i++) {
+        unsigned long sig = i < c->nfail ? c->fail[i].sig : 0;
+        if (sig != g_fail_sig[i])
+            g_fail_used[i] = 0;
+        g_fail_sig[i] = sig;
+    }
+    /* A changed recovery action is an event (nvmlEventTypeGpuRecoveryAction). */
+    if (g_cfg)
+        for (unsigned int i = 0; i < c->ngpu && i < g_cfg->ngpu; i++)
+            if (c->gpu[i].recovery_supported &&
+                c->gpu[i].recovery_action != g_cfg->gpu[i].recovery_action) {
+                struct event ev = {NULL, i, nvmlEventTypeGpuRecoveryAction, 0, NO_INSTANCE,
+                                   NO_INSTANCE};
+                deliver_locked(&ev);
+            }
     config_free(g_cfg);
     g_cfg = c;
     /* Xid lines are events, numbered by position: only lines beyond the
      * high-water mark are new.  The mark never goes down, so a reader that
      * catches a half-rewritten file cannot make old lines fire again. */
-    for (size_t i = g_xid_seen; i < c->nxid; i++)
-        deliver_xid_locked(c->xid[i].gpu, c->xid[i].code);
+    for (size_t i = g_xid_seen; i < c->nxid; i++) {
+        struct event ev = {NULL, c->xid[i].gpu, nvmlEventTypeXidCriticalError, c->xid[i].code,
+                           c->xid[i].gi, c->xid[i].ci};
+        deliver_locked(&ev);
+    }
     if (c->nxid > g_xid_seen)
         g_xid_seen = c->nxid;
     return NVML_SUCCESS;
@@ -946,7 +984,8 @@ static nvmlReturn_t set_path_locked(void)
     g_cfg = NULL;
     g_seen_valid = g_bad_valid = g_missing_warned = false;
     g_xid_seen = 0;
-    queue_clear(&g_pending);
+    memset(g_fail_used, 0, sizeof(g_fail_used));
+    memset(g_fail_sig, 0, sizeof(g_fail_sig));
 
     g_path = path;
     char *slash = strrchr(g_path, '/');
@@ -1013,7 +1052,7 @@ static nvmlReturn_t begin_locked(void)
     return NVML_SUCCESS;
 }
 
-static nvmlReturn_t device_locked(nvmlDevice_t device, enum query_kind kind,
+static nvmlReturn_t device_locked(const char *fn, nvmlDevice_t device, enum query_kind kind,
                                   const struct gpu_cfg **out)
 {
     nvmlReturn_t r = begin_locked();
@@ -1026,6 +1065,9 @@ static nvmlReturn_t device_locked(nvmlDevice_t device, enum query_kind kind,
     if (idx >= g_cfg->ngpu)
         return NVML_ERROR_INVALID_ARGUMENT; /* the GPU's line was removed */
     const struct gpu_cfg *g = &g_cfg->gpu[idx];
+    r = injected_locked(fn, (int)idx);
+    if (r != NVML_SUCCESS)
+        return r;
     if (kind == HW_QUERY && g->lost)
         return NVML_ERROR_GPU_IS_LOST;
     if (kind == HW_QUERY && g->error != NVML_SUCCESS)
@@ -1137,6 +1179,9 @@ static nvmlReturn_t driver_version_locked(char *version, unsigned int length)
         return r;
     if (!version)
         return NVML_ERROR_INVALID_ARGUMENT;
+    r = injected_locked("nvmlSystemGetDriverVersion", -1);
+    if (r != NVML_SUCCESS)
+        return r;
     return copy_out(version, length, g_cfg->driver);
 }
 
@@ -1152,6 +1197,9 @@ static nvmlReturn_t count_locked(unsigned int *deviceCount)
         return r;
     if (!deviceCount)
         return NVML_ERROR_INVALID_ARGUMENT;
+    r = injected_locked("nvmlDeviceGetCount", -1);
+    if (r != NVML_SUCCESS)
+        return r;
     *deviceCount = g_cfg->ngpu;
     return NVML_SUCCESS;
 }
@@ -1173,6 +1221,9 @@ static nvmlReturn_t handle_by_index_locked(unsigned int index, nvmlDevice_t *dev
         return r;
     if (!device || index >= g_cfg->ngpu)
         return NVML_ERROR_INVALID_ARGUMENT;
+    r = injected_locked("nvmlDeviceGetHandleByIndex", (int)index);
+    if (r != NVML_SUCCESS)
+        return r;
     /* Like the real driver (nvidia-smi: "Unable to determine the device
      * handle for GPU ...: GPU is lost"); error= does not apply here. */
     if (g_cfg->gpu[index].lost)
@@ -1200,6 +1251,9 @@ static nvmlReturn_t handle_by_uuid_locked(const char *uuid, nvmlDevice_t *device
         return NVML_ERROR_INVALID_ARGUMENT;
     for (unsigned int i = 0; i < g_cfg->ngpu; i++) {
         if (strcmp(g_cfg->gpu[i].uuid, uuid) == 0) {
+            r = injected_locked("nvmlDeviceGetHandleByUUID", (int)i);
+            if (r != NVML_SUCCESS)
+                return r;
             if (g_cfg->gpu[i].lost)
                 return NVML_ERROR_GPU_IS_LOST;
             *device = &g_dev[i];
@@ -1217,7 +1271,7 @@ nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
 static nvmlReturn_t index_locked(nvmlDevice_t device, unsigned int *index)
 {
     const struct gpu_cfg *g;
-    nvmlReturn_t r = device_locked(device, BOOKKEEPING, &g);
+    nvmlReturn_t r = device_locked("nvmlDeviceGetIndex", device, BOOKKEEPING, &g);
     if (r != NVML_SUCCESS)
         return r;
     if (!index)
@@ -1235,7 +1289,7 @@ static nvmlReturn_t string_query_locked(nvmlDevice_t device, char *buf, unsigned
                                         bool uuid)
 {
     const struct gpu_cfg *g;
-    nvmlReturn_t r = device_locked(device, HW_QUERY, &g);
+    nvmlReturn_t r = device_locked(uuid ? "nvmlDeviceGetUUID" : "nvmlDeviceGetName", device, HW_QUERY, &g);
     if (r != NVML_SUCCESS)
         return r;
     if (!buf)
@@ -1257,7 +1311,7 @@ nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int len
 static nvmlReturn_t pci_locked(nvmlDevice_t device, void *out, bool v3)
 {
     const struct gpu_cfg *g;
-    nvmlReturn_t r = device_locked(device, HW_QUERY, &g);
+    nvmlReturn_t r = device_locked("nvmlDeviceGetPciInfo", device, HW_QUERY, &g);
     if (r != NVML_SUCCESS)
         return r;
     if (!out)
@@ -1275,7 +1329,7 @@ static nvmlReturn_t pci_locked(nvmlDevice_t device, void *out, bool v3)
         snprintf(pci->busIdLegacy, sizeof(pci->busIdLegacy), "%04X:%02X:%02X.0", 0u, bus, 0u);
     } else {
         /* The old layout has only 16 bytes for busId: legacy format. */
-        nvmlPciInfoV2_t *pci = out;
+        legacy_pci_info_t *pci = out;
         memset(pci, 0, sizeof(*pci));
         pci->bus = bus;
         pci->pciDeviceId = PCI_DEVICE_ID;
@@ -1290,12 +1344,12 @@ nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
     LOCKED(pci_locked(device, pci, true));
 }
 
-nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfoV2_t *pci)
+nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfo_t *pci)
 {
     LOCKED(pci_locked(device, pci, false));
 }
 
-nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfoV2_t *pci)
+nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfo_t *pci)
 {
     return nvmlDeviceGetPciInfo_v2(device, pci);
 }
@@ -1304,15 +1358,15 @@ static nvmlReturn_t ecc_mode_locked(nvmlDevice_t device, nvmlEnableState_t *curr
                                     nvmlEnableState_t *pending)
 {
     const struct gpu_cfg *g;
-    nvmlReturn_t r = device_locked(device, HW_QUERY, &g);
+    nvmlReturn_t r = device_locked("nvmlDeviceGetEccMode", device, HW_QUERY, &g);
     if (r != NVML_SUCCESS)
         return r;
     if (!current || !pending)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (!g->ecc_supported)
         return NVML_ERROR_NOT_SUPPORTED;
-    *current = NVML_FEATURE_ENABLED;
-    *pending = NVML_FEATURE_ENABLED;
+    *current = g->ecc_enabled ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
+    *pending = *current;
     return NVML_SUCCESS;
 }
 
@@ -1327,14 +1381,14 @@ static nvmlReturn_t total_ecc_locked(nvmlDevice_t device, nvmlMemoryErrorType_t 
                                      unsigned long long *eccCounts)
 {
     const struct gpu_cfg *g;
-    nvmlReturn_t r = device_locked(device, HW_QUERY, &g);
+    nvmlReturn_t r = device_locked("nvmlDeviceGetTotalEccErrors", device, HW_QUERY, &g);
     if (r != NVML_SUCCESS)
         return r;
     if (!eccCounts || (unsigned int)errorType >= NVML_MEMORY_ERROR_TYPE_COUNT ||
         (unsigned int)counterType >= NVML_ECC_COUNTER_TYPE_COUNT)
         return NVML_ERROR_INVALID_ARGUMENT;
-    if (!g->ecc_supported)
-        return NVML_ERROR_NOT_SUPPORTED;
+    if (!g->ecc_supported || !g->ecc_enabled)
+        return NVML_ERROR_NOT_SUPPORTED; /* the counters need ECC mode enabled (nvml.h) */
     /* The file has one number: uncorrected errors, volatile == aggregate. */
     *eccCounts = errorType == NVML_MEMORY_ERROR_TYPE_UNCORRECTED ? g->ecc : 0;
     return NVML_SUCCESS;
@@ -1352,11 +1406,13 @@ static nvmlReturn_t remapped_locked(nvmlDevice_t device, unsigned int *corrRows,
                                     unsigned int *failureOccurred)
 {
     const struct gpu_cfg *g;
-    nvmlReturn_t r = device_locked(device, HW_QUERY, &g);
+    nvmlReturn_t r = device_locked("nvmlDeviceGetRemappedRows", device, HW_QUERY, &g);
     if (r != NVML_SUCCESS)
         return r;
     if (!corrRows || !uncRows || !isPending || !failureOccurred)
         return NVML_ERROR_INVALID_ARGUMENT;
+    if (!g->remap_supported)
+        return NVML_ERROR_NOT_SUPPORTED;
     *corrRows = g->remap_corr;
     *uncRows = g->remap_unc;
     *isPending = g->remap_pending;
@@ -1371,19 +1427,56 @@ nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRo
     LOCKED(remapped_locked(device, corrRows, uncRows, isPending, failureOccurred));
 }
 
+/* Only NVML_FI_DEV_GET_GPU_RECOVERY_ACTION is answered; any other field's
+ * nvmlReturn is NOT_SUPPORTED, as NVML does for a field a device lacks. */
+static nvmlReturn_t field_values_locked(nvmlDevice_t device, int valuesCount,
+                                        nvmlFieldValue_t *values)
+{
+    const struct gpu_cfg *g;
+    nvmlReturn_t r = device_locked("nvmlDeviceGetFieldValues", device, HW_QUERY, &g);
+    if (r != NVML_SUCCESS)
+        return r;
+    if (!values || valuesCount <= 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    for (int i = 0; i < valuesCount; i++) {
+        nvmlFieldValue_t *v = &values[i];
+        v->timestamp = (long long)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+        v->latencyUsec = 0;
+        memset(&v->value, 0, sizeof(v->value));
+        if (v->fieldId == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION && g->recovery_supported) {
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+            v->value.uiVal = g->recovery_action;
+            v->nvmlReturn = NVML_SUCCESS;
+        } else {
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+            v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        }
+    }
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount,
+                                      nvmlFieldValue_t *values)
+{
+    LOCKED(field_values_locked(device, valuesCount, values));
+}
+
 /* ------------------------------------------------------------------------ */
 /* Events.                                                                  */
 /* ------------------------------------------------------------------------ */
 
 static unsigned long long supported_events(const struct gpu_cfg *g)
 {
-    return SUPPORTED_EVENTS | (g->ecc_supported ? ECC_EVENTS : 0);
+    return SUPPORTED_EVENTS | (g->ecc_supported && g->ecc_enabled ? ECC_EVENTS : 0) |
+           (g->recovery_supported ? nvmlEventTypeGpuRecoveryAction : 0);
 }
 
 static nvmlReturn_t supported_events_locked(nvmlDevice_t device, unsigned long long *eventTypes)
 {
     const struct gpu_cfg *g;
-    nvmlReturn_t r = device_locked(device, HW_QUERY, &g);
+    nvmlReturn_t r = device_locked("nvmlDeviceGetSupportedEventTypes", device, HW_QUERY, &g);
     if (r != NVML_SUCCESS)
         return r;
     if (!eventTypes)
@@ -1404,6 +1497,9 @@ static nvmlReturn_t set_create_locked(nvmlEventSet_t *set)
         return r;
     if (!set)
         return NVML_ERROR_INVALID_ARGUMENT;
+    r = injected_locked("nvmlEventSetCreate", -1);
+    if (r != NVML_SUCCESS)
+        return r;
     struct nvmlEventSet_st *s = calloc(1, sizeof(*s));
     if (!s)
         return NVML_ERROR_MEMORY;
@@ -1424,20 +1520,20 @@ static nvmlReturn_t register_locked(nvmlDevice_t device, unsigned long long even
                                     nvmlEventSet_t set)
 {
     const struct gpu_cfg *g;
-    nvmlReturn_t r = device_locked(device, HW_QUERY, &g);
+    nvmlReturn_t r = device_locked("nvmlDeviceRegisterEvents", device, HW_QUERY, &g);
+    struct nvmlEventSet_st *s = g_refcount ? find_set_locked(set) : NULL;
+    /* nvml.h: "If function reports NVML_ERROR_UNKNOWN, event set is in
+     * undefined state and should be freed": ours then never delivers again
+     * and every wait on it answers UNKNOWN. */
+    if (r == NVML_ERROR_UNKNOWN && s)
+        s->broken = true;
     if (r != NVML_SUCCESS)
         return r;
-    struct nvmlEventSet_st *s = find_set_locked(set);
     if (!s || eventTypes == 0)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (eventTypes & ~supported_events(g))
         return NVML_ERROR_NOT_SUPPORTED; /* as NVML: mask with the supported types first */
-    unsigned int gpu = gpu_index(g);
-    bool new_xid = (eventTypes & nvmlEventTypeXidCriticalError) &&
-                   !(s->mask[gpu] & nvmlEventTypeXidCriticalError);
-    s->mask[gpu] |= eventTypes;
-    if (new_xid)
-        adopt_pending_locked(s, gpu);
+    s->mask[gpu_index(g)] |= eventTypes;
     return NVML_SUCCESS;
 }
 
@@ -1453,7 +1549,7 @@ nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long ev
  * thread's refresh may be the one that queues the event, and since nobody
  * else drains this fd, the write that queued it leaves it readable.
  */
-static nvmlReturn_t wait_impl(nvmlEventSet_t set, nvmlEventData_t *data, nvmlEventDataV1_t *v1,
+static nvmlReturn_t wait_impl(nvmlEventSet_t set, nvmlEventData_t *data, legacy_event_data_t *v1,
                               unsigned int timeoutms)
 {
     pthread_mutex_lock(&g_mu);
@@ -1481,6 +1577,13 @@ static nvmlReturn_t wait_impl(nvmlEventSet_t set, nvmlEventData_t *data, nvmlEve
             s->ino_fd = -1;
         }
         refresh_locked(force);
+        if (s->broken) {
+            r = NVML_ERROR_UNKNOWN;
+            break;
+        }
+        r = injected_locked("nvmlEventSetWait", -1);
+        if (r != NVML_SUCCESS)
+            break;
 
         struct event *e = s->queue.head;
         if (e) {
@@ -1489,13 +1592,13 @@ static nvmlReturn_t wait_impl(nvmlEventSet_t set, nvmlEventData_t *data, nvmlEve
                 s->queue.tail = NULL;
             if (data) {
                 data->device = &g_dev[e->gpu];
-                data->eventType = nvmlEventTypeXidCriticalError;
+                data->eventType = e->type;
                 data->eventData = e->code;
-                data->gpuInstanceId = NO_INSTANCE;
-                data->computeInstanceId = NO_INSTANCE;
+                data->gpuInstanceId = e->gi;
+                data->computeInstanceId = e->ci;
             } else {
                 v1->device = &g_dev[e->gpu];
-                v1->eventType = nvmlEventTypeXidCriticalError;
+                v1->eventType = e->type;
                 v1->eventData = e->code;
             }
             free(e);
@@ -1534,9 +1637,10 @@ nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsi
     return wait_impl(set, data, NULL, timeoutms);
 }
 
-nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventDataV1_t *data, unsigned int timeoutms)
+nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
 {
-    return wait_impl(set, NULL, data, timeoutms);
+    /* nvml.h declares it with nvmlEventData_t; the v1 library wrote only the old fields. */
+    return wait_impl(set, NULL, (legacy_event_data_t *)data, timeoutms);
 }
 
 static nvmlReturn_t set_free_locked(nvmlEventSet_t set)
