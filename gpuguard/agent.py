@@ -21,6 +21,7 @@ from gpuguard.node import NodeReconciler
 from gpuguard.nvml.base import Backend
 from gpuguard.policy import evaluate
 from gpuguard.state import StateStore
+from gpuguard.xidcatalog import CATALOG
 
 log = structlog.get_logger("gpuguard.agent")
 
@@ -190,7 +191,28 @@ class Agent:
             if f.key not in before:
                 _log_fault(self._node_name, f)
         for x in verdict.ignored_xids:
-            log.info("xid.ignored", node=self._node_name, gpu=x.gpu_index, uuid=x.uuid, xid=x.code)
+            log.info(
+                "xid.ignored",
+                node=self._node_name,
+                gpu=x.gpu_index,
+                uuid=x.uuid,
+                xid=x.code,
+                bucket=CATALOG.bucket(x.code),
+                gpu_instance=x.gpu_instance,
+                compute_instance=x.compute_instance,
+            )
+        watched_before = {g.uuid: g.xid_watched for g in previous.gpus} if previous else {}
+        for g in verdict.gpus:
+            if watched_before.get(g.uuid, True) != g.xid_watched:
+                # One line per change (and at start for a GPU that is not watched): never blind in silence.
+                (log.info if g.xid_watched else log.warning)(
+                    "gpu.xid_watch",
+                    node=self._node_name,
+                    gpu=g.index,
+                    uuid=g.uuid,
+                    watched=g.xid_watched,
+                    why=g.xid_watch_note or None,
+                )
         if previous is None:
             return
         was = {g.uuid: g.healthy for g in previous.gpus}

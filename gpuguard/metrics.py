@@ -29,6 +29,12 @@ class Metrics:
             ["gpu", "uuid", "xid", "ignored"],
             registry=registry,
         )
+        self.xid_watched = Gauge(
+            "gpuguard_gpu_xid_watched",
+            "1 while the agent is registered for the GPU's Xid events, 0 while it is not (blind to Xids).",
+            ["gpu", "uuid"],
+            registry=registry,
+        )
         self.quarantined = Gauge(
             "gpuguard_node_quarantined", "1 while gpuguard's taint is on the node.", registry=registry
         )
@@ -68,9 +74,11 @@ class Metrics:
         for g in verdict.gpus:
             labels = (str(g.index), g.uuid)
             self.gpu_healthy.labels(*labels).set(1 if g.healthy else 0)
+            self.xid_watched.labels(*labels).set(1 if g.xid_watched else 0)
             if g.ecc_uncorrected is not None:
                 self.ecc.labels(*labels).set(g.ecc_uncorrected)
         for x, ignored in [(x, "true") for x in verdict.ignored_xids] + [
             (x, "false") for x in verdict.fatal_xids
         ]:
-            self.xids.labels(str(x.gpu_index), x.uuid, str(x.code), ignored).inc()
+            gpu = "" if x.gpu_index is None else str(x.gpu_index)
+            self.xids.labels(gpu, x.uuid or "", str(x.code), ignored).inc()

@@ -15,10 +15,31 @@ GPU_LOST = "gpu-lost"
 GPU_MISSING = "gpu-missing"
 ROW_REMAP = "row-remap"
 NVML_INIT = "nvml-init"
+# NVML answers NVML_ERROR_RESET_REQUIRED for the GPU.
+RESET_REQUIRED = "reset-required"
+# Every query on a GPU failed for several checks in a row, or NVML counts a GPU it cannot identify.
+GPU_UNREADABLE = "gpu-unreadable"
+# NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (nvmlDeviceGpuRecoveryAction_t): value -> the name in the reason.
+RECOVERY_ACTIONS = {
+    0: "none",
+    1: "gpu-reset",
+    2: "node-reboot",
+    3: "drain-p2p",
+    4: "drain-and-reset",
+    5: "recover-imex-domain",
+    6: "bus-reset",
+    7: "system-reboot",
+}
+RECOVERY_PREFIX = "recovery-"
 
 
 def xid_reason(code: int) -> str:
     return f"xid-{code}"
+
+
+def recovery_reason(action: int) -> str:
+    """'recovery-gpu-reset', 'recovery-node-reboot', ...; an action newer than this table: 'recovery-9'."""
+    return RECOVERY_PREFIX + RECOVERY_ACTIONS.get(action, str(action))
 
 
 @dataclass(frozen=True)
@@ -38,17 +59,29 @@ class GpuReading:
     remap_pending: bool | None = None
     # NVML_ERROR_GPU_IS_LOST (or the device is otherwise unreachable for good).
     lost: bool = False
-    # Queries that failed transiently this pass (NVML_ERROR_UNKNOWN, _TIMEOUT, ...): retried, not a fault.
+    # Queries that failed this pass ("ecc:UNKNOWN", "remap:RESET_REQUIRED", ...): retried; the policy makes
+    # RESET_REQUIRED a fault at once and an unreadable GPU one after a few checks.
     transient_errors: tuple[str, ...] = ()
+    # No query on the GPU answered this pass.
+    unreadable: bool = False
+    # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION; None where the driver does not support it (or it was unreadable).
+    recovery_action: int | None = None
+    # Whether the backend is registered for this GPU's Xid events right now, and if not, why.
+    xid_watched: bool = True
+    xid_watch_note: str = ""
 
 
 @dataclass(frozen=True)
 class XidEvent:
     """One critical Xid, delivered once by the driver (never replayed to a restarted process)."""
 
-    gpu_index: int
-    uuid: str
+    gpu_index: int | None
+    """None, like uuid, when NVML could not say which GPU (the fault then belongs to the node)."""
+    uuid: str | None
     code: int
+    # MIG: the GPU / compute instance the Xid is attributed to (None: not MIG, NVML's 0xFFFFFFFF).
+    gpu_instance: int | None = None
+    compute_instance: int | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +93,9 @@ class Snapshot:
     # NVML could not be initialised (name of the NVML error, e.g. "DRIVER_NOT_LOADED").
     init_error: str | None = None
     driver_version: str | None = None
+    # GPUs NVML counts but could not identify this pass (no handle or no UUID): (index, NVML error).
+    # They never enter the inventory under a made-up name; persistently unidentified, they are a fault.
+    unidentified: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,6 +129,9 @@ class GpuVerdict:
     present: bool = True
     faults: tuple[Fault, ...] = ()
     ecc_uncorrected: int | None = None
+    xid_watched: bool = True
+    xid_watch_note: str = ""
+    recovery_action: int | None = None
 
     @property
     def healthy(self) -> bool:
@@ -114,6 +153,15 @@ class Verdict:
     expected_gpus: int | None = None
     # Faults that stay until the process ends (an Xid, a lost GPU): the driver does not repeat them.
     sticky: tuple[Fault, ...] = field(default=())
+    # The recovery-action rule (docs/design.md): Xid fault keys recorded while the driver asked for a GPU
+    # reset (they clear when the action reads NONE again), keys recorded while it read NONE (attached if the
+    # next check reads a reset), and keys a reset has cleared in this process (the node's evidence).
+    reset_clearable: frozenset[str] = frozenset()
+    reset_pending: frozenset[str] = frozenset()
+    reset_cleared: frozenset[str] = frozenset()
+    # Consecutive checks each GPU (by UUID) was unreadable, and each unidentified index went unidentified.
+    unreadable_streaks: tuple[tuple[str, int], ...] = ()
+    unidentified_streaks: tuple[tuple[int, int], ...] = ()
 
     @property
     def faults(self) -> tuple[Fault, ...]:

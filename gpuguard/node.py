@@ -35,8 +35,8 @@ from gpuguard.errors import (
     PermanentApiError,
     TransientApiError,
 )
-from gpuguard.model import ECC, NVML_INIT, Fault, Verdict
-from gpuguard.policy import primary
+from gpuguard.model import Fault, Verdict
+from gpuguard.policy import cleared_without_reboot, primary
 
 log = structlog.get_logger("gpuguard.node")
 
@@ -58,9 +58,6 @@ UNVERIFIED_TAINT_KEY = f"{DOMAIN}/unverified"
 GPU_NODE_SELECTOR = "nvidia.com/gpu.present=true"
 CONDITION_TYPE = "GPUHealthy"
 SOFT_EFFECT = "PreferNoSchedule"
-# Faults whose evidence the GPU itself shows gone without a reboot: the volatile ECC counter reads
-# within the threshold again (driver reload or GPU reset), or NVML initialises again.
-_CLEARED_WITHOUT_REBOOT = frozenset({ECC, NVML_INIT})
 USER_AGENT = f"gpuguard/{__version__}"
 _MAX_REASON = 1024
 _METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
@@ -309,7 +306,7 @@ def plan(
         return None
     if not settings.recover or healthy_streak < settings.recover_after or flapping:
         return None
-    if not evidence_gone(node):
+    if not evidence_gone(node, verdict):
         return None
     return NodeChange(
         action="recover",
@@ -430,15 +427,16 @@ def plan_condition(
     }
 
 
-def evidence_gone(node: NodeView) -> bool:
+def evidence_gone(node: NodeView, verdict: Verdict | None = None) -> bool:
     """Whether every recorded fault is proven cleared, given that the GPUs now read healthy.
 
-    ECC and NVML init faults clear with a driver reload or GPU reset, which the healthy reading itself
-    shows; everything else (an Xid, a lost or missing GPU, a failed row remap) needs a reboot, shown by a
-    bootID that differs from the one recorded when the taint was placed. An agent restart changes neither.
+    The healthy reading itself proves some faults gone (policy.cleared_without_reboot: ECC, NVML init, a
+    recovery action back to NONE, an Xid a driver-requested GPU reset cleared); everything else (an Xid, a
+    lost or missing GPU, a failed row remap) needs a reboot, shown by a bootID that differs from the one
+    recorded when the taint was placed. An agent restart changes neither.
     """
-    reasons = {k.split("/", 1)[0] for k in node.recorded_faults}
-    if reasons <= _CLEARED_WITHOUT_REBOOT:
+    cleared = verdict.reset_cleared if verdict is not None else frozenset()
+    if all(cleared_without_reboot(k, cleared) for k in node.recorded_faults):
         return True
     recorded_boot = node.annotations.get(ANN_BOOT_ID, "")
     return bool(recorded_boot) and bool(node.boot_id) and recorded_boot != node.boot_id

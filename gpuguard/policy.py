@@ -8,13 +8,18 @@ the catalog does not list, is a fault (PolicySettings.ignored_xids carries the d
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 from gpuguard.config import PolicySettings
 from gpuguard.model import (
     ECC,
     GPU_LOST,
     GPU_MISSING,
+    GPU_UNREADABLE,
     NVML_INIT,
+    RECOVERY_ACTIONS,
+    RECOVERY_PREFIX,
+    RESET_REQUIRED,
     ROW_REMAP,
     Fault,
     GpuReading,
@@ -22,6 +27,7 @@ from gpuguard.model import (
     Snapshot,
     Verdict,
     XidEvent,
+    recovery_reason,
     xid_reason,
 )
 from gpuguard.xidcatalog import CATALOG
@@ -29,6 +35,28 @@ from gpuguard.xidcatalog import CATALOG
 
 def describe_xid(code: int) -> str:
     return CATALOG.describe(code)
+
+
+# Checks in a row in which every query on a GPU fails before it is a fault (gpu-unreadable): one failed
+# pass is a transient NVML error (a GPU busy in a reset, a driver call timing out); three (9 s at the
+# default --interval 3) is a GPU that does not answer. NVML_ERROR_RESET_REQUIRED is the driver's own
+# statement and a fault at the first check.
+UNREADABLE_CHECKS = 3
+# Recovery actions that end in a reset of the GPU: Xids recorded while the driver asks for one clear when
+# the action reads NONE again.
+_RESET_ACTIONS = frozenset({1, 4})  # GPU_RESET, DRAIN_AND_RESET
+# Reasons whose evidence a healthy reading itself shows gone, without a reboot (see docs/design.md).
+_CLEARED_BY_READING = frozenset({ECC, NVML_INIT, RESET_REQUIRED, GPU_UNREADABLE})
+
+
+def cleared_without_reboot(key: str, reset_cleared: frozenset[str] = frozenset()) -> bool:
+    """Whether a recorded fault key ("reason/uuid") is proven gone by healthy readings, no reboot needed.
+
+    ECC, NVML init, RESET_REQUIRED, an unreadable GPU and a recovery action clear with the reading that shows
+    them gone; an Xid clears so only when a GPU reset the driver asked for removed it (`reset_cleared`).
+    """
+    reason = key.split("/", 1)[0]
+    return reason in _CLEARED_BY_READING or reason.startswith(RECOVERY_PREFIX) or key in reset_cleared
 
 
 def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySettings) -> Verdict:
@@ -44,11 +72,12 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
             GpuVerdict(index=i, uuid=u, name=n, present=False, faults=_sticky_for(sticky, u))
             for i, u, n in prev.known
         )
-        return Verdict(
+        return replace(
+            prev,
             gpus=gpus,
             node_faults=node_faults,
-            known=prev.known,
-            expected_gpus=prev.expected_gpus,
+            ignored_xids=(),
+            fatal_xids=(),
             sticky=tuple(sticky),
         )
 
@@ -58,24 +87,22 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
         if g.uuid not in known_uuids:
             known.append((g.index, g.uuid, g.name))
             known_uuids.add(g.uuid)
+    seen = len(snapshot.gpus) + len(snapshot.unidentified)
     expected = prev.expected_gpus
     if expected is None:
-        expected = settings.expected_gpus if settings.expected_gpus is not None else len(snapshot.gpus)
+        expected = settings.expected_gpus if settings.expected_gpus is not None else seen
 
     fatal, ignored = _split_xids(snapshot.xids, settings.ignored_xids)
     by_uuid = {g.uuid: g for g in snapshot.gpus}
     prev_by_uuid = {g.uuid: g for g in prev.gpus}
+    actions = {g.uuid: _recovery_action(g, prev_by_uuid.get(g.uuid)) for g in snapshot.gpus}
 
+    new_xid_keys: list[str] = []
     for x in fatal:
-        _add_sticky(
-            sticky,
-            Fault(
-                xid_reason(x.code),
-                f"{describe_xid(x.code)} (GPU {x.gpu_index}, {x.uuid})",
-                uuid=x.uuid,
-                gpu_index=x.gpu_index,
-            ),
-        )
+        f = Fault(xid_reason(x.code), _xid_detail(x), uuid=x.uuid, gpu_index=x.gpu_index)
+        if all(s.key != f.key for s in sticky):
+            new_xid_keys.append(f.key)
+        _add_sticky(sticky, f)
     for g in snapshot.gpus:
         for f in _sticky_reading_faults(g):
             _add_sticky(sticky, f)
@@ -90,6 +117,12 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
                     gpu_index=index,
                 ),
             )
+    sticky, clearable, pending, cleared = _apply_recovery_rule(
+        sticky, prev, new_xid_keys=new_xid_keys, actions=actions
+    )
+
+    streaks = dict(prev.unreadable_streaks)
+    unreadable = {g.uuid: (streaks.get(g.uuid, 0) + 1 if g.unreadable else 0) for g in snapshot.gpus}
 
     verdicts: list[GpuVerdict] = []
     for index, uuid, name in known:
@@ -102,6 +135,8 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
                     name=name,
                     present=False,
                     faults=_sticky_for(sticky, uuid),
+                    xid_watched=False,
+                    xid_watch_note="gpu not visible",
                 )
             )
             continue
@@ -109,6 +144,7 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
         ecc = _ecc_fault(reading, settings.ecc_threshold, prev_by_uuid.get(uuid))
         if ecc is not None:
             faults.append(ecc)
+        faults.extend(_reading_faults(reading, actions[uuid], unreadable[uuid]))
         verdicts.append(
             GpuVerdict(
                 index=reading.index,
@@ -116,18 +152,39 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
                 name=reading.name or name,
                 faults=_ordered(faults),
                 ecc_uncorrected=reading.ecc_uncorrected,
+                xid_watched=reading.xid_watched,
+                xid_watch_note=reading.xid_watch_note,
+                recovery_action=actions[uuid],
             )
         )
 
-    # Sticky faults on a device we never enumerated (an Xid from an unknown handle) belong to the node.
+    # Sticky faults not tied to an enumerated GPU (an Xid NVML could not attribute) belong to the node.
     node_faults = tuple(f for f in sticky if f.uuid not in known_uuids)
+    prev_unidentified = dict(prev.unidentified_streaks)
+    unidentified = {i: prev_unidentified.get(i, 0) + 1 for i, _ in snapshot.unidentified}
+    for index, error in snapshot.unidentified:
+        if error.endswith(":GPU_IS_LOST"):
+            # NVML's own verdict, before we ever learnt the GPU's UUID: a fault at once, on the node.
+            lost = Fault(GPU_LOST, f"NVML counts GPU {index} but it is lost ({error})", gpu_index=index)
+            node_faults += (lost,) if all(f.key != lost.key for f in node_faults) else ()
+        elif unidentified[index] >= UNREADABLE_CHECKS and all(
+            f.reason != GPU_UNREADABLE for f in node_faults
+        ):
+            node_faults += (
+                Fault(
+                    GPU_UNREADABLE,
+                    f"NVML counts GPU {index} but cannot identify it for {unidentified[index]} checks "
+                    f"in a row ({error})",
+                    gpu_index=index,
+                ),
+            )
     missing_known = sum(1 for _, u, _ in known if u not in by_uuid)
-    shortfall = expected - len(snapshot.gpus) - missing_known
+    shortfall = expected - seen - missing_known
     if shortfall > 0:
         node_faults += (
             Fault(
                 GPU_MISSING,
-                f"expected {expected} GPUs, NVML reports {len(snapshot.gpus)}",
+                f"expected {expected} GPUs, NVML reports {seen}",
             ),
         )
     return Verdict(
@@ -138,11 +195,113 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
         known=tuple(known),
         expected_gpus=expected,
         sticky=tuple(sticky),
+        reset_clearable=clearable,
+        reset_pending=pending,
+        reset_cleared=cleared,
+        unreadable_streaks=tuple((u, n) for u, n in unreadable.items() if n),
+        unidentified_streaks=tuple(unidentified.items()),
     )
 
 
+def _recovery_action(g: GpuReading, prev: GpuVerdict | None) -> int | None:
+    """The recovery action to judge: this reading's, or the last one while the field is unreadable."""
+    if g.recovery_action is not None:
+        return g.recovery_action
+    if prev is not None and (g.transient_errors or g.unreadable):
+        return prev.recovery_action
+    return None
+
+
+def _apply_recovery_rule(
+    sticky: list[Fault],
+    prev: Verdict,
+    *,
+    new_xid_keys: list[str],
+    actions: dict[str, int | None],
+) -> tuple[list[Fault], frozenset[str], frozenset[str], frozenset[str]]:
+    """An Xid recorded while the driver asks for a GPU reset clears when the action reads NONE again.
+
+    "While" includes the next check: the driver raises the action right after the Xid, and its event wakes
+    the agent a moment later. Where the field is not supported (action None) nothing changes: the Xid needs a
+    reboot, as before. An action that escalates to anything but a reset detaches the Xid for good.
+    """
+    uuid_of = {f.key: f.uuid for f in sticky}
+    clearable, pending = set(prev.reset_clearable), set()
+    cleared = set(prev.reset_cleared) - set(new_xid_keys)  # recorded again: needs its own evidence
+    for key in prev.reset_pending:
+        if actions.get(uuid_of.get(key) or "") in _RESET_ACTIONS:
+            clearable.add(key)
+    for key in new_xid_keys:
+        action = actions.get(uuid_of.get(key) or "")
+        if action in _RESET_ACTIONS:
+            clearable.add(key)
+        elif action == 0:
+            pending.add(key)
+    for key in list(clearable):
+        action = actions.get(uuid_of.get(key) or "")
+        if key not in uuid_of:
+            clearable.discard(key)
+        elif action == 0:
+            clearable.discard(key)
+            cleared.add(key)
+        elif action is not None and action not in _RESET_ACTIONS:
+            clearable.discard(key)
+    sticky = [f for f in sticky if f.key not in cleared]
+    return sticky, frozenset(clearable), frozenset(pending), frozenset(cleared)
+
+
+def _reading_faults(g: GpuReading, action: int | None, unreadable_checks: int) -> list[Fault]:
+    """Faults that follow the reading (not sticky): a recovery action, RESET_REQUIRED, an unreadable GPU."""
+    where = f"(GPU {g.index}, {g.uuid})"
+    faults = []
+    if action:
+        name = RECOVERY_ACTIONS.get(action, f"action {action}").upper().replace("-", "_")
+        faults.append(
+            Fault(
+                recovery_reason(action),
+                f"the driver asks for {name} (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION={action}) {where}",
+                uuid=g.uuid,
+                gpu_index=g.index,
+            )
+        )
+    if not g.lost and any(e.endswith(":RESET_REQUIRED") for e in g.transient_errors):
+        faults.append(
+            Fault(
+                RESET_REQUIRED, f"NVML answers RESET_REQUIRED: the GPU must be reset {where}", g.uuid, g.index
+            )
+        )
+    elif not g.lost and unreadable_checks >= UNREADABLE_CHECKS:
+        errors = ", ".join(sorted(set(g.transient_errors))) or "no answer"
+        faults.append(
+            Fault(
+                GPU_UNREADABLE,
+                f"every NVML query failed for {unreadable_checks} checks in a row ({errors}) {where}",
+                uuid=g.uuid,
+                gpu_index=g.index,
+            )
+        )
+    return faults
+
+
+def _xid_detail(x: XidEvent) -> str:
+    parts = [f"GPU {x.gpu_index}, {x.uuid}" if x.uuid is not None else "GPU not identified by NVML"]
+    if x.gpu_instance is not None:
+        parts.append(f"MIG GPU instance {x.gpu_instance}")
+    if x.compute_instance is not None:
+        parts.append(f"compute instance {x.compute_instance}")
+    return f"{describe_xid(x.code)} ({', '.join(parts)})"
+
+
 # Lower sorts first: the primary reason (the taint value) is the most severe fault.
-_SEVERITY = {NVML_INIT: 0, GPU_LOST: 1, GPU_MISSING: 2, ECC: 4, ROW_REMAP: 5}
+_SEVERITY = {
+    NVML_INIT: 0,
+    GPU_LOST: 1,
+    GPU_MISSING: 2,
+    GPU_UNREADABLE: 2,
+    RESET_REQUIRED: 2,
+    ECC: 4,
+    ROW_REMAP: 5,
+}
 _XID_SEVERITY = 3
 
 

@@ -68,6 +68,8 @@ def health_body(s: AgentStatus) -> dict[str, Any]:
                 "uuid": g.uuid,
                 "healthy": g.healthy,
                 "reasons": [f.message for f in g.faults],
+                # False while the agent is not registered for this GPU's Xid events (see xid_watch_note).
+                "xid_watched": g.xid_watched,
             }
             for g in (v.gpus if v is not None else ())
         ],

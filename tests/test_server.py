@@ -61,12 +61,13 @@ def test_healthz_has_exactly_the_documented_keys(server: HealthServer) -> None:
         "node": "gpu-1",
         "healthy": False,
         "gpus": [
-            {"index": 0, "uuid": "GPU-0", "healthy": True, "reasons": []},
+            {"index": 0, "uuid": "GPU-0", "healthy": True, "reasons": [], "xid_watched": True},
             {
                 "index": 1,
                 "uuid": "GPU-1",
                 "healthy": False,
                 "reasons": ["ecc: 3 uncorrected volatile ECC errors (GPU 1, GPU-1)"],
+                "xid_watched": True,
             },
         ],
         "tainted": True,
