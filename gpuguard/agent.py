@@ -55,6 +55,7 @@ class Agent:
         metrics: Metrics | None = None,
         state: StateStore | None = None,
         flap_window: float = 600.0,
+        library_wait: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], datetime] = lambda: datetime.now(UTC),
         stop: threading.Event | None = None,
@@ -68,6 +69,10 @@ class Agent:
         self._metrics = metrics
         self._state = state
         self._flap_window = flap_window
+        self._library_wait = library_wait
+        self._library_seen = False
+        # Set when the loop stopped because libnvidia-ml.so.1 never became loadable (the CLI exits 3).
+        self.no_library = False
         self._episodes: list[float] = []
         self._last_unhealthy = -float("inf")
         self._was_healthy = True
@@ -130,6 +135,7 @@ class Agent:
     def check_once(self) -> Verdict:
         t0 = self._clock()
         snapshot = self._backend.snapshot()
+        self._check_library(snapshot.init_error)
         previous = self._verdict
         verdict = evaluate(snapshot, previous=previous or self._restored, settings=self._policy)
         self._streak = self._streak + 1 if verdict.healthy else 0
@@ -165,6 +171,18 @@ class Agent:
             dry_run=self._dry_run,
             last_check=self._last_check_wall,
         )
+
+    def _check_library(self, init_error: str | None) -> None:
+        """Stop the loop when the NVML library has not been loadable for `library_wait` seconds since start:
+        only a container restart makes the toolkit inject it (never once NVML has loaded in this process)."""
+        if init_error != "LIBRARY_NOT_FOUND":
+            self._library_seen = True
+            return
+        if self._library_wait is None or self._library_seen:
+            return
+        if self._clock() - self._started >= self._library_wait:
+            self.no_library = True
+            self.stop()
 
     def _flapping(self, verdict: Verdict, now: float) -> bool:
         """Faults that came back within --flap-window: hold the quarantine until the GPUs stay healthy for

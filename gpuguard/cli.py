@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -29,9 +30,17 @@ from gpuguard.config import (
     parse_xids,
 )
 from gpuguard.errors import ConfigError, GpuguardError
+from gpuguard.model import GPU_MISSING, Fault
 from gpuguard.nvml.base import Backend
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
+# The NVML library (libnvidia-ml.so.1) cannot be loaded at all: not a sick GPU, a node or container set-up.
+EXIT_NO_NVML = 3
+NO_NVML_HINT = (
+    "the NVML library libnvidia-ml.so.1 cannot be loaded: check that the NVIDIA driver is installed on the "
+    "host, that this container runs with the NVIDIA container toolkit (runtimeClassName nvidia, or the GPU "
+    "Operator's toolkit), and that NVIDIA_VISIBLE_DEVICES is set (all, or the GPUs' UUIDs)"
+)
 DEFAULT_LISTEN = f"{ServerSettings.host}:{ServerSettings.port}"
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -202,6 +211,14 @@ def cli() -> None:
     help="The host's boot ID (tests point it elsewhere to simulate a reboot).",
 )
 @_opt("--run-for", type=float, default=None, help="Stop after this many seconds (demos, tests).")
+@_opt(
+    "--nvml-load-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds to wait for a loadable libnvidia-ml.so.1 at start, then exit 3 so kubelet restarts "
+    "the container (the container toolkit injects the library at container start).",
+)
 def watch(**kw: Any) -> int:
     """Watch the GPUs and keep this node's taint in line with their health (the DaemonSet's command)."""
     cfg = _config(kw, watch=True)
@@ -212,7 +229,7 @@ def watch(**kw: Any) -> int:
 @_gpu_options
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
 def check(output: str, **kw: Any) -> int:
-    """One pass over the GPUs: exit 0 healthy, 1 unhealthy, 2 usage error. Needs no cluster.
+    """One pass over the GPUs: exit 0 healthy, 1 unhealthy (or no GPU), 2 usage error, 3 no NVML library.
 
     Usable as an initContainer preflight. Xids are events: a one-shot check sees none that happened
     before it started (the taint written by `watch` is what remembers them).
@@ -228,9 +245,23 @@ def check(output: str, **kw: Any) -> int:
     backend = _backend(cfg)
     backend.open(lambda: None)
     try:
-        verdict = evaluate(backend.snapshot(), previous=None, settings=cfg.policy)
+        snapshot = backend.snapshot()
     finally:
         backend.close()
+    # One pass: an unreadable or unidentified GPU fails the preflight at once (watch waits 3 checks).
+    verdict = evaluate(snapshot, previous=None, settings=replace(cfg.policy, unreadable_after=1))
+    if snapshot.init_error is None and not snapshot.gpus and not cfg.policy.allow_no_gpu:
+        # A preflight in a container that got no GPU must not pass.
+        verdict = replace(
+            verdict,
+            node_faults=(
+                *verdict.node_faults,
+                Fault(GPU_MISSING, "NVML reports no GPUs (pass --allow-no-gpu where that is expected)"),
+            ),
+        )
+    no_library = snapshot.init_error == "LIBRARY_NOT_FOUND" and not cfg.policy.allow_no_gpu
+    if no_library:
+        click.echo(f"gpuguard: {NO_NVML_HINT}", err=True)
     if output == "json":
         from gpuguard.server import health_body  # noqa: PLC0415
 
@@ -242,6 +273,8 @@ def check(output: str, **kw: Any) -> int:
         click.echo(json.dumps(body, indent=2))
     else:
         click.echo(_table(verdict))
+    if no_library:
+        return EXIT_NO_NVML
     return EXIT_OK if verdict.healthy else EXIT_UNHEALTHY
 
 
@@ -329,6 +362,7 @@ def _config(kw: dict[str, Any], *, watch: bool) -> Config:
         **common,
         interval=kw["interval"],
         run_for=kw["run_for"],
+        nvml_load_timeout=kw["nvml_load_timeout"],
         state_dir=kw["state_dir"] or None,
         boot_id_file=kw["boot_id_file"],
         node=node,
@@ -374,6 +408,7 @@ def _watch(cfg: Config) -> int:
         metrics=metrics,
         state=state,
         flap_window=cfg.node.flap_window,
+        library_wait=None if cfg.backend != "nvml" or cfg.policy.allow_no_gpu else cfg.nvml_load_timeout,
     )
     try:
         server = HealthServer(agent.status, host=cfg.server.host, port=cfg.server.port, registry=REGISTRY)
@@ -394,6 +429,11 @@ def _watch(cfg: Config) -> int:
         agent.run(run_for=cfg.run_for)
     finally:
         server.stop()
+    if agent.no_library:
+        structlog.get_logger("gpuguard").error(
+            "nvml.library_not_found", waited=cfg.nvml_load_timeout, exit_code=EXIT_NO_NVML, hint=NO_NVML_HINT
+        )
+        return EXIT_NO_NVML
     return EXIT_OK
 
 

@@ -33,6 +33,10 @@ class PolicySettings:
     """GPUs the node must have; None: the count at the first successful NVML init."""
     allow_no_gpu: bool = False
     """Treat an NVML init failure as "no GPUs here" instead of a fault (mixed pools, laptops)."""
+    unreadable_after: int = 3
+    """Checks in a row in which every query on a GPU fails (or NVML cannot identify it) before that is a
+    fault: one failed pass is a transient NVML error, three (9 s at --interval 3) a GPU that does not
+    answer. `check` uses 1: a preflight has one pass. RESET_REQUIRED and GPU_IS_LOST are faults at once."""
 
 
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
@@ -92,6 +96,10 @@ class Config:
     boot_id_file: str = "/proc/sys/kernel/random/boot_id"
     run_for: float | None = None
     """Stop after this many seconds (demos and tests); None: until SIGTERM."""
+    nvml_load_timeout: float = 30.0
+    """Seconds `watch` waits for libnvidia-ml.so.1 to become loadable before it exits 3. The NVIDIA container
+    toolkit injects the library only when a container starts: an agent that started before the driver
+    (GPU Operator) must be restarted by kubelet to get it. 30 s rides out nothing else worth waiting for."""
     log_format: str = "auto"
     policy: PolicySettings = field(default_factory=PolicySettings)
     node: NodeSettings = field(default_factory=NodeSettings)
@@ -116,6 +124,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"--interval must be between {MIN_INTERVAL} and 3600 seconds")
     if cfg.run_for is not None and not 0 < cfg.run_for < 1e9:  # "not >": NaN fails too
         raise ConfigError("--run-for must be > 0")
+    if not 0 < cfg.nvml_load_timeout <= 3600:  # NaN fails this too
+        raise ConfigError("--nvml-load-timeout must be between 0 and 3600 seconds")
     if cfg.log_format not in ("auto", "json", "console"):
         raise ConfigError("--log-format must be json or console")
     p = cfg.policy

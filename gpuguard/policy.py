@@ -37,11 +37,6 @@ def describe_xid(code: int) -> str:
     return CATALOG.describe(code)
 
 
-# Checks in a row in which every query on a GPU fails before it is a fault (gpu-unreadable): one failed
-# pass is a transient NVML error (a GPU busy in a reset, a driver call timing out); three (9 s at the
-# default --interval 3) is a GPU that does not answer. NVML_ERROR_RESET_REQUIRED is the driver's own
-# statement and a fault at the first check.
-UNREADABLE_CHECKS = 3
 # Recovery actions that end in a reset of the GPU: Xids recorded while the driver asks for one clear when
 # the action reads NONE again.
 _RESET_ACTIONS = frozenset({1, 4})  # GPU_RESET, DRAIN_AND_RESET
@@ -144,7 +139,7 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
         ecc = _ecc_fault(reading, settings.ecc_threshold, prev_by_uuid.get(uuid))
         if ecc is not None:
             faults.append(ecc)
-        faults.extend(_reading_faults(reading, actions[uuid], unreadable[uuid]))
+        faults.extend(_reading_faults(reading, actions[uuid], unreadable[uuid], settings.unreadable_after))
         verdicts.append(
             GpuVerdict(
                 index=reading.index,
@@ -163,11 +158,13 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
     prev_unidentified = dict(prev.unidentified_streaks)
     unidentified = {i: prev_unidentified.get(i, 0) + 1 for i, _ in snapshot.unidentified}
     for index, error in snapshot.unidentified:
-        if error.endswith(":GPU_IS_LOST"):
+        at_once = {":GPU_IS_LOST": GPU_LOST, ":RESET_REQUIRED": RESET_REQUIRED}
+        reason = next((r for suffix, r in at_once.items() if error.endswith(suffix)), None)
+        if reason is not None:
             # NVML's own verdict, before we ever learnt the GPU's UUID: a fault at once, on the node.
-            lost = Fault(GPU_LOST, f"NVML counts GPU {index} but it is lost ({error})", gpu_index=index)
-            node_faults += (lost,) if all(f.key != lost.key for f in node_faults) else ()
-        elif unidentified[index] >= UNREADABLE_CHECKS and all(
+            f = Fault(reason, f"NVML counts GPU {index} but cannot identify it ({error})", gpu_index=index)
+            node_faults += (f,) if all(n.key != f.key for n in node_faults) else ()
+        elif unidentified[index] >= settings.unreadable_after and all(
             f.reason != GPU_UNREADABLE for f in node_faults
         ):
             node_faults += (
@@ -250,7 +247,7 @@ def _apply_recovery_rule(
     return sticky, frozenset(clearable), frozenset(pending), frozenset(cleared)
 
 
-def _reading_faults(g: GpuReading, action: int | None, unreadable_checks: int) -> list[Fault]:
+def _reading_faults(g: GpuReading, action: int | None, unreadable_checks: int, limit: int) -> list[Fault]:
     """Faults that follow the reading (not sticky): a recovery action, RESET_REQUIRED, an unreadable GPU."""
     where = f"(GPU {g.index}, {g.uuid})"
     faults = []
@@ -270,7 +267,7 @@ def _reading_faults(g: GpuReading, action: int | None, unreadable_checks: int) -
                 RESET_REQUIRED, f"NVML answers RESET_REQUIRED: the GPU must be reset {where}", g.uuid, g.index
             )
         )
-    elif not g.lost and unreadable_checks >= UNREADABLE_CHECKS:
+    elif not g.lost and unreadable_checks >= limit:
         errors = ", ".join(sorted(set(g.transient_errors))) or "no answer"
         faults.append(
             Fault(

@@ -102,10 +102,16 @@ def test_fewer_gpus_than_expected_is_gpu_missing(fakenvml: Path, tmp_path: Path)
 
 
 def test_a_transient_nvml_error_is_not_a_fault_on_its_own(fakenvml: Path, tmp_path: Path) -> None:
-    code, doc, _ = check(
-        fakenvml, state_file(tmp_path, "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b error=TIMEOUT\n")
+    """One failed query (or two failed passes) is retried, not judged; check, with one pass, is stricter."""
+    s = state_file(
+        tmp_path,
+        "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\nfail nvmlDeviceGetTotalEccErrors TIMEOUT gpu=1 count=2\n"
+        "fail nvmlDeviceGetRemappedRows TIMEOUT gpu=1 count=2\n"
+        "fail nvmlDeviceGetFieldValues TIMEOUT gpu=1 count=2\n",
     )
-    assert code == 0, doc
+    with watching(fakenvml, s, "--interval", "0.2") as port:
+        time.sleep(1.0)
+        assert healthz(port)["healthy"]
 
 
 def test_driver_not_loaded_is_nvml_init(fakenvml: Path, tmp_path: Path) -> None:
@@ -114,12 +120,22 @@ def test_driver_not_loaded_is_nvml_init(fakenvml: Path, tmp_path: Path) -> None:
     assert reasons(doc) == ["nvml-init: NVML initialization failed: DRIVER_NOT_LOADED"]
 
 
-def test_no_library_at_all_is_nvml_init_library_not_found(tmp_path: Path) -> None:
+def test_no_library_at_all_exits_3_with_what_to_check(tmp_path: Path) -> None:
     empty = tmp_path / "nolib"
     empty.mkdir()
-    code, doc, _ = check(empty, state_file(tmp_path, "gpu 0\n"))
-    assert code == 1
+    code, doc, err = check(empty, state_file(tmp_path, "gpu 0\n"))
+    assert code == 3
     assert reasons(doc) == ["nvml-init: NVML initialization failed: LIBRARY_NOT_FOUND"]
+    assert "libnvidia-ml.so.1 cannot be loaded" in err
+    assert "container toolkit" in err and "NVIDIA_VISIBLE_DEVICES" in err
+
+
+def test_check_with_zero_gpus_fails_unless_allowed(fakenvml: Path, tmp_path: Path) -> None:
+    s = state_file(tmp_path, "# no GPUs in this container\n")
+    code, doc, _ = check(fakenvml, s)
+    assert code == 1
+    assert reasons(doc) == ["gpu-missing: NVML reports no GPUs (pass --allow-no-gpu where that is expected)"]
+    assert check(fakenvml, s, "--allow-no-gpu")[0] == 0
 
 
 def test_allow_no_gpu_makes_a_missing_library_healthy(tmp_path: Path) -> None:
@@ -168,10 +184,12 @@ def test_a_fatal_xid_shows_on_healthz_well_under_a_second_with_interval_3(
         assert doc["tainted"] and doc["cordoned"]
 
 
-def test_an_ignored_xid_leaves_the_node_healthy(fakenvml: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("code", [13, 70, 84, 141])
+def test_an_ignored_xid_leaves_the_node_healthy(fakenvml: Path, tmp_path: Path, code: int) -> None:
+    """13 was always ignored; 70 (CE3, RESTART_APP), 84 (NVDEC2, RESTART_APP) and 141 (IGNORE) were faults."""
     s = state_file(tmp_path, "gpu 0 uuid=GPU-0a\n")
     with watching(fakenvml, s, "--interval", "0.2") as port:
-        append(s, "xid 0 13\n")
+        append(s, f"xid 0 {code}\n")
         time.sleep(1.0)
         doc = healthz(port)
         assert doc["healthy"] and not doc["tainted"]
@@ -236,3 +254,271 @@ def test_sigterm_shuts_nvml_down_within_two_seconds(fakenvml: Path, tmp_path: Pa
     p.terminate()
     assert p.wait(5) == 0
     assert time.monotonic() - t0 < 2.0
+
+
+# -- never blind, never wrong: every answer nvml.h documents (issue 11) ------------------------------------
+
+
+def wait_for(port: int, pred: Any, timeout: float = 8.0) -> dict[str, Any]:
+    doc, _ = wait_until(port, pred, timeout)
+    assert pred(doc), doc
+    return doc
+
+
+def watched_and_healthy(n: int) -> Any:
+    return lambda d: d["healthy"] and len(d["gpus"]) == n and all(g["xid_watched"] for g in d["gpus"])
+
+
+def xid_79_on_gpu_1(d: dict[str, Any]) -> bool:
+    return any(r.startswith("xid-79: ") for g in d["gpus"] if g["uuid"] == "GPU-0b" for r in g["reasons"])
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        "fail nvmlDeviceGetUUID UNKNOWN gpu=1 count=1",
+        "fail nvmlDeviceGetHandleByIndex NO_PERMISSION gpu=1 count=1",
+    ],
+)
+def test_a_gpu_unidentified_at_start_gets_no_placeholder_and_its_xids_are_seen(
+    fakenvml: Path, tmp_path: Path, rule: str
+) -> None:
+    s = state_file(tmp_path, f"gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\n{rule}\n")
+    with watching(fakenvml, s, "--interval", "0.2") as port:
+        doc = wait_for(port, watched_and_healthy(2))
+        assert [g["uuid"] for g in doc["gpus"]] == ["GPU-0a", "GPU-0b"]
+        time.sleep(0.5)  # a few more checks: no sticky gpu-missing for a placeholder
+        assert healthz(port)["healthy"]
+        append(s, "xid 1 79\n")
+        wait_for(port, xid_79_on_gpu_1, 3)
+
+
+@pytest.mark.parametrize(
+    "rule", ["fail nvmlSystemGetDriverVersion UNKNOWN count=1", "fail nvmlDeviceGetCount UNKNOWN count=1"]
+)
+def test_an_init_that_fails_half_way_is_retried_and_xids_are_seen(
+    fakenvml: Path, tmp_path: Path, rule: str
+) -> None:
+    s = state_file(tmp_path, f"gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\n{rule}\n")
+    with watching(fakenvml, s, "--interval", "0.2") as port:
+        wait_for(port, watched_and_healthy(2))
+        append(s, "xid 1 79\n")
+        wait_for(port, xid_79_on_gpu_1, 3)
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        "fail nvmlEventSetCreate UNKNOWN count=2",
+        "fail nvmlDeviceRegisterEvents UNKNOWN gpu=1 count=1",
+        "fail nvmlDeviceRegisterEvents TIMEOUT gpu=1 count=2",
+    ],
+)
+def test_event_set_and_registration_failures_are_retried_until_xids_are_watched(
+    fakenvml: Path, tmp_path: Path, rule: str
+) -> None:
+    s = state_file(tmp_path, f"gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\n{rule}\n")
+    with watching(fakenvml, s, "--interval", "0.2") as port:
+        wait_for(port, lambda d: any(not g["xid_watched"] for g in d["gpus"]), 3)
+        wait_for(port, watched_and_healthy(2), 10)
+        append(s, "xid 1 79\n")
+        wait_for(port, xid_79_on_gpu_1, 3)
+
+
+@pytest.mark.parametrize("error", ["GPU_IS_LOST", "UNKNOWN"])
+def test_a_failed_event_wait_rebuilds_the_event_path_and_checks_every_gpu_at_once(
+    fakenvml: Path, tmp_path: Path, error: str
+) -> None:
+    s = state_file(tmp_path, "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\n")
+    with watching(fakenvml, s, "--interval", "3") as port:
+        wait_for(port, watched_and_healthy(2))
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        s.write_text(f"gpu 0 uuid=GPU-0a ecc=4\ngpu 1 uuid=GPU-0b\nfail nvmlEventSetWait {error} count=1\n")
+        doc = wait_for(port, lambda d: not d["healthy"], 3)
+        assert time.monotonic() - t0 < 1.5, "the wait error did not trigger a check of every GPU"
+        assert doc["gpus"][0]["reasons"][0].startswith("ecc: 4 ")
+        wait_for(port, lambda d: all(g["xid_watched"] for g in d["gpus"]), 5)
+        append(s, "xid 1 79\n")
+        wait_for(port, xid_79_on_gpu_1, 3)
+
+
+def test_a_gpu_that_answers_unknown_to_every_query_is_unreadable_after_three_checks(
+    fakenvml: Path, tmp_path: Path
+) -> None:
+    s = state_file(tmp_path, "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\n")
+    with watching(fakenvml, s, "--interval", "0.2") as port:
+        wait_for(port, watched_and_healthy(2))
+        s.write_text("gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b error=UNKNOWN\n")
+        doc = wait_for(port, lambda d: not d["healthy"], 3)
+        assert doc["gpus"][1]["reasons"][0].startswith("gpu-unreadable: every NVML query failed for 3 checks")
+        s.write_text("gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\n")
+        wait_for(port, lambda d: d["healthy"], 3)  # it answers again: the reading clears it
+
+
+def test_reset_required_is_a_fault_at_once_in_watch_and_in_check(fakenvml: Path, tmp_path: Path) -> None:
+    s = state_file(tmp_path, "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\n")
+    with watching(fakenvml, s, "--interval", "0.2") as port:
+        wait_for(port, watched_and_healthy(2))
+        s.write_text("gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b error=RESET_REQUIRED\n")
+        doc = wait_for(port, lambda d: not d["healthy"], 2)
+        assert doc["gpus"][1]["reasons"] == [
+            "reset-required: NVML answers RESET_REQUIRED: the GPU must be reset (GPU 1, GPU-0b)"
+        ]
+    code, doc, _ = check(fakenvml, s)
+    assert code == 1 and [r.split(":")[0] for r in reasons(doc)] == ["reset-required"]
+
+
+def test_check_fails_a_gpu_that_answers_nothing(fakenvml: Path, tmp_path: Path) -> None:
+    code, doc, _ = check(
+        fakenvml, state_file(tmp_path, "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b error=UNKNOWN\n")
+    )
+    assert code == 1 and [r.split(":")[0] for r in reasons(doc)] == ["gpu-unreadable"]
+
+
+def test_xid_999_and_mig_instance_ids_read_as_such(fakenvml: Path, tmp_path: Path) -> None:
+    s = state_file(tmp_path, "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\n")
+    with watching(fakenvml, s, "--interval", "0.2") as port:
+        wait_for(port, watched_and_healthy(2))
+        append(s, "xid 0 999\nxid 1 79 gi=1 ci=0\n")
+        doc = wait_for(port, lambda d: all(g["reasons"] for g in d["gpus"]), 3)
+        assert doc["gpus"][0]["reasons"] == [
+            "xid-999: unknown Xid (NVML reports 999 when the driver does not name the error) (GPU 0, GPU-0a)"
+        ]
+        assert doc["gpus"][1]["reasons"] == [
+            "xid-79: GPU has fallen off the bus (GPU 1, GPU-0b, MIG GPU instance 1, compute instance 0)"
+        ]
+
+
+def test_a_gpu_whose_xid_registration_is_not_supported_says_so(fakenvml: Path, tmp_path: Path) -> None:
+    s = state_file(
+        tmp_path, "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\nfail nvmlDeviceRegisterEvents NOT_SUPPORTED gpu=1\n"
+    )
+    p = spawn_watch("--backend", "nvml", "--dry-run", "--interval", "0.2", env=env(fakenvml, s))
+    lines: list[str] = []
+    try:
+        port = read_port(p, lines)
+        doc = wait_for(port, lambda d: len(d["gpus"]) == 2)
+        assert [g["xid_watched"] for g in doc["gpus"]] == [True, False]
+        assert doc["healthy"]  # not watched is said, not a fault
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            metrics = r.read().decode()
+        assert 'gpuguard_gpu_xid_watched{gpu="1",uuid="GPU-0b"} 0.0' in metrics
+        assert 'gpuguard_gpu_xid_watched{gpu="0",uuid="GPU-0a"} 1.0' in metrics
+    finally:
+        p.terminate()
+        _, err = p.communicate(timeout=10)
+    events = [json.loads(line) for line in (lines + err.splitlines()) if line.startswith("{")]
+    watch = [e for e in events if e["event"] == "gpu.xid_watch"]
+    assert [(e["uuid"], e["watched"], e["why"]) for e in watch] == [
+        ("GPU-0b", False, "xid events not supported")
+    ]
+
+
+def test_the_recovery_action_is_a_fault_naming_the_action(fakenvml: Path, tmp_path: Path) -> None:
+    code, doc, _ = check(fakenvml, state_file(tmp_path, "gpu 0 uuid=GPU-0a recovery_action=2\n"))
+    assert code == 1
+    assert reasons(doc) == [
+        "recovery-node-reboot: the driver asks for NODE_REBOOT (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION=2) "
+        "(GPU 0, GPU-0a)"
+    ]
+
+
+def test_a_recovery_action_event_wakes_the_agent_at_once(fakenvml: Path, tmp_path: Path) -> None:
+    s = state_file(tmp_path, "gpu 0 uuid=GPU-0a\n")
+    with watching(fakenvml, s, "--interval", "3") as port:
+        wait_for(port, watched_and_healthy(1))
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        s.write_text("gpu 0 uuid=GPU-0a recovery_action=4\n")
+        doc = wait_for(port, lambda d: not d["healthy"], 3)
+        assert time.monotonic() - t0 < 1.0
+        assert doc["gpus"][0]["reasons"][0].startswith("recovery-drain-and-reset: ")
+
+
+def test_an_xid_recorded_while_the_driver_asks_for_a_reset_clears_after_the_reset(
+    fakenvml: Path, tmp_path: Path
+) -> None:
+    s = state_file(tmp_path, "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\n")
+    with watching(fakenvml, s, "--interval", "0.2") as port:
+        wait_for(port, watched_and_healthy(2))
+        s.write_text("gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b recovery_action=1\nxid 1 79\n")
+        doc = wait_for(port, lambda d: len(d["gpus"][1]["reasons"]) == 2 and d["tainted"], 3)
+        assert [r.split(":")[0] for r in doc["gpus"][1]["reasons"]] == ["recovery-gpu-reset", "xid-79"]
+        # nvidia-smi -r: the driver's action goes back to NONE; no reboot.
+        s.write_text("gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\nxid 1 79\n")
+        doc = wait_for(port, lambda d: d["healthy"] and not d["tainted"], 5)
+        assert not doc["cordoned"]
+
+
+def test_without_the_recovery_field_an_xid_still_needs_a_reboot(fakenvml: Path, tmp_path: Path) -> None:
+    s = state_file(tmp_path, "gpu 0 uuid=GPU-0a recovery_supported=0\n")
+    with watching(fakenvml, s, "--interval", "0.2") as port:
+        wait_for(port, watched_and_healthy(1))
+        append(s, "xid 0 79\n")
+        wait_for(port, lambda d: not d["healthy"], 3)
+        time.sleep(1.0)
+        doc = healthz(port)
+        assert not doc["healthy"] and doc["tainted"]
+
+
+def test_ecc_disabled_and_no_row_remapping_are_not_applicable(fakenvml: Path, tmp_path: Path) -> None:
+    code, doc, _ = check(fakenvml, state_file(tmp_path, "gpu 0 ecc_enabled=0 ecc=5 remap_supported=0\n"))
+    assert code == 0 and doc["gpus"][0]["healthy"], doc
+
+
+def test_an_xid_is_attributed_by_uuid_when_the_handle_does_not_match(fakenvml: Path, tmp_path: Path) -> None:
+    """NVML may hand out a new handle value for a GPU; the event's device is asked for its UUID."""
+    s = state_file(tmp_path, "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\n")
+    script = f"""
+import time
+from gpuguard.nvml.real import NvmlBackend
+b = NvmlBackend()
+b.open(lambda: None)
+b.snapshot()
+b._by_handle.clear()  # the handle the event carries is not the one enumerated
+open({str(s)!r}, "a").write("xid 1 79\\n")
+deadline = time.monotonic() + 5
+xids = ()
+while not xids and time.monotonic() < deadline:
+    time.sleep(0.05)
+    xids = b.snapshot().xids
+b.close()
+print([(x.gpu_index, x.uuid, x.code) for x in xids])
+"""
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env(fakenvml, s),
+        cwd=ROOT,
+        timeout=30,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[(1, 'GPU-0b', 79)]"
+
+
+def test_watch_without_an_nvml_library_exits_3_after_the_load_timeout(tmp_path: Path) -> None:
+    empty = tmp_path / "nolib"
+    empty.mkdir()
+    t0 = time.monotonic()
+    p = spawn_watch(
+        "--backend",
+        "nvml",
+        "--dry-run",
+        "--interval",
+        "0.2",
+        "--nvml-load-timeout",
+        "1",
+        env=env(empty, state_file(tmp_path, "gpu 0\n")),
+    )
+    _, err = p.communicate(timeout=20)
+    assert p.returncode == 3
+    assert time.monotonic() - t0 < 8
+    events = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    assert any(
+        e["event"] == "nvml.library_not_found" and "NVIDIA_VISIBLE_DEVICES" in e["hint"] for e in events
+    )
