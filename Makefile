@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install run test unit lint fakenvml testenv helm kube-up kube-down kube-status bench clean
+.PHONY: install run test unit lint fakenvml testenv helm kube-up kube-down kube-status bench gpu-smoke clean
 
 install: $(STAMP)
 
@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml
 run: install
 	$(BIN)/gpuguard watch --dry-run --backend mock --interval 0.5 --run-for 8 --listen 127.0.0.1:0 --log-format console
 
-# The fake libnvidia-ml.so.1 (tests/fakenvml), built with the machine's gcc; the real nvml backend runs on it.
-fakenvml:
+# The fake libnvidia-ml.so.1 (tests/fakenvml), built with the machine's gcc against NVIDIA's nvml.h (the dev
+# extra installs nvidia-nvml-dev) with -Werror: a signature that differs from nvml.h does not build.
+fakenvml: install
 	tests/fakenvml/build.sh build/fakenvml
 
 # etcd and kube-apiserver built from their official Go modules (pinned in hack/testenv/versions.env), cached
@@ -55,6 +56,11 @@ unit: install fakenvml
 # Every performance figure in docs/performance.md comes from here.
 bench: install fakenvml testenv
 	$(BIN)/python bench/run.py
+
+# On a machine with an NVIDIA GPU and driver (never run in this project's sessions, which have none):
+# check and a 20 s watch --dry-run through the real libnvidia-ml.so.1, compared with nvidia-smi -q -x.
+gpu-smoke: install
+	$(BIN)/python hack/gpu_smoke.py
 
 lint: install
 	$(BIN)/ruff check .
