@@ -276,8 +276,8 @@ def xid_79_on_gpu_1(d: dict[str, Any]) -> bool:
 @pytest.mark.parametrize(
     "rule",
     [
-        "fail nvmlDeviceGetUUID UNKNOWN gpu=1 count=1",
-        "fail nvmlDeviceGetHandleByIndex NO_PERMISSION gpu=1 count=1",
+        "fail nvmlDeviceGetUUID UNKNOWN gpu=1 count=2",
+        "fail nvmlDeviceGetHandleByIndex NO_PERMISSION gpu=1 count=2",
     ],
 )
 def test_a_gpu_unidentified_at_start_gets_no_placeholder_and_its_xids_are_seen(
