@@ -199,6 +199,17 @@ def test_an_xid_recovers_only_after_the_node_rebooted() -> None:
     assert change is not None and change.action == "recover"
 
 
+def test_an_xid_a_driver_requested_gpu_reset_cleared_recovers_without_a_reboot() -> None:
+    n = tainted(verdict(xid=79))
+    key = next(iter(n.recorded_faults))
+    from dataclasses import replace
+
+    reset = replace(HEALTHY, reset_cleared=frozenset({key}))
+    change = decide(n, reset, streak=3)
+    assert change is not None and change.action == "recover"
+    assert decide(n, replace(HEALTHY, reset_cleared=frozenset({"xid-79/GPU-other"})), streak=10) is None
+
+
 @pytest.mark.parametrize("v", [verdict(lost=True), verdict(xid=48)])
 def test_non_ecc_faults_need_a_new_boot_id(v: Verdict) -> None:
     n = tainted(v)

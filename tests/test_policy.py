@@ -8,7 +8,7 @@ import pytest
 
 from gpuguard.config import DEFAULT_IGNORED_XIDS, PolicySettings
 from gpuguard.model import GpuReading, Snapshot, Verdict, XidEvent
-from gpuguard.policy import evaluate, primary
+from gpuguard.policy import cleared_without_reboot, evaluate, primary
 from gpuguard.xidcatalog import CATALOG
 
 DEFAULT = PolicySettings()
@@ -287,3 +287,91 @@ def test_the_primary_reason_is_the_most_severe_fault() -> None:
 def test_evaluate_is_pure_the_same_inputs_give_the_same_verdict() -> None:
     s = snap(gpu(0, ecc_uncorrected=2), gpu(1), xids=(XidEvent(1, "GPU-1", 79),))
     assert evaluate(s, previous=None, settings=DEFAULT) == evaluate(s, previous=None, settings=DEFAULT)
+
+
+# -- NVIDIA's recovery action and the reset evidence rule (docs/design.md) ----------------------------------
+
+
+def run(*snapshots: Snapshot) -> list[Verdict]:
+    out: list[Verdict] = []
+    for s in snapshots:
+        out.append(evaluate(s, previous=out[-1] if out else None, settings=DEFAULT))
+    return out
+
+
+def act(a: int | None, *xids: XidEvent) -> Snapshot:
+    return snap(gpu(0, recovery_action=a), gpu(1, recovery_action=0 if a is not None else None), xids=xids)
+
+
+X79 = XidEvent(0, "GPU-0", 79)
+
+
+@pytest.mark.parametrize(
+    ("case", "sequence", "expected"),
+    [
+        ("reset asked with the Xid, then NONE: cleared", [act(1, X79), act(1), act(0)], []),
+        ("reset asked at the next check (its event comes later): cleared", [act(0, X79), act(1), act(0)], []),
+        ("drain and reset counts as a reset", [act(4, X79), act(0)], []),
+        (
+            "NONE at the Xid and at the next check: needs a reboot",
+            [act(0, X79), act(0), act(1), act(0)],
+            ["xid-79"],
+        ),
+        ("escalation to a reboot unties it", [act(1, X79), act(2), act(0)], ["xid-79"]),
+        ("field not supported: present rules", [act(None, X79), act(None)], ["xid-79"]),
+        ("a transient unreadable field keeps waiting for NONE", [act(1, X79), act(None), act(0)], []),
+    ],
+)
+def test_an_xid_recorded_while_the_driver_asks_for_a_reset_clears_when_the_action_is_none_again(
+    case: str, sequence: list[Snapshot], expected: list[str]
+) -> None:
+    last = run(*sequence)[-1]
+    assert reasons(last) == expected, case
+    assert ("xid-79/GPU-0" in last.reset_cleared) == (not expected), case
+
+
+def test_the_recovery_action_is_a_fault_that_follows_the_reading() -> None:
+    v = run(act(2), act(0))
+    assert [f.message for f in v[0].faults] == [
+        "recovery-node-reboot: the driver asks for NODE_REBOOT (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION=2) "
+        "(GPU 0, GPU-0)"
+    ]
+    assert v[1].healthy
+
+
+def test_the_same_xid_after_a_reset_needs_its_own_evidence() -> None:
+    v = run(act(1, X79), act(0), act(0, X79), act(0))
+    assert reasons(v[-1]) == ["xid-79"]
+    assert "xid-79/GPU-0" not in v[-1].reset_cleared
+
+
+@pytest.mark.parametrize(
+    ("key", "cleared", "expected"),
+    [
+        ("ecc/GPU-0", frozenset(), True),
+        ("recovery-gpu-reset/GPU-0", frozenset(), True),
+        ("reset-required/GPU-0", frozenset(), True),
+        ("gpu-unreadable/node", frozenset(), True),
+        ("xid-79/GPU-0", frozenset(), False),
+        ("xid-79/GPU-0", frozenset({"xid-79/GPU-0"}), True),
+        ("gpu-lost/GPU-0", frozenset({"xid-79/GPU-0"}), False),
+    ],
+)
+def test_which_recorded_faults_clear_without_a_reboot(
+    key: str, cleared: frozenset[str], expected: bool
+) -> None:
+    assert cleared_without_reboot(key, cleared) is expected
+
+
+def test_an_unreadable_gpu_is_a_fault_after_the_bounded_number_of_checks() -> None:
+    bad = gpu(1, unreadable=True, ecc_uncorrected=None, transient_errors=("ecc:UNKNOWN", "remap:UNKNOWN"))
+    v = run(*(snap(gpu(0), bad) for _ in range(3)), snap(gpu(0), gpu(1)))
+    assert [reasons(x) for x in v] == [[], [], ["gpu-unreadable"], []]
+
+
+def test_an_unidentified_gpu_never_enters_the_inventory() -> None:
+    s = Snapshot(gpus=(gpu(0),), unidentified=((1, "uuid:UNKNOWN"),))
+    v = run(s, s, s, snap(gpu(0), gpu(1)))
+    assert [g.uuid for g in v[0].gpus] == ["GPU-0"]
+    assert [reasons(x) for x in v] == [[], [], ["gpu-unreadable"], []]
+    assert [g.uuid for g in v[-1].gpus] == ["GPU-0", "GPU-1"]
