@@ -5,6 +5,7 @@ Pure: plan() and apply_change() need no cluster. The real API server proves the 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
@@ -202,8 +203,6 @@ def test_an_xid_recovers_only_after_the_node_rebooted() -> None:
 def test_an_xid_a_driver_requested_gpu_reset_cleared_recovers_without_a_reboot() -> None:
     n = tainted(verdict(xid=79))
     key = next(iter(n.recorded_faults))
-    from dataclasses import replace
-
     reset = replace(HEALTHY, reset_cleared=frozenset({key}))
     change = decide(n, reset, streak=3)
     assert change is not None and change.action == "recover"
