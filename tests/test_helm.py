@@ -1,9 +1,9 @@
 """The Helm chart deploy/helm/gpuguard: its default render is deploy/daemonset.yaml, object for object.
 
-helm itself comes from hack/helm/build.sh (built once from the pinned Go module into ~/.cache/gpuguard/helm/, a
-few minutes cold, instant afterwards). A failed build fails these tests; GPUGUARD_SKIP_HELM=1 skips
-them on machines without Go. Every non-default value must change exactly the agent setting it names,
-and every setting the chart can render must be one `gpuguard watch` accepts.
+helm itself comes from hack/helm/build.sh (built once from the pinned Go module into
+~/.cache/gpuguard/helm/, a few minutes cold, instant afterwards). A failed build fails these tests;
+GPUGUARD_SKIP_HELM=1 skips them on machines without Go. Every non-default value must change exactly the
+agent setting it names, and every setting the chart can render must be one `gpuguard watch` accepts.
 """
 
 from __future__ import annotations
