@@ -211,7 +211,9 @@ class NvmlBackend:
                 # The real driver answers GPU_IS_LOST here for a GPU that fell off the bus: a GPU we knew
                 # stays (lost is a fault, not an absence); one we never identified is reported as such.
                 if before is not None and _is_lost(exc):
-                    devices.append(replace(before, lost_at_enumeration=True, registered=0))
+                    devices.append(
+                        replace(before, lost_at_enumeration=True, registered=0, watch_note="gpu lost")
+                    )
                 else:
                     log.warning("nvml.handle_failed", gpu=i, error=error_name(exc))
                     unidentified.append((i, f"handle:{error_name(exc)}"))
