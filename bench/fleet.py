@@ -91,7 +91,9 @@ class Worker:
         import structlog
 
         from gpuguard.config import NodeSettings
-        from gpuguard.node import KubeNodeWriter, NodeReconciler, load_api_client
+        from gpuguard.node.budget import QuarantineBudget
+        from gpuguard.node.reconciler import NodeReconciler
+        from gpuguard.node.writers import KubeNodeWriter, load_api_client
 
         self.counter = _Counting()
         structlog.configure(processors=[self.counter], cache_logger_on_first_use=False)
@@ -100,7 +102,9 @@ class Worker:
         self.reconcilers: dict[str, Any] = {}
         for name, kubeconfig in names:
             writer = KubeNodeWriter(name, api=load_api_client(kubeconfig), timeout=10.0)
-            self.reconcilers[name] = NodeReconciler(writer, NodeSettings(name=name))
+            settings = NodeSettings(name=name)
+            budget = QuarantineBudget(writer, settings)
+            self.reconcilers[name] = NodeReconciler(writer, settings, budget=budget)
         for r in self.reconcilers.values():
             r.start()
         self.created_s = time.monotonic() - started

@@ -9,15 +9,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import structlog
 
 from gpuguard.config import PolicySettings
 from gpuguard.metrics import Metrics
-from gpuguard.model import Fault, Verdict
-from gpuguard.node import NodeReconciler
+from gpuguard.model import AgentStatus, Fault, Verdict
+from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.nvml.base import Backend
 from gpuguard.policy import evaluate
 from gpuguard.state import StateStore
@@ -26,20 +25,6 @@ from gpuguard.xidcatalog import CATALOG
 log = structlog.get_logger("gpuguard.agent")
 
 STALL_INTERVALS = 3
-
-
-@dataclass(frozen=True)
-class AgentStatus:
-    """Everything /healthz and /readyz report, read atomically."""
-
-    alive: bool
-    ready: bool
-    node: str | None
-    verdict: Verdict | None
-    tainted: bool
-    cordoned: bool
-    dry_run: bool
-    last_check: datetime | None
 
 
 class Agent:

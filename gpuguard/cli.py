@@ -8,7 +8,6 @@ Exit codes: 0 ok/healthy, 1 unhealthy (check), 2 usage or configuration error: o
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import threading
@@ -288,7 +287,7 @@ def check(output: str, **kw: Any) -> int:
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
 def status(kubeconfig: str | None, output: str) -> int:
     """The cluster view for an operator: nodes quarantined by gpuguard, with reason, since and GPU."""
-    from gpuguard.node import load_api_client, quarantined_nodes  # noqa: PLC0415
+    from gpuguard.node.writers import load_api_client, quarantined_nodes  # noqa: PLC0415
 
     try:
         rows = quarantined_nodes(load_api_client(kubeconfig))
@@ -386,15 +385,18 @@ def _watch(cfg: Config) -> int:
     from gpuguard import logs  # noqa: PLC0415
     from gpuguard.agent import Agent  # noqa: PLC0415
     from gpuguard.metrics import Metrics  # noqa: PLC0415
-    from gpuguard.node import NodeReconciler  # noqa: PLC0415
+    from gpuguard.node.budget import QuarantineBudget  # noqa: PLC0415
+    from gpuguard.node.reconciler import NodeReconciler  # noqa: PLC0415
+    from gpuguard.node.writers import make_writer  # noqa: PLC0415
     from gpuguard.server import HealthServer  # noqa: PLC0415
     from gpuguard.state import StateStore, read_boot_id  # noqa: PLC0415
 
     logs.configure(cfg.log_format)
     backend = _backend(cfg)  # a bad scenario fails here, before anything starts
     metrics = Metrics(REGISTRY)
-    writer = _writer(cfg.node, metrics)
-    reconciler = NodeReconciler(writer, cfg.node, metrics=metrics)
+    writer = make_writer(cfg.node, metrics)
+    budget = QuarantineBudget(writer, cfg.node)
+    reconciler = NodeReconciler(writer, cfg.node, budget=budget, metrics=metrics)
     state = None
     if cfg.state_dir and not cfg.node.dry_run:
         state = StateStore(cfg.state_dir, boot_id=read_boot_id(cfg.boot_id_file))
@@ -437,36 +439,8 @@ def _watch(cfg: Config) -> int:
     return EXIT_OK
 
 
-def _writer(settings: NodeSettings, metrics: Any = None) -> Any:
-    from gpuguard.node import DryRunNodeWriter, KubeNodeWriter, NodeView, load_api_client  # noqa: PLC0415
-
-    if not settings.dry_run:
-        assert settings.name is not None  # validated
-        return KubeNodeWriter(
-            settings.name,
-            api=load_api_client(settings.kubeconfig),
-            timeout=settings.api_timeout,
-            metrics=metrics,
-        )
-    name = settings.name or "dry-run"
-    initial = NodeView(name=name, resource_version="1", boot_id="dry-run")
-    # A dry run on a live cluster starts from the real node, so it shows the real decisions. Only when a
-    # cluster is named (flag or in-cluster): a laptop demo must not wait on a kubeconfig's dead server.
-    if settings.name and (settings.kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST")):
-        try:
-            real = KubeNodeWriter(settings.name, api=load_api_client(settings.kubeconfig), timeout=3.0)
-            initial = real.read()
-        except GpuguardError as exc:
-            import structlog  # noqa: PLC0415
-
-            structlog.get_logger("gpuguard").warning(
-                "node.dry_run_without_cluster", node=name, error=str(exc)
-            )
-    return DryRunNodeWriter(initial)
-
-
 def _check_status(verdict: Any) -> Any:
-    from gpuguard.agent import AgentStatus  # noqa: PLC0415
+    from gpuguard.model import AgentStatus  # noqa: PLC0415
 
     return AgentStatus(
         alive=True,

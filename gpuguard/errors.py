@@ -1,11 +1,12 @@
-"""gpuguard's error hierarchy. Adapters translate library errors into these with `raise ... from exc`;
-only the CLI maps them to exit codes.
+"""gpuguard's error hierarchy. Adapters raise these where the library's codes are known (`gpuguard.kubeapi`
+maps HTTP statuses and connection failures itself), with `raise ... from exc`; only the CLI maps them to exit
+codes.
 
     GpuguardError
     ├── ConfigError            bad flag, env value or file: exit 2, one line, no traceback
     │   └── ScenarioError      malformed mock scenario (names the event)
     ├── BackendError           a backend could not be used at all (not a GPU fault: those are readings)
-    └── NodeUpdateError        a Kubernetes read or write failed
+    └── NodeUpdateError        a Kubernetes read or write failed (status: the HTTP status, None if no answer)
         ├── TransientApiError  connection error, timeout, 5xx, 429: retried with backoff
         │   (retry_after: seconds the server asked us to wait, if it said)
         ├── ConflictError      409: the node changed under us; re-read and re-plan
@@ -32,20 +33,21 @@ class BackendError(GpuguardError):
 
 
 class NodeUpdateError(GpuguardError):
-    pass
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class TransientApiError(NodeUpdateError):
-    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, status: int | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message, status=status)
         self.retry_after = retry_after
 
 
 class ConflictError(NodeUpdateError):
-    pass
+    def __init__(self, message: str, *, status: int | None = 409) -> None:
+        super().__init__(message, status=status)
 
 
 class PermanentApiError(NodeUpdateError):
-    def __init__(self, message: str, *, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
+    pass

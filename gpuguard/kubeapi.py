@@ -7,8 +7,10 @@ for the kubeconfigs that only its loader understands (exec plugins, auth provide
 lists): `load()` hands those to it and takes back the server, the TLS files and the token it resolved. The
 in-cluster path (the DaemonSet) and plain token or certificate kubeconfigs never import it.
 
-Errors: an HTTP status >= 400 raises `ApiError` (status, the server's message, Retry-After); connection
-and TLS failures raise urllib3's own errors. `gpuguard.node` translates both into gpuguard's errors.
+Errors are mapped here, where the codes are known, into gpuguard's own (`gpuguard.errors`): 409 is a
+`ConflictError`; 429, 5xx, no answer (connection, TLS, timeout) and an answer that is not JSON (a proxy's
+error page) are a `TransientApiError` (with Retry-After); any other status >= 400 a `PermanentApiError`.
+Callers never translate library exceptions again.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from urllib.parse import quote, urlencode
 
 import urllib3
 import yaml
+from urllib3.exceptions import HTTPError
 
-from gpuguard.errors import ConfigError
+from gpuguard.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 # What a kubeconfig user may hold for gpuguard to read it itself; anything else goes to the kubernetes loader.
@@ -47,16 +50,6 @@ _OWN_CLUSTER_KEYS = frozenset(
     }
 )
 _MAX_MESSAGE = 300
-
-
-class ApiError(Exception):
-    """The API server answered with an HTTP error status."""
-
-    def __init__(self, status: int, message: str, *, retry_after: float | None = None) -> None:
-        super().__init__(f"HTTP {status}: {message}")
-        self.status = status
-        self.message = message
-        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)
@@ -117,8 +110,11 @@ class Client:
         content_type: str = "application/json",
         accept: str = "application/json",
         timeout: float = 10.0,
+        what: str = "",
     ) -> Any:
-        """One request; the decoded JSON answer. ApiError on an HTTP error, urllib3 errors on no answer."""
+        """One request; the decoded JSON answer. `what` ("read node n") starts every error's message.
+        ConflictError, TransientApiError or PermanentApiError (see the module's docstring) otherwise."""
+        what = what or f"{method} {path}"
         headers = {"Accept": accept, "User-Agent": self._user_agent}
         auth = self._authorization()
         if auth:
@@ -128,14 +124,28 @@ class Client:
             data = json.dumps(body, separators=(",", ":")).encode()
             headers["Content-Type"] = content_type
         url = self._server + path + (f"?{urlencode(query)}" if query else "")
-        resp = self._pool.request(
-            method, url, body=data, headers=headers, timeout=urllib3.Timeout(total=timeout), retries=False
-        )
-        if resp.status >= 400:
-            raise ApiError(
-                resp.status, _message(resp.data, resp.reason), retry_after=_retry_after(resp.headers)
+        try:
+            resp = self._pool.request(
+                method, url, body=data, headers=headers, timeout=urllib3.Timeout(total=timeout), retries=False
             )
-        return json.loads(resp.data) if resp.data else None
+        except (HTTPError, OSError) as exc:
+            raise TransientApiError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        if resp.status >= 400:
+            message = _message(resp.data, resp.reason)
+            if resp.status == 409:
+                raise ConflictError(f"{what}: conflict: {message}")
+            if resp.status == 429 or resp.status >= 500:
+                raise TransientApiError(
+                    f"{what}: HTTP {resp.status}: {message}",
+                    status=resp.status,
+                    retry_after=_retry_after(resp.headers),
+                )
+            raise PermanentApiError(f"{what}: HTTP {resp.status}: {message}", status=resp.status)
+        try:
+            return json.loads(resp.data) if resp.data else None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            # An answer that is not JSON (a proxy's error page) is as good as no answer.
+            raise TransientApiError(f"{what}: {type(exc).__name__}: {exc}", status=resp.status) from exc
 
     def _authorization(self) -> str | None:
         creds = self.creds

@@ -7,6 +7,7 @@ Standard library only: nothing here may import pynvml or kubernetes, so the pure
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 
 # Taint values (and the first word of every reason string) are label values: these are the fixed ones,
 # Xid faults are "xid-<code>".
@@ -170,3 +171,17 @@ class Verdict:
     @property
     def healthy(self) -> bool:
         return not self.faults
+
+
+@dataclass(frozen=True)
+class AgentStatus:
+    """Everything /healthz and /readyz report, read atomically (made by the agent, served by the server)."""
+
+    alive: bool
+    ready: bool
+    node: str | None
+    verdict: Verdict | None
+    tainted: bool
+    cordoned: bool
+    dry_run: bool
+    last_check: datetime | None

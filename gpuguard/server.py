@@ -35,7 +35,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from gpuguard.agent import AgentStatus
+from gpuguard.model import AgentStatus
 
 log = structlog.get_logger("gpuguard.server")
 

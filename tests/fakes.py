@@ -7,15 +7,8 @@ from collections import deque
 from collections.abc import Mapping
 
 from gpuguard.errors import ConflictError, NodeUpdateError
-from gpuguard.node import (
-    ANN_SINCE,
-    LABEL_QUARANTINED,
-    Budget,
-    EventSpec,
-    NodeChange,
-    NodeView,
-    apply_change,
-)
+from gpuguard.node.budget import Budget
+from gpuguard.node.view import ANN_SINCE, LABEL_QUARANTINED, EventSpec, NodeChange, NodeView, apply_change
 
 
 class FakeNodeWriter:

@@ -11,7 +11,9 @@ from prometheus_client import CollectorRegistry
 from gpuguard.agent import Agent
 from gpuguard.config import NodeSettings, PolicySettings
 from gpuguard.metrics import Metrics
-from gpuguard.node import DryRunNodeWriter, NodeReconciler, NodeView
+from gpuguard.node.reconciler import NodeReconciler
+from gpuguard.node.view import NodeView
+from gpuguard.node.writers import DryRunNodeWriter
 from gpuguard.nvml.mock import MockBackend, parse_scenario
 from tests.fakes import FakeNodeWriter
 

@@ -40,10 +40,10 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from gpuguard import cli, server
-from gpuguard.agent import AgentStatus
 from gpuguard.config import Config, ServerSettings, parse_listen, parse_xids
 from gpuguard.errors import ConfigError, ScenarioError
 from gpuguard.metrics import Metrics
+from gpuguard.model import AgentStatus
 from gpuguard.nvml.mock import Scenario, parse_scenario
 
 TRIED: Counter[str] = Counter()  # inputs tried, by kind

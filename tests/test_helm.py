@@ -22,7 +22,7 @@ import yaml
 import gpuguard
 from gpuguard.cli import cli
 from gpuguard.config import ServerSettings
-from gpuguard.node import TAINT_KEY
+from gpuguard.node.view import TAINT_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "gpuguard"

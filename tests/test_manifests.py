@@ -23,7 +23,7 @@ import yaml
 
 from gpuguard.cli import cli
 from gpuguard.config import TAINT_EFFECTS, ServerSettings
-from gpuguard.node import TAINT_KEY
+from gpuguard.node.view import TAINT_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "deploy" / "daemonset.yaml"

@@ -12,7 +12,9 @@ import pytest
 
 from gpuguard.config import NodeSettings, PolicySettings
 from gpuguard.model import GpuReading, Snapshot, Verdict, XidEvent
-from gpuguard.node import (
+from gpuguard.node.budget import Budget, budget_limit, limit, plan_yield, quarantine_rank
+from gpuguard.node.plan import plan
+from gpuguard.node.view import (
     ANN_BOOT_ID,
     ANN_CORDONED,
     ANN_DEFERRED,
@@ -22,15 +24,10 @@ from gpuguard.node import (
     LABEL_QUARANTINED,
     TAINT_KEY,
     UNVERIFIED_TAINT_KEY,
-    Budget,
     NodeChange,
     NodeView,
     Taint,
     apply_change,
-    budget_limit,
-    plan,
-    plan_yield,
-    quarantine_rank,
 )
 from gpuguard.policy import evaluate
 
@@ -294,9 +291,14 @@ def test_node_view_reads_the_api_object() -> None:
 # -- quarantine budget, startup gate, flapping -------------------------------------------------------------
 
 
+def gated(n: NodeView, v: Verdict, budget: Budget | None) -> NodeChange | None:
+    """The planner's full quarantine through the budget's gate, as the reconciler applies it."""
+    return limit(plan(n, v, healthy_streak=0, settings=SETTINGS, now=NOW), n, v, budget, SETTINGS)
+
+
 def test_past_the_budget_a_fault_gets_only_a_soft_taint_no_cordon_and_a_deferred_label() -> None:
     spent = Budget(gpu_nodes=40, quarantined=4, limit=4)
-    change = plan(node(), verdict(ecc=1), healthy_streak=0, settings=SETTINGS, now=NOW, budget=spent)
+    change = gated(node(), verdict(ecc=1), spent)
     assert change is not None and change.action == "defer"
     after = apply_change(node(), change)
     assert after.our_taint == Taint(TAINT_KEY, "PreferNoSchedule", "ecc")
@@ -305,24 +307,17 @@ def test_past_the_budget_a_fault_gets_only_a_soft_taint_no_cordon_and_a_deferred
     assert "4 of 40 GPU nodes" in after.annotations[ANN_DEFERRED]
     assert change.event is not None and change.event.reason == "GPUQuarantineDeferred"
     # Still no room: nothing to write on later checks.
-    assert plan(after, verdict(ecc=1), healthy_streak=0, settings=SETTINGS, now=NOW, budget=spent) is None
+    assert gated(after, verdict(ecc=1), spent) is None
 
 
 def test_a_deferred_quarantine_escalates_when_the_budget_has_room() -> None:
     spent = Budget(gpu_nodes=40, quarantined=4, limit=4)
     deferred = apply_change(
         node(),
-        plan(
-            node(),
-            verdict(ecc=1),
-            healthy_streak=0,
-            settings=SETTINGS,  # type: ignore[arg-type]
-            now=NOW,
-            budget=spent,
-        ),
+        gated(node(), verdict(ecc=1), spent),  # type: ignore[arg-type]
     )
     room = Budget(gpu_nodes=40, quarantined=3, limit=4)
-    change = plan(deferred, verdict(ecc=1), healthy_streak=0, settings=SETTINGS, now=NOW, budget=room)
+    change = gated(deferred, verdict(ecc=1), room)
     assert change is not None and change.action == "escalate"
     after = apply_change(deferred, change)
     assert after.our_taint == Taint(TAINT_KEY, "NoSchedule", "ecc")
@@ -334,14 +329,7 @@ def test_a_deferred_node_recovers_like_any_other() -> None:
     spent = Budget(gpu_nodes=10, quarantined=1, limit=1)
     deferred = apply_change(
         node(),
-        plan(
-            node(),
-            verdict(ecc=1),
-            healthy_streak=0,
-            settings=SETTINGS,  # type: ignore[arg-type]
-            now=NOW,
-            budget=spent,
-        ),
+        gated(node(), verdict(ecc=1), spent),  # type: ignore[arg-type]
     )
     change = decide(deferred, HEALTHY, streak=3)
     assert change is not None
@@ -405,10 +393,7 @@ def test_the_quarantine_order_is_since_then_name_and_leaves_this_node_out() -> N
 
 
 def test_a_full_quarantine_past_the_limit_yields_to_a_soft_taint_and_lifts_only_its_own_cordon() -> None:
-    full = apply_change(
-        node(),
-        plan(node(), verdict(ecc=1), healthy_streak=0, settings=SETTINGS, now=NOW, budget=None),  # type: ignore[arg-type]
-    )
+    full = apply_change(node(), gated(node(), verdict(ecc=1), None))  # type: ignore[arg-type]
     assert full.unschedulable and full.cordoned_by_us
     assert plan_yield(full, ahead=3, limit=4, settings=SETTINGS) is None  # within the limit
     change = plan_yield(full, ahead=4, limit=4, settings=SETTINGS)
@@ -426,16 +411,13 @@ def test_a_full_quarantine_past_the_limit_yields_to_a_soft_taint_and_lifts_only_
     # Deferred now: nothing more to yield, and no escalation while the budget has no room.
     assert plan_yield(after, ahead=4, limit=4, settings=SETTINGS) is None
     spent = Budget(gpu_nodes=40, quarantined=4, limit=4)
-    assert plan(after, verdict(ecc=1), healthy_streak=0, settings=SETTINGS, now=NOW, budget=spent) is None
+    assert gated(after, verdict(ecc=1), spent) is None
 
 
 def test_a_yield_keeps_a_cordon_it_did_not_place_and_every_foreign_taint() -> None:
     foreign = Taint("other.io/x", "NoSchedule")
     cordoned = node(taints=(foreign,), unschedulable=True)
-    full = apply_change(
-        cordoned,
-        plan(cordoned, verdict(ecc=1), healthy_streak=0, settings=SETTINGS, now=NOW, budget=None),  # type: ignore[arg-type]
-    )
+    full = apply_change(cordoned, gated(cordoned, verdict(ecc=1), None))  # type: ignore[arg-type]
     assert not full.cordoned_by_us
     change = plan_yield(full, ahead=1, limit=1, settings=SETTINGS)
     assert change is not None and change.unschedulable is None

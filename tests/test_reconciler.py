@@ -5,7 +5,9 @@ from __future__ import annotations
 from gpuguard.config import NodeSettings, PolicySettings
 from gpuguard.errors import ConflictError, PermanentApiError, TransientApiError
 from gpuguard.model import GpuReading, Snapshot
-from gpuguard.node import TAINT_KEY, NodeReconciler, NodeView, Taint
+from gpuguard.node.budget import QuarantineBudget
+from gpuguard.node.reconciler import NodeReconciler
+from gpuguard.node.view import TAINT_KEY, NodeView, Taint
 from gpuguard.policy import evaluate
 from tests.fakes import FakeNodeWriter
 
@@ -22,7 +24,13 @@ HEALTHY = evaluate(
 
 def make(**kw: object) -> tuple[FakeNodeWriter, NodeReconciler]:
     writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))
-    return writer, NodeReconciler(writer, SETTINGS, **kw)  # type: ignore[arg-type]
+    budget = QuarantineBudget(writer, SETTINGS)
+    return writer, NodeReconciler(writer, SETTINGS, budget=budget, **kw)  # type: ignore[arg-type]
+
+
+def budget_of(r: NodeReconciler) -> QuarantineBudget:
+    assert r.budget is not None
+    return r.budget
 
 
 def test_a_healthy_node_costs_one_read_at_start_and_nothing_after() -> None:
@@ -120,7 +128,7 @@ def test_the_background_thread_applies_the_latest_verdict() -> None:
 
 
 def test_a_fault_reads_the_budget_once_and_defers_when_it_is_spent() -> None:
-    from gpuguard.node import Budget
+    from gpuguard.node.budget import Budget
 
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=1, limit=1)
@@ -135,7 +143,7 @@ def test_a_fault_reads_the_budget_once_and_defers_when_it_is_spent() -> None:
     assert writer.budget_lists == 1 and writer.writes == 1
     assert r.status.deferred and r.status.tainted and not r.status.cordoned
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
-    r._budget_checked -= 61
+    budget_of(r).checked -= 61
     r.submit(SICK, 0)
     r.reconcile_now()
     assert writer.budget_lists == 2
@@ -145,7 +153,8 @@ def test_a_fault_reads_the_budget_once_and_defers_when_it_is_spent() -> None:
 
 def test_no_budget_list_when_the_budget_is_unlimited() -> None:
     writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))
-    r = NodeReconciler(writer, NodeSettings(name="gpu-1", max_quarantined="100%"))
+    unlimited = NodeSettings(name="gpu-1", max_quarantined="100%")
+    r = NodeReconciler(writer, unlimited, budget=QuarantineBudget(writer, unlimited))
     r.submit(SICK, 0)
     r.reconcile_now()
     assert writer.budget_lists == 0 and writer.writes == 1
@@ -173,7 +182,7 @@ def test_a_restarted_agent_does_not_rewrite_a_condition_that_already_matches() -
 
 
 def test_a_conflict_re_plan_reuses_the_budget_it_just_listed() -> None:
-    from gpuguard.node import Budget
+    from gpuguard.node.budget import Budget
 
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
@@ -184,14 +193,14 @@ def test_a_conflict_re_plan_reuses_the_budget_it_just_listed() -> None:
 
 
 def test_an_escalation_that_meets_a_conflict_still_escalates_on_the_re_plan() -> None:
-    from gpuguard.node import Budget
+    from gpuguard.node.budget import Budget
 
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=1, limit=1)
     r.submit(SICK, 0)
     r.reconcile_now()  # deferred: the soft taint
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
-    r._budget_checked -= 61
+    budget_of(r).checked -= 61
     writer.inject_error(ConflictError("x"))
     r.submit(SICK, 0)
     r.reconcile_now()
@@ -201,7 +210,7 @@ def test_an_escalation_that_meets_a_conflict_still_escalates_on_the_re_plan() ->
 
 
 def test_the_next_reconcile_lists_the_budget_again() -> None:
-    from gpuguard.node import Budget
+    from gpuguard.node.budget import Budget
 
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
@@ -214,7 +223,8 @@ def test_the_next_reconcile_lists_the_budget_again() -> None:
 def test_a_burst_that_overshoots_the_budget_steps_back_the_node_past_the_limit() -> None:
     """Two agents listed at the same instant and both saw room for one: the later in the quarantine order
     (since, then name) steps back to the soft taint right after its write."""
-    from gpuguard.node import ANN_SINCE, Budget
+    from gpuguard.node.budget import Budget
+    from gpuguard.node.view import ANN_SINCE
 
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
@@ -236,7 +246,8 @@ def test_a_burst_that_overshoots_the_budget_steps_back_the_node_past_the_limit()
 
 
 def test_the_first_in_the_order_stays_and_checks_once_more_after_the_burst_settled() -> None:
-    from gpuguard.node import ANN_SINCE, Budget
+    from gpuguard.node.budget import Budget
+    from gpuguard.node.view import ANN_SINCE
 
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
@@ -249,8 +260,9 @@ def test_the_first_in_the_order_stays_and_checks_once_more_after_the_burst_settl
     assert writer.order_lists == 1  # not due yet
     # A slow writer landed after our first check, with an earlier since: the second check sees it.
     writer.order.append(("2000-01-01T00:00:00Z", "gpu-0"))
-    assert r._settle is not None
-    r._settle = (r._settle[0], 0.0)
+    settle = budget_of(r).settle
+    assert settle is not None
+    budget_of(r).settle = (settle[0], 0.0)
     r.submit(SICK, 0)
     r.reconcile_now()
     assert writer.order_lists == 2
@@ -258,11 +270,11 @@ def test_the_first_in_the_order_stays_and_checks_once_more_after_the_burst_settl
     assert writer.node.deferred and writer.node.annotations[ANN_SINCE]
     r.submit(SICK, 0)
     r.reconcile_now()
-    assert writer.order_lists == 2 and r._settle is None
+    assert writer.order_lists == 2 and budget_of(r).settle is None
 
 
 def test_a_failed_order_check_keeps_the_quarantine_and_checks_again_later() -> None:
-    from gpuguard.node import Budget
+    from gpuguard.node.budget import Budget
 
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
@@ -270,12 +282,13 @@ def test_a_failed_order_check_keeps_the_quarantine_and_checks_again_later() -> N
     r.submit(SICK, 0)
     r.reconcile_now()
     assert [p.action for p in writer.patches] == ["taint"] and writer.node.unschedulable
-    assert r._settle is not None
+    assert budget_of(r).settle is not None
 
 
 def test_no_order_check_without_a_budget() -> None:
     writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))
-    r = NodeReconciler(writer, NodeSettings(name="gpu-1", max_quarantined="100%"))
+    unlimited = NodeSettings(name="gpu-1", max_quarantined="100%")
+    r = NodeReconciler(writer, unlimited, budget=QuarantineBudget(writer, unlimited))
     r.submit(SICK, 0)
     r.reconcile_now()
-    assert writer.order_lists == 0 and r._settle is None
+    assert writer.order_lists == 0 and budget_of(r).settle is None

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpuguard import node
+from gpuguard.node import view as node
 
 ROOT = Path(__file__).resolve().parents[1]
 DAEMONSET = ROOT / "deploy" / "daemonset.yaml"

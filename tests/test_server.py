@@ -9,10 +9,9 @@ from datetime import UTC, datetime
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gpuguard.agent import AgentStatus
 from gpuguard.config import PolicySettings
 from gpuguard.metrics import Metrics
-from gpuguard.model import GpuReading, Snapshot
+from gpuguard.model import AgentStatus, GpuReading, Snapshot
 from gpuguard.policy import evaluate
 from gpuguard.server import HealthServer
 

@@ -17,17 +17,16 @@ from gpuguard import validation as v
 from gpuguard.config import NodeSettings, PolicySettings
 from gpuguard.errors import ConfigError
 from gpuguard.model import GpuReading, Snapshot, XidEvent
-from gpuguard.node import (
+from gpuguard.node.budget import Budget, limit
+from gpuguard.node.plan import plan, plan_condition
+from gpuguard.node.view import (
     ANN_FAULTS,
     LABEL_QUARANTINED,
     TAINT_KEY,
     UNVERIFIED_TAINT_KEY,
-    Budget,
     NodeView,
     Taint,
     apply_change,
-    plan,
-    plan_condition,
 )
 from gpuguard.policy import evaluate
 
@@ -389,7 +388,13 @@ def test_every_patch_and_condition_the_planner_produces_passes_the_checks(
     for snapshot in sequence:
         verdict = evaluate(snapshot, previous=previous, settings=PolicySettings())
         previous = verdict
-        change = plan(node, verdict, healthy_streak=5, settings=node_settings, now=NOW, budget=budget)
+        change = limit(
+            plan(node, verdict, healthy_streak=5, settings=node_settings, now=NOW),
+            node,
+            verdict,
+            budget,
+            node_settings,
+        )
         if change is not None:
             v.check_node_patch(change.patch(node.resource_version))
             node = apply_change(node, change)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from gpuguard.node import VERIFY_SETTLE
+from gpuguard.node.budget import VERIFY_SETTLE
 from tests.integration.fixtures import admin, start_agent  # noqa: F401
 from tests.integration.kube import GPUS_OK, ROOT, TAINT_KEY, Admin, Agent, eventually, token_kubeconfig
 
@@ -217,7 +217,9 @@ import sys
 from gpuguard import logs
 from gpuguard.agent import Agent
 from gpuguard.config import NodeSettings, PolicySettings
-from gpuguard.node import DryRunNodeWriter, NodeReconciler, NodeView
+from gpuguard.node.reconciler import NodeReconciler
+from gpuguard.node.view import NodeView
+from gpuguard.node.writers import DryRunNodeWriter
 from gpuguard.nvml.real import NvmlBackend
 from gpuguard.server import HealthServer
 logs.configure("json")

@@ -1,0 +1,12 @@
+"""The node side: the only code that writes to Kubernetes (gpuguard's taint, cordon, annotations, label,
+condition and Events on its own node). One idea per module, each layer importing only those below it:
+
+- `view`: the keys gpuguard owns, `Taint`, `NodeView` (the node as read) and `NodeChange` (one write).
+- `plan`: pure. Given the node and the policy's verdict, the change to make, or None when the node already
+  matches (the idempotence every restart relies on). Always plans the full quarantine.
+- `budget`: the cluster-wide quarantine budget: its arithmetic, the quarantine order, the pure gate that
+  turns a full quarantine into the deferred one, and the budget's state across reconciles. Reads the fleet
+  through its own narrow `BudgetSource`, never through a writer.
+- `writers`: the API server (`KubeNodeWriter`) and the dry run (`DryRunNodeWriter`); `make_writer` picks.
+- `reconciler`: the thread that applies the newest verdict: retries, 409 re-plans, the condition, Events.
+"""

@@ -1,0 +1,259 @@
+"""The cluster-wide quarantine budget (--max-quarantined): how many GPU nodes gpuguard may fully quarantine at
+once, so that a bad driver roll-out that makes every node report an Xid cannot take the fleet out of service.
+
+- arithmetic: `Budget`, `budget_limit`, `count_budget` (from the nodes' metadata);
+- the quarantine order (`quarantine_rank`) and the step back of a node past the limit (`plan_yield`);
+- `limit`: the pure gate that turns the planner's full quarantine into the deferred one when there is no room;
+- `QuarantineBudget`: the budget's state across reconciles (the list of this call, the deferred re-check, the
+  second order check after a burst), so the reconciler holds none of it.
+
+The fleet is read through `BudgetSource`, a two-method seam of its own: this module never imports a writer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import structlog
+
+from gpuguard.config import NodeSettings
+from gpuguard.errors import NodeUpdateError
+from gpuguard.model import Verdict
+from gpuguard.node.plan import record_faults
+from gpuguard.node.view import (
+    ANN_CORDONED,
+    ANN_DEFERRED,
+    ANN_REASON,
+    ANN_SINCE,
+    LABEL_QUARANTINED,
+    SOFT_EFFECT,
+    TAINT_KEY,
+    EventSpec,
+    NodeChange,
+    NodeView,
+    with_our_effect,
+)
+
+log = structlog.get_logger("gpuguard.node.budget")
+
+GPU_NODE_SELECTOR = "nvidia.com/gpu.present=true"
+# Seconds after a full quarantine when the quarantine order is checked a second time: by then the writes of
+# every agent that faulted in the same burst have landed (the first check runs right after our own write).
+VERIFY_SETTLE = 10.0
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The cluster-wide quarantine budget as read from the API server (this node not counted).
+    `gpu_nodes`: counted for a percentage, None for a count (`--max-quarantined 5` needs no total)."""
+
+    quarantined: int
+    limit: int
+    gpu_nodes: int | None = None
+
+    @property
+    def has_room(self) -> bool:
+        return self.quarantined < self.limit
+
+
+class BudgetSource(Protocol):
+    """Where the budget is read: the API server (`writers.KubeNodeWriter`), or nowhere in a dry run."""
+
+    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+        """The quarantine budget (one list), or None where there is no cluster to ask."""
+
+    def quarantine_order(self) -> list[tuple[str, str]]:
+        """(gpuguard.io/since, name) of every node fully quarantined by gpuguard (one small list)."""
+
+
+def budget_limit(spec: str, gpu_nodes: int) -> int:
+    """--max-quarantined as a node count: "5" or "10%" (of GPU nodes, rounded up so that a small pool can
+    still quarantine one node). "100%" never defers."""
+    if spec.endswith("%"):
+        return math.ceil(gpu_nodes * float(spec[:-1]) / 100)
+    return int(spec)
+
+
+def count_budget(items: Iterable[Mapping[str, Any]], spec: str, *, exclude: str) -> Budget:
+    """A percentage budget from the GPU nodes' metadata: the total (this node counted even if its label is
+    missing) and, from the labels, the fully quarantined ones other than this node."""
+    metas = [i["metadata"] for i in items]
+    names = {m["name"] for m in metas}
+    quarantined = sum(
+        1 for m in metas if m["name"] != exclude and (m.get("labels") or {}).get(LABEL_QUARANTINED) == "true"
+    )
+    total = len(names) if exclude in names else len(names) + 1
+    return Budget(gpu_nodes=total, quarantined=quarantined, limit=budget_limit(spec, total))
+
+
+def quarantine_rank(order: Iterable[tuple[str, str]], me: tuple[str, str]) -> int:
+    """How many other fully quarantined nodes come before `me` in the quarantine order: the earlier
+    gpuguard.io/since first, then the node name. Every agent reads the same annotations, so every agent
+    computes the same order: when a burst overshoots the budget, exactly the nodes past the limit yield."""
+    return sum(1 for k in set(order) if k[1] != me[1] and k < me)
+
+
+def limit(
+    change: NodeChange | None, node: NodeView, verdict: Verdict, budget: Budget | None, settings: NodeSettings
+) -> NodeChange | None:
+    """The gate: the planner's full quarantine as the budget allows it. Pure. Without room a new quarantine
+    becomes the deferred one (soft taint, no cordon, label "deferred") and a deferred node stays deferred
+    (only new faults are recorded); `budget` None (no cluster to ask) or with room: the change as planned."""
+    if change is None or budget is None or budget.has_room:
+        return change
+    if change.action == "escalate":
+        return record_faults(node, verdict.faults)
+    if change.action != "taint":
+        return change
+    of = f" of {budget.gpu_nodes}" if budget.gpu_nodes is not None else ""
+    why = (
+        f"quarantine budget spent: {budget.quarantined}{of} GPU nodes quarantined, "
+        f"limit {budget.limit} (--max-quarantined {settings.max_quarantined})"
+    )
+    annotations = {k: v for k, v in change.annotations.items() if k != ANN_CORDONED}
+    annotations[ANN_DEFERRED] = why
+    taints = tuple(replace(t, effect=SOFT_EFFECT) if t.key == TAINT_KEY else t for t in change.taints or ())
+    message = change.event.message if change.event else ""
+    return NodeChange(
+        action="defer",
+        taints=taints,
+        unschedulable=None,
+        annotations=annotations,
+        labels={LABEL_QUARANTINED: "deferred"},
+        event=EventSpec("Warning", "GPUQuarantineDeferred", f"{message}; {why}: soft taint only"),
+    )
+
+
+def plan_yield(node: NodeView, *, ahead: int, limit: int, settings: NodeSettings) -> NodeChange | None:
+    """A full quarantine that turned out to be past the budget (agents that faulted at the same instant all
+    saw room) steps back to the deferred state: soft taint, our cordon lifted, label "deferred". Pure.
+    None when the node is not fully quarantined by us (any more)."""
+    ours = node.our_taint
+    if ours is None or not node.fully_quarantined or ahead < limit:
+        return None
+    why = (
+        f"quarantine budget spent: {ahead} GPU nodes were quarantined before this one, limit {limit} "
+        f"(--max-quarantined {settings.max_quarantined})"
+    )
+    annotations: dict[str, str | None] = {ANN_DEFERRED: why}
+    unschedulable = None
+    if node.cordoned_by_us and node.unschedulable:
+        unschedulable = False
+        annotations[ANN_CORDONED] = None
+    reason = node.annotations.get(ANN_REASON, "")
+    return NodeChange(
+        action="yield",
+        taints=with_our_effect(node, ours, SOFT_EFFECT),
+        unschedulable=unschedulable,
+        annotations=annotations,
+        labels={LABEL_QUARANTINED: "deferred"},
+        event=EventSpec("Warning", "GPUQuarantineDeferred", f"{reason}; {why}: soft taint only"),
+    )
+
+
+class QuarantineBudget:
+    """The budget's state across reconciles, for one node's reconciler.
+
+    - one list per reconcile call: a 409 re-plan reuses it (the count has not moved in between);
+    - while deferred, at most one list per --budget-recheck to see whether there is room again;
+    - after a full quarantine, the quarantine order is checked at once and again VERIFY_SETTLE seconds
+      later; a node found past the limit yields (the next plan is the step back).
+    """
+
+    def __init__(
+        self,
+        source: BudgetSource,
+        settings: NodeSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._source = source
+        self._settings = settings
+        self._clock = clock
+        # The budget listed in the current reconcile call: its 409 re-plans reuse it instead of listing again.
+        self._call: tuple[Budget | None] | None = None
+        # After a full quarantine: (the budget, monotonic time of the second order check).
+        self.settle: tuple[Budget, float] | None = None
+        # Set when the order check found this node past the limit: the next plan is the yield.
+        self._yield: tuple[int, int] | None = None
+        self.checked = -math.inf
+
+    @property
+    def settling(self) -> bool:
+        """A second order check is pending: the reconciler must wake for it even on an unchanged verdict."""
+        return self.settle is not None
+
+    def begin(self, node: NodeView) -> None:
+        """A new reconcile call: forget the last call's list; run the second order check when it is due."""
+        self._call = None
+        if self.settle is not None and self._clock() >= self.settle[1]:
+            budget = self.settle[0]
+            self.settle = None
+            self._check_order(node, budget)
+
+    def pending_yield(self, node: NodeView) -> NodeChange | None:
+        """The step back the order check asked for, if the node is still fully quarantined by us."""
+        if self._yield is None:
+            return None
+        change = plan_yield(node, ahead=self._yield[0], limit=self._yield[1], settings=self._settings)
+        if change is None:
+            self._yield = None  # recovered or changed by hand meanwhile: nothing to step back from
+        return change
+
+    def gate(self, node: NodeView, change: NodeChange | None, verdict: Verdict) -> NodeChange | None:
+        """The planned change as the budget allows it; lists the budget only for a full quarantine."""
+        if change is None or change.action not in ("taint", "escalate"):
+            return change
+        if self._settings.max_quarantined == "100%":
+            return change  # no budget: no list request
+        if self._call is not None:
+            budget = self._call[0]  # a re-plan after a 409 in this reconcile: the count has not moved
+        else:
+            now = self._clock()
+            if change.action == "escalate" and now - self.checked < self._settings.budget_recheck:
+                return None  # deferred: at most one list per minute to see whether the budget has room
+            budget = self._source.budget(self._settings.max_quarantined, exclude=node.name)
+            self._call = (budget,)
+            self.checked = now
+        if budget is not None and not budget.has_room and change.action == "taint":
+            log.warning(
+                "node.quarantine_deferred",
+                node=node.name,
+                quarantined=budget.quarantined,
+                limit=budget.limit,
+                gpu_nodes=budget.gpu_nodes,
+            )
+        return limit(change, node, verdict, budget, self._settings)
+
+    def written(self, node: NodeView, change: NodeChange) -> bool:
+        """After a write landed. True when the order check found this node past the limit: plan again,
+        the next plan is the yield."""
+        if change.action == "yield":
+            self._yield = self.settle = None
+            return False
+        if change.action in ("taint", "escalate") and self._call and self._call[0]:
+            budget = self._call[0]
+            self.settle = (budget, self._clock() + VERIFY_SETTLE)
+            return self._check_order(node, budget)
+        return False
+
+    def _check_order(self, node: NodeView, budget: Budget) -> bool:
+        """After a full quarantine: is this node past the budget in the cluster's quarantine order? Sets
+        the yield for the next plan and returns True if so. A failed list keeps the check for later."""
+        if not node.fully_quarantined:
+            return False
+        try:
+            order = self._source.quarantine_order()
+        except NodeUpdateError as exc:
+            log.warning("node.quarantine_order_failed", node=node.name, error=str(exc))
+            self.settle = (budget, self._clock() + VERIFY_SETTLE)
+            return False
+        ahead = quarantine_rank(order, (node.annotations.get(ANN_SINCE, ""), node.name))
+        if ahead < budget.limit:
+            return False
+        self._yield = (ahead, budget.limit)
+        return True

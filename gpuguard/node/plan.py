@@ -1,0 +1,214 @@
+"""The pure planner: given the node as last read and the policy's verdict, the one change that brings the node
+in line, or None when it already matches (the idempotence every restart relies on). All ownership and
+recovery rules live here. It always plans the full quarantine; `gpuguard.node.budget` turns that into the
+deferred one when the cluster's budget is spent.
+
+Ownership: only the taints with key TAINT_KEY (and UNVERIFIED_TAINT_KEY, the startup gate), the annotations
+in OUR_ANNOTATIONS, the label LABEL_QUARANTINED and a cordon that ANN_CORDONED says we placed are ever
+changed or removed; every other taint is carried over exactly as it was read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+
+from gpuguard import validation
+from gpuguard.config import NodeSettings
+from gpuguard.model import Fault, Verdict
+from gpuguard.node.view import (
+    ANN_BOOT_ID,
+    ANN_CORDONED,
+    ANN_DEFERRED,
+    ANN_FAULTS,
+    ANN_REASON,
+    ANN_SINCE,
+    CONDITION_TYPE,
+    LABEL_QUARANTINED,
+    OUR_ANNOTATIONS,
+    TAINT_KEY,
+    UNVERIFIED_TAINT_KEY,
+    EventSpec,
+    NodeChange,
+    NodeView,
+    Taint,
+    join_keys,
+    reason_text,
+    rfc3339,
+    with_our_effect,
+)
+from gpuguard.policy import cleared_without_reboot, primary
+
+
+def plan(
+    node: NodeView,
+    verdict: Verdict,
+    *,
+    healthy_streak: int,
+    settings: NodeSettings,
+    now: datetime,
+    flapping: bool = False,
+) -> NodeChange | None:
+    """The change that brings `node` in line with `verdict`, or None. Pure.
+
+    A fault plans the full quarantine ("taint", or "escalate" of a deferred one); the budget's gate may
+    turn it into the deferred one. `flapping`: faults came back within --flap-window, so recovery waits.
+    """
+    faults = verdict.faults
+    ours = node.our_taint
+    if faults:
+        # Compared through fault_key on both sides: a hostile UUID can neither split a key nor make a
+        # recorded fault look new at every check.
+        keys = {validation.fault_key(f.key) for f in faults}
+        new = [f for f in faults if validation.fault_key(f.key) not in node.recorded_faults]
+        if ours is None and new:
+            return _quarantine(node, faults, new, node.recorded_faults | keys, settings=settings, now=now)
+        if ours is not None and node.deferred:
+            return _escalate(node, ours, faults, node.recorded_faults | keys, settings=settings)
+        return record_faults(node, faults)
+
+    owned = (
+        ours is not None
+        or any(k in node.annotations for k in OUR_ANNOTATIONS)
+        or LABEL_QUARANTINED in node.labels
+    )
+    if not owned:
+        if node.unverified and verdict.gpus:
+            # The startup gate: the first complete healthy check clears it.
+            return NodeChange(
+                action="verified",
+                taints=tuple(t for t in node.taints if t.key != UNVERIFIED_TAINT_KEY),
+            )
+        return None
+    if not settings.recover or healthy_streak < settings.recover_after or flapping:
+        return None
+    if not evidence_gone(node, verdict):
+        return None
+    return NodeChange(
+        action="recover",
+        taints=tuple(t for t in node.taints if t.key not in (TAINT_KEY, UNVERIFIED_TAINT_KEY))
+        if ours is not None or node.unverified
+        else None,
+        unschedulable=False if node.cordoned_by_us and node.unschedulable else None,
+        annotations=dict.fromkeys((k for k in OUR_ANNOTATIONS if k in node.annotations), None),
+        labels={LABEL_QUARANTINED: None} if LABEL_QUARANTINED in node.labels else {},
+        event=EventSpec(
+            "Normal",
+            "GPURecovered",
+            "GPUs healthy again and the fault's evidence is gone"
+            + (f" (was: {node.annotations.get(ANN_REASON)})" if ANN_REASON in node.annotations else ""),
+        ),
+    )
+
+
+def record_faults(node: NodeView, faults: tuple[Fault, ...]) -> NodeChange | None:
+    """Faults on a node that is already tainted for others (or whose taint was removed by hand for these
+    very faults): the new ones are added to the record, no second taint. None when nothing is new."""
+    recorded = node.recorded_faults
+    new = [f for f in faults if validation.fault_key(f.key) not in recorded]
+    if not new:
+        return None
+    keys = {validation.fault_key(f.key) for f in faults}
+    return NodeChange(
+        action="add-faults",
+        annotations={ANN_FAULTS: join_keys(recorded | keys), ANN_REASON: reason_text(faults)},
+        event=EventSpec("Warning", "GPUUnhealthy", reason_text(new)),
+    )
+
+
+def _quarantine(
+    node: NodeView,
+    faults: tuple[Fault, ...],
+    new: list[Fault],
+    keys: Iterable[str],
+    *,
+    settings: NodeSettings,
+    now: datetime,
+) -> NodeChange:
+    first = primary(new)
+    assert first is not None
+    annotations: dict[str, str | None] = {
+        ANN_REASON: reason_text(faults),
+        ANN_SINCE: node.annotations.get(ANN_SINCE) or rfc3339(now),
+        ANN_BOOT_ID: node.boot_id,
+        ANN_FAULTS: join_keys(keys),
+    }
+    unschedulable = None
+    if settings.cordon and not node.unschedulable:
+        unschedulable = True
+        annotations[ANN_CORDONED] = "true"
+    taint = Taint(key=TAINT_KEY, value=first.reason, effect=settings.taint_effect)
+    kept = tuple(t for t in node.taints if t.key != UNVERIFIED_TAINT_KEY)
+    return NodeChange(
+        action="taint",
+        taints=(*kept, taint),
+        unschedulable=unschedulable,
+        annotations=annotations,
+        labels={LABEL_QUARANTINED: "true"},
+        event=EventSpec("Warning", "GPUUnhealthy", reason_text(faults)),
+    )
+
+
+def _escalate(
+    node: NodeView,
+    ours: Taint,
+    faults: tuple[Fault, ...],
+    keys: Iterable[str],
+    *,
+    settings: NodeSettings,
+) -> NodeChange:
+    """A deferred quarantine becomes full once the budget has room again."""
+    annotations: dict[str, str | None] = {
+        ANN_DEFERRED: None,
+        ANN_FAULTS: join_keys(keys),
+        ANN_REASON: reason_text(faults),
+    }
+    unschedulable = None
+    if settings.cordon and not node.unschedulable:
+        unschedulable = True
+        annotations[ANN_CORDONED] = "true"
+    return NodeChange(
+        action="escalate",
+        taints=with_our_effect(node, ours, settings.taint_effect),
+        unschedulable=unschedulable,
+        annotations=annotations,
+        labels={LABEL_QUARANTINED: "true"},
+        event=EventSpec("Warning", "GPUUnhealthy", f"quarantine budget has room: {reason_text(faults)}"),
+    )
+
+
+def plan_condition(
+    current: str | None, verdict: Verdict, *, last_keys: frozenset[str] | None, now: datetime
+) -> dict[str, str] | None:
+    """The GPUHealthy node condition to write, or None when it already says this (updated only on change:
+    a status flip, or a different set of faults)."""
+    status = "True" if verdict.healthy else "False"
+    keys = frozenset(f.key for f in verdict.faults)
+    if current == status and (last_keys is None or last_keys == keys):
+        return None
+    stamp = rfc3339(now)
+    return {
+        "type": CONDITION_TYPE,
+        "status": status,
+        "reason": "GPUsHealthy" if verdict.healthy else "GPUFault",
+        "message": (
+            f"{len(verdict.gpus)} GPUs healthy (gpuguard)" if verdict.healthy else reason_text(verdict.faults)
+        ),
+        "lastHeartbeatTime": stamp,
+        "lastTransitionTime": stamp,
+    }
+
+
+def evidence_gone(node: NodeView, verdict: Verdict | None = None) -> bool:
+    """Whether every recorded fault is proven cleared, given that the GPUs now read healthy.
+
+    The healthy reading itself proves some faults gone (policy.cleared_without_reboot: ECC, NVML init, a
+    recovery action back to NONE, an Xid a driver-requested GPU reset cleared); everything else (an Xid, a
+    lost or missing GPU, a failed row remap) needs a reboot, shown by a bootID that differs from the one
+    recorded when the taint was placed. An agent restart changes neither.
+    """
+    cleared = verdict.reset_cleared if verdict is not None else frozenset()
+    if all(cleared_without_reboot(k, cleared) for k in node.recorded_faults):
+        return True
+    recorded_boot = node.annotations.get(ANN_BOOT_ID, "")
+    return bool(recorded_boot) and bool(node.boot_id) and recorded_boot != node.boot_id

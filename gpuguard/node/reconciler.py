@@ -1,0 +1,363 @@
+"""The reconciler: applies the newest verdict to the node on its own thread, so the GPU checks never wait
+for the API server. Optimistic concurrency (every patch carries the resourceVersion it was planned against; a
+409 means re-read and re-plan) and tenacity retries of transient failures. The budget's state lives in
+`budget.QuarantineBudget`; this module only asks it."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import structlog
+import tenacity
+
+from gpuguard.config import NodeSettings
+from gpuguard.errors import ConflictError, NodeUpdateError, PermanentApiError, TransientApiError
+from gpuguard.metrics import Metrics
+from gpuguard.model import Verdict
+from gpuguard.node.budget import QuarantineBudget
+from gpuguard.node.plan import plan, plan_condition
+from gpuguard.node.view import EventSpec, NodeChange, NodeView, join_keys
+from gpuguard.node.writers import NodeWriter
+from gpuguard.policy import primary
+
+log = structlog.get_logger("gpuguard.node.reconciler")
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """What /healthz reports about the node (in a dry run: what gpuguard would have done)."""
+
+    tainted: bool = False
+    cordoned: bool = False
+    reconciled: bool = False
+    deferred: bool = False
+
+
+class NodeReconciler:
+    """Applies the latest verdict to the node on its own thread, so the GPU checks never wait for the API.
+
+    The node is read once at start and then kept from the answers to our own writes: a healthy node costs
+    no API request at all. Every write carries the resourceVersion it was planned against; a 409 re-reads
+    and re-plans, so another controller's concurrent taints and labels are never lost. `budget` None: no
+    budget (every quarantine is full, as in a dry run).
+    """
+
+    def __init__(
+        self,
+        writer: NodeWriter,
+        settings: NodeSettings,
+        *,
+        budget: QuarantineBudget | None = None,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        retry_deadline: float = 60.0,
+        max_conflicts: int = 20,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self._writer = writer
+        self.budget = budget
+        self._metrics = metrics
+        self._condition_keys: frozenset[str] | None = None
+        self._settings = settings
+        self._now = now
+        self._retry_deadline = retry_deadline
+        self._max_conflicts = max_conflicts
+        self._cond = threading.Condition()
+        self._latest: tuple[Verdict, int, bool] | None = None
+        # The decision-relevant summary of the last verdict reconciled without error (see submit()).
+        self._settled: tuple[object, ...] | None = None
+        self._pending_sig: tuple[object, ...] | None = None
+        self._blocked = False
+        self._generation = 0
+        self._done_generation = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._node: NodeView | None = None
+        self._status = NodeStatus()
+        self._api_down = False
+        self._rejected: tuple[str, float] | None = None
+        self._override_logged: frozenset[str] = frozenset()
+        self._attempt: NodeChange | None = None
+        self.writes = 0
+
+    @property
+    def status(self) -> NodeStatus:
+        return self._status
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="gpuguard-node", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 1.5) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, verdict: Verdict, healthy_streak: int, *, flapping: bool = False) -> None:
+        """Hand over the newest verdict (latest wins: an old one is never applied after a newer one).
+
+        A verdict that cannot change any decision (same faults, a streak past --recover-after, the node
+        cached and not deferred) does not wake the writer thread: an idle agent costs next to nothing."""
+        sig = (
+            frozenset(f.key for f in verdict.faults),
+            verdict.healthy,
+            min(healthy_streak, self._settings.recover_after),
+            flapping,
+            bool(verdict.gpus),
+        )
+        settling = self.budget is not None and self.budget.settling
+        with self._cond:
+            self._latest = (verdict, healthy_streak, flapping)
+            node = self._node
+            if sig == self._settled and node is not None and not node.deferred and not settling:
+                return
+            self._pending_sig = sig
+            self._generation += 1
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """For tests and one-shot runs: block until every submitted verdict has been reconciled."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._done_generation < self._generation:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def reconcile_now(self) -> None:
+        """One synchronous reconcile of the latest verdict (the thread's body; also for tests)."""
+        with self._cond:
+            generation = self._generation
+            sig = self._pending_sig
+        settled = False
+        self._blocked = False
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(TransientApiError),
+            wait=self._wait,
+            stop=tenacity.stop_after_delay(self._retry_deadline) | _StopOn(self._stop),
+            sleep=self._sleep,
+            before_sleep=self._before_sleep,
+            reraise=True,
+        )
+        try:
+            retrying(self._reconcile_once)
+            settled = not self._blocked
+            if self._api_down:
+                self._api_down = False
+                log.info("api.available", node=self._settings.name)
+        except TransientApiError as exc:
+            log.warning("node.write_deferred", node=self._settings.name, error=str(exc))
+        except PermanentApiError as exc:
+            self._reject(str(exc))
+        finally:
+            with self._cond:
+                self._settled = sig if settled else None
+                self._done_generation = max(self._done_generation, generation)
+                self._cond.notify_all()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                while self._done_generation >= self._generation and not self._stop.is_set():
+                    self._cond.wait()
+            if self._stop.is_set():
+                return
+            try:
+                self.reconcile_now()
+            except Exception:
+                # A bug must not kill the writer thread for good: log it, and the next verdict retries.
+                log.exception("node.reconcile_failed", node=self._settings.name)
+
+    def _reconcile_once(self) -> None:
+        with self._cond:
+            latest = self._latest
+        if latest is None:
+            return
+        verdict, streak, flapping = latest
+        node = self._node if self._node is not None else self._read()
+        if self.budget is not None:
+            self.budget.begin(node)
+        for attempt in range(self._max_conflicts):
+            change = self._plan(node, verdict, streak, flapping)
+            if change is None:
+                self._log_override(node, verdict)
+                self._set_node(node)
+                self._update_condition(node, verdict)
+                return
+            if (
+                self._rejected is not None
+                and self._rejected[0] == _signature(change)
+                and (time.monotonic() < self._rejected[1])
+            ):
+                self._blocked = True  # refused recently: do not hammer it, but do not settle either
+                return
+            self._attempt = change
+            try:
+                node = self._writer.patch(node, change)
+            except ConflictError:
+                log.info("node.conflict", node=node.name, resource_version=node.resource_version)
+                # A little jitter: two writers that re-read in lockstep would keep colliding.
+                self._sleep(random.uniform(0, 0.005 * (attempt + 1)))  # noqa: S311 - jitter, not crypto
+                node = self._read()
+                continue
+            except TransientApiError:
+                self._node = None  # the write may or may not have landed: read again next time
+                raise
+            self.writes += 1
+            self._rejected = None
+            self._set_node(node)
+            self._log_change(node, change, verdict)
+            self._update_condition(node, verdict)
+            if change.event is not None:
+                self._record_event(node, change.event)
+            if self.budget is not None and self.budget.written(node, change):
+                continue  # past the budget's limit: the next plan is the yield
+            return
+        raise TransientApiError(f"node {node.name}: still conflicting after {self._max_conflicts} tries")
+
+    def _plan(self, node: NodeView, verdict: Verdict, streak: int, flapping: bool) -> NodeChange | None:
+        if self.budget is not None:
+            step_back = self.budget.pending_yield(node)
+            if step_back is not None:
+                return step_back
+        change = plan(
+            node, verdict, healthy_streak=streak, settings=self._settings, now=self._now(), flapping=flapping
+        )
+        if self.budget is None:
+            return change
+        return self.budget.gate(node, change, verdict)
+
+    def _read(self) -> NodeView:
+        try:
+            node = self._writer.read()
+        except TransientApiError:
+            self._node = None
+            raise
+        self._set_node(node)
+        return node
+
+    def _set_node(self, node: NodeView) -> None:
+        self._node = node
+        self._status = NodeStatus(
+            tainted=node.our_taint is not None,
+            cordoned=node.unschedulable,
+            reconciled=True,
+            deferred=node.deferred,
+        )
+
+    def _update_condition(self, node: NodeView, verdict: Verdict) -> None:
+        """The GPUHealthy condition, written only when it changes (best effort, like Events)."""
+        condition = plan_condition(
+            node.gpu_condition, verdict, last_keys=self._condition_keys, now=self._now()
+        )
+        if condition is None:
+            self._condition_keys = frozenset(f.key for f in verdict.faults)
+            return
+        try:
+            updated = self._writer.set_condition(node, condition)
+        except NodeUpdateError as exc:
+            log.warning("node.condition_failed", node=node.name, error=str(exc))
+            return
+        self._condition_keys = frozenset(f.key for f in verdict.faults)
+        self._set_node(updated)
+        log.info("node.condition", node=node.name, status=condition["status"], reason=condition["reason"])
+
+    def _record_event(self, node: NodeView, event: EventSpec) -> None:
+        # Best effort: the taint is what protects the scale-out; a lost Event must not block it.
+        try:
+            self._writer.record_event(node, event)
+        except NodeUpdateError as exc:
+            log.warning("node.event_failed", node=node.name, reason=event.reason, error=str(exc))
+
+    def _log_change(self, node: NodeView, change: NodeChange, verdict: Verdict) -> None:
+        faults = verdict.faults
+        first = primary(faults)
+        name = {
+            "taint": "node.tainted",
+            "defer": "node.tainted_soft",
+            "escalate": "node.quarantine_escalated",
+            "yield": "node.quarantine_yielded",
+            "add-faults": "node.fault_added",
+            "recover": "node.recovered",
+            "verified": "node.verified",
+        }
+        if change.action in ("recover", "verified"):
+            log.info(
+                name[change.action],
+                node=node.name,
+                uncordoned=change.unschedulable is False,
+                dry_run=self._settings.dry_run,
+            )
+            return
+        log.warning(
+            name[change.action],
+            node=node.name,
+            reason=first.reason if first else None,
+            gpu=first.gpu_index if first else None,
+            uuid=first.uuid if first else None,
+            detail=change.event.message if change.event else None,
+            cordoned=bool(change.unschedulable),
+            uncordoned=change.unschedulable is False,
+            dry_run=self._settings.dry_run,
+        )
+
+    def _log_override(self, node: NodeView, verdict: Verdict) -> None:
+        keys = frozenset(f.key for f in verdict.faults)
+        if keys and node.our_taint is None and keys != self._override_logged:
+            self._override_logged = keys
+            log.warning(
+                "node.taint_removed_by_operator",
+                node=node.name,
+                faults=join_keys(keys),
+                note="not re-added for the same fault; a new fault taints again",
+            )
+
+    def _reject(self, message: str) -> None:
+        log.error("node.write_rejected", node=self._settings.name, error=message, retry_in_s=300)
+        if self._attempt is not None:
+            self._rejected = (_signature(self._attempt), time.monotonic() + 300)
+
+    def _wait(self, state: tenacity.RetryCallState) -> float:
+        base = tenacity.wait_exponential_jitter(
+            multiplier=0.1, jitter=0.1, max=self._settings.retry_max_wait
+        )(state)
+        exc = state.outcome.exception() if state.outcome else None
+        retry_after = getattr(exc, "retry_after", None)
+        if retry_after:
+            return max(base, min(float(retry_after), 30.0))
+        return base
+
+    def _sleep(self, seconds: float) -> None:
+        self._stop.wait(seconds)
+
+    def _before_sleep(self, state: tenacity.RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        if self._metrics is not None:
+            self._metrics.api_retries.inc()
+        if not self._api_down:
+            self._api_down = True
+            log.warning("api.unavailable", node=self._settings.name, error=str(exc))
+        log.debug("api.retry", attempt=state.attempt_number, error=str(exc))
+
+
+class _StopOn(tenacity.stop.stop_base):
+    """Stop retrying once the agent shuts down."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self._event = event
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        return self._event.is_set()
+
+
+def _signature(change: NodeChange) -> str:
+    return json.dumps(change.patch(""), sort_keys=True)

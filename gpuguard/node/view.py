@@ -1,0 +1,201 @@
+"""What gpuguard owns on a Node and how it sees one: the keys, `Taint`, `NodeView` (the node as read, at one
+resourceVersion) and `NodeChange` (one write, as a JSON merge patch with its precondition). Pure values."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from gpuguard import validation
+from gpuguard.model import Fault
+
+DOMAIN = "gpuguard.io"
+TAINT_KEY = f"{DOMAIN}/gpu-unhealthy"
+ANN_REASON = f"{DOMAIN}/reason"
+ANN_SINCE = f"{DOMAIN}/since"
+ANN_BOOT_ID = f"{DOMAIN}/boot-id"
+ANN_CORDONED = f"{DOMAIN}/cordoned"
+ANN_FAULTS = f"{DOMAIN}/faults"
+ANN_DEFERRED = f"{DOMAIN}/quarantine-deferred"
+OUR_ANNOTATIONS = (ANN_REASON, ANN_SINCE, ANN_BOOT_ID, ANN_CORDONED, ANN_FAULTS, ANN_DEFERRED)
+# "true": fully quarantined (counts against --max-quarantined); "deferred": the budget was spent, so only a
+# PreferNoSchedule taint until there is room.
+LABEL_QUARANTINED = f"{DOMAIN}/quarantined"
+# The startup gate: GPU nodes may register with this taint (kubelet --register-with-taints); gpuguard
+# removes it after its first complete healthy check, or replaces it with the unhealthy taint.
+UNVERIFIED_TAINT_KEY = f"{DOMAIN}/unverified"
+CONDITION_TYPE = "GPUHealthy"
+SOFT_EFFECT = "PreferNoSchedule"
+_MAX_REASON = 1024
+
+
+@dataclass(frozen=True)
+class Taint:
+    key: str
+    effect: str
+    value: str | None = None
+    time_added: str | None = None
+
+    @classmethod
+    def from_api(cls, d: Mapping[str, Any]) -> Taint:
+        return cls(
+            key=str(d.get("key", "")),
+            effect=str(d.get("effect", "")),
+            value=d.get("value"),
+            time_added=d.get("timeAdded"),
+        )
+
+    def to_api(self) -> dict[str, str]:
+        out = {"key": self.key, "effect": self.effect}
+        if self.value is not None:
+            out["value"] = self.value
+        if self.time_added is not None:
+            out["timeAdded"] = self.time_added
+        return out
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """The part of a Node that gpuguard reads and owns, at one resourceVersion."""
+
+    name: str
+    resource_version: str = ""
+    uid: str = ""
+    taints: tuple[Taint, ...] = ()
+    unschedulable: bool = False
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    boot_id: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    # status.conditions[type=GPUHealthy].status ("True"/"False"), None if absent.
+    gpu_condition: str | None = None
+
+    @classmethod
+    def from_api(cls, obj: Mapping[str, Any]) -> NodeView:
+        meta = obj.get("metadata") or {}
+        spec = obj.get("spec") or {}
+        info = (obj.get("status") or {}).get("nodeInfo") or {}
+        return cls(
+            name=str(meta.get("name", "")),
+            resource_version=str(meta.get("resourceVersion", "")),
+            uid=str(meta.get("uid", "")),
+            taints=tuple(Taint.from_api(t) for t in spec.get("taints") or ()),
+            unschedulable=bool(spec.get("unschedulable", False)),
+            annotations=dict(meta.get("annotations") or {}),
+            boot_id=str(info.get("bootID", "")),
+            labels=dict(meta.get("labels") or {}),
+            gpu_condition=next(
+                (
+                    str(c.get("status"))
+                    for c in (obj.get("status") or {}).get("conditions") or ()
+                    if c.get("type") == CONDITION_TYPE
+                ),
+                None,
+            ),
+        )
+
+    @property
+    def our_taint(self) -> Taint | None:
+        return next((t for t in self.taints if t.key == TAINT_KEY), None)
+
+    @property
+    def recorded_faults(self) -> frozenset[str]:
+        raw = self.annotations.get(ANN_FAULTS, "")
+        return frozenset(validation.fault_key(k) for k in raw.split(",") if k)
+
+    @property
+    def cordoned_by_us(self) -> bool:
+        return self.annotations.get(ANN_CORDONED) == "true"
+
+    @property
+    def deferred(self) -> bool:
+        return self.labels.get(LABEL_QUARANTINED) == "deferred"
+
+    @property
+    def fully_quarantined(self) -> bool:
+        """Our taint and the label that counts against the budget (not a deferred, soft quarantine)."""
+        return self.our_taint is not None and self.labels.get(LABEL_QUARANTINED) == "true"
+
+    @property
+    def unverified(self) -> bool:
+        return any(t.key == UNVERIFIED_TAINT_KEY for t in self.taints)
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    type: str  # Normal | Warning
+    reason: str  # GPUUnhealthy | GPURecovered
+    message: str
+
+
+@dataclass(frozen=True)
+class NodeChange:
+    """One write to the node. `taints` is the whole new list (the API replaces it whole) or None."""
+
+    action: str  # taint | defer | escalate | yield | add-faults | recover | verified
+    taints: tuple[Taint, ...] | None = None
+    unschedulable: bool | None = None
+    annotations: Mapping[str, str | None] = field(default_factory=dict)
+    event: EventSpec | None = None
+    labels: Mapping[str, str | None] = field(default_factory=dict)
+
+    def patch(self, resource_version: str) -> dict[str, Any]:
+        """A JSON merge patch with the resourceVersion precondition (409 if the node moved on)."""
+        meta: dict[str, Any] = {"resourceVersion": resource_version}
+        if self.annotations:
+            meta["annotations"] = dict(self.annotations)
+        if self.labels:
+            meta["labels"] = dict(self.labels)
+        body: dict[str, Any] = {"metadata": meta}
+        spec: dict[str, Any] = {}
+        if self.taints is not None:
+            spec["taints"] = [t.to_api() for t in self.taints]
+        if self.unschedulable is not None:
+            spec["unschedulable"] = self.unschedulable
+        if spec:
+            body["spec"] = spec
+        return body
+
+
+def apply_change(node: NodeView, change: NodeChange, *, resource_version: str | None = None) -> NodeView:
+    """What the API server does with the patch (for the dry run and for tests). Pure."""
+    return replace(
+        node,
+        taints=node.taints if change.taints is None else change.taints,
+        unschedulable=node.unschedulable if change.unschedulable is None else change.unschedulable,
+        annotations=_merge(node.annotations, change.annotations),
+        labels=_merge(node.labels, change.labels),
+        resource_version=resource_version
+        if resource_version is not None
+        else str(int(node.resource_version or "0") + 1),
+    )
+
+
+def _merge(current: Mapping[str, str], patch: Mapping[str, str | None]) -> dict[str, str]:
+    """A JSON merge patch on a string map: None removes the key."""
+    out = dict(current)
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = v
+    return out
+
+
+def with_our_effect(node: NodeView, ours: Taint, effect: str) -> tuple[Taint, ...]:
+    """The node's taints with ours set to `effect`, in place (timeAdded dropped: the API sets it)."""
+    changed = replace(ours, effect=effect, time_added=None)
+    return tuple(changed if t.key == TAINT_KEY else t for t in node.taints)
+
+
+def reason_text(faults: Iterable[Fault]) -> str:
+    return validation.clean_text("; ".join(f.message for f in faults), max_bytes=_MAX_REASON)
+
+
+def join_keys(keys: Iterable[str]) -> str:
+    return ",".join(sorted(keys))
+
+
+def rfc3339(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,280 @@
+"""The writers: `KubeNodeWriter` (the API server, through `gpuguard.kubeapi`, which raises gpuguard's errors
+itself) and `DryRunNodeWriter` (logs the exact patch, applies it to an in-memory copy, needs no cluster).
+`make_writer` is the one place that knows which one a setting asks for. Both are also the budget's
+`BudgetSource`: the API server lists the fleet; a dry run has no fleet (every quarantine is full)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import structlog
+
+from gpuguard import __version__, kubeapi, validation
+from gpuguard.config import NodeSettings
+from gpuguard.errors import ConfigError, GpuguardError, NodeUpdateError, PermanentApiError
+from gpuguard.metrics import Metrics
+from gpuguard.node.budget import GPU_NODE_SELECTOR, Budget, count_budget
+from gpuguard.node.view import (
+    ANN_REASON,
+    ANN_SINCE,
+    LABEL_QUARANTINED,
+    EventSpec,
+    NodeChange,
+    NodeView,
+    apply_change,
+)
+
+log = structlog.get_logger("gpuguard.node.writers")
+
+USER_AGENT = f"gpuguard/{__version__}"
+_METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+DRY_RUN_NODE = "dry-run"
+
+
+class NodeWriter(Protocol):
+    """One node's reads and writes (the budget's fleet-wide reads are `budget.BudgetSource`)."""
+
+    def read(self) -> NodeView: ...
+
+    def patch(self, node: NodeView, change: NodeChange) -> NodeView:
+        """Apply `change` planned against `node`; ConflictError if the node has moved on."""
+
+    def record_event(self, node: NodeView, event: EventSpec) -> None: ...
+
+    def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
+        """Patch nodes/status; returns the node as the server now has it (a new resourceVersion)."""
+
+
+class DryRunNodeWriter:
+    """Writes nothing: logs the exact patch it would send and keeps the result in memory.
+
+    Starts from the real node when one can be read (so a dry run on a live cluster shows the real
+    decisions), else from an empty node named after --node (or "dry-run").
+    """
+
+    def __init__(self, initial: NodeView) -> None:
+        self._node = initial
+
+    def read(self) -> NodeView:
+        return self._node
+
+    def patch(self, node: NodeView, change: NodeChange) -> NodeView:
+        body = _checked_patch(node, change)
+        log.info("node.dry_run", node=node.name, action=change.action, patch=_json(body))
+        self._node = apply_change(self._node, change)
+        return self._node
+
+    def record_event(self, node: NodeView, event: EventSpec) -> None:
+        log.info("node.dry_run_event", node=node.name, type=event.type, reason=event.reason)
+
+    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+        return None
+
+    def quarantine_order(self) -> list[tuple[str, str]]:
+        return []
+
+    def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
+        _checked_condition(node, condition)
+        log.info("node.dry_run_condition", node=node.name, condition=_json(dict(condition)))
+        self._node = replace(self._node, gpu_condition=condition["status"])
+        return self._node
+
+
+def _json(doc: Any) -> str:
+    return json.dumps(doc, sort_keys=True)
+
+
+class KubeNodeWriter:
+    """The API server, through `gpuguard.kubeapi` (whose client raises transient/permanent/conflict errors
+    itself). Counts each request in gpuguard_api_requests_total{verb,code}."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        api: kubeapi.Client,
+        timeout: float = 10.0,
+        event_namespace: str = "default",
+        metrics: Metrics | None = None,
+    ) -> None:
+        self._name = name
+        self._api = api
+        self._path = kubeapi.path_of("api/v1/nodes", name)
+        self._timeout = timeout
+        self._event_namespace = event_namespace
+        self._metrics = metrics
+
+    def read(self) -> NodeView:
+        with self._counted("get"):
+            doc = self._api.request("GET", self._path, timeout=self._timeout, what=f"read node {self._name}")
+        return NodeView.from_api(doc)
+
+    def patch(self, node: NodeView, change: NodeChange) -> NodeView:
+        body = _checked_patch(node, change)
+        with self._counted("patch"):
+            doc = self._api.request(
+                "PATCH",
+                self._path,
+                body=body,
+                content_type="application/merge-patch+json",
+                timeout=self._timeout,
+                what=f"patch node {self._name}",
+            )
+        return NodeView.from_api(doc)
+
+    def record_event(self, node: NodeView, event: EventSpec) -> None:
+        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{node.name}.{time.time_ns():x}", "namespace": self._event_namespace},
+            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": node.uid},
+            "type": event.type,
+            "reason": event.reason,
+            "message": validation.clean_text(event.message),
+            "source": {"component": "gpuguard", "host": node.name},
+            "reportingComponent": "gpuguard",
+            "reportingInstance": node.name,
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+        }
+        path = kubeapi.path_of("api/v1/namespaces", self._event_namespace, "events")
+        with self._counted("create"):
+            self._api.request("POST", path, body=body, timeout=self._timeout, what="create event")
+
+    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+        """One list, in the fault's hot path: for a count, the quarantined nodes (by label: a few items);
+        for a percentage, every GPU node's metadata (PartialObjectMetadataList: no specs, no statuses),
+        which gives the total and, from the labels, the quarantined ones."""
+        if not spec.endswith("%"):
+            quarantined = sum(1 for _, name in self.quarantine_order() if name != exclude)
+            return Budget(quarantined=quarantined, limit=int(spec))
+        return count_budget(self._list_metadata("list GPU nodes", GPU_NODE_SELECTOR), spec, exclude=exclude)
+
+    def quarantine_order(self) -> list[tuple[str, str]]:
+        """Metadata of the fully quarantined nodes only (label selector): a few items, not the fleet."""
+        items = self._list_metadata("list quarantined nodes", f"{LABEL_QUARANTINED}=true")
+        return [
+            (str((i["metadata"].get("annotations") or {}).get(ANN_SINCE, "")), str(i["metadata"]["name"]))
+            for i in items
+        ]
+
+    def _list_metadata(self, what: str, selector: str) -> list[dict[str, Any]]:
+        """Nodes by label selector, metadata only (PartialObjectMetadataList: no specs, no statuses)."""
+        with self._counted("list"):
+            doc = self._api.request(
+                "GET",
+                "/api/v1/nodes",
+                query={"labelSelector": selector},
+                accept=_METADATA_ONLY,
+                timeout=self._timeout,
+                what=what,
+            )
+        return doc["items"] or []  # an empty metadata list comes as "items": null
+
+    def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
+        _checked_condition(node, condition)
+        with self._counted("patch"):
+            doc = self._api.request(
+                "PATCH",
+                self._path + "/status",
+                body={"status": {"conditions": [dict(condition)]}},
+                content_type="application/strategic-merge-patch+json",  # conditions merge by type
+                timeout=self._timeout,
+                what=f"patch node {self._name} status",
+            )
+        return NodeView.from_api(doc)
+
+    @contextmanager
+    def _counted(self, verb: str) -> Iterator[None]:
+        try:
+            yield
+        except NodeUpdateError as exc:
+            if self._metrics is not None:
+                self._metrics.api_requests.labels(verb, str(exc.status or "error")).inc()
+            raise
+        if self._metrics is not None:
+            self._metrics.api_requests.labels(verb, "200").inc()
+
+
+def _checked_patch(node: NodeView, change: NodeChange) -> dict[str, Any]:
+    """The patch body, validated before anything is sent (label-value syntax, our keys only, sizes). A
+    refusal is a permanent error: logged once, the same change not retried for 5 minutes."""
+    body = change.patch(node.resource_version)
+    try:
+        validation.check_node_patch(body)
+    except ConfigError as exc:
+        raise PermanentApiError(f"patch node {node.name}: refused before sending: {exc}") from exc
+    return body
+
+
+def _checked_condition(node: NodeView, condition: Mapping[str, str]) -> None:
+    try:
+        validation.check_condition(condition)
+    except ConfigError as exc:
+        raise PermanentApiError(f"patch node {node.name} status: refused before sending: {exc}") from exc
+
+
+def load_api_client(kubeconfig: str | None) -> kubeapi.Client:
+    """In-cluster config, then KUBECONFIG, then ~/.kube/config; or the file given. ConfigError otherwise."""
+    return kubeapi.load(kubeconfig, user_agent=USER_AGENT)
+
+
+def make_writer(settings: NodeSettings, metrics: Metrics | None = None) -> KubeNodeWriter | DryRunNodeWriter:
+    """The writer the settings ask for: the API server, or a dry run."""
+    if not settings.dry_run:
+        assert settings.name is not None  # validated
+        return KubeNodeWriter(
+            settings.name,
+            api=load_api_client(settings.kubeconfig),
+            timeout=settings.api_timeout,
+            metrics=metrics,
+        )
+    name = settings.name or DRY_RUN_NODE
+    initial = NodeView(name=name, resource_version="1", boot_id="dry-run")
+    # A dry run on a live cluster starts from the real node, so it shows the real decisions. Only when a
+    # cluster is named (flag or in-cluster): a laptop demo must not wait on a kubeconfig's dead server.
+    if settings.name and (settings.kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST")):
+        try:
+            real = KubeNodeWriter(settings.name, api=load_api_client(settings.kubeconfig), timeout=3.0)
+            initial = real.read()
+        except GpuguardError as exc:
+            log.warning("node.dry_run_without_cluster", node=name, error=str(exc))
+    return DryRunNodeWriter(initial)
+
+
+def quarantined_nodes(api: kubeapi.Client, *, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """For `gpuguard status`: every node gpuguard has quarantined (fully or deferred), one list request."""
+    doc = api.request(
+        "GET",
+        "/api/v1/nodes",
+        query={"labelSelector": LABEL_QUARANTINED},
+        timeout=timeout,
+        what="list quarantined nodes",
+    )
+    rows = []
+    for item in doc["items"] or []:
+        n = NodeView.from_api(item)
+        taint = n.our_taint
+        rows.append(
+            {
+                "node": n.name,
+                "state": "deferred" if n.deferred else "quarantined",
+                "reason": taint.value if taint else None,
+                "effect": taint.effect if taint else None,
+                "since": n.annotations.get(ANN_SINCE),
+                "faults": sorted(n.recorded_faults),
+                "detail": n.annotations.get(ANN_REASON),
+                "cordoned_by_gpuguard": n.cordoned_by_us and n.unschedulable,
+                "unschedulable": n.unschedulable,
+            }
+        )
+    return sorted(rows, key=lambda r: str(r["node"]))
