@@ -66,8 +66,9 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	$(BIN)/hadolint Dockerfile
 	"$$(hack/helm/build.sh)" lint --strict deploy/helm/gpuguard
 
 clean:
-	rm -rf build .kube-test .pytest_cache .mypy_cache .ruff_cache
+	rm -rf build .kube-test .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
