@@ -17,22 +17,20 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tests.agentproc import healthz, read_port, spawn_watch
+from tests.agentproc import WatchProcess, healthz
 
 ROOT = Path(__file__).resolve().parents[1]
 LIB_DIR = ROOT / "build" / "fakenvml"
 
 
 def env_for(state: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUGUARD_")}
-    return {**env, "LD_LIBRARY_PATH": str(LIB_DIR), "FAKE_NVML_STATE": str(state)}
+    return {"LD_LIBRARY_PATH": str(LIB_DIR), "FAKE_NVML_STATE": str(state)}
 
 
 def gpu_lines(n: int, ecc: dict[int, int] | None = None) -> str:
@@ -41,18 +39,14 @@ def gpu_lines(n: int, ecc: dict[int, int] | None = None) -> str:
 
 
 @contextmanager
-def agent(state: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], int]]:
-    p = spawn_watch("--backend", "nvml", "--dry-run", *args, env=env_for(state))
+def agent(state: Path, *args: str) -> Iterator[tuple[WatchProcess, int]]:
+    p = WatchProcess("--backend", "nvml", "--dry-run", *args, env=env_for(state), max_lines=1000).start()
     try:
-        port = read_port(p)
-        # Drain stderr so the agent never blocks on a full pipe.
-        assert p.stderr is not None
-        threading.Thread(target=p.stderr.read, daemon=True).start()
+        port = p.wait_listening()
         wait(port, lambda d: d["last_check"] is not None, 10)
         yield p, port
     finally:
-        p.terminate()
-        p.wait(10)
+        p.stop()
 
 
 def wait(port: int, pred: Callable[[dict[str, Any]], bool], timeout: float) -> float:

@@ -28,6 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import cluster as bench_cluster
 from bench import k8s_bench, nvml_bench
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -380,7 +381,7 @@ def main() -> int:
     window_s = 60.0 if q else 600.0
     raw: dict[str, Any] = {}
     load = LoadSampler()
-    with k8s_bench.cluster() as cl:
+    with bench_cluster.cluster() as cl:
         fleet, raw["fleet"] = k8s_bench.fleet_phase(cl, nodes=100 if q else 1000, processes=2)
         window = k8s_bench.IdleWindow(cl, fleet, window_s)
         raw["latency"] = k8s_bench.latency_phase(
@@ -388,10 +389,10 @@ def main() -> int:
         )
         # Wall-clock figures of milliseconds: without the fleet's verdict loop.
         window.quiet(True)
-        k8s_bench.progress("start-up runs")
+        bench_cluster.progress("start-up runs")
         raw["startup"] = k8s_bench.startup_phase(cl, runs=3 if q else 5)
         raw["imports"] = k8s_bench.import_time(runs=3 if q else 5)
-        k8s_bench.progress("NVML-only benchmarks (dry run)")
+        bench_cluster.progress("NVML-only benchmarks (dry run)")
         nvml, cpu = nvml_rows(q)
         window.quiet(False)
         raw["idle"] = window.finish()
@@ -399,7 +400,7 @@ def main() -> int:
             "version": cl.version,
             "started_s": cl.started_s,
             "inflight_flags": cl.apiserver_flags(),
-            "gpuguard_flags_used": sorted(f for f in ("--state-dir",) if f in k8s_bench.watch_flags()),
+            "gpuguard_flags_used": sorted(f for f in ("--state-dir",) if f in bench_cluster.watch_flags()),
             "gpu_nodes": cl.gpu_nodes(),
         }
     elapsed = time.monotonic() - started

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agentproc import healthz, read_port, spawn_watch, wait_until
+from tests.agentproc import WatchProcess, healthz, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("GPUGUARD_") and k != "NODE_NAME"}
@@ -125,15 +125,12 @@ def test_a_port_in_use_is_a_clear_error() -> None:
 @contextmanager
 def watching(
     scenario: str, *extra: str, env: dict[str, str] | None = None
-) -> Iterator[tuple[subprocess.Popen[str], int]]:
-    p = spawn_watch(
-        "--dry-run", "--backend", "mock", "--scenario", scenario, *extra, env={**ENV, **(env or {})}
-    )
+) -> Iterator[tuple[WatchProcess, int]]:
+    p = WatchProcess("--dry-run", "--backend", "mock", "--scenario", scenario, *extra, env=env).start()
     try:
-        yield p, read_port(p)
+        yield p, p.wait_listening()
     finally:
-        p.terminate()
-        p.wait(10)
+        p.stop()
 
 
 @pytest.mark.parametrize(
@@ -214,8 +211,7 @@ def test_sigterm_stops_watch_promptly_with_exit_0(tmp_path: Path) -> None:
     with watching(s, "--interval", "3") as (p, _):
         time.sleep(0.3)
         start = time.monotonic()
-        p.terminate()
-        assert p.wait(5) == 0
+        assert p.stop(timeout=5) == 0
         assert time.monotonic() - start < 2.0
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.agentproc import healthz, read_port, spawn_watch, wait_until
+from tests.agentproc import WatchProcess, healthz, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("GPUGUARD_", "FAKE_NVML"))}
@@ -150,17 +150,14 @@ def test_allow_no_gpu_makes_a_missing_library_healthy(tmp_path: Path) -> None:
 
 @contextmanager
 def watching(lib: Path, state: Path, *extra: str) -> Iterator[int]:
-    p = spawn_watch("--backend", "nvml", "--dry-run", *extra, env=env(lib, state))
-    lines: list[str] = []
+    p = WatchProcess("--backend", "nvml", "--dry-run", *extra, env=env(lib, state)).start()
     try:
-        port = read_port(p, lines)
+        port = p.wait_listening()
         wait_until(port, lambda d: d["last_check"] is not None, 10)
         yield port
     finally:
-        p.terminate()
-        _, err = p.communicate(timeout=10)
-        assert p.returncode == 0, err
-        assert "Traceback" not in "".join(lines) + err
+        assert p.stop() == 0, p.lines[-10:]
+        assert not p.tracebacks()
 
 
 def append(state: Path, line: str) -> None:
@@ -225,34 +222,13 @@ def test_a_device_count_drop_keeps_the_gpu_listed_as_missing(fakenvml: Path, tmp
 @pytest.mark.parametrize("interval", ["0.2", "3"])
 def test_sigterm_shuts_nvml_down_within_two_seconds(fakenvml: Path, tmp_path: Path, interval: str) -> None:
     s = state_file(tmp_path, "gpu 0\n")
-    p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gpuguard",
-            "watch",
-            "--backend",
-            "nvml",
-            "--dry-run",
-            "--listen",
-            "127.0.0.1:0",
-            "--interval",
-            interval,
-            "--log-format",
-            "json",
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env(fakenvml, s),
-        cwd=ROOT,
-    )
-    assert p.stderr is not None
-    while "agent.started" not in p.stderr.readline():
-        pass
+    p = WatchProcess("--backend", "nvml", "--dry-run", "--interval", interval, env=env(fakenvml, s)).start()
+    eventually_started = time.monotonic() + 20
+    while not p.events("agent.started") and time.monotonic() < eventually_started:
+        time.sleep(0.01)
     time.sleep(0.3)
     t0 = time.monotonic()
-    p.terminate()
-    assert p.wait(5) == 0
+    assert p.stop(timeout=5) == 0
     assert time.monotonic() - t0 < 2.0
 
 

@@ -38,8 +38,8 @@ def admin(admin_api: kubernetes.client.ApiClient) -> Admin:
 def start_agent(
     admin: Admin, control_plane: Any, fakenvml: Path, tmp_path: Path
 ) -> Iterator[Callable[..., tuple[Agent, str, Path]]]:
-    """start_agent(node=None, state=None, args=()) -> (agent, node name, state file); a node is created if
-    not given. Every agent is stopped at the end."""
+    """start_agent(node=None, state=None, args=(), env=None) -> (agent, node name, state file); a node is
+    created if not given (node_kw: Admin.make_node's). Every agent is stopped at the end."""
     agents: list[Agent] = []
 
     def start(
@@ -47,6 +47,7 @@ def start_agent(
         state: Path | None = None,
         args: tuple[str, ...] = (),
         host_boot_id: str = "host-boot-1",
+        env: dict[str, str] | None = None,
         **node_kw: Any,
     ) -> tuple[Agent, str, Path]:
         if node is None:
@@ -67,7 +68,13 @@ def start_agent(
             # test sets one.
             args = ("--max-quarantined", "100%", *args)
         agent = Agent(
-            node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml, args=args, host_boot_id=host_boot_id
+            node=node,
+            kubeconfig=kubeconfig,
+            state=state,
+            lib=fakenvml,
+            args=args,
+            host_boot_id=host_boot_id,
+            env=env,
         ).start()
         agents.append(agent)
         eventually(agent.ready, 15, what="agent /readyz")

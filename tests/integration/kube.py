@@ -5,13 +5,7 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,7 +13,7 @@ from typing import Any, TypeVar
 import kubernetes
 import yaml
 
-from tests.agentproc import healthz_status
+from tests.agentproc import WatchProcess
 
 utils: Any = kubernetes.utils  # untyped
 
@@ -28,6 +22,7 @@ DEPLOY = ROOT / "deploy"
 NAMESPACE = "gpuguard"
 SERVICE_ACCOUNT = "gpuguard"
 TAINT_KEY = "gpuguard.io/gpu-unhealthy"
+GPU_NODE_LABELS = {"nvidia.com/gpu.present": "true"}
 T = TypeVar("T")
 
 
@@ -54,21 +49,27 @@ class Admin:
         self,
         name: str,
         *,
-        boot_id: str = "boot-1",
+        boot_id: str | None = "boot-1",
         taints: list[dict[str, str]] | None = None,
         unschedulable: bool = False,
+        labels: dict[str, str] | None = None,
     ) -> None:
+        """A Node as a kubelet would register it: labelled as a GPU node (`labels` replaces that) and with
+        the bootID it reports (None: none posted yet). The one way tests and benchmarks make nodes."""
         body = {
             "apiVersion": "v1",
             "kind": "Node",
-            "metadata": {"name": name, "labels": {"nvidia.com/gpu.present": "true"}},
+            "metadata": {"name": name, "labels": GPU_NODE_LABELS if labels is None else labels},
             "spec": {"taints": taints or [], "unschedulable": unschedulable},
         }
-        self.core.create_node(body)
-        self.set_boot_id(name, boot_id)
+        self.core.create_node(body, _preload_content=False)
+        if boot_id is not None:
+            self.set_boot_id(name, boot_id)
 
     def set_boot_id(self, name: str, boot_id: str) -> None:
-        self.core.patch_node_status(name, {"status": {"nodeInfo": {"bootID": boot_id}}})
+        self.core.patch_node_status(
+            name, {"status": {"nodeInfo": {"bootID": boot_id}}}, _preload_content=False
+        )
 
     def node(self, name: str) -> dict[str, Any]:
         resp = self.core.read_node(name, _preload_content=False)
@@ -183,8 +184,10 @@ def token_client(server: str, ca_path: Path, token: str) -> kubernetes.client.Ap
 GPUS_OK = "gpu 0 uuid=GPU-it-0\ngpu 1 uuid=GPU-it-1\n"
 
 
-class Agent:
-    """`gpuguard watch --backend nvml` as a subprocess, on the fake NVML library, as the ServiceAccount."""
+class Agent(WatchProcess):
+    """`gpuguard watch --backend nvml` as a subprocess (tests/agentproc.py), on the fake NVML library, as the
+    ServiceAccount: durable state per node (never the machine's /var/lib/gpuguard), keyed by a boot ID the
+    test owns. `env`: extra environment (a setting without a flag of its own in older versions)."""
 
     def __init__(
         self,
@@ -196,94 +199,30 @@ class Agent:
         args: tuple[str, ...] = (),
         state_dir: Path | None = None,
         host_boot_id: str = "host-boot-1",
+        env: dict[str, str] | None = None,
     ) -> None:
-        self.node, self.kubeconfig, self.state, self.lib, self.args = node, kubeconfig, state, lib, args
-        # Durable state per node (never the machine's /var/lib/gpuguard), keyed by a boot ID the test owns.
+        self.node, self.kubeconfig, self.state, self.lib = node, kubeconfig, state, lib
         self.state_dir = state_dir or state.parent / f"{node}-gpuguard-state"
         self.boot_id_file = state.parent / f"{node}-boot-id"
         self.boot_id_file.write_text(host_boot_id + "\n")
-        self.proc: subprocess.Popen[str] | None = None
-        self.port = 0
-        self.lines: list[dict[str, Any]] = []
-        self._reader: threading.Thread | None = None
-        self.started_at = 0.0
+        super().__init__(
+            *("--backend", "nvml", "--node", node, "--kubeconfig", str(kubeconfig)),
+            *("--interval", "0.2", "--recover-after", "2"),
+            *("--state-dir", str(self.state_dir), "--boot-id-file", str(self.boot_id_file)),
+            *args,
+            env={"LD_LIBRARY_PATH": str(lib), "FAKE_NVML_STATE": str(state), **(env or {})},
+        )
+
+    @property
+    def started_at(self) -> float:
+        return self.t_start
 
     def start(self) -> Agent:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUGUARD_", "KUBERNETES_"))}
-        env.update({"LD_LIBRARY_PATH": str(self.lib), "FAKE_NVML_STATE": str(self.state)})
-        self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gpuguard",
-                "watch",
-                "--backend",
-                "nvml",
-                "--node",
-                self.node,
-                "--kubeconfig",
-                str(self.kubeconfig),
-                "--interval",
-                "0.2",
-                "--recover-after",
-                "2",
-                "--state-dir",
-                str(self.state_dir),
-                "--boot-id-file",
-                str(self.boot_id_file),
-                "--listen",
-                "127.0.0.1:0",
-                "--log-format",
-                "json",
-                *self.args,
-            ],
-            stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        eventually(lambda: self.port, 20, what="server.listening")
+        super().start()
+        self.wait_listening(20)
         return self
 
-    def _read(self) -> None:
-        assert self.proc is not None and self.proc.stderr is not None
-        for line in self.proc.stderr:
-            try:
-                doc = json.loads(line)
-            except json.JSONDecodeError:
-                doc = {"event": "non-json", "line": line}
-            self.lines.append(doc)
-            if doc.get("event") == "server.listening":
-                self.port = int(doc["port"])
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown path runs."""
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def stop(self) -> int:
-        assert self.proc is not None
-        self.proc.terminate()
-        code = self.proc.wait(10)
-        if self._reader is not None:
-            self._reader.join(5)
-        assert not any("Traceback" in json.dumps(line) for line in self.lines), self.lines
+    def stop(self, timeout: float = 10.0) -> int:
+        code = super().stop(timeout)
+        assert not self.tracebacks(), self.lines
         return code
-
-    def events(self, name: str) -> list[dict[str, Any]]:
-        return [line for line in self.lines if line.get("event") == name]
-
-    def healthz(self) -> tuple[int, dict[str, Any]]:
-        return healthz_status(self.port)
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2) as r:
-                return bool(r.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
