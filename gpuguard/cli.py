@@ -8,12 +8,8 @@ Exit codes: 0 ok/healthy, 1 unhealthy (check), 2 usage or configuration error: o
 from __future__ import annotations
 
 import json
-import signal
 import sys
-import threading
 from collections.abc import Callable
-from dataclasses import replace
-from types import FrameType
 from typing import Any, TypeVar
 
 import click
@@ -29,8 +25,6 @@ from gpuguard.config import (
     parse_xids,
 )
 from gpuguard.errors import ConfigError, GpuguardError
-from gpuguard.model import GPU_MISSING, Fault
-from gpuguard.nvml.base import Backend
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
 # The NVML library (libnvidia-ml.so.1) cannot be loaded at all: not a sick GPU, a node or container set-up.
@@ -221,7 +215,16 @@ def cli() -> None:
 def watch(**kw: Any) -> int:
     """Watch the GPUs and keep this node's taint in line with their health (the DaemonSet's command)."""
     cfg = _config(kw, watch=True)
-    return _watch(cfg)
+    from gpuguard import running  # noqa: PLC0415 - the agent's imports only for the command that runs it
+
+    if running.watch(cfg):
+        import structlog  # noqa: PLC0415
+
+        structlog.get_logger("gpuguard").error(
+            "nvml.library_not_found", waited=cfg.nvml_load_timeout, exit_code=EXIT_NO_NVML, hint=NO_NVML_HINT
+        )
+        return EXIT_NO_NVML
+    return EXIT_OK
 
 
 @cli.command()
@@ -236,43 +239,15 @@ def check(output: str, **kw: Any) -> int:
     cfg = _config(kw, watch=False)
     import logging  # noqa: PLC0415
 
-    from gpuguard import logs  # noqa: PLC0415
-    from gpuguard.policy import evaluate  # noqa: PLC0415
+    from gpuguard import logs, report, running  # noqa: PLC0415
 
     logs.configure(cfg.log_format, level=logging.WARNING)  # stdout is the table; stderr only problems
-
-    backend = _backend(cfg)
-    backend.open(lambda: None)
-    try:
-        snapshot = backend.snapshot()
-    finally:
-        backend.close()
-    # One pass: an unreadable or unidentified GPU fails the preflight at once (watch waits 3 checks).
-    verdict = evaluate(snapshot, previous=None, settings=replace(cfg.policy, unreadable_after=1))
-    if snapshot.init_error is None and not snapshot.gpus and not cfg.policy.allow_no_gpu:
-        # A preflight in a container that got no GPU must not pass.
-        verdict = replace(
-            verdict,
-            node_faults=(
-                *verdict.node_faults,
-                Fault(GPU_MISSING, "NVML reports no GPUs (pass --allow-no-gpu where that is expected)"),
-            ),
-        )
-    no_library = snapshot.init_error == "LIBRARY_NOT_FOUND" and not cfg.policy.allow_no_gpu
-    if no_library:
+    result = running.check_once(cfg)
+    if result.no_library:
         click.echo(f"gpuguard: {NO_NVML_HINT}", err=True)
-    if output == "json":
-        from gpuguard.server import health_body  # noqa: PLC0415
-
-        body = {
-            "healthy": verdict.healthy,
-            "gpus": health_body(_check_status(verdict))["gpus"],
-            "node_reasons": [f.message for f in verdict.node_faults],
-        }
-        click.echo(json.dumps(body, indent=2))
-    else:
-        click.echo(_table(verdict))
-    if no_library:
+    verdict = result.verdict
+    click.echo(report.verdict_json(verdict) if output == "json" else report.verdict_table(verdict))
+    if result.no_library:
         return EXIT_NO_NVML
     return EXIT_OK if verdict.healthy else EXIT_UNHEALTHY
 
@@ -293,27 +268,9 @@ def status(kubeconfig: str | None, output: str) -> int:
         rows = quarantined_nodes(load_api_client(kubeconfig))
     except GpuguardError as exc:
         raise ConfigError(f"status: {exc}") from None
-    if output == "json":
-        click.echo(json.dumps(rows, indent=2))
-        return EXIT_OK
-    if not rows:
-        click.echo("no node is quarantined by gpuguard")
-        return EXIT_OK
-    table = [("NODE", "STATE", "REASON", "SINCE", "GPUGUARD-CORDON", "FAULTS")]
-    for r in rows:
-        table.append(
-            (
-                r["node"],
-                r["state"],
-                str(r["reason"]),
-                str(r["since"]),
-                "yes" if r["cordoned_by_gpuguard"] else "no",
-                ",".join(r["faults"]),
-            )
-        )
-    widths = [max(len(row[i]) for row in table) for i in range(5)]
-    for row in table:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(row[:5], widths, strict=True)) + "  " + row[5])
+    from gpuguard import report  # noqa: PLC0415
+
+    click.echo(json.dumps(rows, indent=2) if output == "json" else report.status_table(rows))
     return EXIT_OK
 
 
@@ -367,113 +324,6 @@ def _config(kw: dict[str, Any], *, watch: bool) -> Config:
         node=node,
         server=parse_listen(kw["listen"]),
     )
-
-
-def _backend(cfg: Config) -> Backend:
-    if cfg.backend == "mock":
-        from gpuguard.nvml.mock import MockBackend, load_scenario  # noqa: PLC0415
-
-        return MockBackend(load_scenario(cfg.scenario))
-    from gpuguard.nvml.real import NvmlBackend  # noqa: PLC0415
-
-    return NvmlBackend()
-
-
-def _watch(cfg: Config) -> int:
-    from prometheus_client import REGISTRY  # noqa: PLC0415
-
-    from gpuguard import logs  # noqa: PLC0415
-    from gpuguard.agent import Agent  # noqa: PLC0415
-    from gpuguard.metrics import Metrics  # noqa: PLC0415
-    from gpuguard.node.budget import QuarantineBudget  # noqa: PLC0415
-    from gpuguard.node.reconciler import NodeReconciler  # noqa: PLC0415
-    from gpuguard.node.writers import make_writer  # noqa: PLC0415
-    from gpuguard.server import HealthServer  # noqa: PLC0415
-    from gpuguard.state import StateStore, read_boot_id  # noqa: PLC0415
-
-    logs.configure(cfg.log_format)
-    backend = _backend(cfg)  # a bad scenario fails here, before anything starts
-    metrics = Metrics(REGISTRY)
-    writer = make_writer(cfg.node, metrics)
-    budget = QuarantineBudget(writer, cfg.node)
-    reconciler = NodeReconciler(writer, cfg.node, budget=budget, metrics=metrics)
-    state = None
-    if cfg.state_dir and not cfg.node.dry_run:
-        state = StateStore(cfg.state_dir, boot_id=read_boot_id(cfg.boot_id_file))
-    agent = Agent(
-        backend=backend,
-        reconciler=reconciler,
-        policy=cfg.policy,
-        interval=cfg.interval,
-        node_name=cfg.node.name,
-        dry_run=cfg.node.dry_run,
-        metrics=metrics,
-        state=state,
-        flap_window=cfg.node.flap_window,
-        library_wait=None if cfg.backend != "nvml" or cfg.policy.allow_no_gpu else cfg.nvml_load_timeout,
-    )
-    try:
-        server = HealthServer(agent.status, host=cfg.server.host, port=cfg.server.port, registry=REGISTRY)
-    except OSError as exc:
-        raise ConfigError(f"--listen {cfg.server.host}:{cfg.server.port}: {exc.strerror}") from None
-    server.start()
-    import structlog  # noqa: PLC0415
-
-    structlog.get_logger("gpuguard").info("server.listening", host=cfg.server.host, port=server.port)
-
-    def _stop(signum: int, frame: FrameType | None) -> None:
-        agent.stop()
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _stop)
-        signal.signal(signal.SIGINT, _stop)
-    try:
-        agent.run(run_for=cfg.run_for)
-    finally:
-        server.stop()
-    if agent.no_library:
-        structlog.get_logger("gpuguard").error(
-            "nvml.library_not_found", waited=cfg.nvml_load_timeout, exit_code=EXIT_NO_NVML, hint=NO_NVML_HINT
-        )
-        return EXIT_NO_NVML
-    return EXIT_OK
-
-
-def _check_status(verdict: Any) -> Any:
-    from gpuguard.model import AgentStatus  # noqa: PLC0415
-
-    return AgentStatus(
-        alive=True,
-        ready=True,
-        node=None,
-        verdict=verdict,
-        tainted=False,
-        cordoned=False,
-        dry_run=True,
-        last_check=None,
-    )
-
-
-def _table(verdict: Any) -> str:
-    rows = [("GPU", "UUID", "NAME", "HEALTHY", "ECC", "REASONS")]
-    for g in verdict.gpus:
-        ecc = "n/a" if g.ecc_uncorrected is None else str(g.ecc_uncorrected)
-        rows.append(
-            (
-                str(g.index),
-                g.uuid,
-                g.name or "-",
-                "yes" if g.healthy else "NO",
-                ecc,
-                "; ".join(f.message for f in g.faults) or "-",
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)) + "  " + r[5] for r in rows]
-    for f in verdict.node_faults:
-        lines.append(f"node: {f.message}")
-    lines.append("healthy" if verdict.healthy else "UNHEALTHY")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from gpuguard import cli, server
+from gpuguard import cli, running, server
 from gpuguard.config import Config, ServerSettings, parse_listen, parse_xids
 from gpuguard.errors import ConfigError, ScenarioError
 from gpuguard.metrics import Metrics
@@ -140,7 +140,7 @@ def test_fixed_leak_a_non_ascii_digit_is_a_config_error(call: Callable[[], objec
 def test_fixed_leak_a_nan_duration_is_a_usage_error(flag: str) -> None:
     """NaN compares false with every bound, so `value <= 0` lets it through: validate() should test
     `not value > 0` (or math.isfinite). Owner: gpuguard/config.py."""
-    with mock.patch.object(cli, "_watch", return_value=0), pytest.raises(SystemExit) as exit_:
+    with mock.patch.object(running, "watch", return_value=None), pytest.raises(SystemExit) as exit_:
         cli.main(["watch", "--dry-run", "--backend", "mock", flag, "nan"])
     assert exit_.value.code == 2
 
@@ -333,16 +333,15 @@ def test_the_cli_with_any_flag_values_exits_cleanly_with_at_most_one_line_of_err
     TRIED["cli: argv"] += 1
     configs: list[Config] = []
 
-    def record(cfg: Config) -> int:
+    def record(cfg: Config) -> None:
         configs.append(cfg)
-        return 0
 
     out, err = io.StringIO(), io.StringIO()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUGUARD_") and k != "NODE_NAME"}
     with (
         mock.patch.dict(os.environ, env, clear=True),
         # A valid `watch` is recorded, not run; logging is not reconfigured for the rest of the session.
-        mock.patch.object(cli, "_watch", side_effect=record),
+        mock.patch.object(running, "watch", side_effect=record),
         mock.patch("gpuguard.logs.configure"),
         contextlib.redirect_stdout(out),
         contextlib.redirect_stderr(err),

@@ -370,10 +370,9 @@ def test_a_gpu_whose_xid_registration_is_not_supported_says_so(fakenvml: Path, t
     s = state_file(
         tmp_path, "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\nfail nvmlDeviceRegisterEvents NOT_SUPPORTED gpu=1\n"
     )
-    p = spawn_watch("--backend", "nvml", "--dry-run", "--interval", "0.2", env=env(fakenvml, s))
-    lines: list[str] = []
+    p = WatchProcess("--backend", "nvml", "--dry-run", "--interval", "0.2", env=env(fakenvml, s)).start()
     try:
-        port = read_port(p, lines)
+        port = p.wait_listening()
         doc = wait_for(port, lambda d: len(d["gpus"]) == 2)
         assert [g["xid_watched"] for g in doc["gpus"]] == [True, False]
         assert doc["healthy"]  # not watched is said, not a fault
@@ -384,9 +383,8 @@ def test_a_gpu_whose_xid_registration_is_not_supported_says_so(fakenvml: Path, t
         assert 'gpuguard_gpu_xid_watched{gpu="1",uuid="GPU-0b"} 0.0' in metrics
         assert 'gpuguard_gpu_xid_watched{gpu="0",uuid="GPU-0a"} 1.0' in metrics
     finally:
-        p.terminate()
-        _, err = p.communicate(timeout=10)
-    events = [json.loads(line) for line in (lines + err.splitlines()) if line.startswith("{")]
+        p.stop()
+    events = p.lines
     watch = [e for e in events if e["event"] == "gpu.xid_watch"]
     assert [(e["uuid"], e["watched"], e["why"]) for e in watch] == [
         ("GPU-0b", False, "xid events not supported")
@@ -481,20 +479,14 @@ def test_watch_without_an_nvml_library_exits_3_after_the_load_timeout(tmp_path: 
     empty = tmp_path / "nolib"
     empty.mkdir()
     t0 = time.monotonic()
-    p = spawn_watch(
-        "--backend",
-        "nvml",
-        "--dry-run",
-        "--interval",
-        "0.2",
-        "--nvml-load-timeout",
-        "1",
+    p = WatchProcess(
+        *("--backend", "nvml", "--dry-run", "--interval", "0.2", "--nvml-load-timeout", "1"),
         env=env(empty, state_file(tmp_path, "gpu 0\n")),
-    )
-    _, err = p.communicate(timeout=20)
-    assert p.returncode == 3
+    ).start()
+    assert p.proc is not None and p.proc.wait(20) == 3
+    p.stop()  # reads the rest of the log
     assert time.monotonic() - t0 < 8
-    events = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    events = p.lines
     assert any(
         e["event"] == "nvml.library_not_found" and "NVIDIA_VISIBLE_DEVICES" in e["hint"] for e in events
     )

@@ -1,0 +1,61 @@
+"""What `gpuguard check` and `gpuguard status` print: a verdict and the quarantined nodes, as a table or as
+JSON. Pure: values in, text out."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpuguard.model import AgentStatus, Verdict
+from gpuguard.server import health_body
+
+
+def verdict_table(verdict: Verdict) -> str:
+    rows: list[tuple[str, ...]] = [("GPU", "UUID", "NAME", "HEALTHY", "ECC", "REASONS")]
+    for g in verdict.gpus:
+        ecc = "n/a" if g.ecc_uncorrected is None else str(g.ecc_uncorrected)
+        reasons = "; ".join(f.message for f in g.faults) or "-"
+        rows.append((str(g.index), g.uuid, g.name or "-", "yes" if g.healthy else "NO", ecc, reasons))
+    lines = _aligned(rows)
+    lines += [f"node: {f.message}" for f in verdict.node_faults]
+    lines.append("healthy" if verdict.healthy else "UNHEALTHY")
+    return "\n".join(lines)
+
+
+def verdict_json(verdict: Verdict) -> str:
+    """The GPUs exactly as /healthz shows them, plus the node's own reasons."""
+    status = AgentStatus(
+        alive=True,
+        ready=True,
+        node=None,
+        verdict=verdict,
+        tainted=False,
+        cordoned=False,
+        dry_run=True,
+        last_check=None,
+    )
+    body = {
+        "healthy": verdict.healthy,
+        "gpus": health_body(status)["gpus"],
+        "node_reasons": [f.message for f in verdict.node_faults],
+    }
+    return json.dumps(body, indent=2)
+
+
+def status_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    if not rows:
+        return "no node is quarantined by gpuguard"
+    table: list[tuple[str, ...]] = [("NODE", "STATE", "REASON", "SINCE", "GPUGUARD-CORDON", "FAULTS")]
+    for r in rows:
+        cordon = "yes" if r["cordoned_by_gpuguard"] else "no"
+        table.append(
+            (r["node"], r["state"], str(r["reason"]), str(r["since"]), cordon, ",".join(r["faults"]))
+        )
+    return "\n".join(_aligned(table))
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    """Every column but the last padded to its widest cell."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1] for r in rows]

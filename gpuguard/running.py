@@ -1,0 +1,113 @@
+"""The composition root: builds the backend, the writer, the budget, the reconciler, the agent and the HTTP
+server from one `Config`, and runs them. The CLI parses flags into the Config and calls in here."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import dataclass, replace
+from types import FrameType
+
+import structlog
+from prometheus_client import REGISTRY
+
+from gpuguard import logs
+from gpuguard.agent import Agent
+from gpuguard.config import Config
+from gpuguard.errors import ConfigError
+from gpuguard.metrics import Metrics
+from gpuguard.model import GPU_MISSING, Fault, Verdict
+from gpuguard.node.budget import QuarantineBudget
+from gpuguard.node.reconciler import NodeReconciler
+from gpuguard.node.writers import make_writer
+from gpuguard.nvml.base import Backend
+from gpuguard.policy import evaluate
+from gpuguard.server import HealthServer
+from gpuguard.state import StateStore, read_boot_id
+
+log = structlog.get_logger("gpuguard.running")
+
+
+def make_backend(cfg: Config) -> Backend:
+    """The mock (a scenario; a bad one fails here, before anything starts) or NVML."""
+    if cfg.backend == "mock":
+        from gpuguard.nvml.mock import MockBackend, load_scenario  # noqa: PLC0415
+
+        return MockBackend(load_scenario(cfg.scenario))
+    from gpuguard.nvml.real import NvmlBackend  # noqa: PLC0415 - pynvml only when asked for
+
+    return NvmlBackend()
+
+
+@dataclass(frozen=True)
+class Check:
+    verdict: Verdict
+    # libnvidia-ml.so.1 could not be loaded at all (and --allow-no-gpu was not given): check exits 3.
+    no_library: bool
+
+
+def check_once(cfg: Config) -> Check:
+    """One pass over the GPUs (`gpuguard check`)."""
+    backend = make_backend(cfg)
+    backend.open(lambda: None)
+    try:
+        snapshot = backend.snapshot()
+    finally:
+        backend.close()
+    # One pass: an unreadable or unidentified GPU fails the preflight at once (watch waits 3 checks).
+    verdict = evaluate(snapshot, previous=None, settings=replace(cfg.policy, unreadable_after=1))
+    if snapshot.init_error is None and not snapshot.gpus and not cfg.policy.allow_no_gpu:
+        # A preflight in a container that got no GPU must not pass.
+        verdict = replace(
+            verdict,
+            node_faults=(
+                *verdict.node_faults,
+                Fault(GPU_MISSING, "NVML reports no GPUs (pass --allow-no-gpu where that is expected)"),
+            ),
+        )
+    no_library = snapshot.init_error == "LIBRARY_NOT_FOUND" and not cfg.policy.allow_no_gpu
+    return Check(verdict=verdict, no_library=no_library)
+
+
+def watch(cfg: Config) -> bool:
+    """`gpuguard watch`: until SIGTERM/SIGINT or --run-for. True when it stopped because libnvidia-ml.so.1
+    never became loadable within --nvml-load-timeout (the CLI exits 3 so kubelet restarts the container)."""
+    logs.configure(cfg.log_format)
+    backend = make_backend(cfg)
+    metrics = Metrics(REGISTRY)
+    writer = make_writer(cfg.node, metrics)
+    budget = QuarantineBudget(writer, cfg.node)
+    reconciler = NodeReconciler(writer, cfg.node, budget=budget, metrics=metrics)
+    state = None
+    if cfg.state_dir and not cfg.node.dry_run:
+        state = StateStore(cfg.state_dir, boot_id=read_boot_id(cfg.boot_id_file))
+    agent = Agent(
+        backend=backend,
+        reconciler=reconciler,
+        policy=cfg.policy,
+        interval=cfg.interval,
+        node_name=cfg.node.name,
+        dry_run=cfg.node.dry_run,
+        metrics=metrics,
+        state=state,
+        flap_window=cfg.node.flap_window,
+        library_wait=None if cfg.backend != "nvml" or cfg.policy.allow_no_gpu else cfg.nvml_load_timeout,
+    )
+    try:
+        server = HealthServer(agent.status, host=cfg.server.host, port=cfg.server.port, registry=REGISTRY)
+    except OSError as exc:
+        raise ConfigError(f"--listen {cfg.server.host}:{cfg.server.port}: {exc.strerror}") from None
+    server.start()
+    log.info("server.listening", host=cfg.server.host, port=server.port)
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        agent.stop()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+    try:
+        agent.run(run_for=cfg.run_for)
+    finally:
+        server.stop()
+    return agent.no_library
