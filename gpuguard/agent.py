@@ -17,6 +17,7 @@ from gpuguard.config import PolicySettings
 from gpuguard.metrics import Metrics
 from gpuguard.model import AgentStatus, Fault, Verdict
 from gpuguard.node.reconciler import NodeReconciler
+from gpuguard.node.writers import DRY_RUN_NODE
 from gpuguard.nvml.base import Backend
 from gpuguard.policy import evaluate
 from gpuguard.state import StateStore
@@ -50,6 +51,7 @@ class Agent:
         self._policy = policy
         self._interval = interval
         self._node_name = node_name
+        self._log_node = node_name or DRY_RUN_NODE  # the name the node's own lines use, also in a dry run
         self._dry_run = dry_run
         self._metrics = metrics
         self._state = state
@@ -89,7 +91,7 @@ class Agent:
         self.restore()
         self._backend.open(self.wakeup)
         self._reconciler.start()
-        log.info("agent.started", node=self._node_name, interval=self._interval, dry_run=self._dry_run)
+        log.info("agent.started", node=self._log_node, interval=self._interval, dry_run=self._dry_run)
         try:
             while not self.stop_event.is_set():
                 self._wake.clear()
@@ -107,7 +109,7 @@ class Agent:
                 if deadline is not None and self._clock() >= deadline:
                     break
         finally:
-            log.info("agent.stopping", node=self._node_name, checks=self.checks)
+            log.info("agent.stopping", node=self._log_node, checks=self.checks)
             self._reconciler.stop()
             self._backend.close()
 
@@ -186,17 +188,17 @@ class Agent:
         except Exception:
             # A bug or an unexpected backend failure must not kill the loop; if it persists, /healthz
             # turns "stalled" and kubelet restarts the agent.
-            log.exception("check.failed", node=self._node_name)
+            log.exception("check.failed", node=self._log_node)
 
     def _log_transitions(self, previous: Verdict | None, verdict: Verdict) -> None:
         before = {f.key for f in previous.faults} if previous else set()
         for f in verdict.faults:
             if f.key not in before:
-                _log_fault(self._node_name, f)
+                _log_fault(self._log_node, f)
         for x in verdict.ignored_xids:
             log.info(
                 "xid.ignored",
-                node=self._node_name,
+                node=self._log_node,
                 gpu=x.gpu_index,
                 uuid=x.uuid,
                 xid=x.code,
@@ -210,7 +212,7 @@ class Agent:
                 # One line per change (and at start for a GPU that is not watched): never blind in silence.
                 (log.info if g.xid_watched else log.warning)(
                     "gpu.xid_watch",
-                    node=self._node_name,
+                    node=self._log_node,
                     gpu=g.index,
                     uuid=g.uuid,
                     watched=g.xid_watched,
@@ -221,11 +223,11 @@ class Agent:
         was = {g.uuid: g.healthy for g in previous.gpus}
         for g in verdict.gpus:
             if g.healthy and was.get(g.uuid) is False:
-                log.info("gpu.recovered", node=self._node_name, gpu=g.index, uuid=g.uuid)
+                log.info("gpu.recovered", node=self._log_node, gpu=g.index, uuid=g.uuid)
         if previous.node_faults and not verdict.node_faults:
-            log.info("node.faults_cleared", node=self._node_name)
+            log.info("node.faults_cleared", node=self._log_node)
 
 
-def _log_fault(node: str | None, f: Fault) -> None:
+def _log_fault(node: str, f: Fault) -> None:
     event = "gpu.unhealthy" if f.uuid is not None else "node.unhealthy"
     log.warning(event, node=node, gpu=f.gpu_index, uuid=f.uuid, reason=f.reason, detail=f.detail)

@@ -8,6 +8,7 @@ Exit codes: 0 ok/healthy, 1 unhealthy (check), 2 usage or configuration error: o
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -17,6 +18,7 @@ import click
 from gpuguard import __version__
 from gpuguard.config import (
     DEFAULT_IGNORED_XIDS,
+    GPU_NODE_SELECTOR,
     Config,
     NodeSettings,
     PolicySettings,
@@ -172,7 +174,15 @@ def cli() -> None:
     default="10%",
     show_default=True,
     help="Cluster-wide budget of GPU nodes gpuguard may fully quarantine: a count or a percentage of "
-    "nodes labelled nvidia.com/gpu.present=true. Past it, only a PreferNoSchedule taint.",
+    "the GPU nodes (--gpu-node-selector). Past it, only a PreferNoSchedule taint.",
+)
+@_opt(
+    "--gpu-node-selector",
+    type=str,
+    default=GPU_NODE_SELECTOR,
+    show_default=True,
+    help="Label selector of the GPU nodes a percentage budget counts: the DaemonSet's nodeSelector, "
+    "as key=value[,key=value] ('' for every node).",
 )
 @_opt(
     "--flap-window",
@@ -195,6 +205,13 @@ def cli() -> None:
     default=60.0,
     hidden=True,
     help="Seconds between budget lists while a quarantine is deferred.",
+)
+@_opt(
+    "--node-resync",
+    type=float,
+    default=30.0,
+    hidden=True,
+    help="Seconds between re-reads of the node while gpuguard holds anything on it.",
 )
 @_opt(
     "--boot-id-file",
@@ -281,7 +298,35 @@ def version() -> int:
     return EXIT_OK
 
 
+# Options whose empty value means something ("no state", "no ignored Xid", "every node"): an empty
+# GPUGUARD_<FLAG> means the same as the empty flag. click would take an empty variable for "unset".
+_EMPTY_MEANS_EMPTY = ("state_dir", "ignore_xids", "gpu_node_selector")
+
+
+def _empty_env_values(kw: dict[str, Any]) -> dict[str, Any]:
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return kw
+    out = dict(kw)
+    for name in _EMPTY_MEANS_EMPTY:
+        if (
+            name in kw
+            and ctx.get_parameter_source(name) == click.core.ParameterSource.DEFAULT
+            and os.environ.get(_env(name)) == ""
+        ):
+            out[name] = ""
+    return out
+
+
+def _given(name: str) -> bool:
+    """Whether a flag (or its env variable) was given, rather than left at its default."""
+    ctx = click.get_current_context(silent=True)
+    source = ctx.get_parameter_source(name) if ctx is not None else None
+    return source not in (None, click.core.ParameterSource.DEFAULT) or os.environ.get(_env(name)) == ""
+
+
 def _config(kw: dict[str, Any], *, watch: bool) -> Config:
+    kw = _empty_env_values(kw)
     ignored = (
         DEFAULT_IGNORED_XIDS
         if kw["ignore_xids"] is None
@@ -311,6 +356,8 @@ def _config(kw: dict[str, Any], *, watch: bool) -> Config:
         dry_run=kw["dry_run"],
         kubeconfig=kw["kubeconfig"],
         max_quarantined=kw["max_quarantined"].strip(),
+        gpu_node_selector=kw["gpu_node_selector"].strip(),
+        node_resync=kw["node_resync"],
         budget_recheck=kw["budget_recheck"],
         flap_window=kw["flap_window"],
     )
@@ -319,7 +366,9 @@ def _config(kw: dict[str, Any], *, watch: bool) -> Config:
         interval=kw["interval"],
         run_for=kw["run_for"],
         nvml_load_timeout=kw["nvml_load_timeout"],
-        state_dir=kw["state_dir"] or None,
+        # A mock run keeps no state in the host's directory unless told to: its made-up faults must never
+        # be restored by a later real run on that host.
+        state_dir=(kw["state_dir"] or None) if kw["backend"] != "mock" or _given("state_dir") else None,
         boot_id_file=kw["boot_id_file"],
         node=node,
         server=parse_listen(kw["listen"]),

@@ -40,6 +40,8 @@ class PolicySettings:
 
 
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+# The label NVIDIA GPU Feature Discovery sets on GPU nodes; also the DaemonSet's nodeSelector.
+GPU_NODE_SELECTOR = "nvidia.com/gpu.present=true"
 
 
 @dataclass(frozen=True)
@@ -64,9 +66,16 @@ class NodeSettings:
     api_timeout: float = 10.0
     """Seconds per API request (connect and read), so a hanging API server never stalls the agent."""
     max_quarantined: str = "10%"
-    """Cluster-wide budget: GPU nodes gpuguard may fully quarantine at once (a count or a percentage of nodes
-    labelled nvidia.com/gpu.present=true). A bad driver roll-out that makes every node report an Xid must
+    """Cluster-wide budget: GPU nodes gpuguard may fully quarantine at once (a count or a percentage of the
+    nodes `gpu_node_selector` selects). A bad driver roll-out that makes every node report an Xid must
     not take the whole fleet out of service; past the budget a node only gets a PreferNoSchedule taint."""
+    gpu_node_selector: str = GPU_NODE_SELECTOR
+    """The GPU nodes a percentage budget counts, as an equality label selector ("" for every node): the
+    same labels as the DaemonSet's nodeSelector, so the budget counts exactly the nodes agents run on."""
+    node_resync: float = 30.0
+    """Seconds between re-reads of the node while gpuguard holds anything on it (a quarantine, its record,
+    the startup gate): the kubelet's new bootID after a reboot and an operator's override are seen within
+    this long. A node gpuguard holds nothing on is never re-read (a healthy fleet costs no requests)."""
     budget_recheck: float = 60.0
     """Seconds between budget lists while a quarantine is deferred: one cheap request a minute at most."""
     flap_window: float = 600.0
@@ -79,8 +88,9 @@ class NodeSettings:
 
 @dataclass(frozen=True)
 class ServerSettings:
-    host: str = "0.0.0.0"  # noqa: S104 - kubelet probes the pod IP
-    """All interfaces: kubelet's probes come to the pod IP."""
+    host: str = ""
+    """"": every interface, IPv6 and IPv4 (a dual-stack socket; IPv4 only where the host has no IPv6).
+    Kubelet probes the pod IP, whichever family the cluster gives the pod."""
     port: int = 9847
     """gpuguard's port for /healthz, /readyz and /metrics."""
 
@@ -111,6 +121,10 @@ class Config:
 
 MIN_INTERVAL = 0.05
 
+# An equality label selector, key=value[,key=value] (the syntax of a nodeSelector's entries).
+_LABEL_KEY = r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_LABEL_VALUE = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?"
+_SELECTOR = re.compile(rf"^{_LABEL_KEY}={_LABEL_VALUE}(,{_LABEL_KEY}={_LABEL_VALUE})*$")
 _BUDGET = re.compile(r"^(\d{1,6}|\d{1,3}(\.\d{1,3})?%)$")
 
 
@@ -144,6 +158,12 @@ def validate(cfg: Config) -> None:
         n.max_quarantined.endswith("%") and float(n.max_quarantined[:-1]) > 100
     ):
         raise ConfigError("--max-quarantined must be a count (e.g. 5) or a percentage 0..100% (e.g. 10%)")
+    if not 0 < n.node_resync <= 86400:
+        raise ConfigError("--node-resync must be between 0 and 86400 seconds")
+    if n.gpu_node_selector and not _SELECTOR.match(n.gpu_node_selector):
+        raise ConfigError(
+            f"--gpu-node-selector {n.gpu_node_selector!r}: expected key=value[,key=value] (label syntax)"
+        )
     if not 0 <= n.flap_window <= 7 * 86400:  # NaN fails every comparison: rejected too
         raise ConfigError("--flap-window must be between 0 and 604800 seconds")
     if n.name is not None:
@@ -170,9 +190,8 @@ def parse_xids(text: str, *, flag: str) -> frozenset[int]:
 
 
 def parse_listen(text: str) -> ServerSettings:
-    """'HOST:PORT', ':PORT' or '[::1]:PORT'."""
+    """'HOST:PORT', ':PORT' (every interface, both families) or '[::1]:PORT'."""
     host, sep, port = text.rpartition(":")
     if not sep or not (port.isascii() and port.isdigit()) or len(port) > 5:
-        raise ConfigError(f"--listen {text!r}: expected HOST:PORT, e.g. 0.0.0.0:9847")
-    host = host.strip("[]") or "0.0.0.0"  # noqa: S104
-    return ServerSettings(host=host, port=int(port))
+        raise ConfigError(f"--listen {text!r}: expected HOST:PORT, e.g. :9847 or 127.0.0.1:9847")
+    return ServerSettings(host=host.strip("[]"), port=int(port))

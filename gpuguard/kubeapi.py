@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import base64
 import binascii
+import ipaddress
 import json
 import os
 import shutil
@@ -27,7 +28,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, urlencode, urlparse
+from urllib.request import getproxies
 
 import urllib3
 import yaml
@@ -234,8 +236,11 @@ def from_kubeconfig(path: str) -> Credentials:
     server = cluster.get("server")
     if not isinstance(server, str) or not server:
         raise ConfigError(f"kubeconfig {path}: cluster {context.get('cluster')!r} has no server")
+    env = getproxies()
     return Credentials(
         server=server,
+        # As kubectl (client-go) does: HTTPS_PROXY/HTTP_PROXY by the server's scheme, unless NO_PROXY matches.
+        proxy=_unless_bypassed(server, env.get(urlparse(server).scheme) or env.get("all"), env.get("no", "")),
         ca_file=_file_or_data(cluster, "certificate-authority", base, path),
         insecure=bool(cluster.get("insecure-skip-tls-verify", False)),
         token=str(user["token"]) if user.get("token") else None,
@@ -308,9 +313,40 @@ def _via_kubernetes(path: str | None) -> Credentials:
         cert_file=configuration.cert_file,
         key_file=configuration.key_file,
         authorization=authorization,
-        proxy=configuration.proxy,
+        # The loader takes HTTPS_PROXY from the environment but leaves NO_PROXY to its own REST client.
+        proxy=_unless_bypassed(str(configuration.host), configuration.proxy, configuration.no_proxy or ""),
         tls_server_name=getattr(configuration, "tls_server_name", None),
     )
+
+
+def _unless_bypassed(server: str, proxy: str | None, no_proxy: str) -> str | None:
+    """`proxy`, or None when NO_PROXY lists the server: "*", a host or domain suffix (".example.com" or
+    "example.com"), host:port, an IP address or a CIDR range (the rules of client-go and the kubernetes
+    package)."""
+    if not proxy:
+        return None
+    url = urlparse(server)
+    host = (url.hostname or "").lower()
+    try:
+        ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    for entry in (e.strip().lower() for e in no_proxy.split(",")):
+        if not entry:
+            continue
+        if entry == "*":
+            return None
+        if ip is not None:
+            try:
+                if ip in ipaddress.ip_network(entry, strict=False):
+                    return None
+            except ValueError:
+                pass
+        domain = entry.lstrip(".")
+        for name in (host, url.netloc.lower()):
+            if name == domain or name.endswith("." + domain):
+                return None
+    return proxy
 
 
 def _message(data: bytes, reason: str | None) -> str:

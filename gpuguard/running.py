@@ -80,7 +80,7 @@ def watch(cfg: Config) -> bool:
     reconciler = NodeReconciler(writer, cfg.node, budget=budget, metrics=metrics)
     state = None
     if cfg.state_dir and not cfg.node.dry_run:
-        state = StateStore(cfg.state_dir, boot_id=read_boot_id(cfg.boot_id_file))
+        state = StateStore(cfg.state_dir, boot_id=read_boot_id(cfg.boot_id_file), backend=cfg.backend)
     agent = Agent(
         backend=backend,
         reconciler=reconciler,

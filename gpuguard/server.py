@@ -137,7 +137,20 @@ class _BoundedServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        super().__init__(address, handler)
+        host, port = address
+        self._dual_stack = not host
+        if not host:
+            # Every interface of both families: one IPv6 socket that also accepts IPv4 (mapped addresses),
+            # so probes reach the pod on an IPv4, IPv6 or dual-stack cluster alike. IPv4 only on a host
+            # without IPv6.
+            host = "::" if socket.has_ipv6 and _ipv6_works() else "0.0.0.0"  # noqa: S104 - all interfaces
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        super().__init__((host, port), handler)
+
+    def server_bind(self) -> None:
+        if self._dual_stack and self.address_family == socket.AF_INET6:
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -167,6 +180,15 @@ class _BoundedServer(ThreadingHTTPServer):
         # a bug (every refusal is an answer, not an exception): one structured line, and the server goes on.
         exc = sys.exc_info()[1]
         log.error("http.handler_error", error=f"{type(exc).__name__}: {exc}"[:300])
+
+
+def _ipv6_works() -> bool:
+    """Whether this host can open an IPv6 socket at all (IPv6 disabled in the kernel: it cannot)."""
+    try:
+        socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()
+    except OSError:
+        return False
+    return True
 
 
 class _Refused(Exception):

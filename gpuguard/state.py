@@ -34,7 +34,7 @@ MAX_BYTES = 1 << 20
 
 
 def read_boot_id(path: str = HOST_BOOT_ID) -> str:
-    """The host's boot ID (the same value the kubelet reports as status.nodeInfo.bootID)."""
+    """The host's boot ID (the same value the kubelet reports as status.nodeInfo.bootID); "" if unreadable."""
     try:
         return Path(path).read_text().strip()
     except OSError:
@@ -42,11 +42,22 @@ def read_boot_id(path: str = HOST_BOOT_ID) -> str:
 
 
 class StateStore:
-    def __init__(self, directory: str | Path | None, *, boot_id: str) -> None:
+    """`boot_id` "" (the host's boot ID could not be read): no durable state at all, since nothing could tell
+    a file of this boot from one of an earlier boot. `backend`: the backend whose faults the file holds; a
+    file written by another backend (a mock demo on the same host) is never restored."""
+
+    def __init__(self, directory: str | Path | None, *, boot_id: str, backend: str = "nvml") -> None:
         self._dir = Path(directory) if directory else None
         self._boot_id = boot_id
+        self._backend = backend
         self._last: tuple[Fault, ...] | None = None
-        self._disabled = self._dir is None
+        self._disabled = self._dir is None or not boot_id
+        if self._dir is not None and not boot_id:
+            log.warning(
+                "state.no_boot_id",
+                directory=str(self._dir),
+                note="the host's boot ID is unreadable: running without durable fault state",
+            )
 
     @property
     def path(self) -> Path | None:
@@ -55,7 +66,7 @@ class StateStore:
     def load(self) -> tuple[Fault, ...]:
         """The sticky faults recorded during this boot (empty after a reboot or on any problem)."""
         path = self.path
-        if path is None or not path.exists():
+        if path is None or self._disabled or not path.exists():
             return ()
         try:
             raw = path.read_bytes()[:MAX_BYTES]
@@ -66,6 +77,14 @@ class StateStore:
             return ()
         if doc.get("boot_id") != self._boot_id:
             log.info("state.previous_boot_discarded", path=str(path), faults=len(faults))
+            return ()
+        if doc.get("backend", "nvml") != self._backend:
+            log.warning(
+                "state.other_backend_discarded",
+                path=str(path),
+                backend=doc.get("backend"),
+                faults=len(faults),
+            )
             return ()
         self._last = faults
         if faults:
@@ -81,6 +100,7 @@ class StateStore:
             "kind": KIND,
             "version": VERSION,
             "boot_id": self._boot_id,
+            "backend": self._backend,
             "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "faults": [
                 {"reason": f.reason, "detail": f.detail, "uuid": f.uuid, "gpu_index": f.gpu_index}

@@ -134,6 +134,14 @@ class WatchProcess:
         self.proc.kill()
         self.proc.wait(10)
 
+    def wait(self, timeout: float = 30.0) -> int:
+        """Wait for the agent to exit by itself (--run-for); the exit code, with every log line read."""
+        assert self.proc is not None
+        self.proc.wait(timeout)
+        if self._reader is not None:
+            self._reader.join(5)
+        return int(self.proc.returncode)
+
     def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM and wait (SIGKILL after `timeout`); the exit code."""
         assert self.proc is not None

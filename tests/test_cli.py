@@ -197,7 +197,7 @@ def test_watch_logs_the_exact_change_it_would_make_in_dry_run(tmp_path: Path) ->
     names = [e["event"] for e in events]
     assert "gpu.unhealthy" in names and "node.tainted" in names
     dry = next(e for e in events if e["event"] == "node.dry_run")
-    patch = json.loads(dry["patch"])
+    patch = dry["patch"]  # structured, not a JSON string inside the JSON line
     assert patch["spec"]["taints"] == [
         {"key": "gpuguard.io/gpu-unhealthy", "value": "xid-48", "effect": "NoSchedule"}
     ]

@@ -264,10 +264,23 @@ def test_every_variable_the_chart_can_set_is_one_the_watch_command_reads(helm: H
             "GPUGUARD_FLAP_WINDOW",
         ),
         *("GPUGUARD_IGNORE_XIDS", "GPUGUARD_FATAL_XIDS", "GPUGUARD_ECC_THRESHOLD", "GPUGUARD_LISTEN"),
-        "GPUGUARD_STATE_DIR",
+        *("GPUGUARD_STATE_DIR", "GPUGUARD_GPU_NODE_SELECTOR"),
     }
     missing = ours - _watch_variables()
     assert not missing, f"not read by `gpuguard watch`: {sorted(missing)}"
+
+
+def test_defect_04_the_budget_counts_the_nodes_of_the_charts_node_selector(helm: Helm) -> None:
+    rendered = helm.render(
+        *("--set", "nodeSelector.nvidia\\.com/gpu\\.present=null"),
+        *("--set-string", "nodeSelector.cloud\\.example\\.com/accelerator=h100"),
+    )
+    spec = _by_kind(rendered)["DaemonSet"]["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"cloud.example.com/accelerator": "h100"}
+    assert _env(rendered)["GPUGUARD_GPU_NODE_SELECTOR"] == "cloud.example.com/accelerator=h100"
+    everywhere = helm.render("--set", "nodeSelector=null")
+    assert "nodeSelector" not in _by_kind(everywhere)["DaemonSet"]["spec"]["template"]["spec"]
+    assert _env(everywhere)["GPUGUARD_GPU_NODE_SELECTOR"] == ""  # every node
 
 
 def test_the_watch_command_accepts_what_the_chart_renders(
@@ -288,7 +301,7 @@ def test_the_watch_command_accepts_what_the_chart_renders(
     assert ctx.params["recover_after"] == 4
     assert (ctx.params["ignore_xids"], ctx.params["fatal_xids"]) == ("13,43", "43")
     assert ctx.params["ecc_threshold"] == 1
-    assert ctx.params["listen"] == "0.0.0.0:9000"
+    assert ctx.params["listen"] == ":9000"
     assert (ctx.params["max_quarantined"], ctx.params["flap_window"]) == ("12.5%", 30.0)
     assert ctx.params["state_dir"] == "/var/lib/gpuguard"
 
@@ -313,7 +326,7 @@ def test_another_metrics_port_moves_the_listener_the_container_port_and_the_scra
     helm: Helm, default_render: Docs
 ) -> None:
     rendered = helm.render("--set", "metrics.port=9000")
-    assert _env(rendered) == _env(default_render) | {"GPUGUARD_LISTEN": "0.0.0.0:9000"}
+    assert _env(rendered) == _env(default_render) | {"GPUGUARD_LISTEN": ":9000"}
     assert _agent(rendered)["ports"] == [{"name": "http", "containerPort": 9000, "protocol": "TCP"}]
     annotations = _by_kind(rendered)["DaemonSet"]["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == "9000"

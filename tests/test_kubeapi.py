@@ -308,7 +308,9 @@ def test_the_writer_speaks_the_node_endpoints(server: str) -> None:
     # A count needs no total: the quarantined nodes only.
     assert writer.budget("3", exclude="gpu/1") == Budget(quarantined=1, limit=3)
     assert writer.quarantine_order() == []
-    quarantined_query = "/api/v1/nodes?labelSelector=gpuguard.io%2Fquarantined%3Dtrue"
+    quarantined_query = (
+        "/api/v1/nodes?labelSelector=gpuguard.io%2Fquarantined%3Dtrue%2Cnvidia.com%2Fgpu.present%3Dtrue"
+    )
     metadata = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
     got = [
         (r["method"], r["path"], r["headers"].get("Content-Type"), r["headers"]["Accept"])

@@ -156,7 +156,13 @@ def test_a_new_fault_on_a_tainted_node_adds_to_the_record_without_a_second_taint
 def test_a_taint_removed_by_hand_is_not_re_added_for_the_same_fault() -> None:
     n = tainted(verdict(ecc=3))
     by_hand = NodeView(**{**n.__dict__, "taints": ()})
-    assert decide(by_hand, verdict(ecc=3)) is None
+    change = decide(by_hand, verdict(ecc=3))
+    # The override is recorded (the label that counts against the budget goes), the taint is not re-added.
+    assert change is not None and change.action == "override" and change.taints is None
+    after = apply_change(by_hand, change)
+    assert after.our_taint is None and LABEL_QUARANTINED not in after.labels
+    assert after.recorded_faults == n.recorded_faults
+    assert decide(after, verdict(ecc=3)) is None
 
 
 def test_a_taint_removed_by_hand_comes_back_for_a_new_fault() -> None:
@@ -361,11 +367,15 @@ def test_the_startup_gate_is_removed_after_the_first_healthy_check() -> None:
     assert change.unschedulable is None and not change.annotations
 
 
-def test_the_startup_gate_is_replaced_by_the_unhealthy_taint_on_a_fault() -> None:
+def test_the_startup_gate_stays_next_to_the_unhealthy_taint_until_recovery() -> None:
     gate = Taint(key=UNVERIFIED_TAINT_KEY, effect="NoSchedule")
     change = decide(node(taints=(gate,)), verdict(xid=79))
     assert change is not None and change.action == "taint"
-    assert change.taints == (Taint(TAINT_KEY, "NoSchedule", "xid-79"),)
+    assert change.taints == (gate, Taint(TAINT_KEY, "NoSchedule", "xid-79"))
+    after = apply_change(node(taints=(gate,)), change)
+    rebooted = NodeView(**{**after.__dict__, "boot_id": "boot-b"})
+    recovered = decide(rebooted, HEALTHY, streak=3)
+    assert recovered is not None and recovered.action == "recover" and recovered.taints == ()
 
 
 def test_the_startup_gate_waits_for_a_check_that_saw_gpus() -> None:

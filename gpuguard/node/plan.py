@@ -53,25 +53,24 @@ def plan(
 
     A fault plans the full quarantine ("taint", or "escalate" of a deferred one); the budget's gate may
     turn it into the deferred one. `flapping`: faults came back within --flap-window, so recovery waits.
+    Faults are compared with the record of the node's current boot only (`NodeView.current_faults`).
     """
     faults = verdict.faults
     ours = node.our_taint
     if faults:
         # Compared through fault_key on both sides: a hostile UUID can neither split a key nor make a
         # recorded fault look new at every check.
+        recorded = node.current_faults
         keys = {validation.fault_key(f.key) for f in faults}
-        new = [f for f in faults if validation.fault_key(f.key) not in node.recorded_faults]
+        new = [f for f in faults if validation.fault_key(f.key) not in recorded]
         if ours is None and new:
-            return _quarantine(node, faults, new, node.recorded_faults | keys, settings=settings, now=now)
+            return _quarantine(node, faults, new, recorded | keys, settings=settings, now=now)
         if ours is not None and node.deferred:
-            return _escalate(node, ours, faults, node.recorded_faults | keys, settings=settings)
-        return record_faults(node, faults)
+            return _escalate(node, ours, faults, recorded | keys, settings=settings)
+        return record_faults(node, faults) or _tidy(node)
 
-    owned = (
-        ours is not None
-        or any(k in node.annotations for k in OUR_ANNOTATIONS)
-        or LABEL_QUARANTINED in node.labels
-    )
+    # Ours: what gpuguard recorded, never a bare taint with our key (an operator's, kept as it is).
+    owned = any(k in node.annotations for k in OUR_ANNOTATIONS) or LABEL_QUARANTINED in node.labels
     if not owned:
         if node.unverified and verdict.gpus:
             # The startup gate: the first complete healthy check clears it.
@@ -80,13 +79,17 @@ def plan(
                 taints=tuple(t for t in node.taints if t.key != UNVERIFIED_TAINT_KEY),
             )
         return None
-    if not settings.recover or healthy_streak < settings.recover_after or flapping:
-        return None
-    if not evidence_gone(node, verdict):
-        return None
+    if (
+        not settings.recover
+        or healthy_streak < settings.recover_after
+        or flapping
+        or not evidence_gone(node, verdict)
+    ):
+        return _tidy(node)
+    removed = {UNVERIFIED_TAINT_KEY} | ({TAINT_KEY} if ours is not None else set())
     return NodeChange(
         action="recover",
-        taints=tuple(t for t in node.taints if t.key not in (TAINT_KEY, UNVERIFIED_TAINT_KEY))
+        taints=tuple(t for t in node.taints if t.key not in removed)
         if ours is not None or node.unverified
         else None,
         unschedulable=False if node.cordoned_by_us and node.unschedulable else None,
@@ -103,16 +106,55 @@ def plan(
 
 def record_faults(node: NodeView, faults: tuple[Fault, ...]) -> NodeChange | None:
     """Faults on a node that is already tainted for others (or whose taint was removed by hand for these
-    very faults): the new ones are added to the record, no second taint. None when nothing is new."""
-    recorded = node.recorded_faults
+    very faults): the new ones are added to the record, no second taint. None when nothing is new. A
+    record from an earlier boot is replaced, with the current bootID (a fault that recurred after a reboot
+    must not be "proven" gone by the next agent restart)."""
+    recorded = node.current_faults
     new = [f for f in faults if validation.fault_key(f.key) not in recorded]
     if not new:
         return None
     keys = {validation.fault_key(f.key) for f in faults}
+    annotations: dict[str, str | None] = {
+        ANN_FAULTS: join_keys(recorded | keys),
+        ANN_REASON: reason_text(faults),
+    }
+    if node.record_from_earlier_boot:
+        annotations[ANN_BOOT_ID] = node.boot_id
     return NodeChange(
         action="add-faults",
-        annotations={ANN_FAULTS: join_keys(recorded | keys), ANN_REASON: reason_text(faults)},
+        annotations=annotations,
         event=EventSpec("Warning", "GPUUnhealthy", reason_text(new)),
+    )
+
+
+def _tidy(node: NodeView) -> NodeChange | None:
+    """What others changed under gpuguard, taken into its record (or None):
+    - the taint removed by hand (an override): the label goes, so the node no longer counts against the
+      budget; the fault record stays, so the same fault does not taint again (a new one does);
+    - our cordon lifted by someone: the claim goes, so a cordon placed later (maintenance) is never lifted
+      by gpuguard's recovery."""
+    annotations: dict[str, str | None] = {}
+    labels: dict[str, str | None] = {}
+    event = None
+    if node.overridden:
+        labels[LABEL_QUARANTINED] = None
+        if ANN_DEFERRED in node.annotations:
+            annotations[ANN_DEFERRED] = None
+        event = EventSpec(
+            "Normal",
+            "GPUQuarantineOverridden",
+            f"{TAINT_KEY} removed by hand: the node no longer counts against the quarantine budget; "
+            "the same fault does not taint it again, a new one does",
+        )
+    if node.cordoned_by_us and not node.unschedulable:
+        annotations[ANN_CORDONED] = None
+    if not annotations and not labels:
+        return None
+    return NodeChange(
+        action="override" if labels else "release-cordon",
+        annotations=annotations,
+        labels=labels,
+        event=event,
     )
 
 
@@ -138,7 +180,10 @@ def _quarantine(
         unschedulable = True
         annotations[ANN_CORDONED] = "true"
     taint = Taint(key=TAINT_KEY, value=first.reason, effect=settings.taint_effect)
-    kept = tuple(t for t in node.taints if t.key != UNVERIFIED_TAINT_KEY)
+    # The startup gate stays until the node is verified healthy (recovery removes it): whatever the budget
+    # decides, a never-verified node with a known fault is never schedulable. A taint with our key that
+    # gpuguard has no record of (an operator's) is taken over: the record now says why it is there.
+    kept = tuple(t for t in node.taints if t.key != TAINT_KEY)
     return NodeChange(
         action="taint",
         taints=(*kept, taint),
@@ -163,6 +208,8 @@ def _escalate(
         ANN_FAULTS: join_keys(keys),
         ANN_REASON: reason_text(faults),
     }
+    if node.record_from_earlier_boot:
+        annotations[ANN_BOOT_ID] = node.boot_id
     unschedulable = None
     if settings.cordon and not node.unschedulable:
         unschedulable = True

@@ -6,6 +6,7 @@ for the API server. Optimistic concurrency (every patch carries the resourceVers
 from __future__ import annotations
 
 import json
+import math
 import random
 import threading
 import time
@@ -16,6 +17,7 @@ from datetime import UTC, datetime
 import structlog
 import tenacity
 
+from gpuguard import validation
 from gpuguard.config import NodeSettings
 from gpuguard.errors import ConflictError, NodeUpdateError, PermanentApiError, TransientApiError
 from gpuguard.metrics import Metrics
@@ -23,7 +25,7 @@ from gpuguard.model import Verdict
 from gpuguard.node.budget import QuarantineBudget
 from gpuguard.node.plan import plan, plan_condition
 from gpuguard.node.view import EventSpec, NodeChange, NodeView, join_keys
-from gpuguard.node.writers import NodeWriter
+from gpuguard.node.writers import DRY_RUN_NODE, NodeWriter
 from gpuguard.policy import primary
 
 log = structlog.get_logger("gpuguard.node.reconciler")
@@ -42,10 +44,12 @@ class NodeStatus:
 class NodeReconciler:
     """Applies the latest verdict to the node on its own thread, so the GPU checks never wait for the API.
 
-    The node is read once at start and then kept from the answers to our own writes: a healthy node costs
-    no API request at all. Every write carries the resourceVersion it was planned against; a 409 re-reads
-    and re-plans, so another controller's concurrent taints and labels are never lost. `budget` None: no
-    budget (every quarantine is full, as in a dry run).
+    The node is read at start and then kept from the answers to our own writes: a healthy node costs no
+    API request at all. While gpuguard holds anything on the node it is read again every --node-resync
+    seconds, so what others change under it (the kubelet's new bootID after a reboot, an operator's
+    override, an admin's uncordon) is seen. Every write carries the resourceVersion it was planned
+    against; a 409 re-reads and re-plans, so another controller's concurrent taints and labels are never
+    lost. `budget` None: no budget (every quarantine is full, as in a dry run).
     """
 
     def __init__(
@@ -58,8 +62,13 @@ class NodeReconciler:
         retry_deadline: float = 60.0,
         max_conflicts: int = 20,
         metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._writer = writer
+        self._clock = clock
+        # The node's name in every line, also before the first read and in a dry run without --node.
+        self._name = settings.name or DRY_RUN_NODE
+        self._read_at = -math.inf
         self.budget = budget
         self._metrics = metrics
         self._condition_keys: frozenset[str] | None = None
@@ -116,7 +125,13 @@ class NodeReconciler:
         with self._cond:
             self._latest = (verdict, healthy_streak, flapping)
             node = self._node
-            if sig == self._settled and node is not None and not node.deferred and not settling:
+            if (
+                sig == self._settled
+                and node is not None
+                and not node.deferred
+                and not settling
+                and not self._resync_due(node)
+            ):
                 return
             self._pending_sig = sig
             self._generation += 1
@@ -153,9 +168,9 @@ class NodeReconciler:
             settled = not self._blocked
             if self._api_down:
                 self._api_down = False
-                log.info("api.available", node=self._settings.name)
+                log.info("api.available", node=self._name)
         except TransientApiError as exc:
-            log.warning("node.write_deferred", node=self._settings.name, error=str(exc))
+            log.warning("node.write_deferred", node=self._name, error=str(exc))
         except PermanentApiError as exc:
             self._reject(str(exc))
         finally:
@@ -175,7 +190,7 @@ class NodeReconciler:
                 self.reconcile_now()
             except Exception:
                 # A bug must not kill the writer thread for good: log it, and the next verdict retries.
-                log.exception("node.reconcile_failed", node=self._settings.name)
+                log.exception("node.reconcile_failed", node=self._name)
 
     def _reconcile_once(self) -> None:
         with self._cond:
@@ -183,7 +198,9 @@ class NodeReconciler:
         if latest is None:
             return
         verdict, streak, flapping = latest
-        node = self._node if self._node is not None else self._read()
+        node = self._node
+        if node is None or self._resync_due(node):
+            node = self._read()
         if self.budget is not None:
             self.budget.begin(node)
         for attempt in range(self._max_conflicts):
@@ -191,7 +208,7 @@ class NodeReconciler:
             if change is None:
                 self._log_override(node, verdict)
                 self._set_node(node)
-                self._update_condition(node, verdict)
+                self._update_condition(node, verdict, flapping)
                 return
             if (
                 self._rejected is not None
@@ -201,6 +218,7 @@ class NodeReconciler:
                 self._blocked = True  # refused recently: do not hammer it, but do not settle either
                 return
             self._attempt = change
+            before = node
             try:
                 node = self._writer.patch(node, change)
             except ConflictError:
@@ -215,8 +233,8 @@ class NodeReconciler:
             self.writes += 1
             self._rejected = None
             self._set_node(node)
-            self._log_change(node, change, verdict)
-            self._update_condition(node, verdict)
+            self._log_change(before, change, verdict)
+            self._update_condition(node, verdict, flapping)
             if change.event is not None:
                 self._record_event(node, change.event)
             if self.budget is not None and self.budget.written(node, change):
@@ -236,6 +254,9 @@ class NodeReconciler:
             return change
         return self.budget.gate(node, change, verdict)
 
+    def _resync_due(self, node: NodeView) -> bool:
+        return node.holds_gpuguard_state and self._clock() - self._read_at >= self._settings.node_resync
+
     def _read(self) -> NodeView:
         try:
             node = self._writer.read()
@@ -246,6 +267,9 @@ class NodeReconciler:
         return node
 
     def _set_node(self, node: NodeView) -> None:
+        """The node as the API server last answered (a read, or the answer to our write)."""
+        if node is not self._node:
+            self._read_at = self._clock()
         self._node = node
         self._status = NodeStatus(
             tainted=node.our_taint is not None,
@@ -254,8 +278,12 @@ class NodeReconciler:
             deferred=node.deferred,
         )
 
-    def _update_condition(self, node: NodeView, verdict: Verdict) -> None:
-        """The GPUHealthy condition, written only when it changes (best effort, like Events)."""
+    def _update_condition(self, node: NodeView, verdict: Verdict, flapping: bool) -> None:
+        """The GPUHealthy condition, written only when it changes (best effort, like Events). Flap damping
+        holds it like the quarantine: a healthy reading between faults within --flap-window does not set
+        it back to True (one status write per episode, not one per flip)."""
+        if flapping and verdict.healthy:
+            return
         condition = plan_condition(
             node.gpu_condition, verdict, last_keys=self._condition_keys, now=self._now()
         )
@@ -278,9 +306,9 @@ class NodeReconciler:
         except NodeUpdateError as exc:
             log.warning("node.event_failed", node=node.name, reason=event.reason, error=str(exc))
 
-    def _log_change(self, node: NodeView, change: NodeChange, verdict: Verdict) -> None:
-        faults = verdict.faults
-        first = primary(faults)
+    def _log_change(self, before: NodeView, change: NodeChange, verdict: Verdict) -> None:
+        """One line per write; reason, GPU, UUID and detail are of one fault: for "add-faults" the first of
+        those it added, else the fault the taint names."""
         name = {
             "taint": "node.tainted",
             "defer": "node.tainted_soft",
@@ -289,22 +317,31 @@ class NodeReconciler:
             "add-faults": "node.fault_added",
             "recover": "node.recovered",
             "verified": "node.verified",
-        }
-        if change.action in ("recover", "verified"):
+            "override": "node.taint_removed_by_operator",
+            "release-cordon": "node.cordon_released",
+        }[change.action]
+        if change.action in ("recover", "verified", "override", "release-cordon"):
+            if change.action == "override":
+                self._override_logged = frozenset(f.key for f in verdict.faults)
             log.info(
-                name[change.action],
-                node=node.name,
+                name,
+                node=before.name,
                 uncordoned=change.unschedulable is False,
                 dry_run=self._settings.dry_run,
             )
             return
+        faults = verdict.faults
+        if change.action == "add-faults":
+            faults = tuple(f for f in faults if validation.fault_key(f.key) not in before.current_faults)
+        first = primary(faults)
         log.warning(
-            name[change.action],
-            node=node.name,
+            name,
+            node=before.name,
             reason=first.reason if first else None,
             gpu=first.gpu_index if first else None,
             uuid=first.uuid if first else None,
-            detail=change.event.message if change.event else None,
+            detail=first.message if first else None,
+            faults=len(verdict.faults),
             cordoned=bool(change.unschedulable),
             uncordoned=change.unschedulable is False,
             dry_run=self._settings.dry_run,
@@ -322,7 +359,7 @@ class NodeReconciler:
             )
 
     def _reject(self, message: str) -> None:
-        log.error("node.write_rejected", node=self._settings.name, error=message, retry_in_s=300)
+        log.error("node.write_rejected", node=self._name, error=message, retry_in_s=300)
         if self._attempt is not None:
             self._rejected = (_signature(self._attempt), time.monotonic() + 300)
 
@@ -345,7 +382,7 @@ class NodeReconciler:
             self._metrics.api_retries.inc()
         if not self._api_down:
             self._api_down = True
-            log.warning("api.unavailable", node=self._settings.name, error=str(exc))
+            log.warning("api.unavailable", node=self._name, error=str(exc))
         log.debug("api.retry", attempt=state.attempt_number, error=str(exc))
 
 

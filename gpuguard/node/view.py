@@ -97,12 +97,48 @@ class NodeView:
 
     @property
     def our_taint(self) -> Taint | None:
+        """The gpu-unhealthy taint if gpuguard placed it: the node carries gpuguard's record of it. A taint
+        with our key and no record was put there by someone else and is theirs to remove."""
+        if ANN_FAULTS not in self.annotations and ANN_SINCE not in self.annotations:
+            return None
+        return self.unhealthy_taint
+
+    @property
+    def unhealthy_taint(self) -> Taint | None:
+        """A taint with gpuguard's key, whoever placed it."""
         return next((t for t in self.taints if t.key == TAINT_KEY), None)
 
     @property
     def recorded_faults(self) -> frozenset[str]:
         raw = self.annotations.get(ANN_FAULTS, "")
         return frozenset(validation.fault_key(k) for k in raw.split(",") if k)
+
+    @property
+    def record_from_earlier_boot(self) -> bool:
+        """The recorded faults were seen in an earlier boot than the node's current one."""
+        recorded = self.annotations.get(ANN_BOOT_ID, "")
+        return bool(recorded) and bool(self.boot_id) and recorded != self.boot_id
+
+    @property
+    def current_faults(self) -> frozenset[str]:
+        """The recorded faults of this boot: a record from an earlier boot suppresses nothing (the reboot
+        cleared its evidence), so the same fault in a new boot is a new fault."""
+        return frozenset() if self.record_from_earlier_boot else self.recorded_faults
+
+    @property
+    def overridden(self) -> bool:
+        """gpuguard's quarantine label without its taint: someone removed the taint by hand."""
+        return LABEL_QUARANTINED in self.labels and self.unhealthy_taint is None
+
+    @property
+    def holds_gpuguard_state(self) -> bool:
+        """Anything of gpuguard's on the node (annotations, the label, the startup gate): what others may
+        change under it (the kubelet's bootID, an operator's override), so it is re-read now and then."""
+        return (
+            any(k in self.annotations for k in OUR_ANNOTATIONS)
+            or LABEL_QUARANTINED in self.labels
+            or self.unverified
+        )
 
     @property
     def cordoned_by_us(self) -> bool:

@@ -5,7 +5,6 @@ itself) and `DryRunNodeWriter` (logs the exact patch, applies it to an in-memory
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -17,10 +16,10 @@ from typing import Any, Protocol
 import structlog
 
 from gpuguard import __version__, kubeapi, validation
-from gpuguard.config import NodeSettings
+from gpuguard.config import GPU_NODE_SELECTOR, NodeSettings
 from gpuguard.errors import ConfigError, GpuguardError, NodeUpdateError, PermanentApiError
 from gpuguard.metrics import Metrics
-from gpuguard.node.budget import GPU_NODE_SELECTOR, Budget, count_budget
+from gpuguard.node.budget import Budget, count_budget
 from gpuguard.node.view import (
     ANN_REASON,
     ANN_SINCE,
@@ -67,7 +66,7 @@ class DryRunNodeWriter:
 
     def patch(self, node: NodeView, change: NodeChange) -> NodeView:
         body = _checked_patch(node, change)
-        log.info("node.dry_run", node=node.name, action=change.action, patch=_json(body))
+        log.info("node.dry_run", node=node.name, action=change.action, patch=body)
         self._node = apply_change(self._node, change)
         return self._node
 
@@ -82,13 +81,9 @@ class DryRunNodeWriter:
 
     def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
         _checked_condition(node, condition)
-        log.info("node.dry_run_condition", node=node.name, condition=_json(dict(condition)))
+        log.info("node.dry_run_condition", node=node.name, condition=dict(condition))
         self._node = replace(self._node, gpu_condition=condition["status"])
         return self._node
-
-
-def _json(doc: Any) -> str:
-    return json.dumps(doc, sort_keys=True)
 
 
 class KubeNodeWriter:
@@ -103,8 +98,10 @@ class KubeNodeWriter:
         timeout: float = 10.0,
         event_namespace: str = "default",
         metrics: Metrics | None = None,
+        gpu_node_selector: str = GPU_NODE_SELECTOR,
     ) -> None:
         self._name = name
+        self._gpu_nodes = gpu_node_selector
         self._api = api
         self._path = kubeapi.path_of("api/v1/nodes", name)
         self._timeout = timeout
@@ -157,11 +154,13 @@ class KubeNodeWriter:
         if not spec.endswith("%"):
             quarantined = sum(1 for _, name in self.quarantine_order() if name != exclude)
             return Budget(quarantined=quarantined, limit=int(spec))
-        return count_budget(self._list_metadata("list GPU nodes", GPU_NODE_SELECTOR), spec, exclude=exclude)
+        return count_budget(self._list_metadata("list GPU nodes", self._gpu_nodes), spec, exclude=exclude)
 
     def quarantine_order(self) -> list[tuple[str, str]]:
-        """Metadata of the fully quarantined nodes only (label selector): a few items, not the fleet."""
-        items = self._list_metadata("list quarantined nodes", f"{LABEL_QUARANTINED}=true")
+        """Metadata of the fully quarantined GPU nodes only (label selector): a few items, not the fleet.
+        Only the GPU nodes the budget counts: a quarantined node outside them is not in this budget."""
+        selector = ",".join(s for s in (f"{LABEL_QUARANTINED}=true", self._gpu_nodes) if s)
+        items = self._list_metadata("list quarantined nodes", selector)
         return [
             (str((i["metadata"].get("annotations") or {}).get(ANN_SINCE, "")), str(i["metadata"]["name"]))
             for i in items
@@ -173,7 +172,7 @@ class KubeNodeWriter:
             doc = self._api.request(
                 "GET",
                 "/api/v1/nodes",
-                query={"labelSelector": selector},
+                query={"labelSelector": selector} if selector else None,  # "": every node
                 accept=_METADATA_ONLY,
                 timeout=self._timeout,
                 what=what,
@@ -237,6 +236,7 @@ def make_writer(settings: NodeSettings, metrics: Metrics | None = None) -> KubeN
             api=load_api_client(settings.kubeconfig),
             timeout=settings.api_timeout,
             metrics=metrics,
+            gpu_node_selector=settings.gpu_node_selector,
         )
     name = settings.name or DRY_RUN_NODE
     initial = NodeView(name=name, resource_version="1", boot_id="dry-run")
@@ -267,7 +267,8 @@ def quarantined_nodes(api: kubeapi.Client, *, timeout: float = 10.0) -> list[dic
         rows.append(
             {
                 "node": n.name,
-                "state": "deferred" if n.deferred else "quarantined",
+                # "overridden": the taint was removed by hand and the agent has not caught up yet.
+                "state": "deferred" if n.deferred else "quarantined" if taint is not None else "overridden",
                 "reason": taint.value if taint else None,
                 "effect": taint.effect if taint else None,
                 "since": n.annotations.get(ANN_SINCE),

@@ -38,3 +38,13 @@ app.kubernetes.io/name: {{ include "gpuguard.name" . }}
 {{- define "gpuguard.isSet" -}}
 {{- if not (kindIs "invalid" .) -}}{{- if ne (toString .) "" -}}true{{- end -}}{{- end -}}
 {{- end -}}
+
+{{/* The nodeSelector as an equality label selector, key=value[,key=value] in key order ("" when empty:
+every node), for GPUGUARD_GPU_NODE_SELECTOR. */}}
+{{- define "gpuguard.nodeSelector" -}}
+{{- $pairs := list -}}
+{{- range $k, $v := .Values.nodeSelector -}}
+{{- $pairs = append $pairs (printf "%s=%s" $k (toString $v)) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
