@@ -174,26 +174,12 @@ def test_watch_dry_run_stays_healthy_for_an_ignored_xid(tmp_path: Path) -> None:
 
 def test_watch_logs_the_exact_change_it_would_make_in_dry_run(tmp_path: Path) -> None:
     s = write(tmp_path, "gpus: 1\nevents:\n  - {at: 0.1, gpu: 0, xid: 48}\n")
-    r = run(
-        "watch",
-        "--dry-run",
-        "--backend",
-        "mock",
-        "--scenario",
-        s,
-        "--interval",
-        "0.1",
-        "--run-for",
-        "1.5",
-        "--listen",
-        "127.0.0.1:0",
-        "--log-format",
-        "json",
-        "--node",
-        "gpu-node-7",
-    )
-    assert r.returncode == 0, r.stderr
-    events = [json.loads(line) for line in r.stderr.splitlines()]
+    p = WatchProcess(
+        *("--dry-run", "--backend", "mock", "--scenario", s, "--interval", "0.1", "--run-for", "1.5"),
+        *("--node", "gpu-node-7"),
+    ).start()
+    assert p.wait(30) == 0, p.lines[-10:]
+    events = p.lines
     names = [e["event"] for e in events]
     assert "gpu.unhealthy" in names and "node.tainted" in names
     dry = next(e for e in events if e["event"] == "node.dry_run")
