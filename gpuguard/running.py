@@ -9,21 +9,13 @@ from dataclasses import dataclass, replace
 from types import FrameType
 
 import structlog
-from prometheus_client import REGISTRY
 
 from gpuguard import logs
-from gpuguard.agent import Agent
 from gpuguard.config import Config
 from gpuguard.errors import ConfigError
-from gpuguard.metrics import Metrics
 from gpuguard.model import GPU_MISSING, Fault, Verdict
-from gpuguard.node.budget import QuarantineBudget
-from gpuguard.node.reconciler import NodeReconciler
-from gpuguard.node.writers import make_writer
 from gpuguard.nvml.base import Backend
 from gpuguard.policy import evaluate
-from gpuguard.server import HealthServer
-from gpuguard.state import StateStore, read_boot_id
 
 log = structlog.get_logger("gpuguard.running")
 
@@ -72,6 +64,17 @@ def check_once(cfg: Config) -> Check:
 def watch(cfg: Config) -> bool:
     """`gpuguard watch`: until SIGTERM/SIGINT or --run-for. True when it stopped because libnvidia-ml.so.1
     never became loadable within --nvml-load-timeout (the CLI exits 3 so kubelet restarts the container)."""
+    # Imported here, not above: `gpuguard check` (an initContainer preflight) needs none of them.
+    from prometheus_client import REGISTRY  # noqa: PLC0415
+
+    from gpuguard.agent import Agent  # noqa: PLC0415
+    from gpuguard.metrics import Metrics  # noqa: PLC0415
+    from gpuguard.node.budget import QuarantineBudget  # noqa: PLC0415
+    from gpuguard.node.reconciler import NodeReconciler  # noqa: PLC0415
+    from gpuguard.node.writers import make_writer  # noqa: PLC0415
+    from gpuguard.server import HealthServer  # noqa: PLC0415
+    from gpuguard.state import StateStore, read_boot_id  # noqa: PLC0415
+
     logs.configure(cfg.log_format)
     backend = make_backend(cfg)
     metrics = Metrics(REGISTRY)
