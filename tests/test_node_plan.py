@@ -437,3 +437,51 @@ def test_a_yield_keeps_a_cordon_it_did_not_place_and_every_foreign_taint() -> No
 
 def test_nothing_to_yield_on_a_node_that_is_not_fully_quarantined_by_us() -> None:
     assert plan_yield(node(), ahead=9, limit=1, settings=SETTINGS) is None
+
+
+# -- the planner's side of the review's fixes (the Node itself: tests/integration/test_review_defects.py) --
+
+
+def rebooted(n: NodeView, boot_id: str = "boot-b") -> NodeView:
+    return NodeView(**{**n.__dict__, "boot_id": boot_id})
+
+
+def test_the_same_fault_after_a_reboot_is_a_new_fault_even_after_an_override() -> None:
+    n = tainted(verdict(xid=79))
+    by_hand = NodeView(**{**n.__dict__, "taints": ()})
+    overridden = apply_change(by_hand, decide(by_hand, verdict(xid=79)))  # type: ignore[arg-type]
+    assert decide(overridden, verdict(xid=79)) is None  # same boot: not re-added
+    change = decide(rebooted(overridden), verdict(xid=79))
+    assert change is not None and change.action == "taint"
+    assert change.annotations[ANN_BOOT_ID] == "boot-b"
+
+
+def test_a_fault_that_recurs_on_a_tainted_node_after_a_reboot_records_the_new_boot() -> None:
+    n = rebooted(tainted(verdict(xid=79)))
+    change = decide(n, verdict(xid=79))
+    assert change is not None and change.action == "add-faults" and change.taints is None
+    assert change.annotations[ANN_BOOT_ID] == "boot-b"
+    after = apply_change(n, change)
+    assert decide(after, HEALTHY, streak=10) is None  # the record is of this boot now: no recovery
+
+
+def test_a_cordon_lifted_by_someone_is_no_longer_claimed() -> None:
+    n = tainted(verdict(ecc=1))
+    uncordoned = NodeView(**{**n.__dict__, "unschedulable": False})
+    change = decide(uncordoned, verdict(ecc=1))
+    assert change is not None and change.action == "release-cordon"
+    assert change.annotations == {ANN_CORDONED: None} and change.unschedulable is None
+    recordoned = NodeView(**{**apply_change(uncordoned, change).__dict__, "unschedulable": True})
+    recovery = decide(recordoned, HEALTHY, streak=3)
+    assert recovery is not None and recovery.action == "recover" and recovery.unschedulable is None
+
+
+def test_a_gpu_unhealthy_taint_without_gpuguards_record_is_never_removed() -> None:
+    manual = Taint(TAINT_KEY, "NoSchedule", "manual")
+    n = node(taints=(manual,))
+    assert n.our_taint is None
+    assert decide(n, HEALTHY, streak=100) is None
+    # A real fault takes it over: one taint with our key, with the record.
+    change = decide(n, verdict(ecc=1))
+    assert change is not None and change.action == "taint"
+    assert change.taints == (Taint(TAINT_KEY, "NoSchedule", "ecc"),)
