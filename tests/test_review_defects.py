@@ -5,12 +5,15 @@ configuration, which need no cluster."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import sys
 import urllib.request
 from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -221,7 +224,7 @@ def test_defect_14_the_chart_does_not_hard_code_an_ipv4_listen_address() -> None
 # -- 15: proxies and empty environment values --------------------------------------------------------------
 
 
-def _kubeconfig(tmp_path: Path, server: str, user: dict[str, str]) -> str:
+def _kubeconfig(tmp_path: Path, server: str, user: dict[str, Any]) -> str:
     path = tmp_path / "kubeconfig"
     path.write_text(
         yaml.safe_dump(
@@ -248,13 +251,23 @@ def test_defect_15_a_plain_kubeconfig_honours_https_proxy_and_no_proxy(
     assert kubeapi.from_kubeconfig(path).proxy is None
 
 
-def test_defect_15_a_kubeconfig_for_the_kubernetes_loader_honours_no_proxy(
+def test_defect_15_an_exec_plugin_kubeconfig_honours_no_proxy(
     tmp_path: Path, clean_env: pytest.MonkeyPatch
 ) -> None:
-    # Basic auth is read by the kubernetes package's loader, like exec plugins and auth providers.
-    path = _kubeconfig(tmp_path, "https://10.20.30.40:6443", {"username": "u", "password": "p"})
+    credential = json.dumps(
+        {"apiVersion": "client.authentication.k8s.io/v1", "kind": "ExecCredential", "status": {"token": "t"}}
+    )
+    plugin = {
+        "apiVersion": "client.authentication.k8s.io/v1",
+        "command": sys.executable,
+        "args": ["-c", f"print({credential!r})"],
+        "interactiveMode": "Never",
+    }
+    path = _kubeconfig(tmp_path, "https://10.20.30.40:6443", {"exec": plugin})
     clean_env.setenv("HTTPS_PROXY", "http://proxy.corp.example:3128")
-    assert kubeapi.from_kubeconfig(path).proxy == "http://proxy.corp.example:3128"
+    creds = kubeapi.from_kubeconfig(path)
+    assert creds.proxy == "http://proxy.corp.example:3128"
+    assert creds.authorization is not None and creds.authorization() == "Bearer t"
     clean_env.setenv("NO_PROXY", "10.0.0.0/8")
     assert kubeapi.from_kubeconfig(path).proxy is None
 
