@@ -243,5 +243,6 @@ def test_defect_10_a_flapping_gpu_costs_condition_writes_per_episode_not_per_fli
         and e.get("objectRef", {}).get("subresource") == "status"
         and e.get("objectRef", {}).get("name") == node
     ]
+    print(f"40 NVML init flips: {len(status_writes)} GPUHealthy condition writes")
     assert len(status_writes) <= 4, len(status_writes)
     assert admin.our_taint(node) is not None  # the quarantine is held too
