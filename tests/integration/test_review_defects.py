@@ -72,10 +72,13 @@ def test_defect_02_the_same_fault_in_a_new_boot_taints_again(admin: Admin, start
     time.sleep(1.0)
     assert admin.our_taint(node) is None  # overridden for this boot
     agent.stop()
-    # The node reboots, and Xid 79 comes again on the same GPU.
+    # The node reboots, and Xid 79 comes again on the same GPU, before anything could recover the node
+    # (the driver delivers an Xid only to a process registered for it: written once the agent is up).
     admin.set_boot_id(node, "boot-b")
+    state.write_text(GPUS_OK)
+    slow = ("--recover-after", "50")
+    start_agent(node=node, state=state, host_boot_id="host-boot-2", env=RESYNC, args=slow)
     state.write_text(GPUS_OK + "xid 0 79\n")
-    start_agent(node=node, state=state, host_boot_id="host-boot-2", env=RESYNC)
     taint = eventually(lambda: admin.our_taint(node), 10, what="taint in the new boot")
     assert taint["value"] == "xid-79"
     assert annotations_of(admin, node)["gpuguard.io/boot-id"] == "boot-b"
@@ -88,10 +91,13 @@ def test_defect_03_a_fault_that_recurs_after_a_reboot_records_the_new_boot(
     state.write_text(GPUS_OK + "xid 0 79\n")
     eventually(lambda: admin.our_taint(node), 10, what="taint")
     agent.stop()
-    # The node reboots; the Xid recurs before anything could recover the node.
+    # The node reboots; the Xid recurs before anything could recover the node (the driver delivers it only
+    # to a registered process: written once the new agent is up).
     admin.set_boot_id(node, "boot-b")
+    state.write_text(GPUS_OK)
+    slow = ("--recover-after", "50")
+    again, _, _ = start_agent(node=node, state=state, host_boot_id="host-boot-2", args=slow)
     state.write_text(GPUS_OK + "xid 0 79\n")
-    again, _, _ = start_agent(node=node, state=state, host_boot_id="host-boot-2")
     eventually(
         lambda: annotations_of(admin, node).get("gpuguard.io/boot-id") == "boot-b",
         10,
