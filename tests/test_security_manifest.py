@@ -232,12 +232,30 @@ def test_the_policy_covers_every_write_the_cluster_role_grants_on_nodes() -> Non
 def test_what_the_policy_lets_through_is_exactly_what_the_agent_writes() -> None:
     cel = _expressions()
     prefix = f"{node.DOMAIN}/"
-    assert set(re.findall(r"startsWith\('([^']*)'\)", cel)) == {prefix}
+    # The keys themselves, and the same keys as managedFields names them ("f:" + key).
+    assert set(re.findall(r"startsWith\('([^']*)'\)", cel)) == {prefix, f"f:{prefix}"}
     written = [node.TAINT_KEY, node.UNVERIFIED_TAINT_KEY, node.LABEL_QUARANTINED, *node.OUR_ANNOTATIONS]
     assert all(key.startswith(prefix) for key in written), written
     assert set(re.findall(r"'(GPU\w+)'", cel)) == {node.CONDITION_TYPE}
-    # The fields that change on every write are never compared; everything else in metadata is.
+    assert set(re.findall(r'k:\{"type":"(\w+)"\}', cel)) == {node.CONDITION_TYPE}
+    # The fields that change on every write are never compared; everything else in metadata is, and
+    # managedFields by rules of its own.
     assert "'resourceVersion', 'managedFields', 'generation'" in cel
+    assert "object.metadata.?managedFields" in cel and "oldObject.metadata.?managedFields" in cel
+
+
+def test_the_policy_knows_gpuguards_field_manager_and_its_cordon_annotation() -> None:
+    """The API server names a client's managedFields entries after its User-Agent up to the first "/"."""
+    cel = _expressions()
+    manager = node.USER_AGENT.split("/", 1)[0]
+    assert manager == "gpuguard"
+    assert f"e.?manager.orValue('') == '{manager}'" in cel
+    assert f"variables.oldAnnotations[?'{node.ANN_CORDONED}'].orValue('') == 'true'" in cel
+
+
+def test_other_conditions_are_compared_in_order_not_as_a_set() -> None:
+    variables = {v["name"]: v["expression"] for v in _policy()["spec"]["variables"]}
+    assert variables["conditionsKept"] == "variables.oldConditions == variables.newConditions"
 
 
 def test_the_policy_names_the_node_from_the_token_not_from_the_request() -> None:

@@ -41,6 +41,7 @@ AGENT_USER = f"system:serviceaccount:{NAMESPACE}:{SERVICE_ACCOUNT}"
 DENIED_BY_POLICY = f"ValidatingAdmissionPolicy '{POLICY}' with binding '{POLICY}' denied request: "
 MERGE = {"_content_type": "application/merge-patch+json"}
 FOREIGN = {"key": "example.com/maintenance", "value": "planned", "effect": "NoSchedule"}
+CORDONED = {"gpuguard.io/cordoned": "true"}
 _names = itertools.count()
 
 ApiException = kubernetes.client.exceptions.ApiException
@@ -100,10 +101,11 @@ def new_node(admin: Admin, **kw: Any) -> str:
 
 
 def agent_core(admin: Admin, control_plane: Any, node: str) -> Any:
-    """CoreV1Api as gpuguard's ServiceAccount, with a token bound to a Pod of the DaemonSet on `node`."""
-    return kubernetes.client.CoreV1Api(
-        token_client(control_plane.url, control_plane.ca_path, admin.agent_token(node))
-    )
+    """CoreV1Api as gpuguard's ServiceAccount, with a token bound to a Pod of the DaemonSet on `node`, and
+    gpuguard's User-Agent: the API server names the agent's managedFields entries after it ("gpuguard")."""
+    client = token_client(control_plane.url, control_plane.ca_path, admin.agent_token(node))
+    client.user_agent = f"gpuguard/{__version__}"
+    return kubernetes.client.CoreV1Api(client)
 
 
 def _message(exc: ApiException) -> str:
@@ -206,7 +208,7 @@ def test_the_agent_can_taint_cordon_annotate_and_label_its_own_node_and_undo_it(
     node = new_node(admin, taints=[FOREIGN])
     core = agent_core(admin, control_plane, node)
     core.patch_node(node, {"spec": {"taints": [*taints(admin, node), ours()]}}, **MERGE)
-    core.patch_node(node, {"spec": {"unschedulable": True}}, **MERGE)
+    core.patch_node(node, {"spec": {"unschedulable": True}, "metadata": {"annotations": CORDONED}}, **MERGE)
     core.patch_node(node, {"metadata": {"annotations": {"gpuguard.io/reason": "ecc: 3 errors"}}}, **MERGE)
     core.patch_node(node, {"metadata": {"labels": {"gpuguard.io/quarantined": "true"}}}, **MERGE)
     n = admin.node(node)
@@ -222,7 +224,7 @@ def test_the_agent_can_taint_cordon_annotate_and_label_its_own_node_and_undo_it(
         {
             "spec": {"taints": kept, "unschedulable": False},
             "metadata": {
-                "annotations": {"gpuguard.io/reason": None},
+                "annotations": {"gpuguard.io/reason": None, "gpuguard.io/cordoned": None},
                 "labels": {"gpuguard.io/quarantined": None},
             },
         },
@@ -418,6 +420,255 @@ def test_refusals_are_recorded_in_the_audit_log(admin: Admin, control_plane: Any
     assert failures[0]["policy"] == POLICY and f"refused: node {there}" in failures[0]["message"]
 
 
+# -- what got through before: managed fields, conditions, the cordon (issue 13) ------------------------------
+
+MANAGED = (
+    "gpuguard may not change other managers' managedFields entries (they may only lose gpuguard's fields)"
+)
+MANAGED_PREFIX = f"{MANAGED}; refused change to the managedFields of "
+
+
+def managed_fields(admin: Admin, node: str) -> list[dict[str, Any]]:
+    return list(admin.node(node)["metadata"].get("managedFields") or [])
+
+
+def apply_as(admin: Admin, manager: str, node: str, fields: dict[str, Any]) -> None:
+    """Server-side apply by another manager (kubectl apply --server-side, a GitOps controller)."""
+    body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}, **fields}
+    admin.core.patch_node(
+        node, body, field_manager=manager, force=True, _content_type="application/apply-patch+yaml"
+    )
+
+
+def entry_of(entries: list[dict[str, Any]], manager: str, subresource: str = "") -> dict[str, Any] | None:
+    return next(
+        (e for e in entries if e["manager"] == manager and e.get("subresource", "") == subresource), None
+    )
+
+
+def test_the_agent_cannot_replace_managed_fields_with_a_forged_entry_for_another_manager(
+    admin: Admin, control_plane: Any
+) -> None:
+    """The attack as reported: a merge patch that sets managedFields to one entry for "ops" claiming the
+    node's hostname and GPU labels and its taints; ops' next server-side apply would delete them."""
+    node = new_node(admin, taints=[FOREIGN])
+    apply_as(admin, "ops", node, {"metadata": {"labels": {"team": "ml"}}})
+    before = managed_fields(admin, node)
+    core = agent_core(admin, control_plane, node)
+    forged = {
+        "manager": "ops",
+        "operation": "Apply",
+        "apiVersion": "v1",
+        "fieldsType": "FieldsV1",
+        "fieldsV1": {
+            "f:metadata": {"f:labels": {"f:kubernetes.io/hostname": {}, "f:nvidia.com/gpu.present": {}}},
+            "f:spec": {"f:taints": {}},
+        },
+    }
+    message = refused(lambda: core.patch_node(node, {"metadata": {"managedFields": [forged]}}, **MERGE))
+    assert named(message, MANAGED_PREFIX) == {
+        "OpenAPI-Generator (Update)",
+        "OpenAPI-Generator (Update status)",
+        "ops (Apply)",
+        "new entry ops (Apply)",
+    }
+    assert managed_fields(admin, node) == before
+
+
+def test_the_agent_cannot_add_fields_to_another_managers_managed_fields_entry(
+    admin: Admin, control_plane: Any
+) -> None:
+    node = new_node(admin, taints=[FOREIGN])
+    apply_as(admin, "ops", node, {"metadata": {"labels": {"team": "ml"}}})
+    before = managed_fields(admin, node)
+    forged = json.loads(json.dumps(before))
+    ops = entry_of(forged, "ops")
+    assert ops is not None
+    ops["fieldsV1"]["f:metadata"]["f:labels"]["f:nvidia.com/gpu.present"] = {}
+    ops["fieldsV1"]["f:spec"] = {"f:taints": {}}
+    core = agent_core(admin, control_plane, node)
+    message = refused(lambda: core.patch_node(node, {"metadata": {"managedFields": forged}}, **MERGE))
+    assert message == MANAGED_PREFIX + "ops (Apply)"
+    assert managed_fields(admin, node) == before
+
+
+def test_the_agent_cannot_wipe_managed_fields(admin: Admin, control_plane: Any) -> None:
+    """managedFields: [{}] dropped every entry, so server-side apply saw no conflict any more."""
+    node = new_node(admin)
+    apply_as(admin, "ops", node, {"metadata": {"labels": {"team": "ml"}}})
+    before = managed_fields(admin, node)
+    core = agent_core(admin, control_plane, node)
+    message = refused(lambda: core.patch_node(node, {"metadata": {"managedFields": [{}]}}, **MERGE))
+    assert {"OpenAPI-Generator (Update)", "OpenAPI-Generator (Update status)", "ops (Apply)"} <= named(
+        message, MANAGED_PREFIX
+    )
+    assert managed_fields(admin, node) == before
+
+
+def test_the_agent_cannot_rewrite_managed_fields_through_node_status(
+    admin: Admin, control_plane: Any, extra_agent_rights: None
+) -> None:
+    node = new_node(admin)
+    apply_as(admin, "ops", node, {"metadata": {"labels": {"team": "ml"}}})
+    before = managed_fields(admin, node)
+    core = agent_core(admin, control_plane, node)
+    body = {
+        "metadata": {"managedFields": [{}]},
+        "status": {"conditions": [{"type": "GPUHealthy", "status": "True"}]},
+    }
+    try:
+        core.patch_node_status(node, body, **MERGE)
+    except ApiException as exc:
+        assert exc.status == 403 and MANAGED in _message(exc), _message(exc)
+    # Either refused, or the API server kept metadata as it was (a status write changes no metadata).
+    after = managed_fields(admin, node)
+    assert [e for e in after if e["manager"] != "gpuguard"] == before
+
+
+def test_the_agent_cannot_claim_foreign_fields_in_its_own_managed_fields_entry(
+    admin: Admin, control_plane: Any
+) -> None:
+    node = new_node(admin)
+    before = managed_fields(admin, node)
+    claim = {
+        "manager": "gpuguard",
+        "operation": "Update",
+        "apiVersion": "v1",
+        "fieldsType": "FieldsV1",
+        "fieldsV1": {"f:metadata": {"f:labels": {"f:nvidia.com/gpu.present": {}}}},
+    }
+    core = agent_core(admin, control_plane, node)
+    message = refused(
+        lambda: core.patch_node(node, {"metadata": {"managedFields": [*before, claim]}}, **MERGE)
+    )
+    assert message == (
+        "gpuguard's managedFields may claim only gpuguard's fields; refused managedFields of "
+        "gpuguard (Update)"
+    )
+    assert managed_fields(admin, node) == before
+
+
+def test_the_agents_write_passes_when_it_takes_a_field_from_another_manager(
+    admin: Admin, control_plane: Any, extra_agent_rights: None
+) -> None:
+    """spec.taints is one atomic field: when gpuguard's merge patch changes it, the API server moves it from
+    the manager that set it (here ops, by server-side apply) to gpuguard. Allowed: ops only loses it."""
+    node = new_node(admin)
+    apply_as(admin, "ops", node, {"metadata": {"labels": {"team": "ml"}}, "spec": {"taints": [FOREIGN]}})
+    ops_spec = (entry_of(managed_fields(admin, node), "ops") or {})["fieldsV1"].get("f:spec", {})
+    assert "f:taints" in ops_spec
+    core = agent_core(admin, control_plane, node)
+    core.patch_node(
+        node,
+        {
+            "spec": {"taints": [FOREIGN, ours()], "unschedulable": True},
+            "metadata": {"annotations": {**CORDONED, "gpuguard.io/reason": "ecc"}},
+        },
+        **MERGE,
+    )
+    core.patch_node_status(node, {"status": {"conditions": [{"type": "GPUHealthy", "status": "False"}]}})
+    entries = managed_fields(admin, node)
+    ops = entry_of(entries, "ops")
+    assert ops is not None and "f:spec" not in ops["fieldsV1"], ops
+    assert ops["fieldsV1"]["f:metadata"]["f:labels"]["f:team"] == {}
+    gpuguard = entry_of(entries, "gpuguard")
+    assert gpuguard is not None and set(gpuguard["fieldsV1"]["f:spec"]) == {"f:taints", "f:unschedulable"}
+    core.patch_node(
+        node,
+        {
+            "spec": {"taints": [FOREIGN], "unschedulable": False},
+            "metadata": {"annotations": {"gpuguard.io/cordoned": None, "gpuguard.io/reason": None}},
+        },
+        **MERGE,
+    )
+    assert taints(admin, node) == [FOREIGN]
+
+
+def test_the_agents_write_passes_when_the_api_server_caps_update_managers(
+    admin: Admin, control_plane: Any
+) -> None:
+    """The API server keeps at most 10 Update entries: past that it merges the oldest into one named
+    "ancient-changes". gpuguard's first write on such a node adds an entry and so triggers the merge."""
+    node = new_node(admin)
+    for i in range(10):
+        admin.core.patch_node(
+            node,
+            {"metadata": {"labels": {f"example.com/l{i}": "v"}}},
+            field_manager=f"tool-{i}",
+            _content_type="application/merge-patch+json",
+        )
+        time.sleep(1.05)  # entries are ordered by their time, which has a resolution of one second
+    core = agent_core(admin, control_plane, node)
+    core.patch_node(node, {"spec": {"taints": [*taints(admin, node), ours()]}}, **MERGE)
+    managers = {e["manager"] for e in managed_fields(admin, node)}
+    print(sorted(managers))
+    assert "gpuguard" in managers
+
+
+def test_the_agent_cannot_duplicate_a_condition(
+    admin: Admin, control_plane: Any, extra_agent_rights: None
+) -> None:
+    """A merge patch replaces the list: the current conditions plus a second, identical Ready=True."""
+    node = new_node(admin)
+    ready = {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is ready"}
+    admin.core.patch_node_status(node, {"status": {"conditions": [ready]}})
+    current = admin.node(node)["status"]["conditions"]
+    core = agent_core(admin, control_plane, node)
+    body = {"status": {"conditions": [*current, current[0]]}}
+    message = refused(lambda: core.patch_node_status(node, body, **MERGE))
+    assert (
+        message
+        == "gpuguard may not leave a condition type twice in status; refused duplicate condition Ready"
+    )
+    assert admin.node(node)["status"]["conditions"] == current
+
+
+def test_the_agent_cannot_reorder_conditions(
+    admin: Admin, control_plane: Any, extra_agent_rights: None
+) -> None:
+    """Readers take the first condition of a type: order is meaning, not noise."""
+    node = new_node(admin)
+    fresh = {"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "runtime down"}
+    memory = {"type": "MemoryPressure", "status": "False", "reason": "KubeletHasSufficientMemory"}
+    admin.core.patch_node_status(node, {"status": {"conditions": [fresh, memory]}}, **MERGE)
+    current = admin.node(node)["status"]["conditions"]
+    core = agent_core(admin, control_plane, node)
+    swapped = {"status": {"conditions": [current[1], current[0]]}}
+    assert refused(lambda: core.patch_node_status(node, swapped, **MERGE)) == (
+        "gpuguard may change only the GPUHealthy condition in status; refused change to status "
+        "conditions other than GPUHealthy"
+    )
+    # A duplicated type that a writer other than gpuguard left (the API server does not refuse one): the
+    # stale Ready=True may not be moved ahead of the kubelet's Ready=False.
+    stale = {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "saved copy"}
+    admin.core.patch_node_status(node, {"status": {"conditions": [*current, stale]}}, **MERGE)
+    current = admin.node(node)["status"]["conditions"]
+    stale_first = {"status": {"conditions": [current[2], current[1], current[0]]}}
+    assert refused(lambda: core.patch_node_status(node, stale_first, **MERGE)) == (
+        "gpuguard may not leave a condition type twice in status; refused duplicate condition Ready"
+    )
+    assert admin.node(node)["status"]["conditions"] == current
+
+
+def test_the_agent_cannot_lift_a_cordon_it_did_not_place(admin: Admin, control_plane: Any) -> None:
+    node = new_node(admin, unschedulable=True)  # an administrator's cordon
+    core = agent_core(admin, control_plane, node)
+    assert refused(lambda: core.patch_node(node, {"spec": {"unschedulable": False}}, **MERGE)) == (
+        "gpuguard may lift only a cordon it placed (gpuguard.io/cordoned=true); refused uncordon of node "
+        + node
+    )
+    # Nor claim the cordon first and lift it in a second write.
+    claim = {"metadata": {"annotations": CORDONED}}
+    assert refused(lambda: core.patch_node(node, claim, **MERGE)) == (
+        "gpuguard may set gpuguard.io/cordoned only in the write that cordons the node; refused claim to"
+        f" the cordon of node {node}"
+    )
+    n = admin.node(node)
+    assert n["spec"]["unschedulable"] is True and "gpuguard.io/cordoned" not in n["metadata"].get(
+        "annotations", {}
+    )
+
+
 # -- who is not affected -------------------------------------------------------------------------------------
 
 
@@ -505,8 +756,22 @@ def test_the_policy_stays_within_cel_cost_limits_on_a_heavily_decorated_node(
     core = agent_core(admin, control_plane, node)
     current = taints(admin, node)
     started = time.monotonic()
-    core.patch_node(node, {"spec": {"taints": [*current, ours()], "unschedulable": True}}, **MERGE)
-    core.patch_node(node, {"spec": {"taints": current, "unschedulable": False}}, **MERGE)
+    core.patch_node(
+        node,
+        {
+            "spec": {"taints": [*current, ours()], "unschedulable": True},
+            "metadata": {"annotations": CORDONED},
+        },
+        **MERGE,
+    )
+    core.patch_node(
+        node,
+        {
+            "spec": {"taints": current, "unschedulable": False},
+            "metadata": {"annotations": {"gpuguard.io/cordoned": None}},
+        },
+        **MERGE,
+    )
     elapsed = time.monotonic() - started
     # A foreign change is still refused (the message stays generic past 100 taints, to bound its cost).
     message = refused(lambda: core.patch_node(node, {"spec": {"taints": current[1:]}}, **MERGE))
