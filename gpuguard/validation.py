@@ -35,6 +35,9 @@ MAX_ANNOTATION_BYTES = 16 * 1024
 of a node's annotations together; gpuguard takes a small, fixed share of it."""
 MAX_FAULT_KEY_BYTES = 253
 """One fault key: a reason and a GPU UUID (NVML's are 40 characters) with room to spare."""
+MAX_EVENT_MESSAGE_BYTES = 1024
+"""One Event's message, whatever the faults say: the API server would take 1 MiB, and Events are what
+`kubectl describe node` prints."""
 MAX_CONDITION_MESSAGE_BYTES = 32 * 1024
 """The API server's own limit for a condition's message."""
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")

@@ -22,8 +22,9 @@ import yaml
 from gpuguard import kubeapi
 from gpuguard.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
 from gpuguard.node.budget import Budget
-from gpuguard.node.view import NodeView
-from gpuguard.node.writers import KubeNodeWriter
+from gpuguard.node.view import EventSpec, NodeView
+from gpuguard.node.writers import EVENT_NAMESPACE, KubeNodeWriter
+from gpuguard.validation import MAX_EVENT_MESSAGE_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -328,6 +329,24 @@ def test_the_writer_speaks_the_node_endpoints(server: str) -> None:
         ("GET", quarantined_query, None, metadata),
         ("GET", quarantined_query, None, metadata),
     ]
+
+
+def test_an_event_goes_to_the_event_namespace_with_its_message_bounded(server: str) -> None:
+    """A fault's text can be long (every GPU of a node, NVML's own strings): the Event carries at most
+    MAX_EVENT_MESSAGE_BYTES of it, and goes only where the Role lets the agent write Events."""
+    client = kubeapi.Client(kubeapi.Credentials(server=server), user_agent="t")
+    node = NodeView(name="gpu-1", uid="u-1")
+    KubeNodeWriter("gpu-1", api=client).record_event(
+        node, EventSpec("Warning", "GPUUnhealthy", "Xid 79 on GPU-\u00e9" + "x" * (1 << 20) + "\x1b[2J")
+    )
+    (request,) = Recorder.seen
+    assert (request["method"], request["path"]) == ("POST", f"/api/v1/namespaces/{EVENT_NAMESPACE}/events")
+    event = json.loads(request["body"])
+    assert event["metadata"]["namespace"] == EVENT_NAMESPACE == "default"
+    message = event["message"]
+    assert len(message.encode()) <= MAX_EVENT_MESSAGE_BYTES and message.startswith("Xid 79 on GPU-\u00e9")
+    assert message.endswith("...") and "\x1b" not in message
+    assert event["involvedObject"] == {"apiVersion": "v1", "kind": "Node", "name": "gpu-1", "uid": "u-1"}
 
 
 def test_a_server_that_is_not_a_url_is_a_config_error() -> None:

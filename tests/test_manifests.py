@@ -24,6 +24,7 @@ import yaml
 from gpuguard.cli import cli
 from gpuguard.config import TAINT_EFFECTS, ServerSettings
 from gpuguard.node.view import TAINT_KEY
+from gpuguard.node.writers import EVENT_NAMESPACE
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "deploy" / "daemonset.yaml"
@@ -38,6 +39,8 @@ API_VERSIONS = {
     "ServiceAccount": "v1",
     "ClusterRole": "rbac.authorization.k8s.io/v1",
     "ClusterRoleBinding": "rbac.authorization.k8s.io/v1",
+    "Role": "rbac.authorization.k8s.io/v1",
+    "RoleBinding": "rbac.authorization.k8s.io/v1",
     "DaemonSet": "apps/v1",
 }
 
@@ -177,7 +180,7 @@ def _context_excludes(name: str) -> bool:
 # -- the manifests -----------------------------------------------------------------------------------------
 
 
-def test_the_manifest_defines_a_namespace_service_account_cluster_role_binding_and_daemon_set() -> None:
+def test_the_manifest_defines_a_namespace_service_account_roles_bindings_and_daemon_set() -> None:
     kinds = sorted(d["kind"] for d in _documents())
     assert kinds == sorted(API_VERSIONS)
     for doc in _documents():
@@ -187,6 +190,9 @@ def test_the_manifest_defines_a_namespace_service_account_cluster_role_binding_a
     assert _one("DaemonSet")["metadata"]["namespace"] == NAMESPACE
     for kind in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
         assert "namespace" not in _one(kind)["metadata"], f"{kind} is cluster-scoped"
+    # The Events Role lives where the agent writes its Events, not in gpuguard's own namespace.
+    for kind in ("Role", "RoleBinding"):
+        assert _one(kind)["metadata"]["namespace"] == EVENT_NAMESPACE, kind
 
 
 @pytest.mark.parametrize("kind", sorted(API_VERSIONS))
@@ -204,30 +210,44 @@ def test_every_manifest_matches_the_kubernetes_api_schema(kind: str) -> None:
     assert not snake, f"snake_case field names: {snake}"
 
 
-def test_the_cluster_role_grants_exactly_nodes_get_list_patch_node_status_patch_and_events_create() -> None:
-    rules = _one("ClusterRole")["rules"]
+def _grants(role: dict[str, Any]) -> set[tuple[str, str, str]]:
     granted = set()
-    for rule in rules:
+    for rule in role["rules"]:
         assert set(rule) <= {"apiGroups", "resources", "verbs"}, "no resourceNames or nonResourceURLs"
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
                 for verb in rule["verbs"]:
                     granted.add((group, resource, verb))
-    assert granted == {
+    return granted
+
+
+def test_the_cluster_role_grants_exactly_nodes_get_list_patch_and_node_status_patch() -> None:
+    assert _grants(_one("ClusterRole")) == {
         ("", "nodes", "get"),
         ("", "nodes", "list"),  # the quarantine budget counts quarantined GPU nodes
         ("", "nodes", "patch"),
         ("", "nodes/status", "patch"),  # the GPUHealthy node condition
-        ("", "events", "create"),
     }
 
 
-def test_the_cluster_role_binding_binds_the_cluster_role_to_the_daemon_sets_service_account() -> None:
-    binding = _one("ClusterRoleBinding")
+def test_events_are_granted_only_in_the_namespace_the_agent_writes_them_to() -> None:
+    """Not cluster-wide: a stolen token could post spoofed Events into kube-system or a tenant's namespace."""
+    role = _one("Role")
+    assert role["metadata"]["namespace"] == EVENT_NAMESPACE
+    assert _grants(role) == {("", "events", "create")}
+
+
+@pytest.mark.parametrize(
+    ("binding_kind", "role_kind"), [("ClusterRoleBinding", "ClusterRole"), ("RoleBinding", "Role")]
+)
+def test_each_binding_binds_its_role_to_the_daemon_sets_service_account(
+    binding_kind: str, role_kind: str
+) -> None:
+    binding = _one(binding_kind)
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
-        "kind": "ClusterRole",
-        "name": _one("ClusterRole")["metadata"]["name"],
+        "kind": role_kind,
+        "name": _one(role_kind)["metadata"]["name"],
     }
     sa = _one("ServiceAccount")["metadata"]
     assert binding["subjects"] == [

@@ -35,6 +35,9 @@ log = structlog.get_logger("gpuguard.node.writers")
 USER_AGENT = f"gpuguard/{__version__}"
 _METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 DRY_RUN_NODE = "dry-run"
+# Where the agent's Events about its node go: "default", like the kubelet's node Events. The only namespace
+# whose Events the agent may create (a Role there, deploy/daemonset.yaml).
+EVENT_NAMESPACE = "default"
 
 
 class NodeWriter(Protocol):
@@ -96,7 +99,7 @@ class KubeNodeWriter:
         *,
         api: kubeapi.Client,
         timeout: float = 10.0,
-        event_namespace: str = "default",
+        event_namespace: str = EVENT_NAMESPACE,
         metrics: Metrics | None = None,
         gpu_node_selector: str = GPU_NODE_SELECTOR,
     ) -> None:
@@ -135,7 +138,7 @@ class KubeNodeWriter:
             "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": node.uid},
             "type": event.type,
             "reason": event.reason,
-            "message": validation.clean_text(event.message),
+            "message": validation.clean_text(event.message, max_bytes=validation.MAX_EVENT_MESSAGE_BYTES),
             "source": {"component": "gpuguard", "host": node.name},
             "reportingComponent": "gpuguard",
             "reportingInstance": node.name,

@@ -29,6 +29,8 @@ def admin(admin_api: kubernetes.client.ApiClient) -> Admin:
         "ServiceAccount/gpuguard",
         "ClusterRole/gpuguard",
         "ClusterRoleBinding/gpuguard",
+        "Role/gpuguard",
+        "RoleBinding/gpuguard",
         "DaemonSet/gpuguard",
     } <= set(created)
     return a

