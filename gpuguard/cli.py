@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
-from gpuguard import __version__
+from gpuguard import __version__, validation
 from gpuguard.config import (
     DEFAULT_IGNORED_XIDS,
     GPU_NODE_SELECTOR,
@@ -282,13 +282,25 @@ def status(kubeconfig: str | None, output: str) -> int:
     from gpuguard.node.writers import load_api_client, quarantined_nodes  # noqa: PLC0415
 
     try:
-        rows = quarantined_nodes(load_api_client(kubeconfig))
+        rows = [_printable(r) for r in quarantined_nodes(load_api_client(kubeconfig))]
     except GpuguardError as exc:
         raise ConfigError(f"status: {exc}") from None
     from gpuguard import report  # noqa: PLC0415
 
     click.echo(json.dumps(rows, indent=2) if output == "json" else report.status_table(rows))
     return EXIT_OK
+
+
+def _printable(value: Any) -> Any:
+    """A value read from the API, for the terminal: no control characters in the table or the JSON (another
+    node's annotations can hold anything, an escape sequence included)."""
+    if isinstance(value, str):
+        return validation.printable(value)
+    if isinstance(value, list):
+        return [_printable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _printable(v) for k, v in value.items()}
+    return value
 
 
 @cli.command()

@@ -3,6 +3,7 @@
 Two kinds:
 - sanitizers, which never fail: `clean_text` makes free text (a fault's reason, an Event or condition
   message) safe to store, with no control or invisible formatting characters and a byte bound;
+  `printable` makes a value read from the API safe to print (its unsafe characters escaped);
   `fault_key` does the same for the machine-read fault keys;
 - checks, which return their argument or raise ConfigError (one line, the value shown escaped and
   shortened): `node_name`, `label_value`, `taint_value`, `our_key`, and, at the write boundary,
@@ -99,6 +100,13 @@ def clean_text(text: str, *, max_bytes: int = MAX_TEXT_BYTES) -> str:
     # errors="ignore" drops a character cut in half; the stripped tail keeps the result idempotent.
     head = encoded[: max_bytes - len(_ELLIPSIS)].decode("utf-8", errors="ignore").rstrip()
     return head + _ELLIPSIS
+
+
+def printable(text: str) -> str:
+    """`text` for a terminal: every unsafe character (an escape sequence's ESC, a bidirectional override, a
+    newline) shown as its Python escape (\\x1b, \\u202e, \\n), so what the API holds is visible but does
+    nothing. Unlike clean_text it keeps the length and hides nothing: for showing values, not storing them."""
+    return "".join(ch.encode("unicode_escape").decode("ascii") if _unsafe(ch) else ch for ch in text)
 
 
 def fault_key(key: str) -> str:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from gpuguard.errors import ConflictError, NodeUpdateError
 from gpuguard.node.budget import Budget
@@ -88,3 +90,17 @@ class FakeNodeWriter:
             fields["resource_version"] = str(int(self.node.resource_version) + 1)
             self.node = NodeView(**fields)
             return self.node
+
+
+@contextmanager
+def http_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A stand-in HTTP server on 127.0.0.1 (a free port) answering with `handler` while the block runs; yields
+    its URL."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -9,10 +9,9 @@ import os
 import stat
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,6 +24,7 @@ from gpuguard.node.budget import Budget
 from gpuguard.node.view import EventSpec, NodeView
 from gpuguard.node.writers import EVENT_NAMESPACE, KubeNodeWriter
 from gpuguard.validation import MAX_EVENT_MESSAGE_BYTES
+from tests.fakes import http_server
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -202,12 +202,8 @@ class Recorder(BaseHTTPRequestHandler):
 @pytest.fixture
 def server() -> Iterator[str]:
     Recorder.seen, Recorder.replies = [], []
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
-    t = threading.Thread(target=httpd.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with http_server(Recorder) as url:
+        yield url
 
 
 NODE = {"metadata": {"name": "gpu/1", "resourceVersion": "7", "uid": "u"}, "spec": {}, "status": {}}
@@ -289,9 +285,15 @@ def test_the_writer_speaks_the_node_endpoints(server: str) -> None:
     client = kubeapi.Client(kubeapi.Credentials(server=server), user_agent="t")
     writer = KubeNodeWriter("gpu/1", api=client)
     no_headers: dict[str, str] = {}
-    quarantined = {"items": [{"metadata": {"name": "q", "annotations": {"gpuguard.io/since": "S"}}}]}
     quarantined_label = {"gpuguard.io/quarantined": "true"}
-    fleet = [{"metadata": {"name": f"n{i}", "labels": quarantined_label if i < 2 else {}}} for i in range(30)]
+    since = {"gpuguard.io/since": "2026-01-02T03:04:05Z"}
+    quarantined = {"items": [{"metadata": {"name": "q", "labels": quarantined_label, "annotations": since}}]}
+    fleet = [
+        {"metadata": {"name": f"n{i}", "labels": quarantined_label, "annotations": since}}
+        if i < 2
+        else {"metadata": {"name": f"n{i}"}}
+        for i in range(30)
+    ]
     Recorder.replies = [
         (200, no_headers, json.dumps(NODE).encode()),
         (200, no_headers, json.dumps(NODE).encode()),

@@ -2,6 +2,8 @@
 once, so that a bad driver roll-out that makes every node report an Xid cannot take the fleet out of service.
 
 - arithmetic: `Budget`, `budget_limit`, `count_budget` (from the nodes' metadata);
+- what another node claims, validated before it counts: `quarantine_entry` (pure) and `OtherNodes`, which
+  ignores a malformed or forged claim and logs it once;
 - the quarantine order (`quarantine_rank`) and the step back of a node past the limit (`plan_yield`);
 - `limit`: the pure gate that turns the planner's full quarantine into the deferred one when there is no room;
 - `QuarantineBudget`: the budget's state across reconciles (the list of this call, the deferred re-check, the
@@ -13,14 +15,17 @@ The fleet is read through `BudgetSource`, a two-method seam of its own: this mod
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
 from fractions import Fraction
 from typing import Any, Protocol
 
 import structlog
 
+from gpuguard import validation
 from gpuguard.config import NodeSettings
 from gpuguard.errors import NodeUpdateError
 from gpuguard.model import Verdict
@@ -44,6 +49,11 @@ log = structlog.get_logger("gpuguard.node.budget")
 # Seconds after a full quarantine when the quarantine order is checked a second time: by then the writes of
 # every agent that faulted in the same burst have landed (the first check runs right after our own write).
 VERIFY_SETTLE = 10.0
+# How far ahead of this node's clock another node's gpuguard.io/since may lie before it counts as a lie: node
+# clocks drift apart by seconds (NTP), not by minutes.
+SINCE_SKEW = timedelta(minutes=5)
+# The one form gpuguard writes (view.rfc3339): one form, so that comparing the strings compares the times.
+_SINCE = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z")
 
 
 @dataclass(frozen=True)
@@ -78,16 +88,78 @@ def budget_limit(spec: str, gpu_nodes: int) -> int:
     return int(spec)
 
 
-def count_budget(items: Iterable[Mapping[str, Any]], spec: str, *, exclude: str) -> Budget:
+def count_budget(
+    items: Iterable[Mapping[str, Any]], spec: str, *, exclude: str, quarantined: Iterable[tuple[str, str]]
+) -> Budget:
     """A percentage budget from the GPU nodes' metadata: the total (this node counted even if its label is
-    missing) and, from the labels, the fully quarantined ones other than this node."""
-    metas = [i["metadata"] for i in items]
-    names = {m["name"] for m in metas}
-    quarantined = sum(
-        1 for m in metas if m["name"] != exclude and (m.get("labels") or {}).get(LABEL_QUARANTINED) == "true"
-    )
+    missing) and the fully quarantined ones other than this node, as `OtherNodes` let them count."""
+    names = {i["metadata"]["name"] for i in items}
     total = len(names) if exclude in names else len(names) + 1
-    return Budget(gpu_nodes=total, quarantined=quarantined, limit=budget_limit(spec, total))
+    counted = sum(1 for _, name in set(quarantined) if name != exclude)
+    return Budget(gpu_nodes=total, quarantined=counted, limit=budget_limit(spec, total))
+
+
+def quarantine_entry(meta: Mapping[str, Any], *, now: datetime) -> tuple[str, str] | str:
+    """(gpuguard.io/since, name) of a node that another agent fully quarantined, as it counts in the budget
+    and the quarantine order; or why it does not count. Pure.
+
+    Every agent reads these keys from every other node, and a stolen token can write them on its own node:
+    a node counts only with the label "true" and a `since` in gpuguard's own form, not before the node was
+    created and not ahead of `now` by more than SINCE_SKEW. Otherwise `since=0000-01-01T00:00:00Z` would rank
+    a node first for ever and push real faults past the limit. Deterministic but for `now`, so every agent
+    ignores the same claims (near the skew bound for a few seconds at most)."""
+    labels = meta.get("labels") or {}
+    if labels.get(LABEL_QUARANTINED) != "true":
+        return "not labelled quarantined=true"
+    since = (meta.get("annotations") or {}).get(ANN_SINCE)
+    if not isinstance(since, str) or not _SINCE.fullmatch(since):
+        return f"{ANN_SINCE} is not an RFC 3339 UTC time: {since!r:.80}"
+    try:
+        when = datetime.strptime(since, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    except ValueError:
+        return f"{ANN_SINCE} is not a valid time: {since!r}"
+    if when > now + SINCE_SKEW:
+        return f"{ANN_SINCE} {since} lies in the future"
+    created = _time(meta.get("creationTimestamp"))
+    if created is not None and when < created:
+        return f"{ANN_SINCE} {since} lies before the node was created ({meta.get('creationTimestamp')})"
+    return (since, str(meta["name"]))
+
+
+def _time(value: object) -> datetime | None:
+    """The API server's own timestamps (creationTimestamp): RFC 3339, second precision, UTC."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    except ValueError:
+        return None
+
+
+class OtherNodes:
+    """Other nodes' claims as the budget may count them: each item through `quarantine_entry`; an ignored
+    one is logged once (node.claim_ignored, per node and reason), not at every list."""
+
+    def __init__(self, *, clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+        self._clock = clock
+        self._logged: set[tuple[str, str]] = set()
+
+    def quarantined(self, items: Iterable[Mapping[str, Any]]) -> list[tuple[str, str]]:
+        now = self._clock()
+        out = []
+        for item in items:
+            meta = item.get("metadata") or {}
+            entry = quarantine_entry(meta, now=now)
+            if isinstance(entry, tuple):
+                out.append(entry)
+                continue
+            if LABEL_QUARANTINED not in (meta.get("labels") or {}):
+                continue  # an unquarantined node in the fleet list: nothing claimed, nothing to say
+            name = validation.clean_text(str(meta.get("name", "")), max_bytes=253)
+            if (name, entry) not in self._logged:
+                self._logged.add((name, entry))
+                log.warning("node.claim_ignored", other_node=name, reason=validation.clean_text(entry))
+        return out
 
 
 def quarantine_rank(order: Iterable[tuple[str, str]], me: tuple[str, str]) -> int:

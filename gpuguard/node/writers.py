@@ -19,7 +19,7 @@ from gpuguard import __version__, kubeapi, validation
 from gpuguard.config import GPU_NODE_SELECTOR, NodeSettings
 from gpuguard.errors import ConfigError, GpuguardError, NodeUpdateError, PermanentApiError
 from gpuguard.metrics import Metrics
-from gpuguard.node.budget import Budget, count_budget
+from gpuguard.node.budget import Budget, OtherNodes, count_budget
 from gpuguard.node.view import (
     ANN_REASON,
     ANN_SINCE,
@@ -102,6 +102,7 @@ class KubeNodeWriter:
         event_namespace: str = EVENT_NAMESPACE,
         metrics: Metrics | None = None,
         gpu_node_selector: str = GPU_NODE_SELECTOR,
+        others: OtherNodes | None = None,
     ) -> None:
         self._name = name
         self._gpu_nodes = gpu_node_selector
@@ -110,6 +111,7 @@ class KubeNodeWriter:
         self._timeout = timeout
         self._event_namespace = event_namespace
         self._metrics = metrics
+        self._others = others or OtherNodes()
 
     def read(self) -> NodeView:
         with self._counted("get"):
@@ -157,17 +159,15 @@ class KubeNodeWriter:
         if not spec.endswith("%"):
             quarantined = sum(1 for _, name in self.quarantine_order() if name != exclude)
             return Budget(quarantined=quarantined, limit=int(spec))
-        return count_budget(self._list_metadata("list GPU nodes", self._gpu_nodes), spec, exclude=exclude)
+        items = self._list_metadata("list GPU nodes", self._gpu_nodes)
+        return count_budget(items, spec, exclude=exclude, quarantined=self._others.quarantined(items))
 
     def quarantine_order(self) -> list[tuple[str, str]]:
         """Metadata of the fully quarantined GPU nodes only (label selector): a few items, not the fleet.
-        Only the GPU nodes the budget counts: a quarantined node outside them is not in this budget."""
+        Only the GPU nodes the budget counts: a quarantined node outside them is not in this budget. Each
+        node's claim validated first (`OtherNodes`): a malformed or forged one does not count."""
         selector = ",".join(s for s in (f"{LABEL_QUARANTINED}=true", self._gpu_nodes) if s)
-        items = self._list_metadata("list quarantined nodes", selector)
-        return [
-            (str((i["metadata"].get("annotations") or {}).get(ANN_SINCE, "")), str(i["metadata"]["name"]))
-            for i in items
-        ]
+        return self._others.quarantined(self._list_metadata("list quarantined nodes", selector))
 
     def _list_metadata(self, what: str, selector: str) -> list[dict[str, Any]]:
         """Nodes by label selector, metadata only (PartialObjectMetadataList: no specs, no statuses)."""
