@@ -669,6 +669,34 @@ def test_the_agent_cannot_lift_a_cordon_it_did_not_place(admin: Admin, control_p
     )
 
 
+def test_the_agent_cannot_label_its_node_quarantined_without_its_taint(
+    admin: Admin, control_plane: Any
+) -> None:
+    """Other agents count the label against the quarantine budget and cannot see taints in the metadata they
+    list: a label without the taint would spend budget while the node stays schedulable."""
+    node = new_node(admin)
+    core = agent_core(admin, control_plane, node)
+    for value in ("true", "deferred"):
+        label = {"metadata": {"labels": {"gpuguard.io/quarantined": value}}}
+        assert refused(lambda: core.patch_node(node, label, **MERGE)) == (  # noqa: B023 - called at once
+            "gpuguard may label a node gpuguard.io/quarantined only together with its "
+            f"gpuguard.io/gpu-unhealthy taint; refused label of node {node}"
+        )
+    # Together with the taint, as the agent writes it: allowed; and an administrator's removal of the taint
+    # leaves a label the agent's later writes may keep (until it clears it).
+    core.patch_node(
+        node,
+        {
+            "metadata": {"labels": {"gpuguard.io/quarantined": "true"}},
+            "spec": {"taints": [*taints(admin, node), ours()]},
+        },
+        **MERGE,
+    )
+    admin.patch_node(node, {"spec": {"taints": [t for t in taints(admin, node) if t["key"] != TAINT_KEY]}})
+    core.patch_node(node, {"metadata": {"annotations": {"gpuguard.io/reason": "still"}}}, **MERGE)
+    core.patch_node(node, {"metadata": {"labels": {"gpuguard.io/quarantined": None}}}, **MERGE)
+
+
 # -- who is not affected -------------------------------------------------------------------------------------
 
 
