@@ -113,6 +113,7 @@ def _gpu_options(f: F) -> F:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "-V", "--version", prog_name="gpuguard", message="%(prog)s %(version)s")
 def cli() -> None:
     """gpuguard: taints and cordons its own Kubernetes node when a GPU goes bad."""
 
@@ -247,7 +248,15 @@ def watch(**kw: Any) -> int:
 @cli.command()
 @_gpu_options
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
-def check(output: str, **kw: Any) -> int:
+@click.option(
+    "--at",
+    "at",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Mock backend only: check the scenario as it stands this many seconds in (its events up to then, "
+    "Xids included, have happened).",
+)
+def check(output: str, at: float | None, **kw: Any) -> int:
     """One pass over the GPUs: exit 0 healthy, 1 unhealthy (or no GPU), 2 usage error, 3 no NVML library.
 
     Usable as an initContainer preflight. Xids are events: a one-shot check sees none that happened
@@ -259,7 +268,7 @@ def check(output: str, **kw: Any) -> int:
     from gpuguard import logs, report, running  # noqa: PLC0415
 
     logs.configure(cfg.log_format, level=logging.WARNING)  # stdout is the table; stderr only problems
-    result = running.check_once(cfg)
+    result = running.check_once(cfg, at=at)
     if result.no_library:
         click.echo(f"gpuguard: {NO_NVML_HINT}", err=True)
     verdict = result.verdict

@@ -20,12 +20,13 @@ from gpuguard.policy import evaluate
 log = structlog.get_logger("gpuguard.running")
 
 
-def make_backend(cfg: Config) -> Backend:
-    """The mock (a scenario; a bad one fails here, before anything starts) or NVML."""
+def make_backend(cfg: Config, *, start_at: float = 0.0) -> Backend:
+    """The mock (a scenario, its clock started at `start_at`; a bad one fails here, before anything starts) or
+    NVML."""
     if cfg.backend == "mock":
         from gpuguard.nvml.mock import MockBackend, load_scenario  # noqa: PLC0415
 
-        return MockBackend(load_scenario(cfg.scenario))
+        return MockBackend(load_scenario(cfg.scenario), start_at=start_at)
     from gpuguard.nvml.real import NvmlBackend  # noqa: PLC0415 - pynvml only when asked for
 
     return NvmlBackend()
@@ -38,9 +39,11 @@ class Check:
     no_library: bool
 
 
-def check_once(cfg: Config) -> Check:
-    """One pass over the GPUs (`gpuguard check`)."""
-    backend = make_backend(cfg)
+def check_once(cfg: Config, *, at: float | None = None) -> Check:
+    """One pass over the GPUs (`gpuguard check`); `at` reads a mock scenario as it stands that many seconds in."""
+    if at is not None and cfg.backend != "mock":
+        raise ConfigError("--at needs --backend mock: it moves a scenario's clock, not a real GPU's")
+    backend = make_backend(cfg, start_at=at or 0.0)
     backend.open(lambda: None)
     try:
         snapshot = backend.snapshot()

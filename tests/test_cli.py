@@ -45,6 +45,37 @@ def test_version_prints_the_version() -> None:
     assert r.returncode == 0 and r.stdout.startswith("gpuguard 0.")
 
 
+def test_dash_dash_version_prints_the_version_like_the_version_command() -> None:
+    assert run("--version").stdout == run("version").stdout
+    assert run("--version").returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("scenario", "at", "fault"),
+    [
+        (None, "6", "ecc: 2 uncorrected volatile ECC errors (GPU 3"),
+        ("examples/ecc-then-xid.yaml", "4", "xid-79: GPU has fallen off the bus (GPU 0"),
+        ("examples/gpu-lost.yaml", "2", "gpu-lost: GPU is lost"),
+    ],
+)
+def test_check_at_seconds_shows_the_fault_a_shipped_scenario_has_by_then(
+    scenario: str | None, at: str, fault: str
+) -> None:
+    args = ["check", "--backend", "mock", "--at", at] + (["--scenario", scenario] if scenario else [])
+    result = run(*args)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert fault in result.stdout
+    assert run(*[a for a in args if a not in ("--at", at)]).returncode == 0  # at 0: still healthy
+
+
+def test_check_at_on_the_nvml_backend_is_a_usage_error() -> None:
+    result = run("check", "--at", "5")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "gpuguard: error: --at needs --backend mock: it moves a scenario's clock, not a real GPU's"
+    )
+
+
 def test_check_on_healthy_gpus_exits_0_and_prints_a_table(tmp_path: Path) -> None:
     r = run("check", "--backend", "mock", "--scenario", write(tmp_path, "gpus: 2"))
     assert r.returncode == 0, r.stderr

@@ -196,8 +196,11 @@ class MockBackend:
         *,
         clock: Callable[[], float] = time.monotonic,
         start_timer: bool = True,
+        start_at: float = 0.0,
     ) -> None:
+        """start_at: the scenario time at open() (`gpuguard check --at`): events up to it are due at once."""
         self._scenario = scenario
+        self._start_at = start_at
         self._clock = clock
         self._start_timer = start_timer
         self._lock = threading.Lock()
@@ -233,7 +236,7 @@ class MockBackend:
     def _elapsed(self) -> float:
         if self._t0 is None:
             raise RuntimeError("MockBackend.snapshot() before open()")
-        return self._clock() - self._t0
+        return self._clock() - self._t0 + self._start_at
 
     def _apply_due(self) -> None:
         now = self._elapsed()
