@@ -9,8 +9,11 @@ from gpuguard.model import Verdict
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, *, dry_run: bool = False) -> None:
+        """dry_run: the node gauges carry dry_run="true": what the agent would have done, so alerts can be
+        rehearsed before enforcing (select dry_run="false" for the real thing)."""
         self.registry = registry
+        self._dry_run = "true" if dry_run else "false"
         self.gpu_healthy = Gauge(
             "gpuguard_gpu_healthy",
             "1 if the GPU is healthy, 0 if not.",
@@ -35,14 +38,21 @@ class Metrics:
             ["gpu", "uuid"],
             registry=registry,
         )
-        self.quarantined = Gauge(
-            "gpuguard_node_quarantined", "1 while gpuguard's taint is on the node.", registry=registry
-        )
-        self.quarantine_deferred = Gauge(
-            "gpuguard_node_quarantine_deferred",
-            "1 while the quarantine budget is spent and this node has only the soft taint.",
+        self._quarantined = Gauge(
+            "gpuguard_node_quarantined",
+            '1 while gpuguard\'s taint is on the node (dry_run="true": would be).',
+            ["dry_run"],
             registry=registry,
         )
+        self._quarantine_deferred = Gauge(
+            "gpuguard_node_quarantine_deferred",
+            "1 while the quarantine budget is spent and this node has only the soft taint "
+            '(dry_run="true": would have).',
+            ["dry_run"],
+            registry=registry,
+        )
+        self.quarantined = self._quarantined.labels(self._dry_run)
+        self.quarantine_deferred = self._quarantine_deferred.labels(self._dry_run)
         self.check_duration = Histogram(
             "gpuguard_check_duration_seconds",
             "Time of one check (read every GPU and evaluate).",

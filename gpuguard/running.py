@@ -80,7 +80,7 @@ def watch(cfg: Config) -> bool:
 
     logs.configure(cfg.log_format)
     backend = make_backend(cfg)
-    metrics = Metrics(REGISTRY)
+    metrics = Metrics(REGISTRY, dry_run=cfg.node.dry_run)
     writer = make_writer(cfg.node, metrics)
     budget = QuarantineBudget(writer, cfg.node)
     reconciler = NodeReconciler(writer, cfg.node, budget=budget, metrics=metrics)

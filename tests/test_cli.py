@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -182,6 +183,18 @@ def test_watch_dry_run_shows_a_fault_on_healthz_within_two_intervals(
         assert gpu1["healthy"] is False and gpu1["reasons"][0].startswith(reason)
         doc, _ = wait_until(port, lambda d: d["tainted"], 1)
         assert doc["tainted"] and doc["cordoned"]
+
+
+def test_a_dry_run_exports_the_quarantine_it_would_make_under_dry_run_true(tmp_path: Path) -> None:
+    s = write(tmp_path, "gpus: 2\nevents:\n  - {at: 0.5, gpu: 1, ecc_uncorrected: 1}\n")
+    with watching(s, "--interval", "0.2") as (_, port):
+        wait_until(port, lambda d: d["tainted"], 5)
+        time.sleep(0.5)  # the gauges follow the next check
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+    assert 'gpuguard_node_quarantined{dry_run="true"} 1.0' in text
+    assert 'gpuguard_node_quarantine_deferred{dry_run="true"} 0.0' in text
+    assert 'dry_run="false"' not in text
 
 
 def test_watch_dry_run_fault_appears_within_two_intervals_of_its_time(tmp_path: Path) -> None:
