@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install run test unit lint fakenvml testenv helm kube-up kube-down kube-status bench gpu-smoke clean
+.PHONY: install run test unit lint fakenvml testenv testenv-oldest helm promtool image kube-up kube-down kube-status bench gpu-smoke clean
 
 install: $(STAMP)
 
@@ -31,9 +31,24 @@ fakenvml: install
 testenv:
 	bash hack/testenv/build.sh
 
-# helm, built once from its pinned Go module into ~/.cache/gpuguard/helm/<version>/ (~3-4 min cold on 2 cores).
+# The oldest supported Kubernetes (versions.env KUBE_VERSION_OLDEST): kube-apiserver and etcd only.
+testenv-oldest:
+	bash hack/testenv/build.sh --oldest
+
+# helm 4 and helm 3, each built once from its pinned Go module into ~/.cache/gpuguard/helm/<version>/
+# (~3-5 min each cold on 2 cores).
 helm:
 	hack/helm/build.sh
+	hack/helm/build.sh --v3
+
+# promtool (Prometheus's rule checker), built once from its Go module into ~/.cache/gpuguard/promtool/<version>/.
+promtool:
+	hack/promtool/build.sh
+
+# The Dockerfile's image, built with buildah on a Debian stand-in base (hack/image/build.sh; root; installs
+# buildah and debootstrap with apt-get when missing). The base is cached in ~/.cache/gpuguard/image-base/.
+image:
+	hack/image/build.sh
 
 # A control plane on 127.0.0.1 for manual use; prints the admin kubeconfig path (.kube-test/kubeconfig).
 kube-up: install testenv
@@ -47,7 +62,7 @@ kube-status: install
 
 # Unit tests, the nvml backend through the fake library, and the integration tests against a real
 # etcd + kube-apiserver that the test session starts on 127.0.0.1 and stops again.
-test: install fakenvml testenv helm
+test: install fakenvml testenv testenv-oldest helm promtool image
 	$(BIN)/python -m pytest -q
 
 unit: install fakenvml

@@ -9,9 +9,6 @@ agent setting it names, and every setting the chart can render must be one `gpug
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,61 +20,22 @@ from gpuguard.cli import cli
 from gpuguard.config import ServerSettings
 from gpuguard.node.view import TAINT_KEY
 from tests.agentproc import WatchProcess
+from tests.helmtool import CHART, NAMESPACE, ROOT, Docs, Helm, build_helm
 
-ROOT = Path(__file__).resolve().parents[1]
-CHART = ROOT / "deploy" / "helm" / "gpuguard"
 MANIFEST = ROOT / "deploy" / "daemonset.yaml"
 ADMISSION_POLICY = ROOT / "deploy" / "admission-policy.yaml"
-BUILD_SCRIPT = ROOT / "hack" / "helm" / "build.sh"
-NAMESPACE = "gpuguard"
 
 # The first run builds helm inside the test session: allow it more than pytest's default timeout.
 pytestmark = pytest.mark.timeout(1200)
-
-Docs = list[dict[str, Any]]
 
 
 # -- helpers -----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Helm:
-    binary: str
-    env: dict[str, str]
-
-    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [self.binary, *args], env=self.env, capture_output=True, text=True, timeout=120, check=False
-        )
-
-    def render(self, *values: str, release: str = "gpuguard", namespace: str = NAMESPACE) -> Docs:
-        result = self.run("template", release, str(CHART), "--namespace", namespace, *values)
-        assert result.returncode == 0, result.stderr
-        return [d for d in yaml.safe_load_all(result.stdout) if d is not None]
-
-
 @pytest.fixture(scope="session")
 def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
-    """helm from hack/helm/build.sh, its config, cache and data directories isolated from the user's."""
-    if os.environ.get("GPUGUARD_SKIP_HELM") == "1":
-        pytest.skip("GPUGUARD_SKIP_HELM=1")
-    try:
-        result = subprocess.run(
-            [str(BUILD_SCRIPT)], capture_output=True, text=True, timeout=1100, check=False
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"hack/helm/build.sh did not finish in {exc.timeout} s")
-    if result.returncode != 0:
-        pytest.fail(
-            f"hack/helm/build.sh failed ({result.returncode}; GPUGUARD_SKIP_HELM=1 skips):\n"
-            + result.stderr[-3000:]
-        )
-    binary = result.stdout.strip().splitlines()[-1]
-    assert Path(binary).is_file(), result.stdout
-    home = tmp_path_factory.mktemp("helm-home")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HELM_")}
-    env |= {k: str(home / k.lower()) for k in ("HELM_CONFIG_HOME", "HELM_CACHE_HOME", "HELM_DATA_HOME")}
-    return Helm(binary, env)
+    """helm 4 from hack/helm/build.sh, its config, cache and data directories isolated from the user's."""
+    return build_helm(tmp_path_factory.mktemp("helm-home"))
 
 
 def _manifest(path: Path = MANIFEST) -> Docs:

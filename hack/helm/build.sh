@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Build the pinned helm binary used by tests/test_helm.py and `make lint`, and print its path.
+# Build a pinned helm binary used by tests/test_helm.py, tests/integration/test_helm_install.py and
+# `make lint`, and print its path. Two pins: Helm 4 (the default) and Helm 3 (`--v3`), still what most
+# users run; the chart and the README's install command are tested with both.
 #
 # Why from source: the machines reach only package registries, so helm's release tarballs
 # (get.helm.sh) are out of reach; the Go module proxy serves helm.sh/helm/v4, which builds to
@@ -15,13 +17,16 @@
 #
 # stdout: exactly one line, the absolute path of the binary. Progress goes to stderr.
 #
-# Usage: hack/helm/build.sh [--force]
+# Usage: hack/helm/build.sh [--force] [--v3]
 #   --force   rebuild even if the cache has the binary
+#   --v3      build (or find) the Helm 3 pin instead of the Helm 4 one
 # Env: GPUGUARD_HELM_CACHE  cache root (default: ${GPUGUARD_CACHE:-~/.cache/gpuguard}/helm)
 set -euo pipefail
 
-# The pin. helm.sh/helm/v3 versions (e.g. v3.21.4) work too: the module path follows the major.
-HELM_VERSION=v4.3.2
+# The pins. The module path follows the major (helm.sh/helm/v4, helm.sh/helm/v3).
+HELM4_VERSION=v4.3.2
+HELM3_VERSION=v3.21.4
+HELM_VERSION=$HELM4_VERSION
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -32,6 +37,7 @@ force=0
 for arg in "$@"; do
     case "$arg" in
         --force) force=1 ;;
+        --v3) HELM_VERSION=$HELM3_VERSION ;;
         -h | --help)
             sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
             exit 0

@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# Build the pinned kube-apiserver and etcd used by the integration tests.
+# Build the pinned kube-apiserver and etcd used by the integration tests, and kubectl (docs/operations.md's
+# commands are run with it): the newest supported Kubernetes (KUBE_VERSION, ETCD_VERSION) or, apiserver
+# and etcd only, with --oldest, the oldest supported one (KUBE_VERSION_OLDEST,
+# ETCD_VERSION_OLDEST), on which tests/integration/test_oldest_kubernetes.py runs a smoke subset.
 #
 # Why from source: the machines reach only package registries, so the official release
 # tarballs are out of reach; the Go module proxy serves k8s.io/kubernetes and
 # go.etcd.io/etcd/server/v3, which build to the same binaries with CGO_ENABLED=0.
 #
 # Each binary is built through a small wrapper module (hack/testenv/kube-apiserver,
-# hack/testenv/etcd) whose committed go.mod/go.sum pin the whole dependency graph. When
-# versions.env changes, the wrappers are regenerated (commit the new go.mod/go.sum).
+# hack/testenv/etcd; hack/testenv/oldest/... for --oldest) whose committed go.mod/go.sum pin the
+# whole dependency graph. When versions.env changes, the wrappers are regenerated (commit the new
+# go.mod/go.sum).
 #
 # Everything (binaries, module cache, build cache) lives in
 #   ${GPUGUARD_CACHE:-~/.cache/gpuguard}/testenv/<KUBE_VERSION>-<ETCD_VERSION>/
 # and a second run only checks a stamp file and prints the paths.
 #
-# Usage: hack/testenv/build.sh [--force] [--regenerate]
+# Usage: hack/testenv/build.sh [--oldest] [--force] [--regenerate]
+#   --oldest      the oldest supported Kubernetes instead of the newest
 #   --force       rebuild the binaries even if the cache has them
 #   --regenerate  rewrite the wrapper modules' go.mod/go.sum from versions.env
 set -euo pipefail
@@ -25,8 +30,10 @@ source "$ROOT/hack/lib/gobuild.sh"
 
 force=0
 regenerate=0
+suffix=""
 for arg in "$@"; do
     case "$arg" in
+        --oldest) suffix=_OLDEST ;;
         --force) force=1 ;;
         --regenerate) regenerate=1 ;;
         -h | --help)
@@ -50,8 +57,11 @@ read_pin() {
     fi
     printf '%s' "$value"
 }
-KUBE_VERSION=$(read_pin KUBE_VERSION)
-ETCD_VERSION=$(read_pin ETCD_VERSION)
+KUBE_VERSION=$(read_pin "KUBE_VERSION$suffix")
+ETCD_VERSION=$(read_pin "ETCD_VERSION$suffix")
+# The wrapper modules of this pair.
+WRAPPERS=$HERE
+[[ -n $suffix ]] && WRAPPERS=$HERE/oldest
 # k8s.io/kubernetes vX.Y.Z publishes its staging modules (k8s.io/api, ...) as v0.Y.Z.
 STAGING_VERSION="v0.${KUBE_VERSION#v1.}"
 IFS=. read -r KUBE_MAJOR KUBE_MINOR _ <<<"${KUBE_VERSION#v}"
@@ -67,19 +77,27 @@ cache_lock "$CACHE"
 print_paths() {
     echo "kube-apiserver: $BIN/kube-apiserver"
     echo "etcd: $BIN/etcd"
+    [[ -n $suffix ]] || echo "kubectl: $BIN/kubectl"
+}
+# kubectl is built for the newest version only, after (and apart from) the stamped pair: a cache built
+# before kubectl was added keeps its apiserver and etcd.
+kubectl_current() {
+    [[ -n $suffix || -x "$BIN/kubectl" ]]
 }
 
 wrappers_current() {
     local req='^[[:space:]]*(require[[:space:]]+)?'
     grep -Eq "${req}k8s\.io/kubernetes $KUBE_VERSION([[:space:]]|\$)" \
-        "$HERE/kube-apiserver/go.mod" 2>/dev/null &&
+        "$WRAPPERS/kube-apiserver/go.mod" 2>/dev/null &&
         grep -Eq "${req}go\.etcd\.io/etcd/server/v3 $ETCD_VERSION([[:space:]]|\$)" \
-            "$HERE/etcd/go.mod" 2>/dev/null &&
-        [[ -s "$HERE/kube-apiserver/go.sum" && -s "$HERE/etcd/go.sum" ]]
+            "$WRAPPERS/etcd/go.mod" 2>/dev/null &&
+        [[ -s "$WRAPPERS/kube-apiserver/go.sum" && -s "$WRAPPERS/etcd/go.sum" ]]
 }
 
-if [[ $force == 0 && $regenerate == 0 && -x "$BIN/kube-apiserver" && -x "$BIN/etcd" &&
-    "$(cat "$STAMP" 2>/dev/null)" == "$STAMP_WANT" ]]; then
+pair_current() {
+    [[ -x "$BIN/kube-apiserver" && -x "$BIN/etcd" && "$(cat "$STAMP" 2>/dev/null)" == "$STAMP_WANT" ]]
+}
+if [[ $force == 0 && $regenerate == 0 ]] && pair_current && kubectl_current; then
     echo "build.sh: reusing cached binaries for $STAMP_WANT"
     print_paths
     exit 0
@@ -103,14 +121,14 @@ print(doc if not isinstance(doc, (list, dict)) else json.dumps(doc))
 ' "$@"
 }
 
-# gen_wrapper DIR MODULE VERSION TOOL_PKG STAGING_VERSION
+# gen_wrapper DIR MODULE VERSION "TOOL_PKG..." STAGING_VERSION
 # Writes DIR/go.mod and DIR/go.sum for a module that requires MODULE@VERSION and
-# declares TOOL_PKG as a tool. When STAGING_VERSION is set, every requirement that
+# declares each TOOL_PKG as a tool. When STAGING_VERSION is set, every requirement that
 # MODULE's go.mod lists at v0.0.0 (its staging modules, resolved upstream through
 # local replaces that do not apply to dependents) is replaced by STAGING_VERSION.
 # The go and godebug directives follow MODULE's so runtime defaults match upstream.
 gen_wrapper() {
-    local dir=$1 module=$2 version=$3 tool=$4 staging=${5:-}
+    local dir=$1 module=$2 version=$3 tools=$4 staging=${5:-}
     local dl gomod_path modjson gover godebugs staged line tmp
     echo "build.sh: generating wrapper module $dir for $module@$version"
     dl=$(go mod download -json "$module@$version")
@@ -118,7 +136,15 @@ gen_wrapper() {
     modjson=$(go mod edit -json "$gomod_path")
     gover=$(json_field - Go <<<"$modjson")
 
-    local -a edits=("-go=$gover" "-require=$module@$version" "-tool=$tool")
+    # The tool directive needs go >= 1.24 in go.mod; older releases keep their runtime defaults
+    # through the godebug lines copied below (e.g. default=go1.23).
+    if [[ $(printf '%s\n' "$gover" 1.24 | sort -V | head -n 1) != 1.24 ]]; then
+        gover=1.24
+    fi
+    local -a edits=("-go=$gover" "-require=$module@$version")
+    for line in $tools; do
+        edits+=("-tool=$line")
+    done
     godebugs=$(python3 -c '
 import json, sys
 for d in json.load(sys.stdin).get("GoDebug") or []:
@@ -162,17 +188,17 @@ for r in json.load(sys.stdin).get("Require") or []:
 }
 
 if [[ $regenerate == 1 ]] || ! wrappers_current; then
-    gen_wrapper "$HERE/etcd" go.etcd.io/etcd/server/v3 "$ETCD_VERSION" go.etcd.io/etcd/server/v3
-    gen_wrapper "$HERE/kube-apiserver" k8s.io/kubernetes "$KUBE_VERSION" \
-        k8s.io/kubernetes/cmd/kube-apiserver "$STAGING_VERSION"
+    gen_wrapper "$WRAPPERS/etcd" go.etcd.io/etcd/server/v3 "$ETCD_VERSION" go.etcd.io/etcd/server/v3
+    kube_tools=k8s.io/kubernetes/cmd/kube-apiserver
+    [[ -n $suffix ]] || kube_tools+=" k8s.io/kubernetes/cmd/kubectl"
+    gen_wrapper "$WRAPPERS/kube-apiserver" k8s.io/kubernetes "$KUBE_VERSION" "$kube_tools" "$STAGING_VERSION"
     echo "build.sh: wrapper modules regenerated; commit hack/testenv/{etcd,kube-apiserver}/go.{mod,sum}"
 fi
 
-rm -f "$STAMP"
 mkdir -p "$BIN"
 
 # The release's publication time stands in for the build date: reproducible, and close.
-kube_info=$(cd "$HERE/kube-apiserver" && go mod download -json "k8s.io/kubernetes@$KUBE_VERSION")
+kube_info=$(cd "$WRAPPERS/kube-apiserver" && go mod download -json "k8s.io/kubernetes@$KUBE_VERSION")
 build_date=$(json_field "$(json_field - Info <<<"$kube_info")" Time)
 
 kube_ldflags="-s -w"
@@ -184,24 +210,39 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
 done
 etcd_ldflags="-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA=module-$ETCD_VERSION"
 
-echo "build.sh: building etcd $ETCD_VERSION (CGO_ENABLED=0)"
-(cd "$HERE/etcd" && go build -mod=readonly -trimpath -ldflags "$etcd_ldflags" \
-    -o "$BIN/etcd.tmp" go.etcd.io/etcd/server/v3)
-echo "build.sh: building kube-apiserver $KUBE_VERSION (CGO_ENABLED=0; several minutes cold)"
-(cd "$HERE/kube-apiserver" && go build -mod=readonly -trimpath -ldflags "$kube_ldflags" \
-    -o "$BIN/kube-apiserver.tmp" k8s.io/kubernetes/cmd/kube-apiserver)
+if [[ $force == 1 || $regenerate == 1 ]] || ! pair_current; then
+    rm -f "$STAMP"
+    echo "build.sh: building etcd $ETCD_VERSION (CGO_ENABLED=0)"
+    (cd "$WRAPPERS/etcd" && go build -mod=readonly -trimpath -ldflags "$etcd_ldflags" \
+        -o "$BIN/etcd.tmp" go.etcd.io/etcd/server/v3)
+    echo "build.sh: building kube-apiserver $KUBE_VERSION (CGO_ENABLED=0; several minutes cold)"
+    (cd "$WRAPPERS/kube-apiserver" && go build -mod=readonly -trimpath -ldflags "$kube_ldflags" \
+        -o "$BIN/kube-apiserver.tmp" k8s.io/kubernetes/cmd/kube-apiserver)
 
-# Refuse a binary that does not report the pinned version before marking the cache done.
-got_etcd=$("$BIN/etcd.tmp" --version | sed -n 's/^etcd Version: //p')
-got_kube=$("$BIN/kube-apiserver.tmp" --version | sed -n 's/^Kubernetes //p')
-if [[ "v$got_etcd" != "$ETCD_VERSION" || "$got_kube" != "$KUBE_VERSION" ]]; then
-    echo "build.sh: version mismatch: etcd reports '$got_etcd', kube-apiserver '$got_kube'" >&2
-    exit 1
+    # Refuse a binary that does not report the pinned version before marking the cache done.
+    got_etcd=$("$BIN/etcd.tmp" --version | sed -n 's/^etcd Version: //p')
+    got_kube=$("$BIN/kube-apiserver.tmp" --version | sed -n 's/^Kubernetes //p')
+    if [[ "v$got_etcd" != "$ETCD_VERSION" || "$got_kube" != "$KUBE_VERSION" ]]; then
+        echo "build.sh: version mismatch: etcd reports '$got_etcd', kube-apiserver '$got_kube'" >&2
+        exit 1
+    fi
+    mv -f "$BIN/etcd.tmp" "$BIN/etcd"
+    mv -f "$BIN/kube-apiserver.tmp" "$BIN/kube-apiserver"
+    printf '%s' "$STAMP_WANT" >"$STAMP.tmp"
+    mv -f "$STAMP.tmp" "$STAMP"
+
+    echo "build.sh: built $STAMP_WANT"
 fi
-mv -f "$BIN/etcd.tmp" "$BIN/etcd"
-mv -f "$BIN/kube-apiserver.tmp" "$BIN/kube-apiserver"
-printf '%s' "$STAMP_WANT" >"$STAMP.tmp"
-mv -f "$STAMP.tmp" "$STAMP"
 
-echo "build.sh: built $STAMP_WANT"
+if [[ -z $suffix ]] && { [[ $force == 1 ]] || ! kubectl_current; }; then
+    echo "build.sh: building kubectl $KUBE_VERSION (CGO_ENABLED=0; shares kube-apiserver's build cache)"
+    (cd "$WRAPPERS/kube-apiserver" && go build -mod=readonly -trimpath -ldflags "$kube_ldflags" \
+        -o "$BIN/kubectl.tmp" k8s.io/kubernetes/cmd/kubectl)
+    got_kubectl=$("$BIN/kubectl.tmp" version --client -o json | json_field - clientVersion gitVersion)
+    if [[ "$got_kubectl" != "$KUBE_VERSION" ]]; then
+        echo "build.sh: version mismatch: kubectl reports '$got_kubectl'" >&2
+        exit 1
+    fi
+    mv -f "$BIN/kubectl.tmp" "$BIN/kubectl"
+fi
 print_paths

@@ -96,68 +96,86 @@ def read_versions(path: Path = VERSIONS_FILE) -> dict[str, str]:
     return versions
 
 
-def kube_version() -> str:
+# The two supported ends the tests run: "newest" (KUBE_VERSION, ETCD_VERSION; every test) and "oldest"
+# (KUBE_VERSION_OLDEST, ETCD_VERSION_OLDEST; a smoke subset). build.sh --oldest builds the latter.
+NEWEST, OLDEST = "newest", "oldest"
+
+
+def _suffix(release: str) -> str:
+    if release not in (NEWEST, OLDEST):
+        raise ControlPlaneError(f"unknown release {release!r}: {NEWEST} or {OLDEST}")
+    return "_OLDEST" if release == OLDEST else ""
+
+
+def kube_version(release: str = NEWEST) -> str:
     """The pinned Kubernetes release, e.g. ``v1.36.3``."""
-    return read_versions()["KUBE_VERSION"]
+    return read_versions()["KUBE_VERSION" + _suffix(release)]
 
 
-def etcd_version() -> str:
+def etcd_version(release: str = NEWEST) -> str:
     """The pinned etcd release, e.g. ``v3.6.8``."""
-    return read_versions()["ETCD_VERSION"]
+    return read_versions()["ETCD_VERSION" + _suffix(release)]
 
 
-def cache_dir() -> Path:
+def cache_dir(release: str = NEWEST) -> Path:
     """Where build.sh puts the binaries for the pinned versions (same rule as hack/lib/gobuild.sh)."""
     default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpuguard"
     cache = Path(os.environ.get("GPUGUARD_CACHE") or default)
     root = Path(os.environ.get("GPUGUARD_TESTENV_CACHE") or cache / "testenv")
-    return root / f"{kube_version()}-{etcd_version()}"
+    return root / f"{kube_version(release)}-{etcd_version(release)}"
 
 
 @dataclass(frozen=True)
 class Binaries:
-    """Paths of the two executables the control plane runs."""
+    """Paths of the executables: the two the control plane runs, and kubectl (newest only)."""
 
     etcd: Path
     kube_apiserver: Path
+    kubectl: Path | None = None
 
 
-def cached_binaries() -> Binaries | None:
+def cached_binaries(release: str = NEWEST) -> Binaries | None:
     """The built binaries, or None when build.sh has not completed for these versions."""
-    cache = cache_dir()
-    bins = Binaries(etcd=cache / "bin" / "etcd", kube_apiserver=cache / "bin" / "kube-apiserver")
+    cache = cache_dir(release)
+    kubectl = cache / "bin" / "kubectl" if release == NEWEST else None
+    bins = Binaries(
+        etcd=cache / "bin" / "etcd", kube_apiserver=cache / "bin" / "kube-apiserver", kubectl=kubectl
+    )
     stamp = cache / ".complete"
-    if stamp.is_file() and all(os.access(p, os.X_OK) for p in (bins.etcd, bins.kube_apiserver)):
+    needed = [p for p in (bins.etcd, bins.kube_apiserver, kubectl) if p is not None]
+    if stamp.is_file() and all(os.access(p, os.X_OK) for p in needed):
         return bins
     return None
 
 
-def build(*, quiet: bool = False) -> Binaries:
+def build(*, quiet: bool = False, release: str = NEWEST) -> Binaries:
     """Run build.sh (instant when cached; several minutes cold) and return the paths.
 
     Its progress goes to stderr (fd 2) so that `up` keeps stdout for the kubeconfig path.
     """
     out = subprocess.DEVNULL if quiet else 2
-    result = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=out, check=False)
+    args = ["--oldest"] if release == OLDEST else []
+    result = subprocess.run(["bash", str(BUILD_SCRIPT), *args], stdout=out, check=False)
     if result.returncode != 0:
         raise ControlPlaneError(f"{BUILD_SCRIPT} failed with exit code {result.returncode}")
-    bins = cached_binaries()
+    bins = cached_binaries(release)
     if bins is None:
-        raise ControlPlaneError(f"{BUILD_SCRIPT} succeeded but {cache_dir()} is incomplete")
+        raise ControlPlaneError(f"{BUILD_SCRIPT} succeeded but {cache_dir(release)} is incomplete")
     return bins
 
 
-def ensure_binaries(*, allow_build: bool = True) -> Binaries:
+def ensure_binaries(*, allow_build: bool = True, release: str = NEWEST) -> Binaries:
     """Return the binaries, building them first when allowed; fail clearly otherwise."""
-    bins = cached_binaries()
+    bins = cached_binaries(release)
     if bins is not None:
         return bins
     if not allow_build:
+        flag = " --oldest" if release == OLDEST else ""
         raise ControlPlaneError(
-            f"kube-apiserver/etcd for {kube_version()}/{etcd_version()} are not built; "
-            f"run: bash {BUILD_SCRIPT.relative_to(REPO_ROOT)}"
+            f"kube-apiserver/etcd for {kube_version(release)}/{etcd_version(release)} are not built; "
+            f"run: bash {BUILD_SCRIPT.relative_to(REPO_ROOT)}{flag}"
         )
-    return build()
+    return build(release=release)
 
 
 # --------------------------------------------------------------------------- PKI
@@ -414,6 +432,7 @@ class ControlPlane:
         allow_build: bool = True,
         ready_timeout: float = 90.0,
         die_with_parent: bool = False,
+        release: str = NEWEST,
     ) -> None:
         """die_with_parent: have the kernel SIGKILL the servers when this process dies, so
         a test run killed hard (no teardown) leaves no server running (the work dir in /tmp
@@ -422,6 +441,7 @@ class ControlPlane:
         self.allow_build = allow_build
         self.ready_timeout = ready_timeout
         self.die_with_parent = die_with_parent
+        self.release = release
         self.state: State | None = None
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -510,7 +530,7 @@ class ControlPlane:
             )
         # A stale state.json may still name a live etcd (e.g. the apiserver crashed).
         ControlPlane.stop_recorded(self.state_dir)
-        bins = ensure_binaries(allow_build=self.allow_build)
+        bins = ensure_binaries(allow_build=self.allow_build, release=self.release)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         work_dir = Path(tempfile.mkdtemp(prefix="gpuguard-kube-"))
         versions = read_versions()
@@ -522,8 +542,8 @@ class ControlPlane:
             etcd_client_port=0,
             etcd_peer_port=0,
             apiserver_port=0,
-            kube_version=versions["KUBE_VERSION"],
-            etcd_version=versions["ETCD_VERSION"],
+            kube_version=versions["KUBE_VERSION" + _suffix(self.release)],
+            etcd_version=versions["ETCD_VERSION" + _suffix(self.release)],
         )
         try:
             generate_pki(self.pki_dir)

@@ -43,22 +43,34 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """
     if session.config.option.collectonly:
         return
+    if any("oldest" in getattr(item, "fixturenames", ()) for item in session.items):
+        _build_before_tests(session, controlplane.OLDEST)
     if not any("control_plane" in getattr(item, "fixturenames", ()) for item in session.items):
         return
-    if controlplane.cached_binaries() is not None:
+    _build_before_tests(session, controlplane.NEWEST)
+
+
+def _build_before_tests(session: pytest.Session, release: str) -> None:
+    if controlplane.cached_binaries(release) is not None:
         return
-    if _reuse_requested() and controlplane.ControlPlane.attach() is not None:
+    if (
+        release == controlplane.NEWEST
+        and _reuse_requested()
+        and controlplane.ControlPlane.attach() is not None
+    ):
         return
     reporter: Any = session.config.pluginmanager.getplugin("terminalreporter")
     capman: Any = session.config.pluginmanager.getplugin("capturemanager")
     if reporter is not None:
-        reporter.write_line("building kube-apiserver and etcd (hack/testenv/build.sh; cold: several minutes)")
+        reporter.write_line(
+            f"building kube-apiserver and etcd, {release} release (hack/testenv/build.sh; cold: minutes)"
+        )
     try:
         if capman is not None:
             with capman.global_and_fixture_disabled():
-                controlplane.build()
+                controlplane.build(release=release)
         else:
-            controlplane.build(quiet=True)
+            controlplane.build(quiet=True, release=release)
     except controlplane.ControlPlaneError as e:
         # The fixture reports the missing binaries to every test that needs them.
         if reporter is not None:

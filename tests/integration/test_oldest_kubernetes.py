@@ -1,0 +1,88 @@
+"""A smoke subset on the oldest supported Kubernetes (versions.env KUBE_VERSION_OLDEST, built by
+`hack/testenv/build.sh --oldest`): the manifests and the admission policy apply, the policy is enforced, and
+the real agent, as the DaemonSet's ServiceAccount with a Pod-bound token, taints, cordons and recovers its
+node without a refusal. The rest of the suite runs on the newest (KUBE_VERSION). The chart on the oldest:
+tests/integration/test_helm_install.py."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+
+from tests.integration.conftest import controlplane
+from tests.integration.kube import GPUS_OK, Admin, Agent, eventually, token_kubeconfig
+from tests.integration.test_admission import _wait_until_enforced
+
+pytestmark = pytest.mark.timeout(300)
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def oldest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    cp = controlplane.ControlPlane(
+        tmp_path_factory.mktemp("kube-oldest"), allow_build=False, die_with_parent=True, release="oldest"
+    )
+    try:
+        cp.start()
+        yield cp
+    finally:
+        cp.stop()
+
+
+@pytest.fixture(scope="module")
+def oldest_admin(oldest: Any) -> Iterator[Admin]:
+    api: kubernetes.client.ApiClient = kubernetes.config.new_client_from_config(  # type: ignore[no-untyped-call]
+        config_file=str(oldest.kubeconfig_path)
+    )
+    with closing(api):
+        a = Admin(api)
+        created = a.apply_deploy_manifests()
+        assert (
+            "DaemonSet/gpuguard" in created and "ValidatingAdmissionPolicy/gpuguard-own-node-only" in created
+        )
+        _wait_until_enforced(a, oldest)
+        yield a
+
+
+def test_the_oldest_control_plane_is_the_pinned_oldest_supported_release(oldest: Any) -> None:
+    assert oldest.version()["gitVersion"] == controlplane.kube_version("oldest")
+    assert controlplane.kube_version("oldest") < controlplane.kube_version("newest")
+
+
+def test_on_the_oldest_release_the_real_agent_taints_and_recovers_its_node_under_the_admission_policy(
+    oldest_admin: Admin, oldest: Any, fakenvml: Path, tmp_path: Path
+) -> None:
+    node = f"old-{next(_names)}-{int(time.time() * 1000) % 100000}"
+    oldest_admin.make_node(node)
+    state = tmp_path / "gpus.state"
+    state.write_text(GPUS_OK)
+    kubeconfig = token_kubeconfig(
+        tmp_path / "kubeconfig",
+        server=oldest.url,
+        ca_path=oldest.ca_path,
+        token=oldest_admin.agent_token(node),
+    )
+    agent = Agent(node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml).start()
+    try:
+        eventually(agent.ready, 15, what="agent /readyz")
+        state.write_text(GPUS_OK.replace("GPU-it-1", "GPU-it-1 ecc=2"))
+        eventually(lambda: oldest_admin.our_taint(node), 10, what="taint")
+        n = oldest_admin.node(node)
+        assert n["spec"]["unschedulable"] is True
+        assert n["metadata"]["labels"]["gpuguard.io/quarantined"] == "true"
+        assert any(c["type"] == "GPUHealthy" and c["status"] == "False" for c in n["status"]["conditions"])
+        state.write_text(GPUS_OK)
+        eventually(lambda: oldest_admin.our_taint(node) is None, 10, what="recovery")
+        assert oldest_admin.node(node)["spec"].get("unschedulable") in (None, False)
+        assert [e for e in oldest_admin.events_for(node) if e["reason"] == "GPUUnhealthy"]
+    finally:
+        agent.stop()
+    assert not agent.events("node.write_rejected")
+    assert not [line for line in agent.lines if line.get("level") == "error"]
