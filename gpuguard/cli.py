@@ -313,6 +313,36 @@ def _printable(value: Any) -> Any:
 
 
 @cli.command()
+@_opt(
+    "--kubeconfig",
+    type=str,
+    default=None,
+    help="Default: in-cluster config, then KUBECONFIG, then ~/.kube/config.",
+)
+@click.option("--node", "nodes", multiple=True, help="A node to clean (repeatable).")
+@click.option("--all", "all_nodes", is_flag=True, default=False, help="Every node of the cluster.")
+@click.option("--dry-run", is_flag=True, default=False, help="Only say what would be removed.")
+def uninstall(kubeconfig: str | None, nodes: tuple[str, ...], all_nodes: bool, dry_run: bool) -> int:
+    """Remove every gpuguard.io/ taint, label and annotation, the GPUHealthy condition and the cordons
+    gpuguard made, from the nodes named (--node) or all (--all). Run it after removing the DaemonSet."""
+    from gpuguard.cleanup import clean_node, node_names  # noqa: PLC0415
+    from gpuguard.node.writers import load_api_client  # noqa: PLC0415
+
+    if bool(nodes) == all_nodes:
+        raise ConfigError("uninstall: name the nodes with --node NAME, or pass --all")
+    try:
+        api = load_api_client(kubeconfig)
+        names = list(nodes) if nodes else list(node_names(api))
+        for name in names:
+            plan = clean_node(api, name, dry_run=dry_run)
+            verb = "would remove" if dry_run and not plan.empty else "removed"
+            click.echo(f"{name}: {verb if not plan.empty else 'clean:'} {plan.describe()}")
+    except GpuguardError as exc:
+        raise ConfigError(f"uninstall: {exc}") from None
+    return EXIT_OK
+
+
+@cli.command()
 def version() -> int:
     """Print gpuguard's version."""
     click.echo(f"gpuguard {__version__}")

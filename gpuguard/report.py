@@ -47,11 +47,19 @@ def verdict_json(verdict: Verdict) -> str:
 def status_table(rows: Sequence[Mapping[str, Any]]) -> str:
     if not rows:
         return "no node is quarantined by gpuguard"
-    table: list[tuple[str, ...]] = [("NODE", "STATE", "REASON", "SINCE", "GPUGUARD-CORDON", "FAULTS")]
+    table: list[tuple[str, ...]] = [("NODE", "STATE", "REASON", "SINCE", "CORDONED", "FAULTS", "DETAIL")]
     for r in rows:
-        cordon = "yes" if r["cordoned_by_gpuguard"] else "no"
+        cordon = "gpuguard" if r["cordoned_by_gpuguard"] else ("other" if r["unschedulable"] else "no")
         table.append(
-            (r["node"], r["state"], str(r["reason"]), str(r["since"]), cordon, ",".join(r["faults"]))
+            (
+                r["node"],
+                r["state"],
+                r["reason"] or "-",
+                r["since"] or "-",
+                cordon,
+                ",".join(r["faults"]) or "-",
+                r["detail"] or "-",
+            )
         )
     return "\n".join(_aligned(table))
 

@@ -40,7 +40,7 @@ class Check:
 
 
 def check_once(cfg: Config, *, at: float | None = None) -> Check:
-    """One pass over the GPUs (`gpuguard check`); `at` reads a mock scenario as it stands that many seconds in."""
+    """One pass over the GPUs (`gpuguard check`); `at`: a mock scenario as it stands that many seconds in."""
     if at is not None and cfg.backend != "mock":
         raise ConfigError("--at needs --backend mock: it moves a scenario's clock, not a real GPU's")
     backend = make_backend(cfg, start_at=at or 0.0)

@@ -13,10 +13,10 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+import controlplane
 import kubernetes
 import pytest
 
-from tests.integration.conftest import controlplane
 from tests.integration.kube import GPUS_OK, Admin, Agent, eventually, token_kubeconfig
 from tests.integration.test_admission import _wait_until_enforced
 
