@@ -1,0 +1,397 @@
+"""docs/operations.md, run as written: every `sh` block, in order, with kubectl (hack/testenv), Helm 4 and
+then Helm 3 (hack/helm), and gpuguard, against a fresh real kube-apiserver per Helm version. Between the
+blocks the test plays the cluster: an agent (the real one, on the fake NVML, as the chart's ServiceAccount)
+quarantines a node, and it stops the agent before the uninstall, as the page says to.
+
+There is no kubelet or controller-manager: no pod of the DaemonSet runs, and a deleted namespace stays
+Terminating. The Prometheus Operator's CRDs are stood in by schema-less CRDs of the same group, kind and
+scope, enough for `kubectl apply` and `helm upgrade` to create the objects.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import controlplane
+import kubernetes
+import pytest
+
+from tests.helmtool import build_helm
+from tests.integration.kube import GPUS_OK, ROOT, Admin, Agent, eventually, token_kubeconfig
+
+DOC = ROOT / "docs" / "operations.md"
+README = ROOT / "README.md"
+pytestmark = pytest.mark.timeout(900)
+
+# Commands the page names in its prose (inline code) rather than in a block, and the test that runs them.
+EXERCISED_ELSEWHERE = {
+    "gpuguard uninstall --node NAME": "test_uninstall_of_one_node_and_its_dry_run_do_what_the_page_says",
+    "kubectl describe node": "the Reading a quarantine block",
+    "helm uninstall": "the Uninstalling cleanly block",
+    "kubectl delete": "tests/integration/fixtures.py applies and the Kubernetes API deletes the same objects",
+}
+
+
+def blocks() -> list[tuple[str, str]]:
+    """(section heading, block text) of every ```sh block, in order."""
+    out, section = [], ""
+    for m in re.finditer(r"^## ([^\n]+)$|^```sh\n(.*?)^```$", DOC.read_text(), re.M | re.S):
+        if m.group(1):
+            section = m.group(1)
+        else:
+            out.append((section, m.group(2)))
+    return out
+
+
+class Runbook:
+    """Runs the page's blocks in order and remembers which ran."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.pending = blocks()
+        self.ran: list[str] = []
+
+    def run(self, section: str, **env: str) -> str:
+        """Run the next block, which must belong to `section`; its stdout."""
+        heading, text = self.pending.pop(0)
+        assert heading == section, (
+            f"the page's next block is under {heading!r}, the test expected {section!r}"
+        )
+        result = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", text],
+            env=self.env | env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+        assert result.returncode == 0, f"{section}:\n{text}\n{result.stdout}\n{result.stderr}"
+        self.ran.append(text)
+        return result.stdout
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Any]:
+    cp = controlplane.ControlPlane(tmp_path / "kube", allow_build=False, die_with_parent=True)
+    try:
+        cp.start()
+        yield cp
+    finally:
+        cp.stop()
+
+
+@pytest.fixture
+def admin(cluster: Any) -> Iterator[Admin]:
+    api: kubernetes.client.ApiClient = kubernetes.config.new_client_from_config(  # type: ignore[no-untyped-call]
+        config_file=str(cluster.kubeconfig_path)
+    )
+    with closing(api):
+        yield Admin(api)
+
+
+def tools_env(tmp_path: Path, cluster: Any, helm_binary: str, helm_env: dict[str, str]) -> dict[str, str]:
+    """PATH with kubectl, helm and gpuguard first; the cluster's admin kubeconfig; a private HOME."""
+    bins = controlplane.cached_binaries()
+    assert bins is not None and bins.kubectl is not None
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "kubectl").symlink_to(bins.kubectl)
+    (tools / "helm").symlink_to(helm_binary)
+    (tools / "gpuguard").symlink_to(ROOT / ".venv" / "bin" / "gpuguard")
+    home = tmp_path / "home"
+    home.mkdir()
+    return helm_env | {
+        "PATH": f"{tools}:{os.environ['PATH']}",
+        "KUBECONFIG": str(cluster.kubeconfig_path),
+        "HOME": str(home),
+    }
+
+
+def monitoring_crds(admin: Admin) -> None:
+    """Schema-less stand-ins for the Prometheus Operator's PodMonitor and PrometheusRule CRDs."""
+    ext: Any = kubernetes.client.ApiextensionsV1Api(admin.api)
+    for kind, plural in (("PodMonitor", "podmonitors"), ("PrometheusRule", "prometheusrules")):
+        ext.create_custom_resource_definition(
+            {
+                "apiVersion": "apiextensions.k8s.io/v1",
+                "kind": "CustomResourceDefinition",
+                "metadata": {"name": f"{plural}.monitoring.coreos.com"},
+                "spec": {
+                    "group": "monitoring.coreos.com",
+                    "scope": "Namespaced",
+                    "names": {
+                        "kind": kind,
+                        "plural": plural,
+                        "singular": kind.lower(),
+                        "listKind": f"{kind}List",
+                    },
+                    "versions": [
+                        {
+                            "name": "v1",
+                            "served": True,
+                            "storage": True,
+                            "schema": {
+                                "openAPIV3Schema": {
+                                    "type": "object",
+                                    "x-kubernetes-preserve-unknown-fields": True,
+                                }
+                            },
+                        }
+                    ],
+                },
+            }
+        )
+    custom: Any = kubernetes.client.CustomObjectsApi(admin.api)
+    eventually(
+        lambda: _served(
+            lambda: custom.list_cluster_custom_object("monitoring.coreos.com", "v1", "prometheusrules")
+        ),
+        30,
+        what="the stand-in CRDs to be served",
+    )
+
+
+def _served(call: Any) -> bool:
+    try:
+        call()
+    except kubernetes.client.exceptions.ApiException:
+        return False
+    return True
+
+
+def gpuguard_marks(node: dict[str, Any]) -> list[str]:
+    meta, spec = node["metadata"], node["spec"]
+    marks = [f"label {k}" for k in meta.get("labels") or {} if k.startswith("gpuguard.io/")]
+    marks += [f"annotation {k}" for k in meta.get("annotations") or {} if k.startswith("gpuguard.io/")]
+    marks += [f"taint {t['key']}" for t in spec.get("taints") or [] if t["key"].startswith("gpuguard.io/")]
+    marks += [
+        "condition GPUHealthy" for c in node["status"].get("conditions") or [] if c["type"] == "GPUHealthy"
+    ]
+    return marks
+
+
+@pytest.mark.parametrize("helm_major", [4, 3])
+def test_the_operations_runbook_works_as_written(
+    helm_major: int, cluster: Any, admin: Admin, fakenvml: Path, tmp_path: Path
+) -> None:
+    helm = build_helm(tmp_path / "helm-home", major=helm_major)
+    book = Runbook(tools_env(tmp_path, cluster, helm.binary, helm.env))
+    apps, core, rbac = admin.apps, admin.core, kubernetes.client.RbacAuthorizationV1Api(admin.api)
+
+    # -- Install, in dry run.
+    book.run("Install")
+    ds = apps.read_namespaced_daemon_set("gpuguard", "gpuguard")
+    agent_container = ds.spec.template.spec.containers[0]
+    assert agent_container.image == "registry.example.com/gpuguard:0.1.0"
+    assert agent_container.args == ["watch", "--dry-run"]
+    ns = core.read_namespace("gpuguard")
+    assert ns.metadata.labels["pod-security.kubernetes.io/enforce"] == "privileged"
+    assert ns.metadata.annotations["meta.helm.sh/release-name"] == "gpuguard"  # the chart's, adopted
+
+    monitoring_crds(admin)
+    book.run("Install")  # monitoring through the chart
+    custom: Any = kubernetes.client.CustomObjectsApi(admin.api)
+    rule = custom.get_namespaced_custom_object(
+        "monitoring.coreos.com", "v1", "gpuguard", "prometheusrules", "gpuguard"
+    )
+    assert {r["alert"] for r in rule["spec"]["groups"][0]["rules"]} >= {
+        "GpuguardGPUFault",
+        "GpuguardAgentDown",
+    }
+    book.run("Install")  # the same objects as plain files
+    pm = custom.get_namespaced_custom_object(
+        "monitoring.coreos.com", "v1", "gpuguard", "podmonitors", "gpuguard"
+    )
+    assert pm["spec"]["jobLabel"] == "app.kubernetes.io/name"
+
+    # -- A first week in dry run, then enforce.
+    out = book.run("A first week in dry run")
+    assert out.strip().splitlines()[-1] == '["watch"]'
+    assert apps.read_namespaced_daemon_set("gpuguard", "gpuguard").spec.template.spec.containers[0].args == [
+        "watch"
+    ]
+
+    # -- The cluster's part: a GPU node whose agent (as the chart's ServiceAccount) sees an ECC fault.
+    node = f"gpu-node-{helm_major}"
+    admin.make_node(node)
+    state = tmp_path / "gpus.state"
+    state.write_text(GPUS_OK)
+    kubeconfig = token_kubeconfig(
+        tmp_path / "agent.kubeconfig",
+        server=cluster.url,
+        ca_path=cluster.ca_path,
+        token=admin.agent_token(node),
+    )
+    agent = Agent(node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml).start()
+    try:
+        eventually(agent.ready, 15, what="agent /readyz")
+        state.write_text(GPUS_OK.replace("GPU-it-1", "GPU-it-1 ecc=2"))
+        eventually(lambda: admin.our_taint(node), 10, what="taint")
+        eventually(
+            lambda: gpuguard_marks(admin.node(node)).count("condition GPUHealthy"), 10, what="condition"
+        )
+
+        # -- Reading a quarantine.
+        out = book.run("Reading a quarantine", NODE=node)
+        get_nodes, describe, status = _split(out, node)
+        assert re.search(rf"^{node}\s+.*\strue$", get_nodes, re.M), get_nodes
+        assert "gpuguard.io/gpu-unhealthy=ecc:NoSchedule" in describe
+        assert "Unschedulable:      true" in describe
+        assert re.search(r"GPUHealthy\s+False", describe), describe
+        assert "GPUUnhealthy" in describe  # the Event
+        assert status.splitlines()[0].split() == [
+            "NODE",
+            "STATE",
+            "REASON",
+            "SINCE",
+            "CORDONED",
+            "FAULTS",
+            "DETAIL",
+        ]
+        row = next(line for line in status.splitlines() if line.startswith(node))
+        assert row.split()[1:3] == ["quarantined", "ecc"] and " gpuguard " in row and "ecc/GPU-it-1" in row
+        assert row.endswith("ecc: 2 uncorrected volatile ECC errors (GPU 1, GPU-it-1)")
+        assert "None" not in status
+
+        # -- Releasing a node after repair: by hand; gpuguard does not put it back for the same fault.
+        book.run("Releasing a node after repair", NODE=node)
+        n = admin.node(node)
+        assert admin.our_taint(node) is None and not n["spec"].get("unschedulable")
+        time.sleep(2)  # ten checks of the agent, which still sees the same ECC count
+        assert admin.our_taint(node) is None and not admin.node(node)["spec"].get("unschedulable")
+
+        # -- Living beside the GPU Operator: both tools' labels in one view.
+        out = book.run("Living beside the GPU Operator, the device plugin and DCGM")
+        assert "GPU-DRIVER-UPGRADE-STATE" in out and node in out
+
+        # Quarantine once more, so the uninstall has every kind of mark to remove.
+        admin.patch_node(node, {"metadata": {"annotations": {"gpuguard.io/faults": None}}})
+        state.write_text(GPUS_OK.replace("GPU-it-0", "GPU-it-0 ecc=1"))
+        eventually(lambda: admin.our_taint(node), 10, what="taint again")
+    finally:
+        agent.stop()  # "Remove the agents first"
+    before = gpuguard_marks(admin.node(node))
+    assert {
+        "taint gpuguard.io/gpu-unhealthy",
+        "label gpuguard.io/quarantined",
+        "condition GPUHealthy",
+    } <= set(before)
+
+    # -- Uninstalling cleanly.
+    out = book.run("Uninstalling cleanly")
+    assert f"{node}: removed " in out
+    n = admin.node(node)
+    assert gpuguard_marks(n) == [] and not n["spec"].get("unschedulable")
+    for read in (
+        lambda: rbac.read_cluster_role("gpuguard"),
+        lambda: apps.read_namespaced_daemon_set("gpuguard", "gpuguard"),
+    ):
+        with pytest.raises(kubernetes.client.exceptions.ApiException) as exc:
+            read()
+        assert exc.value.status == 404
+    assert core.read_namespace("gpuguard").status.phase == "Terminating"
+
+    assert book.pending == [], "a block of docs/operations.md was not run"
+    assert len(book.ran) == len(blocks())
+
+
+def _split(out: str, node: str) -> tuple[str, str, str]:
+    """The three outputs of the Reading block: kubectl get nodes, kubectl describe node, gpuguard status."""
+    start_describe = out.index(f"Name:               {node}")
+    start_status = out.index("NODE  ")
+    assert start_describe < start_status
+    return out[:start_describe], out[start_describe:start_status], out[start_status:]
+
+
+def test_the_readme_installs_with_the_pages_exact_commands() -> None:
+    install = blocks()[0][1]
+    assert f"```sh\n{install}```" in README.read_text()
+
+
+def test_every_command_the_page_names_in_its_prose_is_run_by_a_test() -> None:
+    text = DOC.read_text()
+    prose = re.sub(r"^```.*?^```$", "", text, flags=re.M | re.S)
+    named = set(re.findall(r"`((?:kubectl|helm|gpuguard) [^`]*)`", prose))
+    in_blocks = "\n".join(b for _, b in blocks())
+    assert {c for c in named if c not in in_blocks} <= set(EXERCISED_ELSEWHERE), named
+
+
+def test_uninstall_of_one_node_and_its_dry_run_do_what_the_page_says(
+    admin: Admin, cluster: Any, tmp_path: Path
+) -> None:
+    admin.make_node("n-1", taints=[{"key": "team", "value": "ml", "effect": "NoSchedule"}])
+    admin.make_node("n-2")
+    marks = {
+        "metadata": {
+            "labels": {"gpuguard.io/quarantined": "true", "team": "ml"},
+            "annotations": {"gpuguard.io/cordoned": "true", "gpuguard.io/reason": "ecc: 2", "owner": "ops"},
+        },
+        "spec": {
+            "unschedulable": True,
+            "taints": [
+                {"key": "team", "value": "ml", "effect": "NoSchedule"},
+                {"key": "gpuguard.io/gpu-unhealthy", "value": "ecc", "effect": "NoSchedule"},
+            ],
+        },
+    }
+    for n in ("n-1", "n-2"):
+        admin.patch_node(n, marks)
+        admin.core.patch_node_status(
+            n, {"status": {"conditions": [{"type": "GPUHealthy", "status": "False", "reason": "GPUFault"}]}}
+        )
+
+    def gpuguard(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                str(ROOT / ".venv" / "bin" / "gpuguard"),
+                "uninstall",
+                "--kubeconfig",
+                str(cluster.kubeconfig_path),
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    dry = gpuguard("--node", "n-1", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.strip() == (
+        "n-1: would remove taint gpuguard.io/gpu-unhealthy, label gpuguard.io/quarantined, annotation "
+        "gpuguard.io/cordoned, annotation gpuguard.io/reason, the cordon gpuguard made, condition GPUHealthy"
+    )
+    assert len(gpuguard_marks(admin.node("n-1"))) == 5  # nothing written
+
+    done = gpuguard("--node", "n-1")
+    assert done.returncode == 0 and done.stdout.startswith("n-1: removed taint gpuguard.io/gpu-unhealthy"), (
+        done
+    )
+    n1 = admin.node("n-1")
+    assert gpuguard_marks(n1) == [] and not n1["spec"].get("unschedulable")
+    assert n1["spec"]["taints"] == [{"key": "team", "value": "ml", "effect": "NoSchedule"}]
+    assert n1["metadata"]["labels"]["team"] == "ml" and n1["metadata"]["annotations"]["owner"] == "ops"
+    assert len(gpuguard_marks(admin.node("n-2"))) == 5  # only the node named
+
+    again = gpuguard("--node", "n-1")
+    assert again.stdout.strip() == "n-1: clean: nothing of gpuguard's"
+
+    # An operator's own cordon (no gpuguard.io/cordoned) stays.
+    admin.patch_node("n-2", {"metadata": {"annotations": {"gpuguard.io/cordoned": None}}})
+    assert gpuguard("--all").returncode == 0
+    n2 = admin.node("n-2")
+    assert gpuguard_marks(n2) == [] and n2["spec"]["unschedulable"] is True
+
+    usage = gpuguard()
+    assert usage.returncode == 2
+    assert (
+        usage.stderr.strip() == "gpuguard: error: uninstall: name the nodes with --node NAME, or pass --all"
+    )
