@@ -7,6 +7,7 @@ tests/integration/test_helm_install.py."""
 from __future__ import annotations
 
 import itertools
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import closing
@@ -17,6 +18,7 @@ import controlplane
 import kubernetes
 import pytest
 
+from tests.helmtool import ROOT, build_helm
 from tests.integration.kube import GPUS_OK, Admin, Agent, eventually, token_kubeconfig
 from tests.integration.test_admission import _wait_until_enforced
 
@@ -86,3 +88,33 @@ def test_on_the_oldest_release_the_real_agent_taints_and_recovers_its_node_under
         agent.stop()
     assert not agent.events("node.write_rejected")
     assert not [line for line in agent.lines if line.get("level") == "error"]
+
+
+def test_on_the_oldest_release_the_readmes_helm_install_upgrade_and_uninstall_work(
+    oldest: Any, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from tests.integration.test_operations import blocks, tools_env
+
+    helm = build_helm(tmp_path_factory.mktemp("helm-home"))
+    env = tools_env(tmp_path, oldest, helm.binary, helm.env)
+    namespace = "gpuguard-helm"
+    install = blocks()[0][1].replace("gpuguard --take-ownership", f"{namespace} --take-ownership")
+    install = install.replace("namespace gpuguard\n", f"namespace {namespace}\n").replace(
+        "helm install gpuguard", "helm install gg"
+    )
+    steps = [
+        install,
+        f"helm upgrade gg deploy/helm/gpuguard --namespace {namespace} --reuse-values --set cordon=false",
+        f"helm uninstall gg --namespace {namespace}",
+    ]
+    for step in steps:
+        r = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", step],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert r.returncode == 0, f"{step}\n{r.stdout}\n{r.stderr}"
