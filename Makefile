@@ -4,21 +4,36 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+RUNTIME_STAMP := $(VENV)/.installed-runtime
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+# A .venv made by another Python (e.g. before an upgrade, or a different $(PYTHON)) is rebuilt, not reused:
+# its interpreter may be gone or older than requires-python.
+VENV_OK := $(shell test -x $(BIN)/python && test "$$($(BIN)/python -c 'import sys; print(sys.version_info[:2])' 2>/dev/null)" = "$$($(PYTHON) -c 'import sys; print(sys.version_info[:2])' 2>/dev/null)" && echo yes)
+ifneq ($(VENV_OK),yes)
+$(shell rm -rf $(VENV))
+endif
 
 .PHONY: install run test unit lint fakenvml testenv testenv-oldest helm promtool image kube-up kube-down kube-status bench gpu-smoke clean
 
 install: $(STAMP)
 
+# Everything the tests and linters need (the dev extra); it includes the runtime.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@ $(RUNTIME_STAMP)
+
+# gpuguard and its runtime dependencies only: what `make run` needs.
+$(RUNTIME_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e .
 	touch $@
 
 # The demo: 8 mock GPUs, dry run, no GPU and no cluster needed; healthy, then a fault, then the change it
 # would make to the node. Stops by itself after 8 s.
-run: install
+run: $(RUNTIME_STAMP)
 	$(BIN)/gpuguard watch --dry-run --backend mock --interval 0.5 --run-for 8 --listen 127.0.0.1:0 --log-format console
 
 # The fake libnvidia-ml.so.1 (tests/fakenvml), built with the machine's gcc against NVIDIA's nvml.h (the dev
@@ -85,5 +100,6 @@ lint: install
 	$(BIN)/hadolint Dockerfile
 	"$$(hack/helm/build.sh)" lint --strict deploy/helm/gpuguard
 
+# Everything made in the clone, .venv included; the per-user caches (~/.cache/gpuguard) stay.
 clean:
-	rm -rf build .kube-test .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
+	rm -rf $(VENV) build .kube-test .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

@@ -77,6 +77,27 @@ def test_check_at_on_the_nvml_backend_is_a_usage_error() -> None:
     )
 
 
+def test_the_demos_console_log_fits_a_120_column_terminal_and_loses_nothing() -> None:
+    r = run(
+        "watch", "--dry-run", "--backend", "mock", "--interval", "0.5", "--run-for", "6.5",
+        "--listen", "127.0.0.1:0", "--log-format", "console", env={"COLUMNS": "120"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert max(len(line) for line in lines) <= 120, max(lines, key=len)
+    text = " ".join(line.strip() for line in lines)
+    for event in (
+        "node.dry_run action=taint",
+        "node.tainted",
+        "xid.ignored",
+        "gpu.unhealthy",
+        "agent.stopping",
+    ):
+        assert event in text
+    assert '"gpuguard.io/cordoned": "true"' in text  # the whole patch, wrapped, not cut
+    assert "None" not in text
+
+
 def test_check_on_healthy_gpus_exits_0_and_prints_a_table(tmp_path: Path) -> None:
     r = run("check", "--backend", "mock", "--scenario", write(tmp_path, "gpus: 2"))
     assert r.returncode == 0, r.stderr
