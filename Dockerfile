@@ -1,6 +1,10 @@
 # gpuguard: node-level GPU health agent (runs as a DaemonSet; see deploy/daemonset.yaml).
 #
-#   docker build -t ghcr.io/gpuguard/gpuguard:0.1.0 .
+#   docker build -t registry.example.com/gpuguard:0.1.0 . && docker push registry.example.com/gpuguard:0.1.0
+#
+# then name that image in the chart's image.repository (or the two image: lines of deploy/daemonset.yaml).
+# The tests build this file with buildah on a Debian stand-in base (hack/image/build.sh, PYTHON_IMAGE below)
+# and run the result read-only as uid 65532 (tests/test_image.py).
 #
 # The image carries no NVIDIA library: libnvidia-ml.so.1 and the /dev/nvidia* device nodes come from the
 # node's driver, injected at run time by the NVIDIA container toolkit (see deploy/daemonset.yaml).
@@ -8,7 +12,7 @@
 # Base: the same pinned slim Debian image for both stages, so the venv's interpreter symlinks
 # (/opt/venv/bin/python -> /usr/local/bin/python3.11) resolve in the final image. For fully reproducible
 # builds, pin the digest too (python:3.11.14-slim-bookworm@sha256:...), after checking it with
-# `docker buildx imagetools inspect`.
+# `docker buildx imagetools inspect`. Any base with `python` (>= 3.11) and `pip` on PATH works.
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
 # ---- builder: build gpuguard's wheel and install it (and its dependencies) into /opt/venv -----------------
