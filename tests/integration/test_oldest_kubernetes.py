@@ -79,7 +79,15 @@ def test_on_the_oldest_release_the_real_agent_taints_and_recovers_its_node_under
         n = oldest_admin.node(node)
         assert n["spec"]["unschedulable"] is True
         assert n["metadata"]["labels"]["gpuguard.io/quarantined"] == "true"
-        assert any(c["type"] == "GPUHealthy" and c["status"] == "False" for c in n["status"]["conditions"])
+        # The condition is its own write (nodes/status), after the taint's.
+        eventually(
+            lambda: any(
+                c["type"] == "GPUHealthy" and c["status"] == "False"
+                for c in oldest_admin.node(node)["status"].get("conditions") or []
+            ),
+            10,
+            what="GPUHealthy=False",
+        )
         state.write_text(GPUS_OK)
         eventually(lambda: oldest_admin.our_taint(node) is None, 10, what="recovery")
         assert oldest_admin.node(node)["spec"].get("unschedulable") in (None, False)
