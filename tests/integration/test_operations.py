@@ -238,6 +238,7 @@ def test_the_operations_runbook_works_as_written(
         eventually(
             lambda: gpuguard_marks(admin.node(node)).count("condition GPUHealthy"), 10, what="condition"
         )
+        eventually(lambda: admin.events_for(node), 10, what="the GPUUnhealthy Event")  # written last
 
         # -- Reading a quarantine.
         out = book.run("Reading a quarantine", NODE=node)
