@@ -33,9 +33,7 @@ pytestmark = pytest.mark.timeout(900)
 # Commands the page names in its prose (inline code) rather than in a block, and the test that runs them.
 EXERCISED_ELSEWHERE = {
     "gpuguard uninstall --node NAME": "test_uninstall_of_one_node_and_its_dry_run_do_what_the_page_says",
-    "kubectl describe node": "the Reading a quarantine block",
-    "helm uninstall": "the Uninstalling cleanly block",
-    "kubectl delete": "tests/integration/fixtures.py applies and the Kubernetes API deletes the same objects",
+    "kubectl delete": "test_the_plain_manifests_apply_and_delete_with_kubectl_and_why_the_namespace_comes_first",  # noqa: E501
 }
 
 
@@ -396,3 +394,40 @@ def test_uninstall_of_one_node_and_its_dry_run_do_what_the_page_says(
     assert (
         usage.stderr.strip() == "gpuguard: error: uninstall: name the nodes with --node NAME, or pass --all"
     )
+
+
+def test_the_plain_manifests_apply_and_delete_with_kubectl_and_why_the_namespace_comes_first(
+    cluster: Any, admin: Admin, tmp_path: Path
+) -> None:
+    helm3 = build_helm(tmp_path / "helm-home", major=3)
+    env = tools_env(tmp_path, cluster, helm3.binary, helm3.env)
+
+    def sh(command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", "-c", command],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    # The page's reason for `kubectl create namespace` + `--take-ownership`: Helm 3 refuses the chart's own
+    # namespace with --create-namespace.
+    refused = sh("helm install gpuguard deploy/helm/gpuguard --namespace other --create-namespace")
+    assert refused.returncode != 0 and 'namespaces "other" already exists' in refused.stderr, refused.stderr
+
+    # "Installed with the plain manifests, remove them with `kubectl delete` on the same files".
+    files = "-f deploy/daemonset.yaml -f deploy/admission-policy.yaml -f deploy/networkpolicy.yaml"
+    applied = sh(f"kubectl apply {files}")
+    assert applied.returncode == 0, applied.stderr
+    assert admin.apps.read_namespaced_daemon_set("gpuguard", "gpuguard")
+    # --wait=false: without a controller-manager here the namespace never leaves Terminating.
+    deleted = sh(f"kubectl delete --wait=false {files}")
+    assert deleted.returncode == 0, deleted.stderr
+    assert 'daemonset.apps "gpuguard" deleted' in deleted.stdout
+    rbac: Any = kubernetes.client.RbacAuthorizationV1Api(admin.api)
+    with pytest.raises(kubernetes.client.exceptions.ApiException) as exc:
+        rbac.read_cluster_role("gpuguard")
+    assert exc.value.status == 404
