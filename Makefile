@@ -14,7 +14,7 @@ ifneq ($(VENV_OK),yes)
 $(shell rm -rf $(VENV))
 endif
 
-.PHONY: install run test unit lint fakenvml testenv testenv-oldest helm promtool image kube-up kube-down kube-status bench gpu-smoke clean
+.PHONY: install run test unit lint fakenvml testenv testenv-oldest kwok helm promtool image kube-up kube-down kube-status bench gpu-smoke clean
 
 install: $(STAMP)
 
@@ -41,14 +41,20 @@ run: $(RUNTIME_STAMP)
 fakenvml: install
 	tests/fakenvml/build.sh build/fakenvml
 
-# etcd and kube-apiserver built from their official Go modules (pinned in hack/testenv/versions.env), cached
-# per user under ~/.cache/gpuguard/testenv/<versions>/ ($GPUGUARD_CACHE): the first build takes ~7 minutes, later ones reuse the binaries.
+# etcd, kube-apiserver, kube-scheduler and kube-controller-manager built from their official Go modules
+# (pinned in hack/testenv/versions.env), cached per user under ~/.cache/gpuguard/testenv/<versions>/
+# ($GPUGUARD_CACHE): the first build takes ~10-20 minutes on 2 cores, later ones reuse the binaries.
 testenv:
 	bash hack/testenv/build.sh
 
 # The oldest supported Kubernetes (versions.env KUBE_VERSION_OLDEST): kube-apiserver and etcd only.
 testenv-oldest:
 	bash hack/testenv/build.sh --oldest
+
+# kwok (simulated nodes for the scheduling tests), built once from its pinned Go module into
+# ~/.cache/gpuguard/kwok/<version>/ (~4-9 min cold on 2 cores).
+kwok:
+	hack/kwok/build.sh >/dev/null
 
 # helm 4 and helm 3, each built once from its pinned Go module into ~/.cache/gpuguard/helm/<version>/
 # (~3-5 min each cold on 2 cores).
@@ -66,8 +72,10 @@ image:
 	hack/image/build.sh
 
 # A control plane on 127.0.0.1 for manual use; prints the admin kubeconfig path (.kube-test/kubeconfig).
-kube-up: install testenv
-	$(BIN)/python hack/testenv/controlplane.py up
+# KUBE_UP_WITH=all also starts kube-scheduler, kube-controller-manager and kwok.
+KUBE_UP_WITH ?=
+kube-up: install testenv $(if $(KUBE_UP_WITH),kwok)
+	$(BIN)/python hack/testenv/controlplane.py up --with "$(KUBE_UP_WITH)"
 
 kube-down: install
 	$(BIN)/python hack/testenv/controlplane.py down
@@ -77,7 +85,7 @@ kube-status: install
 
 # Unit tests, the nvml backend through the fake library, and the integration tests against a real
 # etcd + kube-apiserver that the test session starts on 127.0.0.1 and stops again.
-test: install fakenvml testenv testenv-oldest helm promtool image
+test: install fakenvml testenv testenv-oldest kwok helm promtool image
 	$(BIN)/python -m pytest -q
 
 unit: install fakenvml

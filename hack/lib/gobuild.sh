@@ -36,3 +36,24 @@ go_private_env() {
     export GOWORK=off
     unset GOBIN GOOS GOARCH
 }
+
+# parse_force_args SCRIPT ARG...: the arguments of a build script that takes only --force (sets force=1)
+# and -h/--help (prints SCRIPT's header comment and exits); anything else exits 2.
+parse_force_args() {
+    local script=$1 arg
+    shift
+    force=0
+    for arg in "$@"; do
+        case "$arg" in
+            --force) force=1 ;;
+            -h | --help)
+                sed -n '2,/^set -euo/p' "$script" | sed '$d; s/^# \{0,1\}//'
+                exit 0
+                ;;
+            *)
+                echo "build.sh: unknown argument: $arg" >&2
+                exit 2
+                ;;
+        esac
+    done
+}

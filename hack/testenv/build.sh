@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Build the pinned kube-apiserver and etcd used by the integration tests, and kubectl (docs/operations.md's
-# commands are run with it): the newest supported Kubernetes (KUBE_VERSION, ETCD_VERSION) or, apiserver
-# and etcd only, with --oldest, the oldest supported one (KUBE_VERSION_OLDEST,
-# ETCD_VERSION_OLDEST), on which tests/integration/test_oldest_kubernetes.py runs a smoke subset.
+# Build the pinned Kubernetes binaries the tests use. The newest supported Kubernetes (KUBE_VERSION,
+# ETCD_VERSION): etcd, kube-apiserver, kube-scheduler and kube-controller-manager (the scheduling tests and
+# `make e2e`) and kubectl (docs/operations.md's commands are run with it). With --oldest, the oldest
+# supported one (KUBE_VERSION_OLDEST, ETCD_VERSION_OLDEST): etcd and kube-apiserver only, on which
+# tests/integration/test_oldest_kubernetes.py runs a smoke subset.
 #
 # Why from source: the machines reach only package registries, so the official release
 # tarballs are out of reach; the Go module proxy serves k8s.io/kubernetes and
 # go.etcd.io/etcd/server/v3, which build to the same binaries with CGO_ENABLED=0.
 #
-# Each binary is built through a small wrapper module (hack/testenv/kube-apiserver,
+# Each binary is built through a small wrapper module (hack/testenv/kube-apiserver, which declares the
+# Kubernetes commands as tools and builds them in one `go build` so they share their packages;
 # hack/testenv/etcd; hack/testenv/oldest/... for --oldest) whose committed go.mod/go.sum pin the
 # whole dependency graph. When versions.env changes, the wrappers are regenerated (commit the new
 # go.mod/go.sum).
@@ -70,19 +72,35 @@ CACHE_ROOT=${GPUGUARD_TESTENV_CACHE:-$(gpuguard_cache_root)/testenv}
 CACHE="$CACHE_ROOT/$KUBE_VERSION-$ETCD_VERSION"
 BIN="$CACHE/bin"
 STAMP="$CACHE/.complete"
-STAMP_WANT="kube-apiserver $KUBE_VERSION etcd $ETCD_VERSION"
+# The Kubernetes commands built from the one pinned k8s.io/kubernetes module.
+KUBE_COMMANDS=(kube-apiserver kube-scheduler kube-controller-manager kubectl)
+[[ -n $suffix ]] && KUBE_COMMANDS=(kube-apiserver)
+STAMP_WANT="${KUBE_COMMANDS[*]} $KUBE_VERSION etcd $ETCD_VERSION"
 
 cache_lock "$CACHE"
 
 print_paths() {
-    echo "kube-apiserver: $BIN/kube-apiserver"
+    local cmd
+    for cmd in "${KUBE_COMMANDS[@]}"; do
+        echo "$cmd: $BIN/$cmd"
+    done
     echo "etcd: $BIN/etcd"
-    [[ -n $suffix ]] || echo "kubectl: $BIN/kubectl"
 }
-# kubectl is built for the newest version only, after (and apart from) the stamped pair: a cache built
-# before kubectl was added keeps its apiserver and etcd.
-kubectl_current() {
-    [[ -n $suffix || -x "$BIN/kubectl" ]]
+
+# wrapper_tools_current: the kube wrapper declares every command as a tool.
+wrapper_tools_current() {
+    local cmd
+    for cmd in "${KUBE_COMMANDS[@]}"; do
+        grep -Eq "^[[:space:]]*(tool[[:space:]]+)?k8s\.io/kubernetes/cmd/$cmd\$" \
+            "$WRAPPERS/kube-apiserver/go.mod" 2>/dev/null || return 1
+    done
+}
+
+binaries_present() {
+    local cmd
+    for cmd in etcd "${KUBE_COMMANDS[@]}"; do
+        [[ -x "$BIN/$cmd" ]] || return 1
+    done
 }
 
 wrappers_current() {
@@ -91,13 +109,11 @@ wrappers_current() {
         "$WRAPPERS/kube-apiserver/go.mod" 2>/dev/null &&
         grep -Eq "${req}go\.etcd\.io/etcd/server/v3 $ETCD_VERSION([[:space:]]|\$)" \
             "$WRAPPERS/etcd/go.mod" 2>/dev/null &&
-        [[ -s "$WRAPPERS/kube-apiserver/go.sum" && -s "$WRAPPERS/etcd/go.sum" ]]
+        [[ -s "$WRAPPERS/kube-apiserver/go.sum" && -s "$WRAPPERS/etcd/go.sum" ]] && wrapper_tools_current
 }
 
-pair_current() {
-    [[ -x "$BIN/kube-apiserver" && -x "$BIN/etcd" && "$(cat "$STAMP" 2>/dev/null)" == "$STAMP_WANT" ]]
-}
-if [[ $force == 0 && $regenerate == 0 ]] && pair_current && kubectl_current; then
+if [[ $force == 0 && $regenerate == 0 ]] && binaries_present &&
+    [[ "$(cat "$STAMP" 2>/dev/null)" == "$STAMP_WANT" ]]; then
     echo "build.sh: reusing cached binaries for $STAMP_WANT"
     print_paths
     exit 0
@@ -189,9 +205,8 @@ for r in json.load(sys.stdin).get("Require") or []:
 
 if [[ $regenerate == 1 ]] || ! wrappers_current; then
     gen_wrapper "$WRAPPERS/etcd" go.etcd.io/etcd/server/v3 "$ETCD_VERSION" go.etcd.io/etcd/server/v3
-    kube_tools=k8s.io/kubernetes/cmd/kube-apiserver
-    [[ -n $suffix ]] || kube_tools+=" k8s.io/kubernetes/cmd/kubectl"
-    gen_wrapper "$WRAPPERS/kube-apiserver" k8s.io/kubernetes "$KUBE_VERSION" "$kube_tools" "$STAGING_VERSION"
+    gen_wrapper "$WRAPPERS/kube-apiserver" k8s.io/kubernetes "$KUBE_VERSION" \
+        "${KUBE_COMMANDS[*]/#/k8s.io/kubernetes/cmd/}" "$STAGING_VERSION"
     echo "build.sh: wrapper modules regenerated; commit hack/testenv/{etcd,kube-apiserver}/go.{mod,sum}"
 fi
 
@@ -210,39 +225,41 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
 done
 etcd_ldflags="-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA=module-$ETCD_VERSION"
 
-if [[ $force == 1 || $regenerate == 1 ]] || ! pair_current; then
-    rm -f "$STAMP"
-    echo "build.sh: building etcd $ETCD_VERSION (CGO_ENABLED=0)"
-    (cd "$WRAPPERS/etcd" && go build -mod=readonly -trimpath -ldflags "$etcd_ldflags" \
-        -o "$BIN/etcd.tmp" go.etcd.io/etcd/server/v3)
-    echo "build.sh: building kube-apiserver $KUBE_VERSION (CGO_ENABLED=0; several minutes cold)"
-    (cd "$WRAPPERS/kube-apiserver" && go build -mod=readonly -trimpath -ldflags "$kube_ldflags" \
-        -o "$BIN/kube-apiserver.tmp" k8s.io/kubernetes/cmd/kube-apiserver)
+rm -f "$STAMP"
+echo "build.sh: building etcd $ETCD_VERSION (CGO_ENABLED=0)"
+(cd "$WRAPPERS/etcd" && go build -mod=readonly -trimpath -ldflags "$etcd_ldflags" \
+    -o "$BIN/etcd.tmp" go.etcd.io/etcd/server/v3)
+echo "build.sh: building ${KUBE_COMMANDS[*]} $KUBE_VERSION (CGO_ENABLED=0; several minutes cold)"
+# One invocation for all the commands: their shared packages compile once. -o names a directory.
+rm -rf "$BIN/kube.tmp"
+mkdir -p "$BIN/kube.tmp"
+(cd "$WRAPPERS/kube-apiserver" && go build -mod=readonly -trimpath -gcflags=all=-dwarf=false \
+    -ldflags "$kube_ldflags" -o "$BIN/kube.tmp/" "${KUBE_COMMANDS[@]/#/k8s.io/kubernetes/cmd/}")
 
-    # Refuse a binary that does not report the pinned version before marking the cache done.
-    got_etcd=$("$BIN/etcd.tmp" --version | sed -n 's/^etcd Version: //p')
-    got_kube=$("$BIN/kube-apiserver.tmp" --version | sed -n 's/^Kubernetes //p')
-    if [[ "v$got_etcd" != "$ETCD_VERSION" || "$got_kube" != "$KUBE_VERSION" ]]; then
-        echo "build.sh: version mismatch: etcd reports '$got_etcd', kube-apiserver '$got_kube'" >&2
+# Refuse a binary that does not report the pinned version before marking the cache done.
+got_etcd=$("$BIN/etcd.tmp" --version | sed -n 's/^etcd Version: //p')
+if [[ "v$got_etcd" != "$ETCD_VERSION" ]]; then
+    echo "build.sh: version mismatch: etcd reports '$got_etcd'" >&2
+    exit 1
+fi
+for cmd in "${KUBE_COMMANDS[@]}"; do
+    if [[ $cmd == kubectl ]]; then
+        got_kube=$("$BIN/kube.tmp/kubectl" version --client -o json | json_field - clientVersion gitVersion)
+    else
+        got_kube=$("$BIN/kube.tmp/$cmd" --version | sed -n 's/^Kubernetes //p')
+    fi
+    if [[ "$got_kube" != "$KUBE_VERSION" ]]; then
+        echo "build.sh: version mismatch: $cmd reports '$got_kube'" >&2
         exit 1
     fi
-    mv -f "$BIN/etcd.tmp" "$BIN/etcd"
-    mv -f "$BIN/kube-apiserver.tmp" "$BIN/kube-apiserver"
-    printf '%s' "$STAMP_WANT" >"$STAMP.tmp"
-    mv -f "$STAMP.tmp" "$STAMP"
+done
+mv -f "$BIN/etcd.tmp" "$BIN/etcd"
+for cmd in "${KUBE_COMMANDS[@]}"; do
+    mv -f "$BIN/kube.tmp/$cmd" "$BIN/$cmd"
+done
+rmdir "$BIN/kube.tmp"
+printf '%s' "$STAMP_WANT" >"$STAMP.tmp"
+mv -f "$STAMP.tmp" "$STAMP"
 
-    echo "build.sh: built $STAMP_WANT"
-fi
-
-if [[ -z $suffix ]] && { [[ $force == 1 ]] || ! kubectl_current; }; then
-    echo "build.sh: building kubectl $KUBE_VERSION (CGO_ENABLED=0; shares kube-apiserver's build cache)"
-    (cd "$WRAPPERS/kube-apiserver" && go build -mod=readonly -trimpath -ldflags "$kube_ldflags" \
-        -o "$BIN/kubectl.tmp" k8s.io/kubernetes/cmd/kubectl)
-    got_kubectl=$("$BIN/kubectl.tmp" version --client -o json | json_field - clientVersion gitVersion)
-    if [[ "$got_kubectl" != "$KUBE_VERSION" ]]; then
-        echo "build.sh: version mismatch: kubectl reports '$got_kubectl'" >&2
-        exit 1
-    fi
-    mv -f "$BIN/kubectl.tmp" "$BIN/kubectl"
-fi
+echo "build.sh: built $STAMP_WANT"
 print_paths

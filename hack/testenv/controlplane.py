@@ -2,9 +2,13 @@
 
 Why: gpuguard talks to the API server (nodes, taints, tokens, RBAC); fakes drift from the
 real thing, so the integration tests and ``make kube-up`` run the genuine binaries that
-``hack/testenv/build.sh`` builds from the pinned Go modules. There is no
+``hack/testenv/build.sh`` builds from the pinned Go modules. By default there is no
 kube-controller-manager, scheduler or kubelet: tests create what those would (e.g.
-ServiceAccounts) themselves.
+ServiceAccounts) themselves. With ``components=("scheduler", "controller-manager", "kwok")``
+(``up --with ...``) it also runs kube-scheduler, kube-controller-manager (every default
+controller: service-account tokens, taint eviction, node life cycle, Deployments, ...) and
+kwok, which heartbeats the nodes annotated ``kwok.x-k8s.io/node=fake`` and runs the pods bound
+to them (hack/kwok/build.sh builds it; hack/testenv/kwok-stages.yaml says how fast).
 
 Use it as a CLI::
 
@@ -43,7 +47,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +60,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 TESTENV_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTENV_DIR.parent.parent
 BUILD_SCRIPT = TESTENV_DIR / "build.sh"
+KWOK_BUILD_SCRIPT = REPO_ROOT / "hack" / "kwok" / "build.sh"
+KWOK_STAGES = TESTENV_DIR / "kwok-stages.yaml"
 VERSIONS_FILE = TESTENV_DIR / "versions.env"
 DEFAULT_STATE_DIR = REPO_ROOT / ".kube-test"
 STATE_FILE_NAME = "state.json"
@@ -72,6 +78,17 @@ rules:
   - level: Metadata
 """
 LOG_TAIL_LINES = 40
+
+# The optional components, in start order (the scheduler and kwok need nothing from each other).
+COMPONENTS = ("controller-manager", "scheduler", "kwok")
+# kwok manages only the nodes that carry this annotation (kwok's own convention), so tests can mix
+# simulated nodes with bare Node objects that nothing heartbeats.
+KWOK_NODE_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
+# The client identities the default RBAC policy knows (system:kube-scheduler, ...).
+COMPONENT_USERS = {
+    "controller-manager": "system:kube-controller-manager",
+    "scheduler": "system:kube-scheduler",
+}
 
 
 class ControlPlaneError(RuntimeError):
@@ -117,35 +134,80 @@ def etcd_version(release: str = NEWEST) -> str:
     return read_versions()["ETCD_VERSION" + _suffix(release)]
 
 
-def cache_dir(release: str = NEWEST) -> Path:
-    """Where build.sh puts the binaries for the pinned versions (same rule as hack/lib/gobuild.sh)."""
+def cache_root() -> Path:
+    """The per-user root of the pinned Go builds (same rule as hack/lib/gobuild.sh's gpuguard_cache_root)."""
     default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpuguard"
-    cache = Path(os.environ.get("GPUGUARD_CACHE") or default)
-    root = Path(os.environ.get("GPUGUARD_TESTENV_CACHE") or cache / "testenv")
+    return Path(os.environ.get("GPUGUARD_CACHE") or default)
+
+
+def cache_dir(release: str = NEWEST) -> Path:
+    """Where build.sh puts the binaries for the pinned versions (same rule as hack/testenv/build.sh)."""
+    root = Path(os.environ.get("GPUGUARD_TESTENV_CACHE") or cache_root() / "testenv")
     return root / f"{kube_version(release)}-{etcd_version(release)}"
 
 
 @dataclass(frozen=True)
 class Binaries:
-    """Paths of the executables: the two the control plane runs, and kubectl (newest only)."""
+    """Paths of the executables build.sh builds for one Kubernetes version: the newest has them all, the
+    oldest only etcd and kube-apiserver."""
 
     etcd: Path
     kube_apiserver: Path
+    kube_scheduler: Path | None = None
+    kube_controller_manager: Path | None = None
     kubectl: Path | None = None
+
+    def for_component(self, name: str) -> Path:
+        """The binary of an optional component other than kwok."""
+        path = {"scheduler": self.kube_scheduler, "controller-manager": self.kube_controller_manager}[name]
+        if path is None:
+            raise ControlPlaneError(f"{name} is built for the newest Kubernetes only")
+        return path
 
 
 def cached_binaries(release: str = NEWEST) -> Binaries | None:
     """The built binaries, or None when build.sh has not completed for these versions."""
     cache = cache_dir(release)
-    kubectl = cache / "bin" / "kubectl" if release == NEWEST else None
+    bin_dir = cache / "bin"
+    newest = release == NEWEST
     bins = Binaries(
-        etcd=cache / "bin" / "etcd", kube_apiserver=cache / "bin" / "kube-apiserver", kubectl=kubectl
+        etcd=bin_dir / "etcd",
+        kube_apiserver=bin_dir / "kube-apiserver",
+        kube_scheduler=bin_dir / "kube-scheduler" if newest else None,
+        kube_controller_manager=bin_dir / "kube-controller-manager" if newest else None,
+        kubectl=bin_dir / "kubectl" if newest else None,
     )
     stamp = cache / ".complete"
-    needed = [p for p in (bins.etcd, bins.kube_apiserver, kubectl) if p is not None]
-    if stamp.is_file() and all(os.access(p, os.X_OK) for p in needed):
+    paths = [
+        p
+        for p in (bins.etcd, bins.kube_apiserver, bins.kube_scheduler, bins.kube_controller_manager, bins.kubectl)
+        if p is not None
+    ]
+    if stamp.is_file() and all(os.access(p, os.X_OK) for p in paths):
         return bins
     return None
+
+
+def kwok_cached() -> Path | None:
+    """The kwok controller hack/kwok/build.sh built for the pinned KWOK_VERSION, or None."""
+    root = Path(os.environ.get("GPUGUARD_KWOK_CACHE") or cache_root() / "kwok")
+    version = read_versions().get("KWOK_VERSION", "")
+    path = root / version / "kwok"
+    return path if version and os.access(path, os.X_OK) else None
+
+
+def kwok_binary(*, allow_build: bool = True) -> Path:
+    """The pinned kwok controller, built first by hack/kwok/build.sh when allowed (a few minutes cold)."""
+    path = kwok_cached()
+    if path is not None:
+        return path
+    if not allow_build:
+        raise ControlPlaneError(f"kwok is not built; run: bash {KWOK_BUILD_SCRIPT.relative_to(REPO_ROOT)}")
+    result = subprocess.run(["bash", str(KWOK_BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True, check=False)
+    path = kwok_cached()
+    if result.returncode != 0 or path is None:
+        raise ControlPlaneError(f"{KWOK_BUILD_SCRIPT} failed with exit code {result.returncode}")
+    return path
 
 
 def build(*, quiet: bool = False, release: str = NEWEST) -> Binaries:
@@ -286,6 +348,7 @@ class Pki:
     """File paths of the generated CA, serving, admin-client and SA-signing material."""
 
     ca_cert: Path
+    ca_key: Path
     serving_cert: Path
     serving_key: Path
     admin_cert: Path
@@ -324,6 +387,7 @@ def generate_pki(directory: Path) -> Pki:
     sa_key = _new_key()
     pki = Pki(
         ca_cert=directory / "ca.crt",
+        ca_key=directory / "ca.key",
         serving_cert=directory / "apiserver.crt",
         serving_key=directory / "apiserver.key",
         admin_cert=directory / "admin.crt",
@@ -332,6 +396,7 @@ def generate_pki(directory: Path) -> Pki:
         sa_signing_key=directory / "sa.key",
     )
     pki.ca_cert.write_bytes(_pem_cert(ca.cert))
+    _write_private(pki.ca_key, _pem_key(ca.key))
     pki.serving_cert.write_bytes(_pem_cert(serving.cert))
     _write_private(pki.serving_key, _pem_key(serving.key))
     pki.admin_cert.write_bytes(_pem_cert(admin.cert))
@@ -343,6 +408,19 @@ def generate_pki(directory: Path) -> Pki:
     )
     _write_private(pki.sa_signing_key, _pem_key(sa_key))
     return pki
+
+
+def generate_client_cert(pki: Pki, user: str, stem: Path) -> tuple[Path, Path]:
+    """A client certificate for user (CN), signed by pki's CA: stem.crt and stem.key."""
+    ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise ControlPlaneError(f"{pki.ca_key} is not an EC key")
+    ca = _KeyPair(key=ca_key, cert=x509.load_pem_x509_certificate(pki.ca_cert.read_bytes()))
+    pair = _cert(_name(user), _new_key(), ca, usages=[ExtendedKeyUsageOID.CLIENT_AUTH])
+    cert, key = stem.with_suffix(".crt"), stem.with_suffix(".key")
+    cert.write_bytes(_pem_cert(pair.cert))
+    _write_private(key, _pem_key(pair.key))
+    return cert, key
 
 
 # --------------------------------------------------------------------------- processes
@@ -401,6 +479,8 @@ class State:
     kube_version: str = ""
     etcd_version: str = ""
     started_at: float = field(default_factory=time.time)
+    # The optional components: name -> {"bin": path, "pid": pid or None, "port": serving port}.
+    components: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: Path) -> State | None:
@@ -433,10 +513,16 @@ class ControlPlane:
         ready_timeout: float = 90.0,
         die_with_parent: bool = False,
         release: str = NEWEST,
+        components: tuple[str, ...] = (),
     ) -> None:
         """die_with_parent: have the kernel SIGKILL the servers when this process dies, so
         a test run killed hard (no teardown) leaves no server running (the work dir in /tmp
-        stays). `up` must not use it: its servers outlive it."""
+        stays). `up` must not use it: its servers outlive it. components: any of COMPONENTS,
+        started after kube-apiserver and stopped before it."""
+        unknown = set(components) - set(COMPONENTS)
+        if unknown:
+            raise ControlPlaneError(f"unknown components {sorted(unknown)}; known: {', '.join(COMPONENTS)}")
+        self.components = tuple(c for c in COMPONENTS if c in components)
         self.state_dir = Path(state_dir)
         self.allow_build = allow_build
         self.ready_timeout = ready_timeout
@@ -502,6 +588,10 @@ class ControlPlane:
         """stdout/stderr of etcd."""
         return self.work_dir / "etcd.log"
 
+    def log_path(self, name: str) -> Path:
+        """stdout/stderr of a process: etcd, kube-apiserver or one of COMPONENTS."""
+        return self.work_dir / f"{name}.log"
+
     # ---- lifecycle
 
     @classmethod
@@ -531,6 +621,10 @@ class ControlPlane:
         # A stale state.json may still name a live etcd (e.g. the apiserver crashed).
         ControlPlane.stop_recorded(self.state_dir)
         bins = ensure_binaries(allow_build=self.allow_build, release=self.release)
+        component_bins = {
+            name: kwok_binary(allow_build=self.allow_build) if name == "kwok" else bins.for_component(name)
+            for name in self.components
+        }
         self.state_dir.mkdir(parents=True, exist_ok=True)
         work_dir = Path(tempfile.mkdtemp(prefix="gpuguard-kube-"))
         versions = read_versions()
@@ -544,13 +638,21 @@ class ControlPlane:
             apiserver_port=0,
             kube_version=versions["KUBE_VERSION" + _suffix(self.release)],
             etcd_version=versions["ETCD_VERSION" + _suffix(self.release)],
+            components={
+                name: {"bin": str(path), "pid": None, "port": 0} for name, path in component_bins.items()
+            },
         )
         try:
-            generate_pki(self.pki_dir)
+            pki = generate_pki(self.pki_dir)
             (work_dir / "audit-policy.yaml").write_text(AUDIT_POLICY)
             self._start_etcd_with_retry()
             self._start_apiserver_with_retry()
             self.write_kubeconfig()
+            for name in self.components:
+                if name in COMPONENT_USERS:
+                    cert, key = generate_client_cert(pki, COMPONENT_USERS[name], self.pki_dir / name)
+                    self.write_kubeconfig(self.component_kubeconfig(name), cert=cert, key=key)
+                self._start_component_with_retry(name)
         except BaseException:
             self.stop()
             raise
@@ -571,6 +673,8 @@ class ControlPlane:
         state = self.state
         if state is None:
             return
+        for name in reversed(list(state.components)):
+            self.stop_component(name)
         self.stop_apiserver()
         self._stop_process("etcd", state.etcd_pid, state.etcd_bin)
         state.etcd_pid = None
@@ -588,6 +692,20 @@ class ControlPlane:
         state.apiserver_pid = None
         self._save_state()
 
+    def stop_component(self, name: str) -> None:
+        """Stop one of the optional components (the rest keeps running)."""
+        state = self._require_state()
+        comp = state.components[name]
+        self._stop_process(name, comp["pid"], comp["bin"])
+        comp["pid"] = None
+        self._save_state()
+
+    def component_kubeconfig(self, name: str) -> Path:
+        """The kubeconfig a component runs with (kwok: the admin's)."""
+        if name not in COMPONENT_USERS:
+            return self.kubeconfig_path
+        return self.work_dir / f"{name}.kubeconfig"
+
     def start_apiserver(self) -> None:
         """(Re)start kube-apiserver with the same flags, port and certificates; wait ready."""
         state = self._require_state()
@@ -597,12 +715,17 @@ class ControlPlane:
         self.wait_ready()
 
     def is_running(self) -> bool:
-        """Both processes alive (says nothing about readiness)."""
+        """All processes alive (says nothing about readiness)."""
         state = self.state
         if state is None or state.etcd_pid is None or state.apiserver_pid is None:
             return False
-        return _pid_runs(state.etcd_pid, state.etcd_bin) and _pid_runs(
-            state.apiserver_pid, state.apiserver_bin
+        components_up = all(
+            c["pid"] is not None and _pid_runs(c["pid"], c["bin"]) for c in state.components.values()
+        )
+        return (
+            components_up
+            and _pid_runs(state.etcd_pid, state.etcd_bin)
+            and _pid_runs(state.apiserver_pid, state.apiserver_bin)
         )
 
     def is_ready(self) -> bool:
@@ -616,26 +739,51 @@ class ControlPlane:
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until /readyz is 200; on timeout raise with the tail of the apiserver log."""
         state = self._require_state()
-        deadline = time.monotonic() + (self.ready_timeout if timeout is None else timeout)
+
+        def probe() -> str | None:
+            status, body = self.get("/readyz?verbose", timeout=5)
+            if status == 200:
+                return None
+            return f"HTTP {status}: " + " | ".join(line for line in body.splitlines() if "failed" in line)
+
+        self._wait_until(
+            "kube-apiserver",
+            lambda: state.apiserver_pid,
+            probe,
+            timeout=self.ready_timeout if timeout is None else timeout,
+            where=f"ready at {self.url}",
+            interval=0.25,
+        )
+
+    def _wait_until(
+        self,
+        name: str,
+        pid: Callable[[], int | None],
+        probe: Callable[[], str | None],
+        *,
+        timeout: float,
+        where: str,
+        interval: float = 0.1,
+    ) -> None:
+        """Poll probe (None: up; otherwise why not, OSError too) until it answers None; raise with the tail of
+        the process's log when the process exits or the timeout passes."""
+        log = self.log_path(name)
+        deadline = time.monotonic() + timeout
         last = "no answer yet"
         while time.monotonic() < deadline:
-            if state.apiserver_pid is None or not _pid_alive(state.apiserver_pid):
-                raise ControlPlaneError(
-                    f"kube-apiserver exited during startup; last lines of "
-                    f"{self.apiserver_log_path}:\n{_tail(self.apiserver_log_path)}"
-                )
+            current = pid()
+            if current is None or not _pid_alive(current):
+                raise ControlPlaneError(f"{name} exited during startup; last lines of {log}:\n{_tail(log)}")
             try:
-                status, body = self.get("/readyz?verbose", timeout=5)
-                if status == 200:
-                    return
-                last = f"HTTP {status}: " + " | ".join(line for line in body.splitlines() if "failed" in line)
+                answer = probe()
             except OSError as e:
-                last = str(e)
-            time.sleep(0.25)
+                answer = str(e)
+            if answer is None:
+                return
+            last = answer
+            time.sleep(interval)
         raise ControlPlaneError(
-            f"kube-apiserver not ready at {self.url} after {timeout or self.ready_timeout:.0f}s "
-            f"({last}); last lines of {self.apiserver_log_path}:\n"
-            f"{_tail(self.apiserver_log_path)}"
+            f"{name} not {where} after {timeout:.0f}s ({last}); last lines of {log}:\n{_tail(log)}"
         )
 
     # ---- requests and files for tests
@@ -663,8 +811,14 @@ class ControlPlane:
         doc: dict[str, Any] = json.loads(body)
         return doc
 
-    def write_kubeconfig(self) -> Path:
-        """Write the admin kubeconfig (data embedded, so it survives copying) and return it."""
+    def write_kubeconfig(
+        self, path: Path | None = None, *, cert: Path | None = None, key: Path | None = None
+    ) -> Path:
+        """Write a kubeconfig (data embedded, so it survives copying) and return it: the admin's by
+        default, or one for the client certificate cert/key at path."""
+        path = path or self.kubeconfig_path
+        cert = cert or self.pki_dir / "admin.crt"
+        key = key or self.pki_dir / "admin.key"
 
         def b64(path: Path) -> str:
             return base64.b64encode(path.read_bytes()).decode()
@@ -680,8 +834,8 @@ clusters:
 users:
   - name: admin
     user:
-      client-certificate-data: {b64(self.pki_dir / "admin.crt")}
-      client-key-data: {b64(self.pki_dir / "admin.key")}
+      client-certificate-data: {b64(cert)}
+      client-key-data: {b64(key)}
 contexts:
   - name: gpuguard-test
     context:
@@ -689,10 +843,10 @@ contexts:
       user: admin
 current-context: gpuguard-test
 """
-        tmp = self.kubeconfig_path.with_suffix(".tmp")
+        tmp = path.with_suffix(".tmp")
         _write_private(tmp, text.encode())
-        tmp.replace(self.kubeconfig_path)
-        return self.kubeconfig_path
+        tmp.replace(path)
+        return path
 
     def audit_line_count(self) -> int:
         """Number of lines in the audit log now; pass as since_line to see only newer ones."""
@@ -772,8 +926,10 @@ current-context: gpuguard-test
         self._procs[name] = proc
         if name == "etcd":
             state.etcd_pid = proc.pid
-        else:
+        elif name == "kube-apiserver":
             state.apiserver_pid = proc.pid
+        else:
+            state.components[name]["pid"] = proc.pid
         self._save_state()
 
     def _stop_process(self, name: str, pid: int | None, exe: str, grace: float = 15.0) -> None:
@@ -857,26 +1013,97 @@ current-context: gpuguard-test
             "--v=1",
         ]
 
+    def _component_args(self, name: str) -> list[str]:
+        s = self._require_state()
+        comp = s.components[name]
+        kubeconfig = str(self.component_kubeconfig(name))
+        if name == "kwok":
+            return [
+                comp["bin"],
+                f"--kubeconfig={kubeconfig}",
+                f"--config={KWOK_STAGES}",
+                "--manage-all-nodes=false",
+                "--manage-nodes-with-annotation-selector=" + "=".join(KWOK_NODE_ANNOTATION),
+                "--node-lease-duration-seconds=40",
+                "--cidr=10.244.0.0/16",
+                "--node-ip=127.0.0.1",
+                f"--server-address=127.0.0.1:{comp['port']}",
+            ]
+        common = [
+            comp["bin"],
+            f"--kubeconfig={kubeconfig}",
+            # Delegated authn/authz of the component's own /metrics etc.; /healthz is always allowed.
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={comp['port']}",
+            # A self-signed serving certificate, written here.
+            f"--cert-dir={Path(s.work_dir) / name}",
+            "--leader-elect=false",
+            "--profiling=false",
+            "--v=1",
+        ]
+        if name == "scheduler":
+            return common
+        pki = self.pki_dir
+        return [
+            *common,
+            # Every default controller: service-account tokens, taint eviction (NoExecute), node life
+            # cycle, Deployments/ReplicaSets, DaemonSets, garbage collection, ...
+            "--controllers=*",
+            "--use-service-account-credentials=true",
+            f"--service-account-private-key-file={pki / 'sa.key'}",
+            f"--root-ca-file={pki / 'ca.crt'}",
+            f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
+        ]
+
+    def _component_health_url(self, name: str) -> str:
+        port = self._require_state().components[name]["port"]
+        scheme = "http" if name == "kwok" else "https"
+        return f"{scheme}://127.0.0.1:{port}/healthz"
+
+    def _wait_component(self, name: str, timeout: float = 60.0) -> None:
+        """Block until the component's /healthz answers 200 (its serving certificate is self-signed)."""
+        comp = self._require_state().components[name]
+        insecure = ssl.create_default_context()
+        insecure.check_hostname = False
+        insecure.verify_mode = ssl.CERT_NONE
+        url = self._component_health_url(name)
+
+        def probe() -> str | None:
+            try:
+                with urllib.request.urlopen(url, timeout=2, context=insecure) as r:
+                    return None if r.status == 200 else f"HTTP {r.status}"
+            except urllib.error.HTTPError as e:
+                return f"HTTP {e.code}"
+
+        self._wait_until(name, lambda: comp["pid"], probe, timeout=timeout, where=f"healthy at {url}")
+
+    def _start_component_with_retry(self, name: str, attempts: int = 3) -> None:
+        comp = self._require_state().components[name]
+        for attempt in range(1, attempts + 1):
+            comp["port"] = free_port()
+            self._spawn(name, self._component_args(name), self.log_path(name))
+            try:
+                self._wait_component(name)
+                return
+            except ControlPlaneError:
+                self.stop_component(name)
+                if attempt == attempts or "address already in use" not in _tail(self.log_path(name)):
+                    raise
+
     def _wait_etcd(self, timeout: float = 30.0) -> None:
         state = self._require_state()
-        deadline = time.monotonic() + timeout
-        last = "no answer yet"
-        while time.monotonic() < deadline:
-            if state.etcd_pid is None or not _pid_alive(state.etcd_pid):
-                raise ControlPlaneError(
-                    f"etcd exited during startup; last lines of {self.etcd_log_path}:\n"
-                    f"{_tail(self.etcd_log_path)}"
-                )
+
+        def probe() -> str | None:
             try:
                 with urllib.request.urlopen(self.etcd_url + "/health", timeout=2) as r:
-                    if json.loads(r.read()).get("health") == "true":
-                        return
-            except (OSError, ValueError) as e:
-                last = str(e)
-            time.sleep(0.1)
-        raise ControlPlaneError(
-            f"etcd not healthy at {self.etcd_url} after {timeout:.0f}s ({last}); last lines of "
-            f"{self.etcd_log_path}:\n{_tail(self.etcd_log_path)}"
+                    return None if json.loads(r.read()).get("health") == "true" else "not healthy"
+            except ValueError as e:
+                return str(e)
+
+        self._wait_until(
+            "etcd", lambda: state.etcd_pid, probe, timeout=timeout, where=f"healthy at {self.etcd_url}"
         )
 
     def _start_etcd_with_retry(self, attempts: int = 3) -> None:
@@ -922,7 +1149,7 @@ def _state_lock(state_dir: Path) -> Iterator[None]:
         yield
 
 
-def cmd_up(state_dir: Path, *, allow_build: bool) -> int:
+def cmd_up(state_dir: Path, *, allow_build: bool, components: tuple[str, ...] = ()) -> int:
     """Start (or find running) a control plane and print the kubeconfig path."""
     with _state_lock(state_dir):
         running = ControlPlane.attach(state_dir)
@@ -930,7 +1157,7 @@ def cmd_up(state_dir: Path, *, allow_build: bool) -> int:
             print(f"control plane already up at {running.url}", file=sys.stderr)
             print(running.kubeconfig_path)
             return 0
-        cp = ControlPlane(state_dir, allow_build=allow_build)
+        cp = ControlPlane(state_dir, allow_build=allow_build, components=components)
         cp.start()
         version = cp.version().get("gitVersion", "?")
         print(f"kube-apiserver {version} ready at {cp.url}", file=sys.stderr)
@@ -962,14 +1189,19 @@ def cmd_status(state_dir: Path) -> int:
     cp.state = state
     etcd_up = state.etcd_pid is not None and _pid_runs(state.etcd_pid, state.etcd_bin)
     api_up = state.apiserver_pid is not None and _pid_runs(state.apiserver_pid, state.apiserver_bin)
-    running = etcd_up and api_up
+    comps_up = {
+        name: c["pid"] is not None and _pid_runs(c["pid"], c["bin"]) for name, c in state.components.items()
+    }
+    running = etcd_up and api_up and all(comps_up.values())
     ready = api_up and cp.is_ready()
     verdict = "up" if running and ready else "degraded" if etcd_up or api_up else "down"
     print(f"{verdict}: {cp.url}")
-    print(f"  etcd           pid {state.etcd_pid} running={etcd_up} {cp.etcd_url}")
-    print(f"  kube-apiserver pid {state.apiserver_pid} running={api_up} ready={ready}")
-    print(f"  kubeconfig     {cp.kubeconfig_path}")
-    print(f"  audit log      {cp.audit_log_path}")
+    print(f"  {'etcd':<18} pid {state.etcd_pid} running={etcd_up} {cp.etcd_url}")
+    print(f"  {'kube-apiserver':<18} pid {state.apiserver_pid} running={api_up} ready={ready}")
+    for name, comp in state.components.items():
+        print(f"  {name:<18} pid {comp['pid']} running={comps_up[name]} port {comp['port']}")
+    print(f"  {'kubeconfig':<22} {cp.kubeconfig_path}")
+    print(f"  {'audit log':<22} {cp.audit_log_path}")
     return 0 if running and ready else 1
 
 
@@ -988,10 +1220,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="fail instead of running build.sh when the binaries are missing",
     )
+    parser.add_argument(
+        "--with",
+        dest="components",
+        default="",
+        help=f"up: also start these, comma-separated ({','.join(COMPONENTS)}, or 'all')",
+    )
     args = parser.parse_args(argv)
+    wanted = [c.strip() for c in args.components.split(",") if c.strip()]
+    components = COMPONENTS if wanted == ["all"] else tuple(wanted)
     try:
         if args.command == "up":
-            return cmd_up(args.state_dir, allow_build=not args.no_build)
+            return cmd_up(args.state_dir, allow_build=not args.no_build, components=components)
         if args.command == "down":
             return cmd_down(args.state_dir)
         return cmd_status(args.state_dir)
