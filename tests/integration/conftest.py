@@ -43,10 +43,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """
     if session.config.option.collectonly:
         return
-    if any("oldest" in getattr(item, "fixturenames", ()) for item in session.items):
+    used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    if "oldest" in used:
         _build_before_tests(session, controlplane.OLDEST)
-    if not any("control_plane" in getattr(item, "fixturenames", ()) for item in session.items):
+    if not used & {"control_plane", "full_control_plane"}:
         return
+    if "full_control_plane" in used and controlplane.kwok_cached() is None:
+        try:
+            controlplane.kwok_binary()  # hack/kwok/build.sh: progress on stderr, a few minutes cold
+        except controlplane.ControlPlaneError as e:
+            print(f"kwok build failed: {e}", file=sys.stderr)
     _build_before_tests(session, controlplane.NEWEST)
 
 
@@ -90,6 +96,26 @@ def control_plane(
     # The build ran in pytest_collection_finish; building here would hit the test timeout.
     cp = controlplane.ControlPlane(
         tmp_path_factory.mktemp("kube-test"), allow_build=False, die_with_parent=True
+    )
+    try:
+        cp.start()
+        yield cp
+    finally:
+        cp.stop()
+
+
+@pytest.fixture(scope="session")
+def full_control_plane(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[controlplane.ControlPlane]:
+    """A second control plane with kube-scheduler, kube-controller-manager and kwok as well, for the tests
+    where pods are scheduled, run and evicted. Separate from control_plane: there the tests' bare Node
+    objects would be marked unreachable by the node life-cycle controller, and their pods collected."""
+    cp = controlplane.ControlPlane(
+        tmp_path_factory.mktemp("kube-full"),
+        allow_build=False,
+        die_with_parent=True,
+        components=controlplane.COMPONENTS,
     )
     try:
         cp.start()

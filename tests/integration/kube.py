@@ -135,6 +135,10 @@ class Admin:
         except kubernetes.client.exceptions.ApiException as exc:
             if exc.status != 409:
                 raise
+        return self.pod_token(pod_name)
+
+    def pod_token(self, pod_name: str) -> str:
+        """A token for gpuguard's ServiceAccount bound to the Pod pod_name in gpuguard's namespace."""
         pod = json.loads(self.core.read_namespaced_pod(pod_name, NAMESPACE, _preload_content=False).data)
         req = {
             "apiVersion": "authentication.k8s.io/v1",

@@ -1,0 +1,290 @@
+"""gpuguard beside the rest of a control plane: the real kube-scheduler places GPU pods on kwok's simulated
+nodes, kube-controller-manager runs the DaemonSet, the taint-eviction controller and the admission policy's
+type check, and a real agent (the nvml backend on the fake library, as the DaemonSet pod's ServiceAccount)
+taints its node.
+
+These tests run on their own control plane (full_control_plane): etcd, kube-apiserver, kube-scheduler,
+kube-controller-manager and kwok, all of the pinned version.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Iterator
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+import yaml
+
+from tests.integration.kube import (
+    DEPLOY,
+    GPUS_OK,
+    NAMESPACE,
+    TAINT_KEY,
+    Admin,
+    Agent,
+    eventually,
+    token_kubeconfig,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+KWOK_ANNOTATION = {"kwok.x-k8s.io/node": "fake"}
+WORKLOADS = "workloads"
+_names = itertools.count()
+ApiException = kubernetes.client.exceptions.ApiException
+
+
+@pytest.fixture(scope="module")
+def full_api(full_control_plane: Any) -> Iterator[kubernetes.client.ApiClient]:
+    client: kubernetes.client.ApiClient = kubernetes.config.new_client_from_config(  # type: ignore[no-untyped-call]
+        config_file=str(full_control_plane.kubeconfig_path)
+    )
+    with closing(client):
+        yield client
+
+
+@pytest.fixture(scope="module")
+def cluster(full_api: kubernetes.client.ApiClient) -> Admin:
+    """deploy/ applied (DaemonSet, RBAC, admission policy) and a namespace for the workloads."""
+    admin = Admin(full_api)
+    admin.apply_deploy_manifests()
+    try:
+        admin.core.create_namespace({"metadata": {"name": WORKLOADS}})
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+    # The token controller fills in the namespace's ServiceAccount; pods wait for it otherwise.
+    eventually(lambda: _exists(admin, "default", WORKLOADS), 30, what="ServiceAccount default")
+    return admin
+
+
+def _exists(admin: Admin, sa: str, namespace: str) -> bool:
+    try:
+        admin.core.read_namespaced_service_account(sa, namespace)
+    except ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return True
+
+
+def make_gpu_node(admin: Admin, *, gpus: int = 8, taints: list[dict[str, str]] | None = None) -> str:
+    """A kwok node shaped like a GPU node: the GPU labels, nvidia.com/gpu capacity, heartbeated by kwok."""
+    name = f"kwok-gpu-{next(_names)}-{int(time.time() * 1000) % 100000}"
+    resources = {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": str(gpus)}
+    admin.core.create_node(
+        {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "annotations": KWOK_ANNOTATION,
+                "labels": {
+                    "kubernetes.io/hostname": name,
+                    "kubernetes.io/os": "linux",
+                    "nvidia.com/gpu.present": "true",
+                    "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                    "nvidia.com/gpu.count": str(gpus),
+                },
+            },
+            "spec": {"taints": taints or []},
+            "status": {"capacity": resources, "allocatable": resources},
+        }
+    )
+    eventually(lambda: _node_ready(admin, name), 30, what=f"kwok marks {name} Ready")
+    return name
+
+
+def _node_ready(admin: Admin, name: str) -> bool:
+    conditions = admin.node(name).get("status", {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def _pod(admin: Admin, name: str, namespace: str = WORKLOADS) -> dict[str, Any] | None:
+    try:
+        resp = admin.core.read_namespaced_pod(name, namespace, _preload_content=False)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return json.loads(resp.data)  # type: ignore[no-any-return]
+
+
+def _pod_ready(pod: dict[str, Any] | None) -> bool:
+    conditions = (pod or {}).get("status", {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def make_gpu_pod(admin: Admin, node: str, *, tolerations: list[dict[str, str]] | None = None) -> str:
+    """A pod that asks for one GPU and may only run on `node`: the scheduler binds it, kwok runs it."""
+    name = f"llm-{next(_names)}"
+    admin.core.create_namespaced_pod(
+        WORKLOADS,
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node},
+                "tolerations": tolerations or [],
+                "containers": [
+                    {
+                        "name": "server",
+                        "image": "registry.example/llm-server:1",
+                        "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                    }
+                ],
+            },
+        },
+    )
+    return name
+
+
+def daemon_pod(admin: Admin, node: str) -> dict[str, Any] | None:
+    """The pod the DaemonSet controller created for `node`, once it runs there."""
+    resp = admin.core.list_namespaced_pod(
+        NAMESPACE, field_selector=f"spec.nodeName={node}", _preload_content=False
+    )
+    for pod in json.loads(resp.data)["items"]:
+        owners = pod["metadata"].get("ownerReferences") or []
+        if any(o["kind"] == "DaemonSet" for o in owners) and _pod_ready(pod):
+            return pod  # type: ignore[no-any-return]
+    return None
+
+
+def test_a_gpu_pod_is_bound_by_the_scheduler_and_run_by_kwok(cluster: Admin) -> None:
+    node = make_gpu_node(cluster)
+    pod = make_gpu_pod(cluster, node)
+
+    def ready() -> dict[str, Any] | None:
+        p = _pod(cluster, pod)
+        return p if _pod_ready(p) else None
+
+    assert eventually(ready, 60, what="pod Ready")["spec"]["nodeName"] == node
+    # The DaemonSet controller placed gpuguard's own pod there too (GPU label, tolerations), and kwok runs it.
+    assert eventually(lambda: daemon_pod(cluster, node), 60, what="DaemonSet pod on the node")
+
+
+def test_a_gpu_pod_stays_pending_on_a_node_without_free_gpus(cluster: Admin) -> None:
+    node = make_gpu_node(cluster, gpus=1)
+    first, second = make_gpu_pod(cluster, node), make_gpu_pod(cluster, node)
+    eventually(lambda: _pod_ready(_pod(cluster, first)), 60, what="first pod Ready")
+
+    def unschedulable() -> bool:
+        conditions = (_pod(cluster, second) or {}).get("status", {}).get("conditions") or []
+        return any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable" for c in conditions)
+
+    assert eventually(unschedulable, 60, what="second pod Unschedulable")
+
+
+def type_checking(admin: Admin, name: str) -> dict[str, Any]:
+    """status.typeChecking of a ValidatingAdmissionPolicy, once kube-controller-manager's type checker has
+    checked its current generation."""
+    api: Any = kubernetes.client.AdmissionregistrationV1Api(admin.api)
+
+    def checked() -> dict[str, Any] | None:
+        live = json.loads(api.read_validating_admission_policy(name, _preload_content=False).data)
+        status = live.get("status") or {}
+        if "typeChecking" not in status or status.get("observedGeneration") != live["metadata"]["generation"]:
+            return None
+        return status
+
+    # The status, not typeChecking itself: a policy without warnings has an empty (falsy) typeChecking.
+    return eventually(checked, 60, interval=0.5, what=f"status.typeChecking of {name}")["typeChecking"]  # type: ignore[no-any-return]
+
+
+def test_the_admission_policy_type_check_reports_no_warnings(cluster: Admin) -> None:
+    """kube-controller-manager's type checker fills status.typeChecking of every ValidatingAdmissionPolicy;
+    a CEL expression that refers to a field the schema lacks, or compares mismatched types, shows up there."""
+    policy = next(
+        d
+        for d in yaml.safe_load_all((DEPLOY / "admission-policy.yaml").read_text())
+        if d and d["kind"] == "ValidatingAdmissionPolicy"
+    )
+    assert type_checking(cluster, policy["metadata"]["name"]).get("expressionWarnings", []) == []
+
+
+def test_the_type_check_does_warn_about_a_policy_with_a_type_error(cluster: Admin) -> None:
+    """The check above could pass on an empty status: this proves the type checker runs and reports."""
+    api: Any = kubernetes.client.AdmissionregistrationV1Api(cluster.api)
+    name = f"type-error-{next(_names)}"
+    api.create_validating_admission_policy(
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicy",
+            "metadata": {"name": name},
+            "spec": {
+                "matchConstraints": {
+                    "resourceRules": [
+                        {
+                            "apiGroups": [""],
+                            "apiVersions": ["v1"],
+                            "operations": ["UPDATE"],
+                            "resources": ["nodes"],
+                        }
+                    ]
+                },
+                # Node has no spec.replicas, and a string is no int.
+                "validations": [{"expression": "object.spec.replicas > 1 && object.metadata.name == 3"}],
+            },
+        }
+    )
+    try:
+        warnings = type_checking(cluster, name).get("expressionWarnings", [])
+        assert [w["fieldRef"] for w in warnings] == ["spec.validations[0].expression"]
+    finally:
+        api.delete_validating_admission_policy(name)
+
+
+def test_no_execute_evicts_the_pods_of_a_bad_node_but_not_tolerating_ones_or_the_agent(
+    cluster: Admin, full_control_plane: Any, fakenvml: Path, tmp_path: Path
+) -> None:
+    node = make_gpu_node(cluster)
+    ds_pod = eventually(lambda: daemon_pod(cluster, node), 60, what="DaemonSet pod on the node")
+    victim = make_gpu_pod(cluster, node)
+    tolerant = make_gpu_pod(
+        cluster, node, tolerations=[{"key": TAINT_KEY, "operator": "Exists", "effect": "NoExecute"}]
+    )
+    for name in (victim, tolerant):
+        eventually(lambda name=name: _pod_ready(_pod(cluster, name)), 60, what=f"{name} Ready")  # type: ignore[misc]
+
+    # The agent runs as the DaemonSet pod's ServiceAccount, with a token bound to that very pod.
+    token = cluster.pod_token(ds_pod["metadata"]["name"])
+    kubeconfig = token_kubeconfig(
+        tmp_path / "agent.kubeconfig",
+        server=full_control_plane.url,
+        ca_path=full_control_plane.ca_path,
+        token=token,
+    )
+    state = tmp_path / "gpus.state"
+    state.write_text(GPUS_OK)
+    args = ("--taint-effect", "NoExecute", "--max-quarantined", "100%")
+    agent = Agent(node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml, args=args).start()
+    try:
+        eventually(agent.ready, 15, what="agent /readyz")
+        fault_at = time.monotonic()
+        state.write_text(GPUS_OK + "xid 0 79\n")
+        taint = eventually(lambda: cluster.our_taint(node), 15, what="gpuguard's taint")
+        tainted_at = time.monotonic()
+        assert taint["effect"] == "NoExecute"
+        eventually(lambda: _pod(cluster, victim) is None, 60, interval=0.1, what="the victim evicted")
+        evicted_at = time.monotonic()
+        print(
+            f"NoExecute: fault -> taint {tainted_at - fault_at:.2f} s, "
+            f"taint -> pod gone {evicted_at - tainted_at:.2f} s"
+        )
+        # The taint manager acts on a node update at once; give it time to act wrongly on the others.
+        time.sleep(3)
+        for name, namespace in ((tolerant, WORKLOADS), (ds_pod["metadata"]["name"], NAMESPACE)):
+            left = _pod(cluster, name, namespace)
+            assert left is not None, f"{name} was evicted"
+            assert left["metadata"].get("deletionTimestamp") is None, f"{name} is being deleted"
+        assert agent.proc is not None and agent.proc.poll() is None
+    finally:
+        agent.stop()
