@@ -160,6 +160,22 @@ def cli() -> None:
     show_default=True,
     help="Effect of gpuguard.io/gpu-unhealthy.",
 )
+@_opt(
+    "--gate-taint-key",
+    default="gpuguard.io/unverified",
+    show_default=True,
+    help="The startup gate's taint key: nodes that register with it get no workload before gpuguard's "
+    "first complete healthy check (e.g. startup-taint.cluster-autoscaler.kubernetes.io/gpuguard for "
+    "Cluster Autoscaler; any key listed in a Karpenter NodePool's startupTaints).",
+)
+@_opt(
+    "--gate-removal",
+    type=click.Choice(["gpuguard", "external"]),
+    default="gpuguard",
+    show_default=True,
+    help="Who lifts the gate: gpuguard itself, or a node-readiness controller that removes it when the "
+    "GPUHealthy condition turns True (gpuguard then only writes the condition).",
+)
 @_opt("--no-cordon", is_flag=True, default=False, help="Taint only; do not cordon.")
 @_opt(
     "--recover-after",
@@ -401,6 +417,8 @@ def _config(kw: dict[str, Any], *, watch: bool) -> Config:
     node = NodeSettings(
         name=kw["node"] or None,
         taint_effect=kw["taint_effect"],
+        gate_taint_key=kw["gate_taint_key"].strip(),
+        gate_removal=kw["gate_removal"],
         cordon=not kw["no_cordon"],
         recover=not kw["no_recover"],
         recover_after=kw["recover_after"],

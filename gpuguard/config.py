@@ -40,6 +40,7 @@ class PolicySettings:
 
 
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+GATE_REMOVALS = ("gpuguard", "external")
 # The label NVIDIA GPU Feature Discovery sets on GPU nodes; also the DaemonSet's nodeSelector.
 GPU_NODE_SELECTOR = "nvidia.com/gpu.present=true"
 
@@ -81,6 +82,14 @@ class NodeSettings:
     flap_window: float = 600.0
     """Seconds: a fault that comes back within this long of the previous one keeps the node quarantined
     until the GPUs stay healthy for this long (one write per episode, not one per flip)."""
+    gate_taint_key: str = "gpuguard.io/unverified"
+    """The startup gate's taint key: GPU nodes register with it (kubelet --register-with-taints, Karpenter's
+    startupTaints, a Cluster Autoscaler node group's `startup-taint.cluster-autoscaler.kubernetes.io/...`
+    taint) and no workload lands on them before gpuguard's first complete healthy check."""
+    gate_removal: str = "gpuguard"
+    """Who lifts the gate: "gpuguard" removes it after the first complete healthy check; "external" leaves it
+    to a node-readiness controller that removes it (e.g. a `readiness.k8s.io/...` taint) when the GPUHealthy
+    condition gpuguard writes turns True."""
     retry_max_wait: float = 2.0
     """Cap of the exponential backoff between retries of a transient API failure: a repaired API server
     sees the pending write within this long of coming back."""
@@ -150,6 +159,14 @@ def validate(cfg: Config) -> None:
     n = cfg.node
     if n.taint_effect not in TAINT_EFFECTS:
         raise ConfigError(f"--taint-effect must be one of {', '.join(TAINT_EFFECTS)}")
+    try:
+        validation.taint_key(n.gate_taint_key)
+    except ConfigError as exc:
+        raise ConfigError(f"--gate-taint-key: {exc}") from None
+    if n.gate_taint_key == f"{validation.PREFIX}gpu-unhealthy":
+        raise ConfigError(f"--gate-taint-key must not be {n.gate_taint_key}, the fault taint's key")
+    if n.gate_removal not in GATE_REMOVALS:
+        raise ConfigError(f"--gate-removal must be one of {', '.join(GATE_REMOVALS)}")
     if not 0 < n.budget_recheck <= 86400:
         raise ConfigError("--budget-recheck must be between 0 and 86400 seconds")
     if n.recover_after < 1:

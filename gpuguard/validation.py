@@ -162,6 +162,24 @@ def our_key(key: str) -> str:
     return key
 
 
+def taint_key(key: str) -> str:
+    """A Kubernetes taint key (a qualified name): [DNS-subdomain prefix "/"] name, the name at most 63
+    characters of letters, digits, '-', '_' and '.', starting and ending alphanumeric."""
+    prefix, _, name = key.rpartition("/") if isinstance(key, str) else ("", "", "")
+    if (
+        not name
+        or len(name) > MAX_NAME_PART
+        or not _NAME_PART.fullmatch(name)
+        or (prefix and (len(prefix) > 253 or not _NODE_NAME.fullmatch(prefix)))
+        or (not prefix and "/" in key)
+    ):
+        raise ConfigError(
+            f"{_show(key)} is not a taint key: [prefix/]name, the prefix a DNS subdomain, the name at most "
+            f"{MAX_NAME_PART} characters of letters, digits, '-', '_' and '.'"
+        )
+    return key
+
+
 def _safe_string(value: object, *, where: str, max_bytes: int) -> str:
     if not isinstance(value, str):
         raise ConfigError(f"{where}: {_show(value)} is not a string")

@@ -136,6 +136,13 @@ def test_check_json_output(tmp_path: Path) -> None:
         (["watch", "--dry-run", "--backend", "mock", "--ignore-xids", "13,x"], {}, "--ignore-xids"),
         (["watch", "--dry-run", "--backend", "mock", "--recover-after", "0"], {}, "--recover-after"),
         (["watch", "--dry-run", "--backend", "mock", "--taint-effect", "Evict"], {}, "--taint-effect"),
+        (["watch", "--dry-run", "--backend", "mock", "--gate-taint-key", "a b"], {}, "--gate-taint-key"),
+        (
+            ["watch", "--dry-run", "--backend", "mock"],
+            {"GPUGUARD_GATE_TAINT_KEY": "gpuguard.io/gpu-unhealthy"},
+            "--gate-taint-key must not be gpuguard.io/gpu-unhealthy",
+        ),
+        (["watch", "--dry-run", "--backend", "mock"], {"GPUGUARD_GATE_REMOVAL": "kubelet"}, "--gate-removal"),
         (["watch", "--dry-run", "--scenario", "x.yaml"], {}, "--scenario needs --backend mock"),
         (["watch", "--dry-run", "--backend", "mock"], {"GPUGUARD_INTERVAL": "fast"}, "--interval"),
         (["watch", "--dry-run", "--backend", "mock"], {"GPUGUARD_ECC_THRESHOLD": "-1"}, "--ecc-threshold"),

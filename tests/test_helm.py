@@ -180,6 +180,7 @@ ENV_CASES: list[tuple[list[str], dict[str, str], set[str]]] = [
     (["--set", "fatalXids={13}"], {"GPUGUARD_FATAL_XIDS": "13"}, set()),
     (["--set", "eccThreshold=0"], {"GPUGUARD_ECC_THRESHOLD": "0"}, set()),
     (["--set", "eccThreshold=2"], {"GPUGUARD_ECC_THRESHOLD": "2"}, set()),
+    (["--set", "gate.removal=external"], {"GPUGUARD_GATE_REMOVAL": "external"}, set()),
     (
         ["--set", "taintEffect=NoExecute", "--set", "cordon=false", "--set", "interval=1"],
         {"GPUGUARD_TAINT_EFFECT": "NoExecute", "GPUGUARD_NO_CORDON": "true", "GPUGUARD_INTERVAL": "1"},
@@ -194,6 +195,8 @@ EVERY_SETTING = [
     *("--set", "recovery.enabled=false", "--set", "recovery.recoverAfter=5"),
     *("--set", "budget.maxQuarantined=2", "--set", "flapWindow=30", "--set", "eccThreshold=2"),
     *("--set", "ignoredXids={13,43}", "--set", "fatalXids={13}", "--set", "metrics.port=9000"),
+    *("--set", "gate.taintKey=startup-taint.cluster-autoscaler.kubernetes.io/gpuguard"),
+    *("--set", "gate.removal=external"),
 ]
 
 
@@ -222,10 +225,31 @@ def test_every_variable_the_chart_can_set_is_one_the_watch_command_reads(helm: H
             "GPUGUARD_FLAP_WINDOW",
         ),
         *("GPUGUARD_IGNORE_XIDS", "GPUGUARD_FATAL_XIDS", "GPUGUARD_ECC_THRESHOLD", "GPUGUARD_LISTEN"),
-        *("GPUGUARD_STATE_DIR", "GPUGUARD_GPU_NODE_SELECTOR"),
+        *(
+            "GPUGUARD_STATE_DIR",
+            "GPUGUARD_GPU_NODE_SELECTOR",
+            "GPUGUARD_GATE_TAINT_KEY",
+            "GPUGUARD_GATE_REMOVAL",
+        ),
     }
     missing = ours - _watch_variables()
     assert not missing, f"not read by `gpuguard watch`: {sorted(missing)}"
+
+
+@pytest.mark.parametrize(
+    "key", ["startup-taint.cluster-autoscaler.kubernetes.io/gpuguard", "example.com/gpu-unverified"]
+)
+def test_another_gate_key_reaches_the_agent_and_its_tolerations(
+    helm: Helm, default_render: Docs, key: str
+) -> None:
+    rendered = helm.render("--set", f"gate.taintKey={key}")
+    assert _env(rendered) == _env(default_render) | {"GPUGUARD_GATE_TAINT_KEY": key}
+    pod = _pod_spec(rendered)
+    assert {"key": key, "operator": "Exists"} in pod["tolerations"]
+    # ...and nothing else changed.
+    pod["tolerations"] = [t for t in pod["tolerations"] if t["key"] != key]
+    _agent_in(rendered)["env"] = _agent(default_render)["env"]
+    assert rendered == default_render
 
 
 def test_defect_04_the_budget_counts_the_nodes_of_the_charts_node_selector(helm: Helm) -> None:
@@ -352,6 +376,8 @@ def test_a_render_with_every_value_changed_matches_the_kubernetes_api_schema(hel
     ("values", "message"),
     [
         (["--set", "taintEffect=NoExecut"], "/taintEffect"),
+        (["--set", "gate.removal=kubelet"], "/gate/removal"),
+        (["--set", "gate.taintKey=a b"], "/gate/taintKey"),
         (["--set", "taintEfect=NoExecute"], "taintEfect"),
         (["--set", "interval=soon"], "/interval"),
         (["--set", "budget.maxQuarantined=ten"], "/budget/maxQuarantined"),
@@ -363,6 +389,8 @@ def test_a_render_with_every_value_changed_matches_the_kubernetes_api_schema(hel
     ],
     ids=[
         "a misspelt taint effect",
+        "an unknown gate removal",
+        "a gate key with a space",
         "a misspelt key",
         "a word for the interval",
         "a word for the budget",

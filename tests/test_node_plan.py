@@ -485,3 +485,65 @@ def test_a_gpu_unhealthy_taint_without_gpuguards_record_is_never_removed() -> No
     change = decide(n, verdict(ecc=1))
     assert change is not None and change.action == "taint"
     assert change.taints == (Taint(TAINT_KEY, "NoSchedule", "ecc"),)
+
+
+# -- the gate's key and who lifts it (--gate-taint-key, --gate-removal) --------------------------------------
+
+CLUSTER_AUTOSCALER_GATE = "startup-taint.cluster-autoscaler.kubernetes.io/gpuguard"
+KARPENTER_GATE = "example.com/gpu-unverified"  # Karpenter's startupTaints take any key
+READINESS_GATE = "readiness.k8s.io/gpu-healthy"
+
+
+@pytest.mark.parametrize("key", [CLUSTER_AUTOSCALER_GATE, KARPENTER_GATE])
+def test_a_configured_gate_key_is_lifted_after_the_first_healthy_check_and_the_default_one_is_not(
+    key: str,
+) -> None:
+    settings = NodeSettings(name="gpu-1", gate_taint_key=key)
+    gate = Taint(key=key, effect="NoSchedule")
+    default_gate = Taint(key=UNVERIFIED_TAINT_KEY, effect="NoSchedule")
+    change = decide(node(taints=(default_gate, gate, FOREIGN)), HEALTHY, settings=settings)
+    assert change is not None and change.action == "verified"
+    assert change.taints == (default_gate, FOREIGN)
+
+
+@pytest.mark.parametrize("key", [CLUSTER_AUTOSCALER_GATE, KARPENTER_GATE])
+def test_a_configured_gate_stays_beside_the_unhealthy_taint_and_goes_with_it_at_recovery(key: str) -> None:
+    settings = NodeSettings(name="gpu-1", gate_taint_key=key)
+    gate = Taint(key=key, effect="NoSchedule")
+    change = decide(node(taints=(gate,)), verdict(xid=79), settings=settings)
+    assert change is not None and change.action == "taint"
+    assert change.taints == (gate, Taint(TAINT_KEY, "NoSchedule", "xid-79"))
+    rebooted = NodeView(**{**apply_change(node(taints=(gate,)), change).__dict__, "boot_id": "boot-b"})
+    recovered = decide(rebooted, HEALTHY, streak=3, settings=settings)
+    assert recovered is not None and recovered.action == "recover" and recovered.taints == ()
+
+
+def test_with_external_gate_removal_a_healthy_gated_node_gets_no_taint_write() -> None:
+    """The readiness-controller pattern: the controller lifts readiness.k8s.io/... from the GPUHealthy
+    condition (written by the reconciler), gpuguard never touches the gate."""
+    settings = NodeSettings(name="gpu-1", gate_taint_key=READINESS_GATE, gate_removal="external")
+    gate = Taint(key=READINESS_GATE, effect="NoSchedule")
+    assert decide(node(taints=(gate, FOREIGN)), HEALTHY, streak=10, settings=settings) is None
+
+
+def test_with_external_gate_removal_recovery_removes_only_gpuguards_taint() -> None:
+    settings = NodeSettings(name="gpu-1", gate_taint_key=READINESS_GATE, gate_removal="external")
+    gate = Taint(key=READINESS_GATE, effect="NoSchedule")
+    change = decide(node(taints=(gate,)), verdict(xid=79), settings=settings)
+    assert change is not None and change.taints == (gate, Taint(TAINT_KEY, "NoSchedule", "xid-79"))
+    rebooted = NodeView(**{**apply_change(node(taints=(gate,)), change).__dict__, "boot_id": "boot-b"})
+    recovered = decide(rebooted, HEALTHY, streak=3, settings=settings)
+    assert recovered is not None and recovered.action == "recover" and recovered.taints == (gate,)
+
+
+def test_nodes_behind_the_gate_do_not_count_as_quarantined_in_the_budget() -> None:
+    from gpuguard.node.budget import count_budget
+
+    def item(name: str, labels: dict[str, str]) -> dict[str, object]:
+        return {"metadata": {"name": name, "labels": labels}}
+
+    # Gated nodes carry only the gate's taint: no quarantine label, so they are GPU nodes, not quarantined.
+    items = [item(f"gated-{i}", {}) for i in range(5)] + [item("bad", {LABEL_QUARANTINED: "true"})]
+    budget = count_budget(items, "20%", exclude="gpu-1")
+    assert (budget.gpu_nodes, budget.quarantined, budget.limit) == (7, 1, 2)
+    assert budget.has_room

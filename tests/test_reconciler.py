@@ -292,3 +292,17 @@ def test_no_order_check_without_a_budget() -> None:
     r.submit(SICK, 0)
     r.reconcile_now()
     assert writer.order_lists == 0 and budget_of(r).settle is None
+
+
+def test_with_external_gate_removal_the_condition_is_written_and_the_gate_left_alone() -> None:
+    """The readiness-controller pattern: gpuguard writes GPUHealthy=True and no taint change."""
+    gate = Taint(key="readiness.k8s.io/gpu-healthy", effect="NoSchedule")
+    settings = NodeSettings(
+        name="gpu-1", retry_max_wait=0.01, gate_taint_key=gate.key, gate_removal="external"
+    )
+    writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b", taints=(gate,)))
+    r = NodeReconciler(writer, settings)
+    r.submit(HEALTHY, 1)
+    r.reconcile_now()
+    assert [c["status"] for c in writer.conditions] == ["True"]
+    assert writer.writes == 0 and writer.node.taints == (gate,)

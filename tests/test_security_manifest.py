@@ -230,11 +230,15 @@ def test_the_policy_covers_every_write_the_cluster_role_grants_on_nodes() -> Non
     assert {("nodes", "UPDATE"), ("nodes/status", "UPDATE")} <= covered
 
 
+CLUSTER_AUTOSCALER_STARTUP_PREFIX = "startup-taint.cluster-autoscaler.kubernetes.io/"
+
+
 def test_what_the_policy_lets_through_is_exactly_what_the_agent_writes() -> None:
     cel = _expressions()
     prefix = f"{node.DOMAIN}/"
-    # The keys themselves, and the same keys as managedFields names them ("f:" + key).
-    assert set(re.findall(r"startsWith\('([^']*)'\)", cel)) == {prefix, f"f:{prefix}"}
+    # The keys themselves, the same keys as managedFields names them ("f:" + key), and the Cluster
+    # Autoscaler start-up prefix a gate key may use (remove only).
+    assert set(re.findall(r"startsWith\('([^']*)'\)", cel)) == {prefix, f"f:{prefix}", CLUSTER_AUTOSCALER_STARTUP_PREFIX}
     written = [node.TAINT_KEY, node.UNVERIFIED_TAINT_KEY, node.LABEL_QUARANTINED, *node.OUR_ANNOTATIONS]
     assert all(key.startswith(prefix) for key in written), written
     assert set(re.findall(r"'(GPU\w+)'", cel)) == {node.CONDITION_TYPE}

@@ -455,3 +455,29 @@ def test_whatever_the_input_the_sanitized_values_pass_the_patch_check(
         },
     )
     assert v.check_node_patch(body) is body
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "gpuguard.io/unverified",
+        "startup-taint.cluster-autoscaler.kubernetes.io/gpuguard",
+        "readiness.k8s.io/gpu-healthy",
+        "example.com/GPU_unverified.v1",
+        "unprefixed",
+    ],
+)
+def test_taint_keys_the_gate_may_use_are_accepted(key: str) -> None:
+    from gpuguard.validation import taint_key
+
+    assert taint_key(key) == key
+
+
+@pytest.mark.parametrize(
+    "key", ["", "/name", "example.com/", "Example.COM/x", "a/b/c", "x" * 64, "example.com/-x", "a b"]
+)
+def test_malformed_taint_keys_are_refused(key: str) -> None:
+    from gpuguard.validation import taint_key
+
+    with pytest.raises(ConfigError, match="is not a taint key"):
+        taint_key(key)

@@ -3,9 +3,10 @@ in line, or None when it already matches (the idempotence every restart relies o
 recovery rules live here. It always plans the full quarantine; `gpuguard.node.budget` turns that into the
 deferred one when the cluster's budget is spent.
 
-Ownership: only the taints with key TAINT_KEY (and UNVERIFIED_TAINT_KEY, the startup gate), the annotations
-in OUR_ANNOTATIONS, the label LABEL_QUARANTINED and a cordon that ANN_CORDONED says we placed are ever
-changed or removed; every other taint is carried over exactly as it was read.
+Ownership: only the taints with key TAINT_KEY (and the startup gate's, --gate-taint-key, unless another
+controller lifts it: --gate-removal external), the annotations in OUR_ANNOTATIONS, the label
+LABEL_QUARANTINED and a cordon that ANN_CORDONED says we placed are ever changed or removed; every other
+taint is carried over exactly as it was read.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from gpuguard.node.view import (
     LABEL_QUARANTINED,
     OUR_ANNOTATIONS,
     TAINT_KEY,
-    UNVERIFIED_TAINT_KEY,
     EventSpec,
     NodeChange,
     NodeView,
@@ -72,11 +72,12 @@ def plan(
     # Ours: what gpuguard recorded, never a bare taint with our key (an operator's, kept as it is).
     owned = any(k in node.annotations for k in OUR_ANNOTATIONS) or LABEL_QUARANTINED in node.labels
     if not owned:
-        if node.unverified and verdict.gpus:
-            # The startup gate: the first complete healthy check clears it.
+        if lifts_gate(node, settings) and verdict.gpus:
+            # The startup gate: the first complete healthy check clears it. With --gate-removal external a
+            # node-readiness controller lifts it from the GPUHealthy condition the reconciler writes.
             return NodeChange(
                 action="verified",
-                taints=tuple(t for t in node.taints if t.key != UNVERIFIED_TAINT_KEY),
+                taints=tuple(t for t in node.taints if t.key != settings.gate_taint_key),
             )
         return None
     if (
@@ -86,12 +87,11 @@ def plan(
         or not evidence_gone(node, verdict)
     ):
         return _tidy(node)
-    removed = {UNVERIFIED_TAINT_KEY} | ({TAINT_KEY} if ours is not None else set())
+    gate = lifts_gate(node, settings)
+    removed = ({settings.gate_taint_key} if gate else set()) | ({TAINT_KEY} if ours is not None else set())
     return NodeChange(
         action="recover",
-        taints=tuple(t for t in node.taints if t.key not in removed)
-        if ours is not None or node.unverified
-        else None,
+        taints=tuple(t for t in node.taints if t.key not in removed) if ours is not None or gate else None,
         unschedulable=False if node.cordoned_by_us and node.unschedulable else None,
         annotations=dict.fromkeys((k for k in OUR_ANNOTATIONS if k in node.annotations), None),
         labels={LABEL_QUARANTINED: None} if LABEL_QUARANTINED in node.labels else {},
@@ -102,6 +102,11 @@ def plan(
             + (f" (was: {node.annotations.get(ANN_REASON)})" if ANN_REASON in node.annotations else ""),
         ),
     )
+
+
+def lifts_gate(node: NodeView, settings: NodeSettings) -> bool:
+    """The node carries the startup gate's taint and gpuguard is the one that lifts it."""
+    return settings.gate_removal == "gpuguard" and node.gated(settings.gate_taint_key)
 
 
 def record_faults(node: NodeView, faults: tuple[Fault, ...]) -> NodeChange | None:

@@ -255,7 +255,8 @@ class NodeReconciler:
         return self.budget.gate(node, change, verdict)
 
     def _resync_due(self, node: NodeView) -> bool:
-        return node.holds_gpuguard_state and self._clock() - self._read_at >= self._settings.node_resync
+        due = self._clock() - self._read_at >= self._settings.node_resync
+        return due and node.holds_gpuguard_state(self._settings.gate_taint_key)
 
     def _read(self) -> NodeView:
         try:

@@ -23,8 +23,9 @@ OUR_ANNOTATIONS = (ANN_REASON, ANN_SINCE, ANN_BOOT_ID, ANN_CORDONED, ANN_FAULTS,
 # "true": fully quarantined (counts against --max-quarantined); "deferred": the budget was spent, so only a
 # PreferNoSchedule taint until there is room.
 LABEL_QUARANTINED = f"{DOMAIN}/quarantined"
-# The startup gate: GPU nodes may register with this taint (kubelet --register-with-taints); gpuguard
-# removes it after its first complete healthy check, or replaces it with the unhealthy taint.
+# The startup gate's default key (--gate-taint-key): GPU nodes may register with this taint (kubelet
+# --register-with-taints, an autoscaler's start-up taints); gpuguard removes it after its first complete
+# healthy check, or replaces it with the unhealthy taint (--gate-removal gpuguard).
 UNVERIFIED_TAINT_KEY = f"{DOMAIN}/unverified"
 CONDITION_TYPE = "GPUHealthy"
 SOFT_EFFECT = "PreferNoSchedule"
@@ -130,14 +131,13 @@ class NodeView:
         """gpuguard's quarantine label without its taint: someone removed the taint by hand."""
         return LABEL_QUARANTINED in self.labels and self.unhealthy_taint is None
 
-    @property
-    def holds_gpuguard_state(self) -> bool:
+    def holds_gpuguard_state(self, gate_key: str = UNVERIFIED_TAINT_KEY) -> bool:
         """Anything of gpuguard's on the node (annotations, the label, the startup gate): what others may
         change under it (the kubelet's bootID, an operator's override), so it is re-read now and then."""
         return (
             any(k in self.annotations for k in OUR_ANNOTATIONS)
             or LABEL_QUARANTINED in self.labels
-            or self.unverified
+            or self.gated(gate_key)
         )
 
     @property
@@ -153,9 +153,9 @@ class NodeView:
         """Our taint and the label that counts against the budget (not a deferred, soft quarantine)."""
         return self.our_taint is not None and self.labels.get(LABEL_QUARANTINED) == "true"
 
-    @property
-    def unverified(self) -> bool:
-        return any(t.key == UNVERIFIED_TAINT_KEY for t in self.taints)
+    def gated(self, gate_key: str = UNVERIFIED_TAINT_KEY) -> bool:
+        """The node still carries the startup gate's taint (--gate-taint-key)."""
+        return any(t.key == gate_key for t in self.taints)
 
 
 @dataclass(frozen=True)

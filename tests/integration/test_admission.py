@@ -246,6 +246,37 @@ def test_the_agent_can_remove_the_unverified_startup_taint_from_its_own_node(
     assert gate not in taints(admin, node) and FOREIGN in taints(admin, node)
 
 
+CA_GATE = {"key": "startup-taint.cluster-autoscaler.kubernetes.io/gpuguard", "effect": "NoSchedule"}
+
+
+def test_the_agent_can_remove_a_cluster_autoscaler_startup_taint_from_its_own_node(
+    admin: Admin, control_plane: Any
+) -> None:
+    """--gate-taint-key startup-taint.cluster-autoscaler.kubernetes.io/...: the gate outside gpuguard.io/."""
+    node = new_node(admin, taints=[FOREIGN, CA_GATE])
+    core = agent_core(admin, control_plane, node)
+    # Writes that keep it as it is pass (the condition, gpuguard's own taint beside it)...
+    core.patch_node(node, {"spec": {"taints": [*taints(admin, node), ours()]}}, **MERGE)
+    assert CA_GATE in taints(admin, node)
+    # ...and so does its removal.
+    core.patch_node(node, {"spec": {"taints": [t for t in taints(admin, node) if t != CA_GATE]}}, **MERGE)
+    assert CA_GATE not in taints(admin, node) and FOREIGN in taints(admin, node)
+
+
+@pytest.mark.parametrize("change", ["add", "change effect"])
+def test_the_agent_cannot_add_or_change_a_cluster_autoscaler_startup_taint(
+    admin: Admin, control_plane: Any, change: str
+) -> None:
+    node = new_node(admin, taints=[FOREIGN] + ([CA_GATE] if change != "add" else []))
+    core = agent_core(admin, control_plane, node)
+    current = taints(admin, node)
+    others = [t for t in current if t["key"] != CA_GATE["key"]]
+    new = [*others, {**CA_GATE, "effect": "NoExecute"}] if change != "add" else [*current, CA_GATE]
+    message = refused(lambda: core.patch_node(node, {"spec": {"taints": new}}, **MERGE))
+    assert message.endswith(f"refused change to taint {CA_GATE['key']}")
+    assert taints(admin, node) == current
+
+
 def test_the_agent_can_set_its_gpu_healthy_condition_through_node_status(
     admin: Admin, control_plane: Any, extra_agent_rights: None
 ) -> None:
@@ -300,7 +331,8 @@ def test_the_agent_cannot_remove_change_or_add_a_foreign_taint_on_its_own_node(
     message = refused(lambda: core.patch_node(node, {"spec": {"taints": [*new, ours()]}}, **MERGE))
     assert (
         message
-        == f"gpuguard may change only taints with the gpuguard.io/ prefix; refused change to taint {key}"
+        == "gpuguard may change only taints with the gpuguard.io/ prefix (and remove a Cluster Autoscaler"
+        f" start-up taint); refused change to taint {key}"
     )
     assert taints(admin, node) == current
 
@@ -803,7 +835,7 @@ def test_the_policy_stays_within_cel_cost_limits_on_a_heavily_decorated_node(
     elapsed = time.monotonic() - started
     # A foreign change is still refused (the message stays generic past 100 taints, to bound its cost).
     message = refused(lambda: core.patch_node(node, {"spec": {"taints": current[1:]}}, **MERGE))
-    assert message.endswith("gpuguard.io/ prefix; refused change to the node's other taints"), message
+    assert message.endswith("start-up taint); refused change to the node's other taints"), message
     print(f"two allowed writes on a node with 1000 taints: {elapsed:.2f}s")
 
 
