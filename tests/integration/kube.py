@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Callable
@@ -183,6 +184,70 @@ def token_client(server: str, ca_path: Path, token: str) -> kubernetes.client.Ap
     cfg.ssl_ca_cert = str(ca_path)
     cfg.api_key = {"authorization": f"Bearer {token}"}
     return kubernetes.client.ApiClient(cfg)
+
+
+# kwok (hack/testenv, full control plane) runs the nodes that carry this annotation.
+KWOK_ANNOTATION = {"kwok.x-k8s.io/node": "fake"}
+_kwok_names = itertools.count()
+
+
+def make_gpu_node(admin: Admin, *, gpus: int = 8, taints: list[dict[str, str]] | None = None) -> str:
+    """A kwok node shaped like a GPU node: the GPU labels, nvidia.com/gpu capacity, heartbeated by kwok."""
+    name = f"kwok-gpu-{next(_kwok_names)}-{int(time.time() * 1000) % 100000}"
+    resources = {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": str(gpus)}
+    admin.core.create_node(
+        {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "annotations": KWOK_ANNOTATION,
+                "labels": {
+                    "kubernetes.io/hostname": name,
+                    "kubernetes.io/os": "linux",
+                    "nvidia.com/gpu.present": "true",
+                    "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                    "nvidia.com/gpu.count": str(gpus),
+                },
+            },
+            "spec": {"taints": taints or []},
+            "status": {"capacity": resources, "allocatable": resources},
+        }
+    )
+    eventually(lambda: node_ready(admin, name), 30, what=f"kwok marks {name} Ready")
+    return name
+
+
+def node_ready(admin: Admin, name: str) -> bool:
+    conditions = admin.node(name).get("status", {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def read_pod(admin: Admin, name: str, namespace: str = "workloads") -> dict[str, Any] | None:
+    try:
+        resp = admin.core.read_namespaced_pod(name, namespace, _preload_content=False)
+    except kubernetes.client.exceptions.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return json.loads(resp.data)  # type: ignore[no-any-return]
+
+
+def pod_ready(pod: dict[str, Any] | None) -> bool:
+    conditions = (pod or {}).get("status", {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def daemon_pod(admin: Admin, node: str) -> dict[str, Any] | None:
+    """The pod the DaemonSet controller created for `node`, once it runs there."""
+    resp = admin.core.list_namespaced_pod(
+        NAMESPACE, field_selector=f"spec.nodeName={node}", _preload_content=False
+    )
+    for pod in json.loads(resp.data)["items"]:
+        owners = pod["metadata"].get("ownerReferences") or []
+        if any(o["kind"] == "DaemonSet" for o in owners) and pod_ready(pod):
+            return pod  # type: ignore[no-any-return]
+    return None
 
 
 GPUS_OK = "gpu 0 uuid=GPU-it-0\ngpu 1 uuid=GPU-it-1\n"

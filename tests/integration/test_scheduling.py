@@ -28,13 +28,16 @@ from tests.integration.kube import (
     TAINT_KEY,
     Admin,
     Agent,
+    daemon_pod,
     eventually,
+    make_gpu_node,
+    pod_ready,
+    read_pod,
     token_kubeconfig,
 )
 
 pytestmark = pytest.mark.timeout(300)
 
-KWOK_ANNOTATION = {"kwok.x-k8s.io/node": "fake"}
 WORKLOADS = "workloads"
 _names = itertools.count()
 ApiException = kubernetes.client.exceptions.ApiException
@@ -74,53 +77,6 @@ def _exists(admin: Admin, sa: str, namespace: str) -> bool:
     return True
 
 
-def make_gpu_node(admin: Admin, *, gpus: int = 8, taints: list[dict[str, str]] | None = None) -> str:
-    """A kwok node shaped like a GPU node: the GPU labels, nvidia.com/gpu capacity, heartbeated by kwok."""
-    name = f"kwok-gpu-{next(_names)}-{int(time.time() * 1000) % 100000}"
-    resources = {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": str(gpus)}
-    admin.core.create_node(
-        {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "metadata": {
-                "name": name,
-                "annotations": KWOK_ANNOTATION,
-                "labels": {
-                    "kubernetes.io/hostname": name,
-                    "kubernetes.io/os": "linux",
-                    "nvidia.com/gpu.present": "true",
-                    "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
-                    "nvidia.com/gpu.count": str(gpus),
-                },
-            },
-            "spec": {"taints": taints or []},
-            "status": {"capacity": resources, "allocatable": resources},
-        }
-    )
-    eventually(lambda: _node_ready(admin, name), 30, what=f"kwok marks {name} Ready")
-    return name
-
-
-def _node_ready(admin: Admin, name: str) -> bool:
-    conditions = admin.node(name).get("status", {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-
-
-def _pod(admin: Admin, name: str, namespace: str = WORKLOADS) -> dict[str, Any] | None:
-    try:
-        resp = admin.core.read_namespaced_pod(name, namespace, _preload_content=False)
-    except ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
-    return json.loads(resp.data)  # type: ignore[no-any-return]
-
-
-def _pod_ready(pod: dict[str, Any] | None) -> bool:
-    conditions = (pod or {}).get("status", {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-
-
 def make_gpu_pod(admin: Admin, node: str, *, tolerations: list[dict[str, str]] | None = None) -> str:
     """A pod that asks for one GPU and may only run on `node`: the scheduler binds it, kwok runs it."""
     name = f"llm-{next(_names)}"
@@ -146,25 +102,13 @@ def make_gpu_pod(admin: Admin, node: str, *, tolerations: list[dict[str, str]] |
     return name
 
 
-def daemon_pod(admin: Admin, node: str) -> dict[str, Any] | None:
-    """The pod the DaemonSet controller created for `node`, once it runs there."""
-    resp = admin.core.list_namespaced_pod(
-        NAMESPACE, field_selector=f"spec.nodeName={node}", _preload_content=False
-    )
-    for pod in json.loads(resp.data)["items"]:
-        owners = pod["metadata"].get("ownerReferences") or []
-        if any(o["kind"] == "DaemonSet" for o in owners) and _pod_ready(pod):
-            return pod  # type: ignore[no-any-return]
-    return None
-
-
 def test_a_gpu_pod_is_bound_by_the_scheduler_and_run_by_kwok(cluster: Admin) -> None:
     node = make_gpu_node(cluster)
     pod = make_gpu_pod(cluster, node)
 
     def ready() -> dict[str, Any] | None:
-        p = _pod(cluster, pod)
-        return p if _pod_ready(p) else None
+        p = read_pod(cluster, pod)
+        return p if pod_ready(p) else None
 
     assert eventually(ready, 60, what="pod Ready")["spec"]["nodeName"] == node
     # The DaemonSet controller placed gpuguard's own pod there too (GPU label, tolerations), and kwok runs it.
@@ -174,10 +118,10 @@ def test_a_gpu_pod_is_bound_by_the_scheduler_and_run_by_kwok(cluster: Admin) -> 
 def test_a_gpu_pod_stays_pending_on_a_node_without_free_gpus(cluster: Admin) -> None:
     node = make_gpu_node(cluster, gpus=1)
     first, second = make_gpu_pod(cluster, node), make_gpu_pod(cluster, node)
-    eventually(lambda: _pod_ready(_pod(cluster, first)), 60, what="first pod Ready")
+    eventually(lambda: pod_ready(read_pod(cluster, first)), 60, what="first pod Ready")
 
     def unschedulable() -> bool:
-        conditions = (_pod(cluster, second) or {}).get("status", {}).get("conditions") or []
+        conditions = (read_pod(cluster, second) or {}).get("status", {}).get("conditions") or []
         return any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable" for c in conditions)
 
     assert eventually(unschedulable, 60, what="second pod Unschedulable")
@@ -252,7 +196,7 @@ def test_no_execute_evicts_the_pods_of_a_bad_node_but_not_tolerating_ones_or_the
         cluster, node, tolerations=[{"key": TAINT_KEY, "operator": "Exists", "effect": "NoExecute"}]
     )
     for name in (victim, tolerant):
-        eventually(lambda name=name: _pod_ready(_pod(cluster, name)), 60, what=f"{name} Ready")  # type: ignore[misc]
+        eventually(lambda name=name: pod_ready(read_pod(cluster, name)), 60, what=f"{name} Ready")  # type: ignore[misc]
 
     # The agent runs as the DaemonSet pod's ServiceAccount, with a token bound to that very pod.
     token = cluster.pod_token(ds_pod["metadata"]["name"])
@@ -273,7 +217,7 @@ def test_no_execute_evicts_the_pods_of_a_bad_node_but_not_tolerating_ones_or_the
         taint = eventually(lambda: cluster.our_taint(node), 15, what="gpuguard's taint")
         tainted_at = time.monotonic()
         assert taint["effect"] == "NoExecute"
-        eventually(lambda: _pod(cluster, victim) is None, 60, interval=0.1, what="the victim evicted")
+        eventually(lambda: read_pod(cluster, victim) is None, 60, interval=0.1, what="the victim evicted")
         evicted_at = time.monotonic()
         print(
             f"NoExecute: fault -> taint {tainted_at - fault_at:.2f} s, "
@@ -282,7 +226,7 @@ def test_no_execute_evicts_the_pods_of_a_bad_node_but_not_tolerating_ones_or_the
         # The taint manager acts on a node update at once; give it time to act wrongly on the others.
         time.sleep(3)
         for name, namespace in ((tolerant, WORKLOADS), (ds_pod["metadata"]["name"], NAMESPACE)):
-            left = _pod(cluster, name, namespace)
+            left = read_pod(cluster, name, namespace)
             assert left is not None, f"{name} was evicted"
             assert left["metadata"].get("deletionTimestamp") is None, f"{name} is being deleted"
         assert agent.proc is not None and agent.proc.poll() is None
