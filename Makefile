@@ -14,7 +14,7 @@ ifneq ($(VENV_OK),yes)
 $(shell rm -rf $(VENV))
 endif
 
-.PHONY: install run test unit lint fakenvml testenv testenv-oldest kwok helm promtool image kube-up kube-down kube-status bench gpu-smoke clean
+.PHONY: install run test e2e unit lint fakenvml testenv testenv-oldest kwok helm promtool image kube-up kube-down kube-status bench gpu-smoke clean
 
 install: $(STAMP)
 
@@ -87,6 +87,11 @@ kube-status: install
 # etcd + kube-apiserver that the test session starts on 127.0.0.1 and stops again.
 test: install fakenvml testenv testenv-oldest kwok helm promtool image
 	$(BIN)/python -m pytest -q
+
+# The burst scale-out end to end (bench/burst.py): 40 + 8 kwok GPU nodes, 2 -> 300 replicas, faults mid-burst,
+# for gpuguard, the seed design and no agent on the real scheduler and controller-manager; prints the table.
+e2e: install fakenvml testenv kwok
+	$(BIN)/python -m bench.burst
 
 unit: install fakenvml
 	$(BIN)/python -m pytest -q --ignore=tests/integration
