@@ -100,6 +100,7 @@ class Result:
     before_first_check: int = 0
     unavoidable: int = 0
     time_to_ready: float | None = None
+    settled: float | None = None  # the last replica on a good GPU Ready: the burst's speed, stalled or not
     binds: int = 0
     bind_span: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -117,6 +118,7 @@ class Result:
             "pods_on_new_nodes_before_first_check": self.before_first_check,
             "pods_bound_before_their_nodes_fault": self.unavoidable,
             "time_to_all_ready_s": None if self.time_to_ready is None else round(self.time_to_ready, 2),
+            "last_good_replica_ready_s": None if self.settled is None else round(self.settled, 2),
             "scheduler_pods_per_s": round(self.throughput, 1),
         }
 
@@ -342,6 +344,7 @@ class Scenario:
         burst_binds = sorted(at for _, at in bound.values() if at >= t0)
         result.on_bad_after_fault, result.unavoidable, result.before_first_check = after, unavoidable, early
         result.by_kind, result.late_by_kind = by_kind, late
+        result.settled = max(good_ready) - t0 if good_ready else None
         result.binds = len(burst_binds)
         result.bind_span = (burst_binds[-1] - t0) if burst_binds else 0.0
         target = self.shape.replicas - unavoidable
@@ -354,14 +357,16 @@ class Scenario:
 def table(results: list[Result]) -> str:
     head = (
         "| | pods on bad GPUs (bound after the fault was detectable) | pods on new nodes before their first "
-        "check | pods bound before their node's fault | time to all replicas Ready | scheduler throughput |"
+        "check | pods bound before their node's fault | time to all replicas Ready "
+        "| last replica on a good GPU Ready | scheduler throughput |"
     )
-    lines = [head, "|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|"]
     for r in results:
         ready = f"{r.time_to_ready:.1f} s" if r.time_to_ready is not None else "stalled"
+        settled = f"{r.settled:.1f} s" if r.settled is not None else "-"
         lines.append(
             f"| {r.mode} | {r.on_bad_after_fault} | {r.before_first_check} | {r.unavoidable} | {ready} | "
-            f"{r.throughput:.0f} pods/s |"
+            f"{settled} | {r.throughput:.0f} pods/s |"
         )
     return "\n".join(lines)
 
