@@ -178,11 +178,8 @@ def cached_binaries(release: str = NEWEST) -> Binaries | None:
         kubectl=bin_dir / "kubectl" if newest else None,
     )
     stamp = cache / ".complete"
-    paths = [
-        p
-        for p in (bins.etcd, bins.kube_apiserver, bins.kube_scheduler, bins.kube_controller_manager, bins.kubectl)
-        if p is not None
-    ]
+    optional = (bins.kube_scheduler, bins.kube_controller_manager, bins.kubectl)
+    paths = [bins.etcd, bins.kube_apiserver, *(p for p in optional if p is not None)]
     if stamp.is_file() and all(os.access(p, os.X_OK) for p in paths):
         return bins
     return None
