@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import tenacity
-from urllib3.exceptions import HTTPError
 
 from gpuguard import kubeapi
-from gpuguard.errors import GpuguardError
+from gpuguard.errors import ConflictError, GpuguardError
 from gpuguard.node.view import ANN_CORDONED, CONDITION_TYPE, DOMAIN
 
 PREFIX = f"{DOMAIN}/"
@@ -90,15 +89,11 @@ def plan_cleanup(obj: Mapping[str, Any]) -> Cleanup:
 
 
 def _request(api: kubeapi.Client, what: str, method: str, path: str, **kw: Any) -> Any:
-    """One request; a 409 is _Conflict, any other failure one GpuguardError naming what was tried."""
+    """One request; a 409 is _Conflict, any other failure the client's GpuguardError naming what was tried."""
     try:
-        return api.request(method, path, **kw)
-    except kubeapi.ApiError as exc:
-        if exc.status == 409:
-            raise _Conflict(f"{what}: {exc}") from exc
-        raise GpuguardError(f"{what}: {exc}") from None
-    except (HTTPError, OSError, ValueError) as exc:
-        raise GpuguardError(f"{what}: {type(exc).__name__}: {exc}") from None
+        return api.request(method, path, what=what, **kw)
+    except ConflictError as exc:
+        raise _Conflict(str(exc)) from exc
 
 
 def node_names(api: kubeapi.Client, *, timeout: float = 10.0) -> Iterator[str]:

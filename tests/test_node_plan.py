@@ -537,13 +537,16 @@ def test_with_external_gate_removal_recovery_removes_only_gpuguards_taint() -> N
 
 
 def test_nodes_behind_the_gate_do_not_count_as_quarantined_in_the_budget() -> None:
-    from gpuguard.node.budget import count_budget
+    from gpuguard.node.budget import count_budget, quarantine_entry
 
-    def item(name: str, labels: dict[str, str]) -> dict[str, object]:
-        return {"metadata": {"name": name, "labels": labels}}
+    def meta(name: str, labels: dict[str, str], annotations: dict[str, str]) -> dict[str, object]:
+        return {"name": name, "labels": labels, "annotations": annotations}
 
     # Gated nodes carry only the gate's taint: no quarantine label, so they are GPU nodes, not quarantined.
-    items = [item(f"gated-{i}", {}) for i in range(5)] + [item("bad", {LABEL_QUARANTINED: "true"})]
-    budget = count_budget(items, "20%", exclude="gpu-1")
+    metas = [meta(f"gated-{i}", {}, {}) for i in range(5)]
+    metas.append(meta("bad", {LABEL_QUARANTINED: "true"}, {ANN_SINCE: "2026-12-01T00:00:00Z"}))
+    now = datetime(2026, 12, 2, tzinfo=UTC)
+    entries = [e for m in metas if isinstance(e := quarantine_entry(m, now=now), tuple)]
+    budget = count_budget([{"metadata": m} for m in metas], "20%", exclude="gpu-1", quarantined=entries)
     assert (budget.gpu_nodes, budget.quarantined, budget.limit) == (7, 1, 2)
     assert budget.has_room

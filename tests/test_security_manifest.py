@@ -238,7 +238,8 @@ def test_what_the_policy_lets_through_is_exactly_what_the_agent_writes() -> None
     prefix = f"{node.DOMAIN}/"
     # The keys themselves, the same keys as managedFields names them ("f:" + key), and the Cluster
     # Autoscaler start-up prefix a gate key may use (remove only).
-    assert set(re.findall(r"startsWith\('([^']*)'\)", cel)) == {prefix, f"f:{prefix}", CLUSTER_AUTOSCALER_STARTUP_PREFIX}
+    expected = {prefix, f"f:{prefix}", CLUSTER_AUTOSCALER_STARTUP_PREFIX}
+    assert set(re.findall(r"startsWith\('([^']*)'\)", cel)) == expected
     written = [node.TAINT_KEY, node.UNVERIFIED_TAINT_KEY, node.LABEL_QUARANTINED, *node.OUR_ANNOTATIONS]
     assert all(key.startswith(prefix) for key in written), written
     assert set(re.findall(r"'(GPU\w+)'", cel)) == {node.CONDITION_TYPE}
