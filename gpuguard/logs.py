@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import sys
@@ -70,5 +71,8 @@ class ConsoleLines:
 
 
 def _value(v: Any) -> str:
+    if isinstance(v, dict | list):
+        # A patch or a condition: JSON, as the JSON log carries it and `kubectl patch` takes it.
+        return json.dumps(v, separators=(", ", ": "), default=str)
     text = str(v)
     return repr(text) if (not text or any(c.isspace() for c in text)) and isinstance(v, str) else text
