@@ -188,7 +188,8 @@ def test_defect_09_a_boot_id_the_kubelet_posts_late_still_lets_the_node_recover(
 def _quarantined_metric(port: int) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=3) as r:
         text = r.read().decode()
-    line = next(x for x in text.splitlines() if x.startswith("gpuguard_node_quarantined "))
+    # The real agent's gauge: dry_run="false" (a dry run exports dry_run="true").
+    line = next(x for x in text.splitlines() if x.startswith('gpuguard_node_quarantined{dry_run="false"} '))
     return float(line.split()[1])
 
 
