@@ -13,7 +13,7 @@ import kubernetes
 import pytest
 
 from gpuguard import __version__
-from tests.integration.kube import GPUS_OK, Admin, Agent, eventually, token_kubeconfig
+from tests.integration.kube import GPUS_OK, Admin, Agent, agent_as_node, eventually
 
 USER_AGENT = f"gpuguard/{__version__}"
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
@@ -58,20 +58,14 @@ def start_agent(
         if state is None:
             state = tmp_path / f"{node}.state"
             state.write_text(GPUS_OK)
-        token = admin.agent_token(node)
-        kubeconfig = token_kubeconfig(
-            tmp_path / f"{node}.kubeconfig",
-            server=control_plane.url,
-            ca_path=control_plane.ca_path,
-            token=token,
-        )
         if not any(a.startswith("--max-quarantined") for a in args):
             # The budget is cluster-wide and other tests leave quarantined nodes behind: only the budget
             # test sets one.
             args = ("--max-quarantined", "100%", *args)
-        agent = Agent(
-            node=node,
-            kubeconfig=kubeconfig,
+        agent = agent_as_node(
+            admin,
+            control_plane,
+            node,
             state=state,
             lib=fakenvml,
             args=args,

@@ -295,3 +295,15 @@ class Agent(WatchProcess):
         code = super().stop(timeout)
         assert not self.tracebacks(), self.lines
         return code
+
+
+def agent_as_node(admin: Admin, cluster: Any, node: str, *, state: Path, lib: Path, **kw: Any) -> Agent:
+    """An agent (not started) for `node` on `cluster`, with the DaemonSet ServiceAccount's token bound to a
+    Pod on that node, as the real agent runs; kw: Agent's (args, host_boot_id, env, ...)."""
+    kubeconfig = token_kubeconfig(
+        state.parent / f"{node}.kubeconfig",  # per node: agents may share a state file, never a token
+        server=cluster.url,
+        ca_path=cluster.ca_path,
+        token=admin.agent_token(node),
+    )
+    return Agent(node=node, kubeconfig=kubeconfig, state=state, lib=lib, **kw)

@@ -19,7 +19,7 @@ import kubernetes
 import pytest
 
 from tests.helmtool import ROOT, build_helm
-from tests.integration.kube import GPUS_OK, Admin, Agent, eventually, token_kubeconfig
+from tests.integration.kube import GPUS_OK, Admin, agent_as_node, eventually
 from tests.integration.test_admission import _wait_until_enforced
 
 pytestmark = pytest.mark.timeout(300)
@@ -65,13 +65,7 @@ def test_on_the_oldest_release_the_real_agent_taints_and_recovers_its_node_under
     oldest_admin.make_node(node)
     state = tmp_path / "gpus.state"
     state.write_text(GPUS_OK)
-    kubeconfig = token_kubeconfig(
-        tmp_path / "kubeconfig",
-        server=oldest.url,
-        ca_path=oldest.ca_path,
-        token=oldest_admin.agent_token(node),
-    )
-    agent = Agent(node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml).start()
+    agent = agent_as_node(oldest_admin, oldest, node, state=state, lib=fakenvml).start()
     try:
         eventually(agent.ready, 15, what="agent /readyz")
         state.write_text(GPUS_OK.replace("GPU-it-1", "GPU-it-1 ecc=2"))

@@ -24,7 +24,7 @@ import kubernetes
 import pytest
 
 from tests.helmtool import build_helm
-from tests.integration.kube import GPUS_OK, ROOT, Admin, Agent, eventually, token_kubeconfig
+from tests.integration.kube import GPUS_OK, ROOT, Admin, agent_as_node, eventually
 
 DOC = ROOT / "docs" / "operations.md"
 README = ROOT / "README.md"
@@ -222,13 +222,7 @@ def test_the_operations_runbook_works_as_written(
     admin.make_node(node)
     state = tmp_path / "gpus.state"
     state.write_text(GPUS_OK)
-    kubeconfig = token_kubeconfig(
-        tmp_path / "agent.kubeconfig",
-        server=cluster.url,
-        ca_path=cluster.ca_path,
-        token=admin.agent_token(node),
-    )
-    agent = Agent(node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml).start()
+    agent = agent_as_node(admin, cluster, node, state=state, lib=fakenvml).start()
     try:
         eventually(agent.ready, 15, what="agent /readyz")
         state.write_text(GPUS_OK.replace("GPU-it-1", "GPU-it-1 ecc=2"))
