@@ -80,8 +80,10 @@ class Shape:
 
 # 40 + 8 nodes of 8 GPUs: 4 existing and 3 joining ones go bad, (36 + 5) * 8 = 328 good GPUs for 300 replicas.
 FULL = Shape(nodes=40, joiners=8, bad_joiners=3, xid_nodes=3, replicas=300, fault_at=0.5, timeout=300)
-# 4 + 3 nodes: 2 existing and 1 joining go bad, (2 + 2) * 8 = 32 good GPUs for 30 replicas.
-SHORT = Shape(nodes=4, joiners=3, bad_joiners=1, xid_nodes=1, replicas=30, fault_at=0.0, timeout=120)
+# 4 + 4 nodes: 2 existing and 1 joining go bad, (2 + 3) * 8 = 40 good GPUs for 36 replicas. 36 is more than
+# the 4 existing nodes hold (32), so the burst needs the joiners in every mode: without an agent the pending
+# pods go to the first node that joins, the bad one.
+SHORT = Shape(nodes=4, joiners=4, bad_joiners=1, xid_nodes=1, replicas=36, fault_at=0.0, timeout=120)
 
 
 def gpu_state(*, lost: bool = False) -> str:

@@ -1,8 +1,8 @@
 """The burst scale-out, short (bench/burst.py SHORT; `make e2e` runs the full size and the seed design too):
 on the real scheduler and controller-manager with kwok's GPU nodes, an inference Deployment scales from 2
-to 30 replicas while nodes join (one with a bad GPU), one node gets a fatal Xid and one an uncorrected ECC
-error. gpuguard's gate and its Xid path keep every new pod off the bad joiner and the Xid node; without an
-agent pods land on both."""
+to 36 replicas (more than the existing nodes hold) while nodes join (one with a bad GPU), one node gets a
+fatal Xid and one an uncorrected ECC error. gpuguard's gate and its Xid path keep every new pod off the bad
+joiner and the Xid node; without an agent pods land on both."""
 
 from __future__ import annotations
 
