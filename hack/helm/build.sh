@@ -33,21 +33,13 @@ ROOT=$(cd "$HERE/../.." && pwd)
 # shellcheck source=../lib/gobuild.sh
 source "$ROOT/hack/lib/gobuild.sh"
 
-force=0
-for arg in "$@"; do
-    case "$arg" in
-        --force) force=1 ;;
+build_arg() {
+    case "$1" in
         --v3) HELM_VERSION=$HELM3_VERSION ;;
-        -h | --help)
-            sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
-            exit 0
-            ;;
-        *)
-            echo "build.sh: unknown argument: $arg" >&2
-            exit 2
-            ;;
+        *) return 1 ;;
     esac
-done
+}
+parse_force_args "${BASH_SOURCE[0]}" "$@"
 
 if [[ ! $HELM_VERSION =~ ^v([0-9]+)\.[0-9]+\.[0-9]+$ ]]; then
     echo "build.sh: HELM_VERSION '$HELM_VERSION' is not vMAJOR.MINOR.PATCH" >&2
@@ -59,18 +51,7 @@ CACHE_ROOT=${GPUGUARD_HELM_CACHE:-$(gpuguard_cache_root)/helm}
 CACHE="$CACHE_ROOT/$HELM_VERSION"
 BIN="$CACHE/helm"
 
-# The fast path: no lock, no go. The binary only ever appears by an atomic rename after it
-# reported the pinned version, so its presence means a complete build.
-if [[ $force == 0 && -x "$BIN" ]]; then
-    echo "$BIN"
-    exit 0
-fi
-
-cache_lock "$CACHE"
-if [[ $force == 0 && -x "$BIN" ]]; then
-    echo "$BIN" # built by the build we waited for
-    exit 0
-fi
+cached_or_lock "$BIN" "$CACHE"
 go_private_env "$CACHE"
 
 # What helm's own Makefile sets for a tagged release (minus the git commit, which the module

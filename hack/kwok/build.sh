@@ -36,15 +36,7 @@ parse_force_args "${BASH_SOURCE[0]}" "$@"
 CACHE="${GPUGUARD_KWOK_CACHE:-$(gpuguard_cache_root)/kwok}/$KWOK_VERSION"
 BIN="$CACHE/kwok"
 
-if [[ $force == 0 && -x "$BIN" ]]; then
-    echo "$BIN"
-    exit 0
-fi
-cache_lock "$CACHE"
-if [[ $force == 0 && -x "$BIN" ]]; then
-    echo "$BIN" # built by the build we waited for
-    exit 0
-fi
+cached_or_lock "$BIN" "$CACHE"
 go_private_env "$CACHE"
 
 tmp=$(mktemp -d "$CACHE/install.XXXXXX")

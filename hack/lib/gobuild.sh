@@ -1,4 +1,4 @@
-# Shared by hack/testenv/build.sh and hack/helm/build.sh (sourced, not run): the parts of a cached, pinned
+# Shared by the build scripts under hack/ (sourced, not run): the parts of a cached, pinned
 # Go build from the module proxy that do not depend on what is built.
 
 # gpuguard_cache_root: where the pinned Go builds are cached. A per-user cache outside the clone, so a fresh
@@ -37,8 +37,9 @@ go_private_env() {
     unset GOBIN GOOS GOARCH
 }
 
-# parse_force_args SCRIPT ARG...: the arguments of a build script that takes only --force (sets force=1)
-# and -h/--help (prints SCRIPT's header comment and exits); anything else exits 2.
+# parse_force_args SCRIPT ARG...: the arguments of a build script: --force (sets force=1), -h/--help
+# (prints SCRIPT's header comment and exits), and whatever the script's own build_arg function accepts
+# (if it defines one: build_arg ARG returns 0 when it took ARG); anything else exits 2.
 parse_force_args() {
     local script=$1 arg
     shift
@@ -51,9 +52,28 @@ parse_force_args() {
                 exit 0
                 ;;
             *)
-                echo "build.sh: unknown argument: $arg" >&2
-                exit 2
+                if ! { declare -F build_arg >/dev/null && build_arg "$arg"; }; then
+                    echo "build.sh: unknown argument: $arg" >&2
+                    exit 2
+                fi
                 ;;
         esac
     done
+}
+
+# cached_or_lock BIN CACHE: unless --force, print BIN and exit when it is there (the fast path: no lock, no
+# go; a binary only ever appears by an atomic rename after it reported its pinned version, so its presence
+# means a complete build). Otherwise take CACHE's lock and look again (the build we waited for may have
+# made it); returns, holding the lock, when a build is needed.
+cached_or_lock() {
+    local bin=$1 cache=$2
+    if [[ ${force:-0} == 0 && -x "$bin" ]]; then
+        echo "$bin"
+        exit 0
+    fi
+    cache_lock "$cache"
+    if [[ ${force:-0} == 0 && -x "$bin" ]]; then
+        echo "$bin" # built by the build we waited for
+        exit 0
+    fi
 }

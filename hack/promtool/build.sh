@@ -28,35 +28,13 @@ ROOT=$(cd "$HERE/../.." && pwd)
 # shellcheck source=../lib/gobuild.sh
 source "$ROOT/hack/lib/gobuild.sh"
 
-force=0
-for arg in "$@"; do
-    case "$arg" in
-        --force) force=1 ;;
-        -h | --help)
-            sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
-            exit 0
-            ;;
-        *)
-            echo "build.sh: unknown argument: $arg" >&2
-            exit 2
-            ;;
-    esac
-done
+parse_force_args "${BASH_SOURCE[0]}" "$@"
 
 CACHE_ROOT=${GPUGUARD_PROMTOOL_CACHE:-$(gpuguard_cache_root)/promtool}
 CACHE="$CACHE_ROOT/$PROMETHEUS_VERSION"
 BIN="$CACHE/promtool"
 
-# The fast path: the binary only ever appears by an atomic rename after it reported the pinned version.
-if [[ $force == 0 && -x "$BIN" ]]; then
-    echo "$BIN"
-    exit 0
-fi
-cache_lock "$CACHE"
-if [[ $force == 0 && -x "$BIN" ]]; then
-    echo "$BIN"
-    exit 0
-fi
+cached_or_lock "$BIN" "$CACHE"
 go_private_env "$CACHE"
 
 # What Prometheus's .promu.yml sets for a release (minus revision/branch/user, which the proxy does not carry).
