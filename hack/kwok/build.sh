@@ -22,14 +22,10 @@ set -euo pipefail
 MODULE=sigs.k8s.io/kwok
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
-# The pin lives beside the control plane's (hack/testenv/versions.env), read by controlplane.py too.
-KWOK_VERSION=$(sed -n 's/^KWOK_VERSION=\(v[0-9][0-9.]*\)[[:space:]]*$/\1/p' "$ROOT/hack/testenv/versions.env")
-if [[ -z "$KWOK_VERSION" ]]; then
-    echo "build.sh: KWOK_VERSION missing or malformed in $ROOT/hack/testenv/versions.env" >&2
-    exit 1
-fi
 # shellcheck source=../lib/gobuild.sh
 source "$ROOT/hack/lib/gobuild.sh"
+# The pin lives beside the control plane's (hack/testenv/versions.env), read by controlplane.py too.
+KWOK_VERSION=$(read_pin KWOK_VERSION)
 
 parse_force_args "${BASH_SOURCE[0]}" "$@"
 

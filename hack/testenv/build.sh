@@ -30,35 +30,17 @@ ROOT=$(cd "$HERE/../.." && pwd)
 # shellcheck source=../lib/gobuild.sh
 source "$ROOT/hack/lib/gobuild.sh"
 
-force=0
 regenerate=0
 suffix=""
-for arg in "$@"; do
-    case "$arg" in
+build_arg() {
+    case "$1" in
         --oldest) suffix=_OLDEST ;;
-        --force) force=1 ;;
         --regenerate) regenerate=1 ;;
-        -h | --help)
-            sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
-            exit 0
-            ;;
-        *)
-            echo "build.sh: unknown argument: $arg" >&2
-            exit 2
-            ;;
+        *) return 1 ;;
     esac
-done
-
-# versions.env is plain KEY=VALUE; read only the two keys we need instead of sourcing it.
-read_pin() {
-    local value
-    value=$(sed -n "s/^$1=\(v[0-9][0-9.]*\)[[:space:]]*$/\1/p" "$HERE/versions.env")
-    if [[ -z "$value" ]]; then
-        echo "build.sh: $1 missing or malformed in $HERE/versions.env" >&2
-        exit 1
-    fi
-    printf '%s' "$value"
 }
+parse_force_args "${BASH_SOURCE[0]}" "$@"
+
 KUBE_VERSION=$(read_pin "KUBE_VERSION$suffix")
 ETCD_VERSION=$(read_pin "ETCD_VERSION$suffix")
 # The wrapper modules of this pair.
