@@ -8,11 +8,12 @@ gpuguard_cache_root() {
     printf '%s' "${GPUGUARD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpuguard}"
 }
 
-# read_pin KEY: a pinned version (vN.N.N) from hack/testenv/versions.env, the one file of pins that
-# controlplane.py reads too. It is plain KEY=VALUE; only KEY is read, nothing is sourced. Needs $ROOT.
+# read_pin KEY: a pinned version (vN.N.N, or goN.N.N for a Go toolchain) from hack/testenv/versions.env, the
+# one file of pins that controlplane.py reads too. It is plain KEY=VALUE; only KEY is read, nothing is
+# sourced. Needs $ROOT.
 read_pin() {
     local value file="$ROOT/hack/testenv/versions.env"
-    value=$(sed -n "s/^$1=\(v[0-9][0-9.]*\)[[:space:]]*$/\1/p" "$file")
+    value=$(sed -n "s/^$1=\(\(v\|go\)[0-9][0-9.]*\)[[:space:]]*$/\1/p" "$file")
     if [[ -z "$value" ]]; then
         echo "build.sh: $1 missing or malformed in $file" >&2
         exit 1
