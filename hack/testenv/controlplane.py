@@ -8,7 +8,10 @@ ServiceAccounts) themselves. With ``components=("scheduler", "controller-manager
 (``up --with ...``) it also runs kube-scheduler, kube-controller-manager (every default
 controller: service-account tokens, taint eviction, node life cycle, Deployments, ...) and
 kwok, which heartbeats the nodes annotated ``kwok.x-k8s.io/node=fake`` and runs the pods bound
-to them (hack/kwok/build.sh builds it; hack/testenv/kwok-stages.yaml says how fast).
+to them (hack/kwok/build.sh builds it; hack/testenv/kwok-stages.yaml says how fast). Optionally
+(``"karpenter"``, never part of ``all``) also Karpenter's kwok provider, the autoscaler: its CRDs are
+applied first, and it creates kwok nodes of the instance types in hack/karpenter/instance-types.json
+for pending pods (hack/karpenter/build.sh builds it; tests/integration/test_karpenter.py uses it).
 
 Use it as a CLI::
 
@@ -62,6 +65,8 @@ REPO_ROOT = TESTENV_DIR.parent.parent
 BUILD_SCRIPT = TESTENV_DIR / "build.sh"
 KWOK_BUILD_SCRIPT = REPO_ROOT / "hack" / "kwok" / "build.sh"
 KWOK_STAGES = TESTENV_DIR / "kwok-stages.yaml"
+KARPENTER_BUILD_SCRIPT = REPO_ROOT / "hack" / "karpenter" / "build.sh"
+KARPENTER_INSTANCE_TYPES = REPO_ROOT / "hack" / "karpenter" / "instance-types.json"
 VERSIONS_FILE = TESTENV_DIR / "versions.env"
 DEFAULT_STATE_DIR = REPO_ROOT / ".kube-test"
 STATE_FILE_NAME = "state.json"
@@ -81,6 +86,10 @@ LOG_TAIL_LINES = 40
 
 # The optional components, in start order (the scheduler and kwok need nothing from each other).
 COMPONENTS = ("controller-manager", "scheduler", "kwok")
+# Karpenter's kwok provider: started last, only when asked for by name (not by `--with all`), and only with
+# kwok, which runs the nodes it creates. Its binary takes about 5 minutes to build cold.
+KARPENTER = "karpenter"
+KNOWN_COMPONENTS = (*COMPONENTS, KARPENTER)
 # kwok manages only the nodes that carry this annotation (kwok's own convention), so tests can mix
 # simulated nodes with bare Node objects that nothing heartbeats.
 KWOK_NODE_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
@@ -204,6 +213,33 @@ def kwok_binary(*, allow_build: bool = True) -> Path:
     path = kwok_cached()
     if result.returncode != 0 or path is None:
         raise ControlPlaneError(f"{KWOK_BUILD_SCRIPT} failed with exit code {result.returncode}")
+    return path
+
+
+def karpenter_cached() -> Path | None:
+    """Karpenter's kwok provider hack/karpenter/build.sh built for the pinned KARPENTER_VERSION (with its
+    CRDs in crds/ beside it), or None."""
+    root = Path(os.environ.get("GPUGUARD_KARPENTER_CACHE") or cache_root() / "karpenter")
+    version = read_versions().get("KARPENTER_VERSION", "")
+    path = root / version / "karpenter-kwok"
+    return path if version and os.access(path, os.X_OK) else None
+
+
+def karpenter_binary(*, allow_build: bool = True) -> Path:
+    """The pinned Karpenter kwok provider, built first by hack/karpenter/build.sh when allowed (about 5
+    minutes cold on 2 cores)."""
+    path = karpenter_cached()
+    if path is not None:
+        return path
+    script = KARPENTER_BUILD_SCRIPT.relative_to(REPO_ROOT)
+    if not allow_build:
+        raise ControlPlaneError(f"Karpenter's kwok provider is not built; run: bash {script}")
+    result = subprocess.run(
+        ["bash", str(KARPENTER_BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True, check=False
+    )
+    path = karpenter_cached()
+    if result.returncode != 0 or path is None:
+        raise ControlPlaneError(f"{KARPENTER_BUILD_SCRIPT} failed with exit code {result.returncode}")
     return path
 
 
@@ -514,12 +550,9 @@ class ControlPlane:
     ) -> None:
         """die_with_parent: have the kernel SIGKILL the servers when this process dies, so
         a test run killed hard (no teardown) leaves no server running (the work dir in /tmp
-        stays). `up` must not use it: its servers outlive it. components: any of COMPONENTS,
+        stays). `up` must not use it: its servers outlive it. components: any of KNOWN_COMPONENTS,
         started after kube-apiserver and stopped before it."""
-        unknown = set(components) - set(COMPONENTS)
-        if unknown:
-            raise ControlPlaneError(f"unknown components {sorted(unknown)}; known: {', '.join(COMPONENTS)}")
-        self.components = tuple(c for c in COMPONENTS if c in components)
+        self.components = parse_components(",".join(components))
         self.state_dir = Path(state_dir)
         self.allow_build = allow_build
         self.ready_timeout = ready_timeout
@@ -586,7 +619,7 @@ class ControlPlane:
         return self.work_dir / "etcd.log"
 
     def log_path(self, name: str) -> Path:
-        """stdout/stderr of a process: etcd, kube-apiserver or one of COMPONENTS."""
+        """stdout/stderr of a process: etcd, kube-apiserver or one of KNOWN_COMPONENTS."""
         return self.work_dir / f"{name}.log"
 
     # ---- lifecycle
@@ -618,9 +651,12 @@ class ControlPlane:
         # A stale state.json may still name a live etcd (e.g. the apiserver crashed).
         ControlPlane.stop_recorded(self.state_dir)
         bins = ensure_binaries(allow_build=self.allow_build, release=self.release)
+        built = {
+            "kwok": lambda: kwok_binary(allow_build=self.allow_build),
+            KARPENTER: lambda: karpenter_binary(allow_build=self.allow_build),
+        }
         component_bins = {
-            name: kwok_binary(allow_build=self.allow_build) if name == "kwok" else bins.for_component(name)
-            for name in self.components
+            name: built[name]() if name in built else bins.for_component(name) for name in self.components
         }
         self.state_dir.mkdir(parents=True, exist_ok=True)
         work_dir = Path(tempfile.mkdtemp(prefix="gpuguard-kube-"))
@@ -649,6 +685,8 @@ class ControlPlane:
                 if name in COMPONENT_USERS:
                     cert, key = generate_client_cert(pki, COMPONENT_USERS[name], self.pki_dir / name)
                     self.write_kubeconfig(self.component_kubeconfig(name), cert=cert, key=key)
+                if name == KARPENTER:
+                    self._apply_karpenter_crds(bins)
                 self._start_component_with_retry(name)
         except BaseException:
             self.stop()
@@ -698,7 +736,7 @@ class ControlPlane:
         self._save_state()
 
     def component_kubeconfig(self, name: str) -> Path:
-        """The kubeconfig a component runs with (kwok: the admin's)."""
+        """The kubeconfig a component runs with (kwok and Karpenter: the admin's)."""
         if name not in COMPONENT_USERS:
             return self.kubeconfig_path
         return self.work_dir / f"{name}.kubeconfig"
@@ -899,7 +937,7 @@ current-context: gpuguard-test
             self.state_dir.mkdir(parents=True, exist_ok=True)
             self.state.save(self.state_path)
 
-    def _spawn(self, name: str, args: list[str], log_path: Path) -> None:
+    def _spawn(self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         state = self._require_state()
         setpriv = shutil.which("setpriv")
         if self.die_with_parent and setpriv:
@@ -919,6 +957,7 @@ current-context: gpuguard-test
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 cwd=state.work_dir,
+                env={**os.environ, **env} if env else None,
             )
         self._procs[name] = proc
         if name == "etcd":
@@ -1014,6 +1053,8 @@ current-context: gpuguard-test
         s = self._require_state()
         comp = s.components[name]
         kubeconfig = str(self.component_kubeconfig(name))
+        if name == KARPENTER:
+            return [comp["bin"]]  # configured by environment: _component_env
         if name == "kwok":
             return [
                 comp["bin"],
@@ -1054,9 +1095,43 @@ current-context: gpuguard-test
             f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
         ]
 
+    def _component_env(self, name: str) -> dict[str, str] | None:
+        """Karpenter reads its settings from the environment (each also has a flag) and its client
+        configuration from KUBECONFIG; the other components take flags only."""
+        if name != KARPENTER:
+            return None
+        comp = self._require_state().components[name]
+        return {
+            "KUBECONFIG": str(self.component_kubeconfig(name)),
+            # The health probe port is the component's port (/healthz); metrics get a port of their own.
+            "HEALTH_PROBE_PORT": str(comp["port"]),
+            "METRICS_PORT": str(free_port()),
+            # One replica: no lease to win first.
+            "DISABLE_LEADER_ELECTION": "true",
+            "INSTANCE_TYPES_FILE_PATH": str(KARPENTER_INSTANCE_TYPES),
+            "LOG_LEVEL": "debug",
+        }
+
+    def _apply_karpenter_crds(self, bins: Binaries) -> None:
+        """Karpenter's CRDs (NodePool, NodeClaim, NodeOverlay, KWOKNodeClass, CapacityBuffer; copied beside
+        its binary by hack/karpenter/build.sh), applied with kubectl and Established before it starts."""
+        crds = Path(self._require_state().components[KARPENTER]["bin"]).parent / "crds"
+        if bins.kubectl is None or not crds.is_dir():
+            raise ControlPlaneError(f"Karpenter's CRDs need kubectl and {crds}")
+        base = [str(bins.kubectl), f"--kubeconfig={self.kubeconfig_path}"]
+        for args in (
+            ["apply", "--server-side", "-f", str(crds)],
+            ["wait", "--for=condition=Established", "--timeout=60s", "-f", str(crds)],
+        ):
+            result = subprocess.run(
+                [*base, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False
+            )
+            if result.returncode != 0:
+                raise ControlPlaneError(f"kubectl {args[0]} of Karpenter's CRDs failed:\n{result.stdout}")
+
     def _component_health_url(self, name: str) -> str:
         port = self._require_state().components[name]["port"]
-        scheme = "http" if name == "kwok" else "https"
+        scheme = "http" if name in ("kwok", KARPENTER) else "https"
         return f"{scheme}://127.0.0.1:{port}/healthz"
 
     def _wait_component(self, name: str, timeout: float = 60.0) -> None:
@@ -1080,7 +1155,7 @@ current-context: gpuguard-test
         comp = self._require_state().components[name]
         for attempt in range(1, attempts + 1):
             comp["port"] = free_port()
-            self._spawn(name, self._component_args(name), self.log_path(name))
+            self._spawn(name, self._component_args(name), self.log_path(name), self._component_env(name))
             try:
                 self._wait_component(name)
                 return
@@ -1202,6 +1277,19 @@ def cmd_status(state_dir: Path) -> int:
     return 0 if running and ready else 1
 
 
+def parse_components(text: str) -> tuple[str, ...]:
+    """`--with`'s comma-separated list: "all" stands for COMPONENTS (not Karpenter, which is asked for by
+    name: "all,karpenter"); the names are checked (ControlPlaneError) and put in start order."""
+    wanted = [c.strip() for c in text.split(",") if c.strip()]
+    names = {c for w in wanted for c in (COMPONENTS if w == "all" else (w,))}
+    unknown = names - set(KNOWN_COMPONENTS)
+    if unknown:
+        raise ControlPlaneError(f"unknown components {sorted(unknown)}; known: {', '.join(KNOWN_COMPONENTS)}")
+    if KARPENTER in names and "kwok" not in names:
+        raise ControlPlaneError("karpenter needs kwok, which runs the nodes it creates")
+    return tuple(c for c in KNOWN_COMPONENTS if c in names)
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: up | down | status."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
@@ -1221,12 +1309,12 @@ def main(argv: list[str] | None = None) -> int:
         "--with",
         dest="components",
         default="",
-        help=f"up: also start these, comma-separated ({','.join(COMPONENTS)}, or 'all')",
+        help=f"up: also start these, comma-separated ({','.join(KNOWN_COMPONENTS)}, or 'all' for "
+        f"{','.join(COMPONENTS)})",
     )
     args = parser.parse_args(argv)
-    wanted = [c.strip() for c in args.components.split(",") if c.strip()]
-    components = COMPONENTS if wanted == ["all"] else tuple(wanted)
     try:
+        components = parse_components(args.components)
         if args.command == "up":
             return cmd_up(args.state_dir, allow_build=not args.no_build, components=components)
         if args.command == "down":

@@ -46,13 +46,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
     if "oldest" in used:
         _build_before_tests(session, controlplane.OLDEST)
-    if not used & {"control_plane", "full_control_plane"}:
+    if not used & {"control_plane", "full_control_plane", "karpenter_control_plane"}:
         return
-    if "full_control_plane" in used and controlplane.kwok_cached() is None:
+    if used & {"full_control_plane", "karpenter_control_plane"} and controlplane.kwok_cached() is None:
         try:
             controlplane.kwok_binary()  # hack/kwok/build.sh: progress on stderr, a few minutes cold
         except controlplane.ControlPlaneError as e:
             print(f"kwok build failed: {e}", file=sys.stderr)
+    if "karpenter_control_plane" in used and controlplane.karpenter_cached() is None:
+        try:
+            controlplane.karpenter_binary()  # hack/karpenter/build.sh: about 5 minutes cold
+        except controlplane.ControlPlaneError as e:
+            print(f"Karpenter build failed: {e}", file=sys.stderr)
     _build_before_tests(session, controlplane.NEWEST)
 
 
@@ -116,6 +121,26 @@ def full_control_plane(
         allow_build=False,
         die_with_parent=True,
         components=controlplane.COMPONENTS,
+    )
+    try:
+        cp.start()
+        yield cp
+    finally:
+        cp.stop()
+
+
+@pytest.fixture(scope="session")
+def karpenter_control_plane(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[controlplane.ControlPlane]:
+    """full_control_plane's components plus Karpenter's kwok provider (tests/integration/test_karpenter.py),
+    on a control plane of their own: Karpenter launches nodes for every pending pod, and other tests leave
+    pods pending on purpose."""
+    cp = controlplane.ControlPlane(
+        tmp_path_factory.mktemp("kube-karpenter"),
+        allow_build=False,
+        die_with_parent=True,
+        components=(*controlplane.COMPONENTS, controlplane.KARPENTER),
     )
     try:
         cp.start()

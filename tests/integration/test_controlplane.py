@@ -292,3 +292,23 @@ def test_apiserver_restart(control_plane: ControlPlane, admin_api: ApiClient, no
     assert control_plane.url == url
     assert control_plane.is_ready()
     assert _some(core.read_node(node.name).metadata).uid == node.uid
+
+
+def test_with_all_means_every_component_but_karpenter_which_is_asked_for_by_name() -> None:
+    assert controlplane.parse_components("all") == ("controller-manager", "scheduler", "kwok")
+    assert controlplane.parse_components(" karpenter,all ") == (
+        "controller-manager",
+        "scheduler",
+        "kwok",
+        "karpenter",
+    )
+    assert controlplane.parse_components("") == ()
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [("karpenter", "karpenter needs kwok"), ("scheduler,kubelet", "unknown components ['kubelet']")],
+)
+def test_a_component_list_that_cannot_start_is_refused_before_anything_starts(text: str, why: str) -> None:
+    with pytest.raises(controlplane.ControlPlaneError, match=why.replace("[", r"\[").replace("]", r"\]")):
+        controlplane.ControlPlane(components=tuple(text.split(",")))
