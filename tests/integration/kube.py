@@ -7,7 +7,8 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -184,6 +185,42 @@ def token_client(server: str, ca_path: Path, token: str) -> kubernetes.client.Ap
     cfg.ssl_ca_cert = str(ca_path)
     cfg.api_key = {"authorization": f"Bearer {token}"}
     return kubernetes.client.ApiClient(cfg)
+
+
+@contextmanager
+def admin_client(cluster: Any) -> Iterator[kubernetes.client.ApiClient]:
+    """A client of `cluster` (a controlplane.ControlPlane) as its admin, closed at the end."""
+    client: kubernetes.client.ApiClient = kubernetes.config.new_client_from_config(  # type: ignore[no-untyped-call]
+        config_file=str(cluster.kubeconfig_path)
+    )
+    with closing(client):
+        yield client
+
+
+WORKLOADS = "workloads"
+
+
+def with_workloads(admin: Admin) -> Admin:
+    """deploy/ applied (DaemonSet, RBAC, admission policy) and the WORKLOADS namespace, once the token
+    controller has filled in its default ServiceAccount (pods wait for it otherwise)."""
+    admin.apply_deploy_manifests()
+    try:
+        admin.core.create_namespace({"metadata": {"name": WORKLOADS}})
+    except kubernetes.client.exceptions.ApiException as exc:
+        if exc.status != 409:
+            raise
+
+    def default_account() -> bool:
+        try:
+            admin.core.read_namespaced_service_account("default", WORKLOADS)
+        except kubernetes.client.exceptions.ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    eventually(default_account, 30, what=f"ServiceAccount default in {WORKLOADS}")
+    return admin
 
 
 # kwok (hack/testenv, full control plane) runs the nodes that carry this annotation.

@@ -13,7 +13,6 @@ import itertools
 import json
 import time
 from collections.abc import Iterator
-from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -26,55 +25,30 @@ from tests.integration.kube import (
     GPUS_OK,
     NAMESPACE,
     TAINT_KEY,
+    WORKLOADS,
     Admin,
     Agent,
+    admin_client,
     daemon_pod,
     eventually,
     make_gpu_node,
     pod_ready,
     read_pod,
     token_kubeconfig,
+    with_workloads,
 )
 
 pytestmark = pytest.mark.timeout(300)
 
-WORKLOADS = "workloads"
 _names = itertools.count()
 ApiException = kubernetes.client.exceptions.ApiException
 
 
 @pytest.fixture(scope="module")
-def full_api(full_control_plane: Any) -> Iterator[kubernetes.client.ApiClient]:
-    client: kubernetes.client.ApiClient = kubernetes.config.new_client_from_config(  # type: ignore[no-untyped-call]
-        config_file=str(full_control_plane.kubeconfig_path)
-    )
-    with closing(client):
-        yield client
-
-
-@pytest.fixture(scope="module")
-def cluster(full_api: kubernetes.client.ApiClient) -> Admin:
+def cluster(full_control_plane: Any) -> Iterator[Admin]:
     """deploy/ applied (DaemonSet, RBAC, admission policy) and a namespace for the workloads."""
-    admin = Admin(full_api)
-    admin.apply_deploy_manifests()
-    try:
-        admin.core.create_namespace({"metadata": {"name": WORKLOADS}})
-    except ApiException as exc:
-        if exc.status != 409:
-            raise
-    # The token controller fills in the namespace's ServiceAccount; pods wait for it otherwise.
-    eventually(lambda: _exists(admin, "default", WORKLOADS), 30, what="ServiceAccount default")
-    return admin
-
-
-def _exists(admin: Admin, sa: str, namespace: str) -> bool:
-    try:
-        admin.core.read_namespaced_service_account(sa, namespace)
-    except ApiException as exc:
-        if exc.status == 404:
-            return False
-        raise
-    return True
+    with admin_client(full_control_plane) as api:
+        yield with_workloads(Admin(api))
 
 
 def make_gpu_pod(admin: Admin, node: str, *, tolerations: list[dict[str, str]] | None = None) -> str:
