@@ -14,7 +14,7 @@ ifneq ($(VENV_OK),yes)
 $(shell rm -rf $(VENV))
 endif
 
-.PHONY: install run test e2e unit lint fakenvml testenv testenv-oldest kwok helm promtool image kube-up kube-down kube-status bench gpu-smoke clean
+.PHONY: install run test e2e unit lint fakenvml testenv testenv-oldest kwok karpenter helm promtool image kube-up kube-down kube-status bench gpu-smoke clean
 
 install: $(STAMP)
 
@@ -56,6 +56,12 @@ testenv-oldest:
 kwok:
 	hack/kwok/build.sh >/dev/null
 
+# Karpenter's kwok provider (the autoscaler of tests/integration/test_karpenter.py) and its CRDs, built once
+# from its pinned Go module into ~/.cache/gpuguard/karpenter/<version>/ (~5 min cold on 2 cores; its go.mod
+# needs Go 1.26.9+, so the build alone fetches the go1.27.3 toolchain through the Go module proxy).
+karpenter:
+	hack/karpenter/build.sh >/dev/null
+
 # helm 4 and helm 3, each built once from its pinned Go module into ~/.cache/gpuguard/helm/<version>/
 # (~3-5 min each cold on 2 cores).
 helm:
@@ -72,9 +78,9 @@ image:
 	hack/image/build.sh
 
 # A control plane on 127.0.0.1 for manual use; prints the admin kubeconfig path (.kube-test/kubeconfig).
-# KUBE_UP_WITH=all also starts kube-scheduler, kube-controller-manager and kwok.
+# KUBE_UP_WITH=all also starts kube-scheduler, kube-controller-manager and kwok; all,karpenter also Karpenter.
 KUBE_UP_WITH ?=
-kube-up: install testenv $(if $(KUBE_UP_WITH),kwok)
+kube-up: install testenv $(if $(KUBE_UP_WITH),kwok) $(if $(findstring karpenter,$(KUBE_UP_WITH)),karpenter)
 	$(BIN)/python hack/testenv/controlplane.py up --with "$(KUBE_UP_WITH)"
 
 kube-down: install
@@ -85,7 +91,7 @@ kube-status: install
 
 # Unit tests, the nvml backend through the fake library, and the integration tests against a real
 # etcd + kube-apiserver that the test session starts on 127.0.0.1 and stops again.
-test: install fakenvml testenv testenv-oldest kwok helm promtool image
+test: install fakenvml testenv testenv-oldest kwok karpenter helm promtool image
 	$(BIN)/python -m pytest -q
 
 # The burst scale-out end to end (bench/burst.py): 40 + 8 kwok GPU nodes, 2 -> 300 replicas, faults mid-burst,
