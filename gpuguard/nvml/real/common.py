@@ -1,0 +1,78 @@
+"""What the NVML backend's modules share: NVML error names and codes, constants nvml.h defines, one GPU's
+bookkeeping (`Device`) and the retry backoff."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import pynvml
+
+# NVML error code -> name without the NVML_ERROR_ prefix, e.g. 15 -> "GPU_IS_LOST".
+ERROR_NAMES: dict[int, str] = {
+    getattr(pynvml, n): n.removeprefix("NVML_ERROR_")
+    for n in dir(pynvml)
+    if n.startswith("NVML_ERROR_") and isinstance(getattr(pynvml, n), int)
+}
+# nvml.h constants that older nvidia-ml-py releases (12.535) do not define yet.
+FI_GPU_RECOVERY_ACTION = int(getattr(pynvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", 230))
+EVENT_XID = int(pynvml.nvmlEventTypeXidCriticalError)
+EVENT_RECOVERY_ACTION = int(getattr(pynvml, "nvmlEventTypeGpuRecoveryAction", 0x8000))
+NO_INSTANCE = 0xFFFFFFFF
+# Retries of event-set creation and registration: 1 s, doubling, at most a minute apart.
+RETRY_BASE = 1.0
+RETRY_MAX = 60.0
+
+
+def error_name(exc: BaseException) -> str:
+    value = getattr(exc, "value", None)
+    if isinstance(value, int):
+        return ERROR_NAMES.get(value, f"NVML error {value}")
+    return type(exc).__name__
+
+
+def code(exc: BaseException) -> int | None:
+    value = getattr(exc, "value", None)
+    return value if isinstance(value, int) else None
+
+
+def is_lost(exc: BaseException) -> bool:
+    return bool(code(exc) == pynvml.NVML_ERROR_GPU_IS_LOST)
+
+
+def not_supported(exc: BaseException) -> bool:
+    return code(exc) in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+
+def handle_key(handle: Any) -> int:
+    return ctypes.cast(handle, ctypes.c_void_p).value or 0
+
+
+def text(v: Any) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+
+
+def backoff(failures: int) -> float:
+    return float(min(RETRY_MAX, RETRY_BASE * 2 ** max(0, failures - 1)))
+
+
+@dataclass
+class Device:
+    index: int
+    handle: Any
+    uuid: str
+    name: str = ""
+    pci_bus_id: str = ""
+    ecc_supported: bool = True
+    remap_supported: bool = True
+    recovery_supported: bool = True
+    lost_at_enumeration: bool = False
+    # Why the last enumeration could not describe it (UUID known from before): re-enumerate next pass.
+    enumeration_error: str | None = None
+    # Event registration: the handle it is registered with (0: none), why not, when to retry.
+    registered: int = 0
+    watch_note: str = "not registered yet"
+    unsupported: bool = False
+    register_failures: int = 0
+    register_retry_at: float = 0.0

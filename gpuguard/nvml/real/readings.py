@@ -1,0 +1,139 @@
+"""One GPU's polled reading: uncorrected ECC, remapped rows, the recovery action, presence; and the
+description read once when a GPU is first seen (name, PCI bus id, whether ECC applies)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pynvml
+
+from gpuguard.model import GpuReading
+from gpuguard.nvml.real.common import (
+    ERROR_NAMES,
+    FI_GPU_RECOVERY_ACTION,
+    Device,
+    error_name,
+    is_lost,
+    not_supported,
+    text,
+)
+
+
+def describe(index: int, handle: Any, uuid: str) -> Device:
+    name = _optional(lambda: text(pynvml.nvmlDeviceGetName(handle)), "")
+    pci = _optional(lambda: text(pynvml.nvmlDeviceGetPciInfo(handle).busId), "")
+    ecc_supported = True
+    try:
+        current, _pending = pynvml.nvmlDeviceGetEccMode(handle)
+        ecc_supported = bool(current)  # ECC disabled: counters are not applicable
+    except pynvml.NVMLError as exc:
+        if not_supported(exc):
+            ecc_supported = False
+    return Device(index, handle, uuid, name, pci, ecc_supported)
+
+
+def read(d: Device, *, watched: bool, watch_note: str) -> GpuReading:
+    base = GpuReading(
+        index=d.index,
+        uuid=d.uuid,
+        name=d.name,
+        pci_bus_id=d.pci_bus_id,
+        ecc_supported=d.ecc_supported,
+        ecc_uncorrected=None,
+        xid_watched=watched,
+        xid_watch_note=watch_note,
+    )
+    if d.lost_at_enumeration:
+        return _lost(base)
+    if d.enumeration_error:
+        return replace(base, transient_errors=(f"uuid:{d.enumeration_error}",), unreadable=True)
+    ecc: int | None = None
+    remap_failure: bool | None = None
+    remap_pending: bool | None = None
+    action: int | None = None
+    errors: list[str] = []
+    answered = 0
+    try:
+        if d.ecc_supported:
+            ecc = int(
+                pynvml.nvmlDeviceGetTotalEccErrors(
+                    d.handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
+                )
+            )
+            answered += 1
+    except pynvml.NVMLError as exc:
+        if is_lost(exc):
+            return _lost(base)
+        errors.append(f"ecc:{error_name(exc)}")
+    try:
+        if d.remap_supported:
+            _corr, _unc, pending, failure = pynvml.nvmlDeviceGetRemappedRows(d.handle)
+            remap_failure, remap_pending = bool(failure), bool(pending)
+            answered += 1
+    except pynvml.NVMLError as exc:
+        if is_lost(exc):
+            return _lost(base)
+        if not_supported(exc):
+            d.remap_supported = False  # pre-Ampere, some vGPU and MIG set-ups: not applicable
+        else:
+            errors.append(f"remap:{error_name(exc)}")
+    if d.recovery_supported:
+        try:
+            action, error = _recovery_action(d.handle)
+            if error == "NOT_SUPPORTED":
+                d.recovery_supported = False
+            elif error:
+                errors.append(f"recovery:{error}")
+            else:
+                answered += 1
+        except pynvml.NVMLError as exc:
+            if is_lost(exc):
+                return _lost(base)
+            if not_supported(exc):
+                d.recovery_supported = False
+            else:
+                errors.append(f"recovery:{error_name(exc)}")
+    if not answered and not errors:
+        # Nothing else is polled on this GPU: probe it so a lost or broken GPU still shows.
+        try:
+            pynvml.nvmlDeviceGetUUID(d.handle)
+            answered += 1
+        except pynvml.NVMLError as exc:
+            if is_lost(exc):
+                return _lost(base)
+            errors.append(f"probe:{error_name(exc)}")
+    return replace(
+        base,
+        ecc_uncorrected=ecc,
+        remap_failure=remap_failure,
+        remap_pending=remap_pending,
+        recovery_action=action,
+        transient_errors=tuple(errors),
+        unreadable=not answered and bool(errors),
+    )
+
+
+def _recovery_action(handle: Any) -> tuple[int | None, str]:
+    """NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: (value, "") or (None, the field's own NVML error name)."""
+    fv = pynvml.nvmlDeviceGetFieldValues(handle, [FI_GPU_RECOVERY_ACTION])[0]
+    if fv.nvmlReturn != pynvml.NVML_SUCCESS:
+        name = ERROR_NAMES.get(int(fv.nvmlReturn), f"NVML error {fv.nvmlReturn}")
+        return None, name
+    value_type = int(fv.valueType)
+    v = fv.value
+    # nvmlValueType_t: 0 double, 1 uint, 2 ulong, 3 ulonglong, 4 slonglong, 5 sint, 6 ushort
+    raw = {0: v.dVal, 1: v.uiVal, 2: v.ulVal, 3: v.ullVal, 4: v.sllVal, 5: v.siVal}.get(value_type, v.uiVal)
+    return int(raw), ""
+
+
+def _lost(base: GpuReading) -> GpuReading:
+    """A lost GPU answers nothing: only its identity and the fact that it is lost."""
+    return replace(base, ecc_uncorrected=None, remap_failure=None, remap_pending=None, lost=True)
+
+
+def _optional(fn: Any, default: str) -> str:
+    try:
+        return str(fn())
+    except pynvml.NVMLError:
+        return default
