@@ -807,9 +807,12 @@ def test_wait_v1_fills_only_the_old_struct(lib_dir: Path, state: Path) -> None:
     }
 
 
-def test_wait_after_free_or_shutdown_does_not_crash(lib_dir: Path, state: Path) -> None:
+def test_a_free_or_shutdown_under_a_waiter_does_not_wake_it_or_crash(lib_dir: Path, state: Path) -> None:
+    """nvml.h does not say that nvmlEventSetFree or nvmlShutdown wakes a thread waiting on the set, so the
+    fake does not either: the waiter returns at its timeout (safely: INVALID_ARGUMENT or UNINITIALIZED),
+    and the library says on stderr that the caller did something nvml.h leaves undefined."""
     write(state, "gpu 0\n")
-    res = nvml(
+    proc = run_nvml(
         lib_dir,
         """
         nv.nvmlInit()
@@ -819,7 +822,7 @@ def test_wait_after_free_or_shutdown_does_not_crash(lib_dir: Path, state: Path) 
             r = {}
             def run():
                 t = time.monotonic()
-                r["err"] = err(nv.nvmlEventSetWait_v2, s, 5000)
+                r["err"] = err(nv.nvmlEventSetWait_v2, s, 600)
                 r["s"] = time.monotonic() - t
             th = threading.Thread(target=run)
             th.start()
@@ -847,13 +850,96 @@ def test_wait_after_free_or_shutdown_does_not_crash(lib_dir: Path, state: Path) 
         """,
         state,
     )
+    res = results(proc)
     assert res["freed"]["err"] == "NVMLError_InvalidArgument"
-    assert res["freed"]["s"] < 1.0
+    assert 0.55 < res["freed"]["s"] < 2.0  # not woken: it slept to its 600 ms timeout
     assert res["stale"] == ["NVMLError_InvalidArgument"] * 3
     assert res["shut"]["err"] == "NVMLError_Uninitialized"
-    assert res["shut"]["s"] < 1.0
+    assert 0.55 < res["shut"]["s"] < 2.0
     assert res["after"] == ["NVMLError_Uninitialized"] * 2
     assert res["reinit"] == "NVMLError_InvalidArgument"
+    assert "fakenvml: nvmlEventSetFree on an event set another thread waits on" in proc.stderr
+    assert "fakenvml: nvmlShutdown on an event set another thread waits on" in proc.stderr
+
+
+def test_a_signal_ends_a_wait_with_timeout_as_nvml_h_documents(lib_dir: Path, state: Path) -> None:
+    """nvml.h, nvmlEventSetWait_v2: NVML_ERROR_TIMEOUT "if no event arrived in specified timeout or
+    interrupt arrived": a signal to the waiting thread ends a long wait at once."""
+    write(state, "gpu 0\n")
+    res = nvml(
+        lib_dir,
+        """
+        import signal
+        signal.signal(signal.SIGUSR2, lambda *_: None)
+        nv.nvmlInit()
+        s = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(nv.nvmlDeviceGetHandleByIndex(0), XID, s)
+        r = {}
+        def run():
+            t = time.monotonic()
+            r["err"] = err(nv.nvmlEventSetWait_v2, s, 60000)
+            r["s"] = time.monotonic() - t
+        th = threading.Thread(target=run)
+        th.start()
+        time.sleep(0.3)
+        signal.pthread_kill(th.ident, signal.SIGUSR2)
+        th.join(10)
+        # The set is still good afterwards: the next event is delivered.
+        write_state("xid 0 48\\n", "append")
+        out(r=r, next=nv.nvmlEventSetWait_v2(s, 1000).eventData)
+        """,
+        state,
+    )
+    assert res["r"]["err"] == "NVMLError_Timeout"
+    assert res["r"]["s"] < 1.0
+    assert res["next"] == 48
+
+
+def test_an_uncorrected_ecc_error_is_a_double_bit_ecc_event_for_sets_registered_before(
+    lib_dir: Path, state: Path
+) -> None:
+    """More uncorrected ECC errors (ecc= goes up) is one nvmlEventTypeDoubleBitEccError event (eventData 0)
+    to each set registered for it on that GPU before it happened; none where ECC is off or unsupported,
+    none when the count goes down."""
+    write(state, "gpu 0\ngpu 1\ngpu 2 ecc_enabled=0\n")
+    res = nvml(
+        lib_dir,
+        """
+        DBE = nv.nvmlEventTypeDoubleBitEccError
+        nv.nvmlInit()
+        h = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(3)]
+        supported = [nv.nvmlDeviceGetSupportedEventTypes(x) & DBE for x in h]
+        xid_only = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(h[0], XID, xid_only)
+        s = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(h[0], XID | DBE, s)
+        nv.nvmlDeviceRegisterEvents(h[1], DBE, s)
+        write_state("gpu 0 ecc=2\\ngpu 1\\ngpu 2 ecc_enabled=0\\n")
+        d = nv.nvmlEventSetWait_v2(s, 1000)
+        first = [d.eventType, d.eventData, nv.nvmlDeviceGetIndex(d.device), d.gpuInstanceId]
+        then = err(nv.nvmlEventSetWait_v2, s, 50)
+        late = nv.nvmlEventSetCreate()  # registered after the error: not delivered to it
+        nv.nvmlDeviceRegisterEvents(h[0], DBE, late)
+        late_got = err(nv.nvmlEventSetWait_v2, late, 50)
+        write_state("gpu 0 ecc=0\\ngpu 1 ecc=1\\ngpu 2 ecc_enabled=0 ecc=5\\n")  # down, up, ECC off
+        d = nv.nvmlEventSetWait_v2(s, 1000)
+        second = [d.eventType, nv.nvmlDeviceGetIndex(d.device)]
+        out(supported=supported, first=first, then=then, late=late_got, second=second,
+            rest=err(nv.nvmlEventSetWait_v2, s, 50), xid_only=err(nv.nvmlEventSetWait_v2, xid_only, 50),
+            register_off=err(nv.nvmlDeviceRegisterEvents, h[2], DBE, s))
+        """,
+        state,
+    )
+    assert res == {
+        "supported": [2, 2, 0],
+        "first": [2, 0, 0, 0xFFFFFFFF],
+        "then": "NVMLError_Timeout",
+        "late": "NVMLError_Timeout",
+        "second": [2, 1],
+        "rest": "NVMLError_Timeout",
+        "xid_only": "NVMLError_Timeout",
+        "register_off": "NVMLError_NotSupported",
+    }
 
 
 def test_queries_run_while_another_thread_waits(lib_dir: Path, state: Path) -> None:

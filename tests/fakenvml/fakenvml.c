@@ -26,7 +26,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/eventfd.h>
 #include <sys/inotify.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -94,7 +93,7 @@ _Static_assert(sizeof(nvmlEventData_t) == 32, "nvmlEventData_t layout");
 #define WATCH_MASK (IN_CLOSE_WRITE | IN_MOVED_TO | IN_MODIFY | IN_CREATE | IN_DELETE | \
                     IN_MOVED_FROM | IN_ATTRIB)
 
-/* Event types the fake claims to support; Xid and recovery-action events are produced. */
+/* Event types the fake claims to support; Xid, double-bit ECC and recovery-action events are produced. */
 #define SUPPORTED_EVENTS (nvmlEventTypeXidCriticalError | nvmlEventTypePState | nvmlEventTypeClock)
 #define MAX_FAIL_RULES 64
 #define ECC_EVENTS (nvmlEventTypeSingleBitEccError | nvmlEventTypeDoubleBitEccError)
@@ -203,7 +202,7 @@ struct file_id {
 struct event {
     struct event *next;
     unsigned int gpu;
-    unsigned long long type; /* nvmlEventTypeXidCriticalError or nvmlEventTypeGpuRecoveryAction */
+    unsigned long long type; /* Xid, double-bit ECC or recovery action (nvmlEventType*) */
     unsigned long long code; /* eventData: the Xid; 0 for other events (nvml.h) */
     unsigned int gi, ci;
 };
@@ -217,7 +216,6 @@ struct nvmlEventSet_st {
     struct event_queue queue;
     int ino_fd;    /* this set's own inotify instance: only its waiters drain it,
                       so a change can never be consumed by another thread */
-    int wake_fd;   /* eventfd, signalled (never drained) when the set dies */
     unsigned int busy; /* threads inside nvmlEventSetWait on this set */
     bool freed;    /* unlinked by nvmlEventSetFree or the final nvmlShutdown */
     bool broken;   /* a registration failed with UNKNOWN: "undefined state" (nvml.h) */
@@ -853,6 +851,17 @@ static nvmlReturn_t load_locked(bool initializing)
             g_fail_used[i] = 0;
         g_fail_sig[i] = sig;
     }
+    /* More uncorrected ECC errors is one double-bit ECC event (nvml.h: "Event
+     * about double bit ECC errors", eventData 0) to the sets registered for it
+     * on that GPU; ECC events exist only where ECC is supported and enabled. */
+    if (g_cfg)
+        for (unsigned int i = 0; i < c->ngpu && i < g_cfg->ngpu; i++)
+            if (c->gpu[i].ecc_supported && c->gpu[i].ecc_enabled &&
+                c->gpu[i].ecc > g_cfg->gpu[i].ecc) {
+                struct event ev = {NULL, i, nvmlEventTypeDoubleBitEccError, 0, NO_INSTANCE,
+                                   NO_INSTANCE};
+                deliver_locked(&ev);
+            }
     /* A changed recovery action is an event (nvmlEventTypeGpuRecoveryAction). */
     if (g_cfg)
         for (unsigned int i = 0; i < c->ngpu && i < g_cfg->ngpu; i++)
@@ -1011,14 +1020,18 @@ static void destroy_set(struct nvmlEventSet_st *s)
 {
     if (s->ino_fd >= 0)
         close(s->ino_fd);
-    if (s->wake_fd >= 0)
-        close(s->wake_fd);
     queue_clear(&s->queue);
     free(s);
 }
 
-/* Unlinks a set; a thread still waiting on it frees it on the way out. */
-static void kill_set_locked(struct nvmlEventSet_st *s)
+/*
+ * Unlinks a set; a thread still waiting on it frees it on the way out.  That
+ * thread is not woken: nvml.h does not say that nvmlEventSetFree or
+ * nvmlShutdown wakes a waiter (a set is not to be used from two threads at
+ * once), so the fake does not promise it either.  The waiter returns at its
+ * timeout, at an interrupt (a signal), or when the state file changes.
+ */
+static void kill_set_locked(struct nvmlEventSet_st *s, const char *by)
 {
     struct nvmlEventSet_st **pp = &g_sets;
     while (*pp != s)
@@ -1026,13 +1039,13 @@ static void kill_set_locked(struct nvmlEventSet_st *s)
     *pp = s->next;
     s->next = NULL;
     s->freed = true;
-    if (s->busy == 0) {
+    if (s->busy == 0)
         destroy_set(s);
-    } else if (s->wake_fd >= 0) {
-        uint64_t one = 1;
-        ssize_t r = write(s->wake_fd, &one, sizeof(one));
-        (void)r; /* an eventfd write only fails on counter overflow */
-    }
+    else
+        fprintf(stderr,
+                "fakenvml: %s on an event set another thread waits on: nvml.h does not define "
+                "this; the waiter is not woken\n",
+                by);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1146,11 +1159,11 @@ static nvmlReturn_t shutdown_locked(void)
         return NVML_ERROR_UNINITIALIZED;
     if (--g_refcount > 0)
         return NVML_SUCCESS;
-    /* Final shutdown: event sets die (waiters are woken), the watch goes.
+    /* Final shutdown: event sets die (waiters are not woken), the watch goes.
      * The parsed state, the Xid high-water mark and parked Xids stay, so a
      * re-init does not replay old events. */
     while (g_sets)
-        kill_set_locked(g_sets);
+        kill_set_locked(g_sets, "nvmlShutdown");
     if (g_ino_fd >= 0) {
         close(g_ino_fd);
         g_ino_fd = -1;
@@ -1504,7 +1517,6 @@ static nvmlReturn_t set_create_locked(nvmlEventSet_t *set)
     if (!s)
         return NVML_ERROR_MEMORY;
     s->ino_fd = watch_dir(); /* -1: fall back to polling in nvmlEventSetWait */
-    s->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     s->next = g_sets;
     g_sets = s;
     *set = s;
@@ -1612,18 +1624,23 @@ static nvmlReturn_t wait_impl(nvmlEventSet_t set, nvmlEventData_t *data, legacy_
             break;
         }
         int ms = (int)((left + 999999) / 1000000); /* round up: no busy spinning */
-        struct pollfd pfd[2];
+        struct pollfd pfd[1];
         nfds_t n = 0;
-        if (s->wake_fd >= 0)
-            pfd[n++] = (struct pollfd){.fd = s->wake_fd, .events = POLLIN};
         if (s->ino_fd >= 0)
             pfd[n++] = (struct pollfd){.fd = s->ino_fd, .events = POLLIN};
         else if (ms > FALLBACK_POLL_MS)
             ms = FALLBACK_POLL_MS;
-        /* busy > 0 keeps both fds open while we sleep without the lock. */
+        /* busy > 0 keeps the fd open while we sleep without the lock. */
         pthread_mutex_unlock(&g_mu);
-        poll(pfd, n, ms);
+        int woke = poll(pfd, n, ms);
+        int poll_errno = errno;
         pthread_mutex_lock(&g_mu);
+        if (woke < 0 && poll_errno == EINTR) {
+            /* nvml.h: TIMEOUT "if no event arrived in specified timeout or
+             * interrupt arrived": a signal ends the wait. */
+            r = NVML_ERROR_TIMEOUT;
+            break;
+        }
     }
     s->busy--;
     if (s->freed && s->busy == 0)
@@ -1650,7 +1667,7 @@ static nvmlReturn_t set_free_locked(nvmlEventSet_t set)
     struct nvmlEventSet_st *s = find_set_locked(set);
     if (!s)
         return NVML_ERROR_INVALID_ARGUMENT;
-    kill_set_locked(s);
+    kill_set_locked(s, "nvmlEventSetFree");
     return NVML_SUCCESS;
 }
 
