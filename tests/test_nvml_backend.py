@@ -489,3 +489,20 @@ def test_watch_without_an_nvml_library_exits_3_after_the_load_timeout(tmp_path: 
     assert any(
         e["event"] == "nvml.library_not_found" and "NVIDIA_VISIBLE_DEVICES" in e["hint"] for e in events
     )
+
+
+def test_an_uncorrected_ecc_error_wakes_the_agent_at_once_not_at_the_next_poll(
+    fakenvml: Path, tmp_path: Path
+) -> None:
+    """Issue 16: ECC was seen only at the next poll (3 s), so the burst put a pod on the ECC node. The
+    double-bit ECC event now wakes the agent like an Xid does; --interval 30 leaves no poll to help."""
+    s = state_file(tmp_path, "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\n")
+    with watching(fakenvml, s, "--interval", "30") as port:
+        wait_for(port, watched_and_healthy(2))
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        s.write_text("gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b ecc=1\n")
+        doc = wait_for(port, lambda d: not d["healthy"], 5)
+        latency = time.monotonic() - t0
+        assert doc["gpus"][1]["reasons"][0].startswith("ecc: 1 uncorrected")
+        assert latency < 0.5, f"{latency * 1000:.0f} ms with a 30 s interval"

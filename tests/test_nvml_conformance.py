@@ -44,7 +44,7 @@ int main(void) {
     OFF(nvmlFieldValue_t, valueType); OFF(nvmlFieldValue_t, nvmlReturn); OFF(nvmlFieldValue_t, value);
     SIZE(nvmlValue_t);
     CONST(NVML_FI_DEV_GET_GPU_RECOVERY_ACTION); CONST(nvmlEventTypeXidCriticalError);
-    CONST(nvmlEventTypeGpuRecoveryAction);
+    CONST(nvmlEventTypeGpuRecoveryAction); CONST(nvmlEventTypeDoubleBitEccError);
     CONST(NVML_SUCCESS); CONST(NVML_ERROR_UNINITIALIZED); CONST(NVML_ERROR_NOT_SUPPORTED);
     CONST(NVML_ERROR_NO_PERMISSION); CONST(NVML_ERROR_TIMEOUT); CONST(NVML_ERROR_LIBRARY_NOT_FOUND);
     CONST(NVML_ERROR_FUNCTION_NOT_FOUND); CONST(NVML_ERROR_GPU_IS_LOST); CONST(NVML_ERROR_RESET_REQUIRED);
@@ -107,6 +107,7 @@ def test_the_constants_gpuguard_uses_are_nvml_hs(header: dict[str, int]) -> None
     assert real.FI_GPU_RECOVERY_ACTION == header["NVML_FI_DEV_GET_GPU_RECOVERY_ACTION"] == 230
     assert header["nvmlEventTypeXidCriticalError"] == real.EVENT_XID
     assert real.EVENT_RECOVERY_ACTION == header["nvmlEventTypeGpuRecoveryAction"] == 0x8000
+    assert real.EVENT_DOUBLE_BIT_ECC == header["nvmlEventTypeDoubleBitEccError"] == 0x2
     for name in (
         "NVML_SUCCESS",
         "NVML_ERROR_UNINITIALIZED",

@@ -18,6 +18,8 @@ ERROR_NAMES: dict[int, str] = {
 # nvml.h constants that older nvidia-ml-py releases (12.535) do not define yet.
 FI_GPU_RECOVERY_ACTION = int(getattr(pynvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", 230))
 EVENT_XID = int(pynvml.nvmlEventTypeXidCriticalError)
+# nvml.h: "Event about double bit ECC errors", i.e. an uncorrected ECC error (eventData 0).
+EVENT_DOUBLE_BIT_ECC = int(pynvml.nvmlEventTypeDoubleBitEccError)
 EVENT_RECOVERY_ACTION = int(getattr(pynvml, "nvmlEventTypeGpuRecoveryAction", 0x8000))
 NO_INSTANCE = 0xFFFFFFFF
 # Retries of event-set creation and registration: 1 s, doubling, at most a minute apart.

@@ -1,5 +1,6 @@
-"""The event path: one NVML event set, every GPU registered for Xid (and recovery-action) events, one thread
-waiting on it that records Xids and wakes the agent at once.
+"""The event path: one NVML event set, every GPU registered for Xid, uncorrected (double-bit) ECC and
+recovery-action events, one thread waiting on it that records Xids and wakes the agent at once on any event
+(the check that follows reads the ECC counter and the recovery action the event announced).
 
 An event set that cannot be created, or a registration that fails, is retried with backoff (after UNKNOWN the
 set is freed and a fresh one made, as nvml.h asks); a wait that fails with anything but TIMEOUT rebuilds the
@@ -19,6 +20,7 @@ import structlog
 from gpuguard.model import XidEvent
 from gpuguard.nvml.base import Wakeup
 from gpuguard.nvml.real.common import (
+    EVENT_DOUBLE_BIT_ECC,
     EVENT_RECOVERY_ACTION,
     EVENT_XID,
     NO_INSTANCE,
@@ -118,10 +120,12 @@ class EventPath:
                 return  # the set was discarded (UNKNOWN): a fresh one on the next pass
 
     def _register(self, d: Device, now: float) -> bool:
-        """Register one GPU for Xid (and recovery-action) events. False: the set had to be discarded."""
+        """Register one GPU for Xid events, and for uncorrected ECC and recovery-action events where the GPU
+        has them (ECC off or unsupported: none; drivers before R565: no recovery action). False: the set
+        had to be discarded."""
         try:
             supported = int(pynvml.nvmlDeviceGetSupportedEventTypes(d.handle))
-            mask = supported & (EVENT_XID | EVENT_RECOVERY_ACTION)
+            mask = supported & (EVENT_XID | EVENT_DOUBLE_BIT_ECC | EVENT_RECOVERY_ACTION)
             if not mask & EVENT_XID:
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
             pynvml.nvmlDeviceRegisterEvents(d.handle, mask, self._event_set)
@@ -214,7 +218,7 @@ class EventPath:
             self._wait_ok.set()
             if int(data.eventType) & EVENT_XID:
                 self._on_xid(data)
-            self.wakeup()  # an Xid or a recovery-action change: judge now
+            self.wakeup()  # an Xid, an uncorrected ECC error or a recovery-action change: judge now
 
     def _on_xid(self, data: Any) -> None:
         """Attribute the Xid by the device's UUID (as NVIDIA's device plugin does), the handle as fallback."""
