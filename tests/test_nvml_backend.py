@@ -506,3 +506,88 @@ def test_an_uncorrected_ecc_error_wakes_the_agent_at_once_not_at_the_next_poll(
         latency = time.monotonic() - t0
         assert doc["gpus"][1]["reasons"][0].startswith("ecc: 1 uncorrected")
         assert latency < 0.5, f"{latency * 1000:.0f} ms with a 30 s interval"
+
+
+# -- an idle node costs almost nothing (issue 15) ---------------------------------------------------------
+
+
+def _voluntary_switches(pid: int) -> int:
+    """How often the process's threads went to sleep and were woken, all threads together."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        for line in status.read_text().splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                total += int(line.split()[1])
+    return total
+
+
+def test_an_idle_agent_does_not_wake_between_polls(fakenvml: Path, tmp_path: Path) -> None:
+    """The event wait timed out every second (3,600 wake-ups an hour); now it blocks for minutes, the HTTP
+    server and the node writer block until there is work, so between two polls no thread wakes up."""
+    s = state_file(tmp_path, "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\n")
+    p = WatchProcess("--backend", "nvml", "--dry-run", "--interval", "30", env=env(fakenvml, s)).start()
+    try:
+        port = p.wait_listening()
+        wait_for(port, watched_and_healthy(2))
+        time.sleep(0.5)  # the /healthz requests above are served and done
+        before = _voluntary_switches(p.pid)
+        time.sleep(4.0)
+        woke = _voluntary_switches(p.pid) - before
+        assert woke <= 1, f"{woke} wake-ups in 4 s between two polls"
+    finally:
+        assert p.stop() == 0
+    assert not p.tracebacks()
+
+
+def test_sigterm_ends_the_long_event_wait_at_once_and_frees_the_set_only_after_it(
+    fakenvml: Path, tmp_path: Path
+) -> None:
+    """Blocking for minutes must not make stopping slow: a signal interrupts the wait (nvml.h: TIMEOUT when
+    "interrupt arrived"); nvmlEventSetFree is not relied on to wake it, and is called only once the thread
+    has left the set (the fake library says so on stderr otherwise)."""
+    s = state_file(tmp_path, "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\n")
+    p = WatchProcess("--backend", "nvml", "--dry-run", "--interval", "30", env=env(fakenvml, s)).start()
+    port = p.wait_listening()
+    wait_for(port, watched_and_healthy(2))
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    assert p.stop(timeout=10) == 0
+    took = time.monotonic() - t0
+    assert took < 1.0, f"stopped in {took:.2f} s"
+    stderr = [d["line"] for d in p.lines if d["event"] == "non-json"]
+    assert not [line for line in stderr if "another thread waits on" in line], stderr
+    assert not p.events("nvml.event_thread_stuck")
+    assert p.events("agent.stopping")
+
+
+def test_a_backend_opened_off_the_main_thread_bounds_its_wait_and_still_stops(
+    fakenvml: Path, tmp_path: Path
+) -> None:
+    """Only the main thread can install the wake signal's handler; elsewhere the wait is bounded (1 s), so
+    close() still returns within two seconds and never frees the set under the waiting thread."""
+    s = state_file(tmp_path, "gpu 0 uuid=GPU-0a\n")
+    script = """
+import json, threading, time
+from gpuguard.nvml.real import NvmlBackend
+b = NvmlBackend()
+t = threading.Thread(target=b.open, args=(lambda: None,)); t.start(); t.join()
+snap = b.snapshot()
+time.sleep(0.3)
+t0 = time.monotonic(); b.close(); took = time.monotonic() - t0
+print(json.dumps({"wait_ms": b._events._wait_ms, "watched": snap.gpus[0].xid_watched, "took": took,
+                  "threads": threading.active_count()}))
+"""
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env(fakenvml, s),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["wait_ms"] == 1000 and out["watched"] and out["threads"] == 1
+    assert out["took"] < 2.0
+    assert "another thread waits on" not in r.stderr

@@ -44,6 +44,7 @@ class NvmlBackend:
 
     def open(self, wakeup: Wakeup) -> None:
         self._events.wakeup = wakeup
+        self._events.prepare()
         self._try_init()
 
     def snapshot(self) -> Snapshot:
@@ -77,10 +78,15 @@ class NvmlBackend:
         )
 
     def close(self) -> None:
-        self._events.stop_thread()
+        stopped = self._events.stop_thread()
         if not self._initialized:
             return
         self._initialized = False
+        if not stopped:
+            # A thread may still wait on the set: nvml.h defines neither a free nor a shutdown under it, so
+            # both are left to the process's exit.
+            self._events.abandon_set()
+            return
         self._events.free_set()
         try:
             pynvml.nvmlShutdown()

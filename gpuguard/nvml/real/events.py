@@ -5,10 +5,18 @@ recovery-action events, one thread waiting on it that records Xids and wakes the
 An event set that cannot be created, or a registration that fails, is retried with backoff (after UNKNOWN the
 set is freed and a fresh one made, as nvml.h asks); a wait that fails with anything but TIMEOUT rebuilds the
 event path and re-reads every GPU at once.
+
+An idle node must cost next to nothing, so the wait blocks for minutes, not a second. It still ends at once
+when the path is stopped: nvml.h documents that nvmlEventSetWait_v2 returns TIMEOUT when "interrupt arrived",
+so stop_thread() sends WAKE_SIGNAL to the waiting thread (signal.pthread_kill; a no-op handler is installed
+for it, which only the main thread can do). nvml.h does not say that nvmlEventSetFree or nvmlShutdown wakes a
+waiter, so neither is relied on, and neither is called while a thread may still wait on the set.
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -35,8 +43,36 @@ from gpuguard.nvml.real.common import (
 
 log = structlog.get_logger("gpuguard.nvml")
 
-# Bounded so that close() is prompt (the event thread checks its stop flag between waits).
-EVENT_WAIT_MS = 1000
+# How long one wait blocks: long when WAKE_SIGNAL can end it (6 wake-ups an hour on an idle node instead of
+# 3,600 at 1 s); without the signal (the backend opened off the main thread, or the signal has someone else's
+# handler) bounded, so that stop_thread() is still prompt: it waits up to STOP_TIMEOUT_S for the thread.
+LONG_WAIT_MS = 600_000
+SHORT_WAIT_MS = 1000
+STOP_TIMEOUT_S = SHORT_WAIT_MS / 1000 + 1
+WAKE_SIGNAL = signal.SIGUSR2
+# A wait that blocked at least this long before it failed counts as a good one (the rebuild's backoff
+# starts over), as a TIMEOUT did when every wait lasted a second.
+GOOD_WAIT_S = 1.0
+
+
+def _on_wake_signal(signum: int, frame: object) -> None:
+    """Nothing: the signal's only job is to interrupt the event thread's wait."""
+
+
+def install_wake_signal() -> bool:
+    """A no-op handler for WAKE_SIGNAL, so that pthread_kill interrupts a wait instead of killing the process
+    (the default) or being dropped (SIG_IGN). False where that is not possible: off the main thread, or the
+    signal already has another handler (which we leave alone)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    current = signal.getsignal(WAKE_SIGNAL)
+    if current is _on_wake_signal:
+        return True
+    if current is not signal.SIG_DFL:
+        return False
+    signal.signal(WAKE_SIGNAL, _on_wake_signal)
+    return True
+
 
 Attribute = Callable[[str | None, Any], Device | None]
 """The GPU an event names, by its UUID (None: not readable) or else its handle; None when not known."""
@@ -68,6 +104,15 @@ class EventPath:
         self._set_failures = 0
         self._set_retry_at = 0.0
         self._set_note = "no event set yet"
+        self._can_signal = False
+        self._wait_ms = SHORT_WAIT_MS
+
+    def prepare(self) -> None:
+        """Called from the thread that opens the backend: long waits if WAKE_SIGNAL can end them."""
+        self._can_signal = install_wake_signal()
+        self._wait_ms = LONG_WAIT_MS if self._can_signal else SHORT_WAIT_MS
+        if not self._can_signal:
+            log.debug("nvml.event_wait_bounded", timeout_ms=self._wait_ms, why="no wake signal handler")
 
     def watch_state(self, d: Device) -> tuple[bool, str]:
         """Whether this GPU's Xids are watched now, and if not, why."""
@@ -160,8 +205,10 @@ class EventPath:
         """Stop the thread, free the set; every GPU is unwatched until the next pass registers it again."""
         devices = self._devices()
         log.warning("nvml.event_path_rebuilt", reason=reason, gpus=len(devices), xid_watched=False)
-        self.stop_thread()
-        self.free_set()
+        if self.stop_thread():
+            self.free_set()
+        else:
+            self.abandon_set()
         self._rebuild.clear()
         self._set_note = reason
         if not self._wait_ok.is_set():
@@ -184,11 +231,30 @@ class EventPath:
         )
         self._thread.start()
 
-    def stop_thread(self) -> None:
+    def stop_thread(self) -> bool:
+        """Stop the waiting thread: signal it until its wait returns (a signal that lands just before the wait
+        begins is missed, so it is sent again every 50 ms). False if it did not stop within STOP_TIMEOUT_S."""
         self._thread_stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=EVENT_WAIT_MS / 1000 + 1)
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return True
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while thread.is_alive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("nvml.event_thread_stuck", waited_s=STOP_TIMEOUT_S, action="set left to the exit")
+                return False
+            if self._can_signal and thread.ident is not None:
+                with contextlib.suppress(OSError):  # it ended meanwhile
+                    signal.pthread_kill(thread.ident, WAKE_SIGNAL)
+                thread.join(min(0.05, left))
+            else:
+                thread.join(left)
+        return True
+
+    def abandon_set(self) -> None:
+        """Forget a set a thread may still wait on: freeing it under a waiter is not defined by nvml.h."""
+        self._event_set = None
 
     def free_set(self) -> None:
         if self._event_set is not None:
@@ -200,14 +266,17 @@ class EventPath:
 
     def _event_loop(self, event_set: Any, stop: threading.Event) -> None:
         while not stop.is_set():
+            began = time.monotonic()
             try:
-                data = pynvml.nvmlEventSetWait_v2(event_set, EVENT_WAIT_MS)
+                data = pynvml.nvmlEventSetWait_v2(event_set, self._wait_ms)
             except pynvml.NVMLError as exc:
-                if code(exc) == pynvml.NVML_ERROR_TIMEOUT:
+                if code(exc) == pynvml.NVML_ERROR_TIMEOUT:  # the timeout, or WAKE_SIGNAL (stop is set then)
                     self._wait_ok.set()
                     continue
                 if stop.is_set():
                     return
+                if time.monotonic() - began >= GOOD_WAIT_S:
+                    self._wait_ok.set()
                 # GPU_IS_LOST, UNKNOWN, ...: NVIDIA's device plugin gives up on the set here. We rebuild it
                 # and read every GPU now (the wake-up runs a check at once).
                 log.warning("nvml.event_wait_failed", error=error_name(exc), action="rebuild, check now")
