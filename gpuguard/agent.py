@@ -15,7 +15,7 @@ import structlog
 
 from gpuguard.config import PolicySettings
 from gpuguard.metrics import Metrics
-from gpuguard.model import AgentStatus, Fault, Verdict
+from gpuguard.model import AgentStatus, Fault, Snapshot, Verdict
 from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.writers import DRY_RUN_NODE
 from gpuguard.nvml.base import Backend
@@ -69,6 +69,7 @@ class Agent:
         self.stop_event = stop or threading.Event()
         self._wake = threading.Event()
         self._verdict: Verdict | None = None
+        self._last_evaluation: tuple[Snapshot, Verdict | None, Verdict] | None = None
         self._streak = 0
         self._started = clock()
         self._last_check: float | None = None
@@ -124,7 +125,7 @@ class Agent:
         snapshot = self._backend.snapshot()
         self._check_library(snapshot.init_error)
         previous = self._verdict
-        verdict = evaluate(snapshot, previous=previous or self._restored, settings=self._policy)
+        verdict = self._evaluate(snapshot, previous or self._restored)
         self._streak = self._streak + 1 if verdict.healthy else 0
         self._log_transitions(previous, verdict)
         if self._state is not None:
@@ -141,7 +142,17 @@ class Agent:
             node = self._reconciler.status
             self._metrics.quarantined.set(1 if node.tainted and not node.deferred else 0)
             self._metrics.quarantine_deferred.set(1 if node.deferred else 0)
-        log.debug("check.completed", healthy=verdict.healthy, gpus=len(verdict.gpus))
+        return verdict
+
+    def _evaluate(self, snapshot: Snapshot, basis: Verdict | None) -> Verdict:
+        """policy.evaluate, remembered for the last arguments: it is pure (no clock, no I/O), so the same
+        snapshot judged against an equal previous verdict gives the same verdict again. On a steady node that
+        skips the evaluation at every poll (a fifth of an idle check's CPU, docs/performance.md)."""
+        last = self._last_evaluation
+        if last is not None and snapshot == last[0] and basis == last[1]:
+            return last[2]
+        verdict = evaluate(snapshot, previous=basis, settings=self._policy)
+        self._last_evaluation = (snapshot, basis, verdict)
         return verdict
 
     def status(self) -> AgentStatus:

@@ -77,14 +77,21 @@ class Metrics:
         )
         self.build = Info("gpuguard_build", "gpuguard build information.", registry=registry)
         self.build.info({"version": __version__})
+        self._gpu_values: dict[tuple[str, str], tuple[int, int, int | None]] = {}
 
     def observe_check(self, verdict: Verdict, *, duration: float, wall: float) -> None:
         self.check_duration.observe(duration)
         self.last_check.set(wall)
         for g in verdict.gpus:
             labels = (str(g.index), g.uuid)
-            self.gpu_healthy.labels(*labels).set(1 if g.healthy else 0)
-            self.xid_watched.labels(*labels).set(1 if g.xid_watched else 0)
+            values = (1 if g.healthy else 0, 1 if g.xid_watched else 0, g.ecc_uncorrected)
+            # Only this method sets these gauges: a GPU whose values did not change since the last check
+            # needs no label lookups (most of a healthy check's metrics cost).
+            if self._gpu_values.get(labels) == values:
+                continue
+            self._gpu_values[labels] = values
+            self.gpu_healthy.labels(*labels).set(values[0])
+            self.xid_watched.labels(*labels).set(values[1])
             if g.ecc_uncorrected is not None:
                 self.ecc.labels(*labels).set(g.ecc_uncorrected)
         for x, ignored in [(x, "true") for x in verdict.ignored_xids] + [

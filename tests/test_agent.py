@@ -60,6 +60,23 @@ def step(agent: Agent, reconciler: NodeReconciler, clock: Clock, to: float) -> N
     reconciler.reconcile_now()
 
 
+def test_a_steady_node_reuses_its_verdict_and_a_change_is_judged_at_once() -> None:
+    """policy.evaluate is pure, so the agent remembers it for the last arguments (an idle node's checks skip
+    it); a verdict is reused only for the same snapshot against an equal previous verdict."""
+    agent, clock, _writer, r, _metrics = make()
+    step(agent, r, clock, 0.0)
+    step(agent, r, clock, 0.5)
+    steady = agent.status().verdict
+    step(agent, r, clock, 0.7)
+    assert agent.status().verdict is steady
+    step(agent, r, clock, 2.0)  # ECC 3 on GPU 1
+    sick = agent.status().verdict
+    assert sick is not steady and not sick.healthy
+    step(agent, r, clock, 5.0)  # the count is back to 0: the reading equals the steady one again
+    assert agent.status().verdict.healthy  # judged against the sick verdict, not reused from before
+    assert agent.status().verdict is not steady
+
+
 def test_healthy_then_ignored_xid_then_ecc_fault_then_recovery_after_reset() -> None:
     agent, clock, writer, r, metrics = make()
     step(agent, r, clock, 0.0)

@@ -3,7 +3,6 @@ description read once when a GPU is first seen (name, PCI bus id, whether ECC ap
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import pynvml
@@ -18,6 +17,9 @@ from gpuguard.nvml.real.common import (
     not_supported,
     text,
 )
+
+# A lost GPU answers nothing: only its identity and the fact that it is lost.
+_LOST: dict[str, Any] = {"ecc_uncorrected": None, "remap_failure": None, "remap_pending": None, "lost": True}
 
 
 def describe(index: int, handle: Any, uuid: str) -> Device:
@@ -34,20 +36,24 @@ def describe(index: int, handle: Any, uuid: str) -> Device:
 
 
 def read(d: Device, *, watched: bool, watch_note: str) -> GpuReading:
-    base = GpuReading(
-        index=d.index,
-        uuid=d.uuid,
-        name=d.name,
-        pci_bus_id=d.pci_bus_id,
-        ecc_supported=d.ecc_supported,
-        ecc_uncorrected=None,
-        xid_watched=watched,
-        xid_watch_note=watch_note,
-    )
+    def reading(**fields: Any) -> GpuReading:
+        # One GpuReading per GPU and check, built once (this runs every --interval on every GPU).
+        return GpuReading(
+            index=d.index,
+            uuid=d.uuid,
+            name=d.name,
+            pci_bus_id=d.pci_bus_id,
+            ecc_supported=d.ecc_supported,
+            xid_watched=watched,
+            xid_watch_note=watch_note,
+            **fields,
+        )
+
     if d.lost_at_enumeration:
-        return _lost(base)
+        return reading(**_LOST)
     if d.enumeration_error:
-        return replace(base, transient_errors=(f"uuid:{d.enumeration_error}",), unreadable=True)
+        failed = (f"uuid:{d.enumeration_error}",)
+        return reading(ecc_uncorrected=None, transient_errors=failed, unreadable=True)
     ecc: int | None = None
     remap_failure: bool | None = None
     remap_pending: bool | None = None
@@ -64,7 +70,7 @@ def read(d: Device, *, watched: bool, watch_note: str) -> GpuReading:
             answered += 1
     except pynvml.NVMLError as exc:
         if is_lost(exc):
-            return _lost(base)
+            return reading(**_LOST)
         errors.append(f"ecc:{error_name(exc)}")
     try:
         if d.remap_supported:
@@ -73,7 +79,7 @@ def read(d: Device, *, watched: bool, watch_note: str) -> GpuReading:
             answered += 1
     except pynvml.NVMLError as exc:
         if is_lost(exc):
-            return _lost(base)
+            return reading(**_LOST)
         if not_supported(exc):
             d.remap_supported = False  # pre-Ampere, some vGPU and MIG set-ups: not applicable
         else:
@@ -89,7 +95,7 @@ def read(d: Device, *, watched: bool, watch_note: str) -> GpuReading:
                 answered += 1
         except pynvml.NVMLError as exc:
             if is_lost(exc):
-                return _lost(base)
+                return reading(**_LOST)
             if not_supported(exc):
                 d.recovery_supported = False
             else:
@@ -101,10 +107,9 @@ def read(d: Device, *, watched: bool, watch_note: str) -> GpuReading:
             answered += 1
         except pynvml.NVMLError as exc:
             if is_lost(exc):
-                return _lost(base)
+                return reading(**_LOST)
             errors.append(f"probe:{error_name(exc)}")
-    return replace(
-        base,
+    return reading(
         ecc_uncorrected=ecc,
         remap_failure=remap_failure,
         remap_pending=remap_pending,
@@ -120,16 +125,13 @@ def _recovery_action(handle: Any) -> tuple[int | None, str]:
     if fv.nvmlReturn != pynvml.NVML_SUCCESS:
         name = ERROR_NAMES.get(int(fv.nvmlReturn), f"NVML error {fv.nvmlReturn}")
         return None, name
-    value_type = int(fv.valueType)
-    v = fv.value
-    # nvmlValueType_t: 0 double, 1 uint, 2 ulong, 3 ulonglong, 4 slonglong, 5 sint, 6 ushort
-    raw = {0: v.dVal, 1: v.uiVal, 2: v.ulVal, 3: v.ullVal, 4: v.sllVal, 5: v.siVal}.get(value_type, v.uiVal)
-    return int(raw), ""
+    # nvmlValueType_t: 0 double, 1 uint, 2 ulong, 3 ulonglong, 4 slonglong, 5 sint, 6 ushort. Only the member
+    # the type names is read (each read of a ctypes union member costs as much as the NVML call's wrapper).
+    member = _VALUE_MEMBERS.get(int(fv.valueType), "uiVal")
+    return int(getattr(fv.value, member)), ""
 
 
-def _lost(base: GpuReading) -> GpuReading:
-    """A lost GPU answers nothing: only its identity and the fact that it is lost."""
-    return replace(base, ecc_uncorrected=None, remap_failure=None, remap_pending=None, lost=True)
+_VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal"}
 
 
 def _optional(fn: Any, default: str) -> str:
