@@ -3,9 +3,14 @@ and the fake libnvidia-ml.so.1 (tests/fakenvml).
 Run by `make bench` through bench/run.py; prints nothing itself.
 
 - Xid -> /healthz: an Xid line appended to the fake library's state file, until /healthz lists it.
-- ECC -> /healthz: the ECC counter set, until /healthz turns unhealthy (ECC is polled at --interval).
+- ECC -> /healthz: the ECC counter set, until /healthz turns unhealthy (a double-bit ECC event wakes the
+  agent, as an Xid does).
 - CPU per check: backend.snapshot() + policy.evaluate() in one process, for N GPUs.
 - RSS of the agent after it ran.
+- The idle floor (IdleFloor): a bare interpreter that imports the libraries the agent imports and does the
+  same NVML reads at the same interval, nothing else; an idle agent's CPU, wake-ups and RSS are measured
+  beside it over the same window. `python -m bench.nvml_bench idle [SECONDS]` runs it on its own against a
+  dry-run agent (no API server).
 """
 
 from __future__ import annotations
@@ -180,3 +185,141 @@ def _proc_cpu_seconds(pid: int) -> float:
 
 def mean(xs: list[float]) -> float:
     return statistics.fmean(xs)
+
+
+# -- the idle floor ------------------------------------------------------------------------------------------
+
+# The third-party modules `gpuguard watch` loads (everything in sys.modules that is neither the standard
+# library nor gpuguard), printed as JSON: the floor imports exactly these.
+_AGENT_LIBRARIES = r"""
+import json, sys
+import gpuguard.cli, gpuguard.running, gpuguard.agent, gpuguard.metrics, gpuguard.server, gpuguard.state
+import gpuguard.node.reconciler, gpuguard.node.writers, gpuguard.node.budget, gpuguard.nvml.real
+import prometheus_client
+std = sys.stdlib_module_names
+print(json.dumps(sorted(m for m in sys.modules
+                        if m.split(".")[0] not in std and m.split(".")[0] != "gpuguard" and m != "__main__")))
+"""
+
+# The floor: the same NVML reads as one check of NvmlBackend.snapshot() (the device count, then per GPU the
+# uncorrected ECC count, the remapped rows and the recovery-action field), once per interval, nothing else.
+_FLOOR = r"""
+import importlib, json, sys, time
+for name in json.loads(sys.argv[2]):
+    try:
+        importlib.import_module(name)
+    except Exception:
+        pass
+import pynvml
+pynvml.nvmlInit()
+interval = float(sys.argv[1])
+handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+print(json.dumps({"gpus": len(handles), "modules": len(sys.modules)}), flush=True)
+while True:
+    pynvml.nvmlDeviceGetCount()
+    for h in handles:
+        pynvml.nvmlDeviceGetTotalEccErrors(
+            h, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
+        )
+        pynvml.nvmlDeviceGetRemappedRows(h)
+        pynvml.nvmlDeviceGetFieldValues(h, [230])
+    time.sleep(interval)
+"""
+
+
+def agent_libraries() -> list[str]:
+    r = subprocess.run(
+        [sys.executable, "-c", _AGENT_LIBRARIES], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    names: list[str] = json.loads(r.stdout.strip().splitlines()[-1])
+    return names
+
+
+def task_cpu_and_wakeups(pid: int) -> tuple[float, int]:
+    """CPU seconds (nanosecond precision: schedstat's run time, summed over the threads) and voluntary context
+    switches (a thread went to sleep: one wake-up each) of a live process."""
+    cpu_ns, switches = 0, 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            cpu_ns += int((task / "schedstat").read_text().split()[0])
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    switches += int(line.split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended meanwhile
+    return cpu_ns / 1e9, switches
+
+
+class IdleFloor:
+    """The floor process and an idle agent (`agent_pid`), sampled together: start now, finish() at the end of
+    the window. The floor reads its own fake GPUs (as many as the agent's) at the agent's interval."""
+
+    def __init__(self, agent_pid: int, *, gpus: int = 8, interval: float = 3.0) -> None:
+        self.agent_pid, self.gpus, self.interval = agent_pid, gpus, interval
+        self.libraries = agent_libraries()
+        self._dir = tempfile.TemporaryDirectory()
+        state = Path(self._dir.name) / "floor.state"
+        state.write_text(gpu_lines(gpus))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _FLOOR, str(interval), json.dumps(self.libraries)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **env_for(state)},
+            cwd=ROOT,
+        )
+        assert self.proc.stdout is not None
+        first = self.proc.stdout.readline()
+        if not first:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise RuntimeError(f"the floor process failed: {err}")
+        self.floor_info = json.loads(first)
+        time.sleep(interval)  # one read of the floor's own done before the window opens
+        self.t0 = time.monotonic()
+        self.agent0 = task_cpu_and_wakeups(agent_pid)
+        self.floor0 = task_cpu_and_wakeups(self.proc.pid)
+
+    def finish(self) -> dict[str, Any]:
+        agent1 = task_cpu_and_wakeups(self.agent_pid)
+        floor1 = task_cpu_and_wakeups(self.proc.pid)
+        window = time.monotonic() - self.t0
+        agent_rss, floor_rss = rss_mb(self.agent_pid), rss_mb(self.proc.pid)
+        self.proc.kill()
+        self.proc.wait()
+        self._dir.cleanup()
+        per_hour = 3600 / window
+        agent_cpu = (agent1[0] - self.agent0[0]) * per_hour
+        floor_cpu = (floor1[0] - self.floor0[0]) * per_hour
+        return {
+            "window_s": window,
+            "gpus": self.gpus,
+            "interval": self.interval,
+            "agent_cpu_s_per_hour": agent_cpu,
+            "floor_cpu_s_per_hour": floor_cpu,
+            "ratio": agent_cpu / floor_cpu if floor_cpu > 0 else float("inf"),
+            "agent_wakeups_per_hour": (agent1[1] - self.agent0[1]) * per_hour,
+            "floor_wakeups_per_hour": (floor1[1] - self.floor0[1]) * per_hour,
+            "agent_rss_mb": agent_rss,
+            "floor_rss_mb": floor_rss,
+            "libraries": len(self.libraries),
+            "floor_modules": self.floor_info["modules"],
+        }
+
+
+def idle_vs_floor(seconds: float = 600.0, gpus: int = 8, interval: float = 3.0) -> dict[str, Any]:
+    """A dry-run agent (no API server) and the floor, idle side by side for `seconds`."""
+    with tempfile.TemporaryDirectory() as d:
+        state = Path(d) / "nvml.state"
+        state.write_text(gpu_lines(gpus))
+        with agent(state, "--interval", str(interval)) as (p, _):
+            time.sleep(interval)  # past the start-up
+            floor = IdleFloor(p.pid, gpus=gpus, interval=interval)
+            time.sleep(seconds)
+            return floor.finish()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "idle":
+        print(json.dumps(idle_vs_floor(float(sys.argv[2]) if len(sys.argv) > 2 else 600.0), indent=1))
+    else:
+        raise SystemExit("usage: python -m bench.nvml_bench idle [SECONDS]")

@@ -86,9 +86,9 @@ def nvml_rows(quick: bool) -> tuple[list[Row], dict[int, dict[str, float]]]:
     rows.append(
         (
             f"ECC -> /healthz unhealthy (dry run, no API server), --interval 3, 8 GPUs (n={ecc['n']})",
-            f"p50 {ecc['p50_ms']:.0f} ms, p99 {ecc['p99_ms']:.0f} ms",
-            "p99 <= 3100 ms",
-            verdict(ecc["p99_ms"] <= 3100),
+            pcts(ecc),
+            "p99 < 100 ms (an NVML event, as an Xid)",
+            verdict(ecc["p99_ms"] < 100),
         )
     )
     cpu: dict[int, dict[str, float]] = {}
@@ -176,8 +176,8 @@ def _latency_rows(lat: dict[str, Any]) -> list[Row]:
         (
             f"ECC -> taint visible (watch), gpuguard, --interval 3, 8 GPUs (n={e['n']})",
             pcts(e, 0),
-            "p99 <= 3100 ms",
-            verdict(e["p99_ms"] <= 3100),
+            "p99 <= 1.5x Xid -> taint's (both NVML events since issue 16)",
+            verdict(e["p99_ms"] <= max(100.0, x["p99_ms"] * 1.5)),
         ),
         (
             f"ECC -> taint visible (watch), seed baseline, 3 s poll (n={be['n']})",
@@ -189,6 +189,30 @@ def _latency_rows(lat: dict[str, Any]) -> list[Row]:
             "Seed baseline / gpuguard, measured",
             f"Xid: p50 {bx['p50_ms'] / x['p50_ms']:.0f}x, p99 {bx['p99_ms'] / x['p99_ms']:.0f}x slower; "
             f"ECC: p50 {be['p50_ms'] / e['p50_ms']:.2f}x, p99 {be['p99_ms'] / e['p99_ms']:.2f}x",
+            "reference",
+            "",
+        ),
+    ]
+
+
+def _floor_rows(fl: dict[str, Any]) -> list[Row]:
+    """The idle agent beside the floor: a bare interpreter with the agent's libraries doing the same NVML
+    reads at the same interval (bench/nvml_bench.py IdleFloor), over the same window."""
+    return [
+        (
+            f"CPU on a healthy node vs the NVML polling floor, {fl['gpus']} GPUs, --interval "
+            f"{fl['interval']:.0f}, the same {fl['window_s'] / 60:.0f} min",
+            f"agent {fl['agent_cpu_s_per_hour']:.2f} CPU-s/h, floor {fl['floor_cpu_s_per_hour']:.2f} "
+            f"CPU-s/h: {fl['ratio']:.2f}x; wake-ups (voluntary context switches) per hour: agent "
+            f"{fl['agent_wakeups_per_hour']:.0f}, floor {fl['floor_wakeups_per_hour']:.0f}",
+            "<= 2x the floor",
+            verdict(fl["ratio"] <= 2),
+        ),
+        (
+            "RSS on a healthy node vs a bare interpreter that imports the same libraries and reads NVML "
+            f"({fl['libraries']} modules of the agent's libraries)",
+            f"agent {fl['agent_rss_mb']:.1f} MB, bare {fl['floor_rss_mb']:.1f} MB: gpuguard's own "
+            f"{fl['agent_rss_mb'] - fl['floor_rss_mb']:.1f} MB",
             "reference",
             "",
         ),
@@ -341,6 +365,7 @@ def k8s_rows(raw: dict[str, Any]) -> list[Row]:
         _latency_rows(raw["latency"])
         + _transition_rows(raw["latency"])
         + _healthy_rows(raw["idle"])
+        + _floor_rows(raw["idle_floor"])
         + _fleet_rows(raw["fleet"], raw["idle"])
         + _startup_rows(raw["startup"], raw["imports"])
     )
@@ -384,6 +409,7 @@ def main() -> int:
     with bench_cluster.cluster() as cl:
         fleet, raw["fleet"] = k8s_bench.fleet_phase(cl, nodes=100 if q else 1000, processes=2)
         window = k8s_bench.IdleWindow(cl, fleet, window_s)
+        floor = nvml_bench.IdleFloor(window.agent.pid, gpus=8, interval=3.0)
         raw["latency"] = k8s_bench.latency_phase(
             cl, rounds=2 if q else 5, lanes=3 if q else 10, quiet=window.quiet
         )
@@ -395,6 +421,10 @@ def main() -> int:
         bench_cluster.progress("NVML-only benchmarks (dry run)")
         nvml, cpu = nvml_rows(q)
         window.quiet(False)
+        left = window.t0 + window.seconds - time.monotonic()
+        if left > 0:
+            time.sleep(left)  # the floor's window ends with the agent's
+        raw["idle_floor"] = floor.finish()
         raw["idle"] = window.finish()
         raw["cluster"] = {
             "version": cl.version,
@@ -558,6 +588,17 @@ def document(text: str, curve_text: str, raw: dict[str, Any], elapsed: float) ->
             "`policy.evaluate()`",
             "in one process through pynvml and the fake library (not a real driver's ioctl cost), mean of "
             "500.",
+            bullet=True,
+        ),
+        _para(
+            "The NVML polling floor (`nvml_bench.IdleFloor`): a bare interpreter that imports the",
+            f"{raw['idle_floor']['libraries']} third-party modules `gpuguard watch` loads and does the",
+            "same NVML reads as one check (device count; per GPU uncorrected ECC, remapped rows, the",
+            "recovery-action field) every 3 s on 8 fake GPUs, nothing else; it runs beside the",
+            "healthy-node agent and both are read over the same window (CPU from",
+            "/proc/<pid>/task/*/schedstat, nanoseconds; wake-ups are voluntary context switches). The",
+            "agent's checks cost more than the reads alone: building the readings, the (memoised) policy,",
+            "metrics, the verdict handed to the node writer.",
             bullet=True,
         ),
     ]
