@@ -127,7 +127,9 @@ class Agent:
         previous = self._verdict
         verdict = self._evaluate(snapshot, previous or self._restored)
         self._streak = self._streak + 1 if verdict.healthy else 0
-        self._log_transitions(previous, verdict)
+        if verdict is not previous or verdict.ignored_xids:
+            # The very verdict as before (the remembered evaluation) has no transition to log.
+            self._log_transitions(previous, verdict)
         if self._state is not None:
             self._state.save(verdict.sticky)  # before the write: a crash now must not lose the fault
         now = self._clock()
