@@ -90,6 +90,21 @@ class NodeSettings:
     """Who lifts the gate: "gpuguard" removes it after the first complete healthy check; "external" leaves it
     to a node-readiness controller that removes it (e.g. a `readiness.k8s.io/...` taint) when the GPUHealthy
     condition gpuguard writes turns True."""
+    api_qps: float = 5.0
+    """Client-side rate limit, requests per second on average (0: none). A fault costs at most 5 requests
+    (LIST, patch, condition, Event, the order check's LIST), which the burst covers, so the limit never
+    delays a taint; it holds an agent whose loop goes wrong (a conflict storm, a retry bug) to this rate,
+    client-go's default. Measured in docs/performance.md (the fleet at 5,000 nodes)."""
+    api_burst: int = 20
+    """Requests the client may send at once before the rate applies: a transition (5) plus 7 rounds of a
+    409 conflict (read and patch again) without waiting."""
+    startup_jitter: float = 30.0
+    """Seconds: the reconciler's first request (the read of the node, then the start-up writes) waits a
+    random 0..this, so a DaemonSet installed or restarted on 5,000 nodes at once reaches the API server at
+    about 170 agents a second instead of as one herd (measured: docs/performance.md). A fault found
+    meanwhile ends the wait at once; checks, /healthz and the durable state do not wait, only /readyz.
+    Not applied on a host that booted within 10 minutes (a new node: its startup gate waits for the
+    agent). 0: no jitter."""
     retry_max_wait: float = 2.0
     """Cap of the exponential backoff between retries of a transient API failure: a repaired API server
     sees the pending write within this long of coming back."""
@@ -169,6 +184,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"--gate-removal must be one of {', '.join(GATE_REMOVALS)}")
     if not 0 < n.budget_recheck <= 86400:
         raise ConfigError("--budget-recheck must be between 0 and 86400 seconds")
+    if not 0 <= n.api_qps <= 1000:  # NaN fails this too
+        raise ConfigError("--api-qps must be between 0 (no limit) and 1000")
+    if not 1 <= n.api_burst <= 1000:
+        raise ConfigError("--api-burst must be between 1 and 1000")
+    if not 0 <= n.startup_jitter <= 3600:
+        raise ConfigError("--startup-jitter must be between 0 and 3600 seconds")
     if n.recover_after < 1:
         raise ConfigError("--recover-after must be >= 1")
     if not _BUDGET.match(n.max_quarantined) or (
