@@ -63,8 +63,12 @@ class NodeReconciler:
         max_conflicts: int = 20,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        start_delay: float = 0.0,
     ) -> None:
+        """start_delay: seconds the first request waits after start() unless a verdict with a fault comes
+        first (the start-up jitter, drawn by the caller from --startup-jitter)."""
         self._writer = writer
+        self._start_delay = start_delay
         self._clock = clock
         # The node's name in every line, also before the first read and in a dry run without --node.
         self._name = settings.name or DRY_RUN_NODE
@@ -92,6 +96,7 @@ class NodeReconciler:
         self._rejected: tuple[str, float] | None = None
         self._override_logged: frozenset[str] = frozenset()
         self._attempt: NodeChange | None = None
+        self._hold_until = -math.inf
         self.writes = 0
 
     @property
@@ -99,6 +104,7 @@ class NodeReconciler:
         return self._status
 
     def start(self) -> None:
+        self._hold_until = self._clock() + self._start_delay
         self._thread = threading.Thread(target=self._run, name="gpuguard-node", daemon=True)
         self._thread.start()
 
@@ -180,6 +186,7 @@ class NodeReconciler:
                 self._cond.notify_all()
 
     def _run(self) -> None:
+        self._hold_start()
         while not self._stop.is_set():
             with self._cond:
                 while self._done_generation >= self._generation and not self._stop.is_set():
@@ -191,6 +198,20 @@ class NodeReconciler:
             except Exception:
                 # A bug must not kill the writer thread for good: log it, and the next verdict retries.
                 log.exception("node.reconcile_failed", node=self._name)
+
+    def _hold_start(self) -> None:
+        """The start-up jitter: wait until `start_delay` after start() before the first request, so a fleet
+        that starts at once reaches the API server spread out. A verdict with a fault ends the wait at
+        once (the taint is never delayed); the checks and /healthz run meanwhile, only /readyz waits."""
+        with self._cond:
+            while not self._stop.is_set():
+                latest = self._latest
+                if latest is not None and latest[0].faults:
+                    break
+                left = self._hold_until - self._clock()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
 
     def _reconcile_once(self) -> None:
         with self._cond:

@@ -225,9 +225,11 @@ def _checked_condition(node: NodeView, condition: Mapping[str, str]) -> None:
         raise PermanentApiError(f"patch node {node.name} status: refused before sending: {exc}") from exc
 
 
-def load_api_client(kubeconfig: str | None) -> kubeapi.Client:
-    """In-cluster config, then KUBECONFIG, then ~/.kube/config; or the file given. ConfigError otherwise."""
-    return kubeapi.load(kubeconfig, user_agent=USER_AGENT)
+def load_api_client(kubeconfig: str | None, *, rate_limit: tuple[float, int] | None = None) -> kubeapi.Client:
+    """In-cluster config, then KUBECONFIG, then ~/.kube/config; or the file given. ConfigError otherwise.
+    rate_limit: (qps, burst) of the client-side limit (--api-qps, --api-burst); None: no limit."""
+    limiter = kubeapi.RateLimiter(*rate_limit) if rate_limit is not None else None
+    return kubeapi.load(kubeconfig, user_agent=USER_AGENT, rate_limiter=limiter)
 
 
 def make_writer(settings: NodeSettings, metrics: Metrics | None = None) -> KubeNodeWriter | DryRunNodeWriter:
@@ -236,7 +238,7 @@ def make_writer(settings: NodeSettings, metrics: Metrics | None = None) -> KubeN
         assert settings.name is not None  # validated
         return KubeNodeWriter(
             settings.name,
-            api=load_api_client(settings.kubeconfig),
+            api=load_api_client(settings.kubeconfig, rate_limit=(settings.api_qps, settings.api_burst)),
             timeout=settings.api_timeout,
             metrics=metrics,
             gpu_node_selector=settings.gpu_node_selector,
