@@ -217,6 +217,28 @@ def cli() -> None:
     help="Where faults that only a reboot clears are kept across agent restarts ('' to disable).",
 )
 @_opt(
+    "--startup-jitter",
+    type=float,
+    default=NodeSettings.startup_jitter,
+    show_default=True,
+    help="Seconds: the first request to the API server waits a random 0..this, so agents that start at "
+    "once across a fleet do not arrive together (0: none). A fault found meanwhile does not wait.",
+)
+@_opt(
+    "--api-qps",
+    type=float,
+    default=NodeSettings.api_qps,
+    show_default=True,
+    help="Client-side rate limit: API requests per second on average (0: none).",
+)
+@_opt(
+    "--api-burst",
+    type=int,
+    default=NodeSettings.api_burst,
+    show_default=True,
+    help="Client-side rate limit: requests sent at once before --api-qps applies.",
+)
+@_opt(
     "--budget-recheck",
     type=float,
     default=60.0,
@@ -429,6 +451,9 @@ def _config(kw: dict[str, Any], *, watch: bool) -> Config:
         node_resync=kw["node_resync"],
         budget_recheck=kw["budget_recheck"],
         flap_window=kw["flap_window"],
+        startup_jitter=kw["startup_jitter"],
+        api_qps=kw["api_qps"],
+        api_burst=kw["api_burst"],
     )
     return Config(
         **common,

@@ -3,9 +3,12 @@ server from one `Config`, and runs them. The CLI parses flags into the Config an
 
 from __future__ import annotations
 
+import random
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from types import FrameType
 
 import structlog
@@ -30,6 +33,32 @@ def make_backend(cfg: Config, *, start_at: float = 0.0) -> Backend:
     from gpuguard.nvml.real import NvmlBackend  # noqa: PLC0415 - pynvml only when asked for
 
     return NvmlBackend()
+
+
+# A host up for less than this is a new (or just rebooted) node: its agent reads the node at once, because the
+# startup gate and the scale-out wait for it. The herd the jitter is for is a DaemonSet installed or rolled
+# on nodes that have been up for a while; a new node's agent starts within a few minutes of its boot.
+FRESH_BOOT_S = 600.0
+
+
+def startup_delay(
+    cfg: Config, *, uptime: float | None, draw: Callable[[float, float], float] = random.uniform
+) -> float:
+    """The reconciler's start-up delay: 0..--startup-jitter, except in a dry run (no requests) and on a host
+    that booted within FRESH_BOOT_S (uptime None, unreadable: the jitter applies)."""
+    if cfg.node.dry_run or cfg.node.startup_jitter <= 0:
+        return 0.0
+    if uptime is not None and uptime < FRESH_BOOT_S:
+        return 0.0
+    return draw(0.0, cfg.node.startup_jitter)
+
+
+def host_uptime(path: str = "/proc/uptime") -> float | None:
+    """Seconds since the host booted (/proc/uptime is the host's, also in a container); None if unreadable."""
+    try:
+        return float(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -83,7 +112,9 @@ def watch(cfg: Config) -> bool:
     metrics = Metrics(REGISTRY, dry_run=cfg.node.dry_run)
     writer = make_writer(cfg.node, metrics)
     budget = QuarantineBudget(writer, cfg.node)
-    reconciler = NodeReconciler(writer, cfg.node, budget=budget, metrics=metrics)
+    # The start-up jitter (--startup-jitter): a fleet started at once reaches the API server spread out.
+    delay = startup_delay(cfg, uptime=host_uptime())
+    reconciler = NodeReconciler(writer, cfg.node, budget=budget, metrics=metrics, start_delay=delay)
     state = None
     if cfg.state_dir and not cfg.node.dry_run:
         state = StateStore(cfg.state_dir, boot_id=read_boot_id(cfg.boot_id_file), backend=cfg.backend)
@@ -105,6 +136,8 @@ def watch(cfg: Config) -> bool:
         raise ConfigError(f"--listen {cfg.server.host}:{cfg.server.port}: {exc.strerror}") from None
     server.start()
     log.info("server.listening", host=cfg.server.host, port=server.port)
+    if delay > 0:
+        log.info("node.startup_jitter", node=cfg.node.name, delay_s=round(delay, 3))
 
     def _stop(signum: int, frame: FrameType | None) -> None:
         agent.stop()

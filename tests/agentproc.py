@@ -49,7 +49,9 @@ class WatchProcess:
         max_lines: int = 100_000,
     ) -> None:
         self.args = args
-        self.env = env or {}
+        # No start-up jitter unless a test asks for it: the tests time an agent's first writes (the gate,
+        # the condition), and a lone agent is no herd (tests/test_api_load.py tests the jitter itself).
+        self.env = {"GPUGUARD_STARTUP_JITTER": "0", **(env or {})}
         self.command = list(command) if command is not None else [sys.executable, "-m", "gpuguard"]
         self.max_lines = max_lines
         self.proc: subprocess.Popen[str] | None = None

@@ -1,0 +1,234 @@
+"""What keeps a fleet of agents gentle on the API server: the start-up jitter (the reconciler's first request
+waits, a fault does not), the client-side rate limit (a token bucket in gpuguard.kubeapi) and their settings.
+The fleet itself (5,000 agents against a real API server) is bench/fleet.py; a small version of it runs in
+tests/integration/test_fleet.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gpuguard import cli, kubeapi, running
+from gpuguard.config import Config, NodeSettings, PolicySettings
+from gpuguard.errors import ConfigError
+from gpuguard.model import GpuReading, Snapshot
+from gpuguard.node.reconciler import NodeReconciler
+from gpuguard.node.view import NodeView
+from gpuguard.policy import evaluate
+from tests.fakes import FakeNodeWriter
+from tests.test_kubeapi import NODE, Recorder, server  # noqa: F401 - the fixture
+
+SETTINGS = NodeSettings(name="gpu-1", retry_max_wait=0.01)
+HEALTHY = evaluate(
+    Snapshot(gpus=(GpuReading(index=0, uuid="GPU-0"),)), previous=None, settings=PolicySettings()
+)
+SICK = evaluate(
+    Snapshot(gpus=(GpuReading(index=0, uuid="GPU-0", ecc_uncorrected=2),)),
+    previous=None,
+    settings=PolicySettings(),
+)
+
+
+@pytest.fixture
+def started() -> Iterator[list[NodeReconciler]]:
+    """Reconcilers started by a test, stopped after it."""
+    out: list[NodeReconciler] = []
+    yield out
+    for r in out:
+        r.stop()
+
+
+def start(started: list[NodeReconciler], delay: float) -> tuple[FakeNodeWriter, NodeReconciler]:
+    writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))
+    r = NodeReconciler(writer, SETTINGS, start_delay=delay)
+    started.append(r)
+    r.start()
+    return writer, r
+
+
+# -- the start-up jitter ------------------------------------------------------------------------------------
+
+
+def test_a_healthy_agents_first_request_waits_for_its_start_up_delay(started: list[NodeReconciler]) -> None:
+    t0 = time.monotonic()
+    writer, r = start(started, 0.4)
+    r.submit(HEALTHY, 1)
+    time.sleep(0.2)
+    assert writer.reads == 0 and not r.status.reconciled  # /readyz waits with it
+    assert r.wait_idle(5)
+    assert writer.reads == 1 and time.monotonic() - t0 >= 0.4
+
+
+def test_a_fault_at_start_is_written_at_once_whatever_the_delay(started: list[NodeReconciler]) -> None:
+    t0 = time.monotonic()
+    writer, r = start(started, 60)
+    r.submit(SICK, 0)
+    assert r.wait_idle(5)
+    assert writer.writes == 1 and r.status.tainted
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_fault_found_during_the_delay_ends_it(started: list[NodeReconciler]) -> None:
+    writer, r = start(started, 60)
+    r.submit(HEALTHY, 1)
+    time.sleep(0.1)
+    assert writer.reads == 0
+    r.submit(SICK, 0)
+    assert r.wait_idle(5)
+    assert writer.writes == 1 and r.status.tainted
+
+
+def test_an_agent_stopped_during_the_delay_stops_at_once_without_a_request(
+    started: list[NodeReconciler],
+) -> None:
+    writer, r = start(started, 60)
+    r.submit(HEALTHY, 1)
+    t0 = time.monotonic()
+    r.stop(timeout=5)
+    assert time.monotonic() - t0 < 1
+    assert writer.reads == 0
+
+
+def test_no_delay_is_the_old_behaviour(started: list[NodeReconciler]) -> None:
+    writer, r = start(started, 0)
+    r.submit(HEALTHY, 1)
+    assert r.wait_idle(2) and writer.reads == 1
+
+
+def _cfg(**node: object) -> Config:
+    return Config(node=NodeSettings(name="n", **node))  # type: ignore[arg-type]
+
+
+def test_the_delay_is_drawn_from_zero_to_the_jitter_on_a_host_that_has_been_up_a_while() -> None:
+    draws: list[tuple[float, float]] = []
+
+    def draw(a: float, b: float) -> float:
+        draws.append((a, b))
+        return 7.5
+
+    assert running.startup_delay(_cfg(startup_jitter=30.0), uptime=86400, draw=draw) == 7.5
+    assert draws == [(0.0, 30.0)]
+
+
+@pytest.mark.parametrize(
+    ("node", "uptime"),
+    [
+        ({"startup_jitter": 30.0}, 120.0),  # a new node (or one just rebooted): the gate waits for it
+        ({"startup_jitter": 0.0}, 86400.0),
+        ({"startup_jitter": 30.0, "dry_run": True}, 86400.0),
+    ],
+    ids=["a node that booted two minutes ago", "jitter 0", "a dry run"],
+)
+def test_no_delay_where_nothing_is_gained_by_one(node: dict[str, object], uptime: float) -> None:
+    assert running.startup_delay(_cfg(**node), uptime=uptime, draw=lambda a, b: 1 / 0) == 0.0
+
+
+def test_an_unreadable_uptime_keeps_the_jitter(tmp_path: Path) -> None:
+    assert running.host_uptime(str(tmp_path / "missing")) is None
+    (tmp_path / "uptime").write_text("12476.05 10310.25\n")
+    assert running.host_uptime(str(tmp_path / "uptime")) == 12476.05
+    assert running.startup_delay(_cfg(startup_jitter=5.0), uptime=None, draw=lambda a, b: b) == 5.0
+
+
+# -- the client-side rate limit -----------------------------------------------------------------------------
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_the_burst_goes_at_once_then_requests_are_spaced_at_the_rate() -> None:
+    t = FakeTime()
+    limiter = kubeapi.RateLimiter(5, 3, clock=t.clock, sleep=t.sleep)
+    waits = [limiter.acquire() for _ in range(5)]
+    assert waits[:3] == [0, 0, 0]
+    assert waits[3:] == pytest.approx([0.2, 0.2])
+    t.now += 10  # idle: the bucket refills, but never past the burst
+    assert [limiter.acquire() for _ in range(4)] == pytest.approx([0, 0, 0, 0.2])
+
+
+def test_concurrent_callers_each_wait_for_their_own_token() -> None:
+    limiter = kubeapi.RateLimiter(50, 1)
+    done: list[float] = []
+    t0 = time.monotonic()
+
+    def one() -> None:
+        limiter.acquire()
+        done.append(time.monotonic() - t0)
+
+    threads = [threading.Thread(target=one) for _ in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    # 1 at once, then 5 more at 50/s: the last leaves no earlier than 100 ms after the first (later when
+    # a thread arrives late, and then the others waited less).
+    assert max(done) >= 0.099
+    assert 0 < limiter.waited <= 0.02 * (1 + 2 + 3 + 4 + 5) + 1e-6
+
+
+def test_qps_zero_is_no_limit() -> None:
+    t = FakeTime()
+    limiter = kubeapi.RateLimiter(0, 1, clock=t.clock, sleep=t.sleep)
+    assert [limiter.acquire() for _ in range(100)] == [0.0] * 100 and not t.slept
+
+
+def test_every_request_of_a_client_takes_a_token_first(server: str) -> None:  # noqa: F811
+    t = FakeTime()
+    limiter = kubeapi.RateLimiter(2, 1, clock=t.clock, sleep=t.sleep)
+    client = kubeapi.Client(kubeapi.Credentials(server=server), user_agent="t", rate_limiter=limiter)
+    Recorder.replies = [(200, {}, json.dumps(NODE).encode())] * 3
+    for _ in range(3):
+        client.request("GET", "/api/v1/nodes/gpu-1")
+    assert len(Recorder.seen) == 3
+    assert t.slept == pytest.approx([0.5, 0.5])
+
+
+# -- settings ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "flag"),
+    [
+        ({"api_qps": -1.0}, "--api-qps"),
+        ({"api_qps": float("nan")}, "--api-qps"),
+        ({"api_burst": 0}, "--api-burst"),
+        ({"startup_jitter": -1.0}, "--startup-jitter"),
+        ({"startup_jitter": float("nan")}, "--startup-jitter"),
+    ],
+)
+def test_a_bad_rate_limit_or_jitter_is_a_config_error_naming_its_flag(
+    change: dict[str, float], flag: str
+) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        Config(node=NodeSettings(name="n", **change))  # type: ignore[arg-type]
+
+
+def test_the_flags_and_their_variables_reach_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[Config] = []
+
+    def watch(cfg: Config) -> bool:
+        seen.append(cfg)
+        return False
+
+    monkeypatch.setattr("gpuguard.running.watch", watch)
+    args = ["watch", "--node", "n", "--backend", "mock", "--api-qps", "2.5", "--startup-jitter", "0"]
+    result = CliRunner().invoke(cli.cli, args, env={"GPUGUARD_API_BURST": "7"})
+    assert result.exit_code == 0, result.output
+    (cfg,) = seen
+    assert (cfg.node.api_qps, cfg.node.api_burst, cfg.node.startup_jitter) == (2.5, 7, 0.0)
