@@ -181,6 +181,10 @@ ENV_CASES: list[tuple[list[str], dict[str, str], set[str]]] = [
     (["--set", "eccThreshold=0"], {"GPUGUARD_ECC_THRESHOLD": "0"}, set()),
     (["--set", "eccThreshold=2"], {"GPUGUARD_ECC_THRESHOLD": "2"}, set()),
     (["--set", "gate.removal=external"], {"GPUGUARD_GATE_REMOVAL": "external"}, set()),
+    (["--set", "apiServer.startupJitter=30"], {"GPUGUARD_STARTUP_JITTER": "30"}, set()),
+    (["--set", "apiServer.startupJitter=0"], {"GPUGUARD_STARTUP_JITTER": "0"}, set()),
+    (["--set", "apiServer.qps=2.5"], {"GPUGUARD_API_QPS": "2.5"}, set()),
+    (["--set", "apiServer.burst=40"], {"GPUGUARD_API_BURST": "40"}, set()),
     (
         ["--set", "taintEffect=NoExecute", "--set", "cordon=false", "--set", "interval=1"],
         {"GPUGUARD_TAINT_EFFECT": "NoExecute", "GPUGUARD_NO_CORDON": "true", "GPUGUARD_INTERVAL": "1"},
@@ -197,6 +201,7 @@ EVERY_SETTING = [
     *("--set", "ignoredXids={13,43}", "--set", "fatalXids={13}", "--set", "metrics.port=9000"),
     *("--set", "gate.taintKey=startup-taint.cluster-autoscaler.kubernetes.io/gpuguard"),
     *("--set", "gate.removal=external"),
+    *("--set", "apiServer.startupJitter=30", "--set", "apiServer.qps=2.5", "--set", "apiServer.burst=40"),
 ]
 
 
@@ -231,6 +236,7 @@ def test_every_variable_the_chart_can_set_is_one_the_watch_command_reads(helm: H
             "GPUGUARD_GATE_TAINT_KEY",
             "GPUGUARD_GATE_REMOVAL",
         ),
+        *("GPUGUARD_STARTUP_JITTER", "GPUGUARD_API_QPS", "GPUGUARD_API_BURST"),
     }
     missing = ours - _watch_variables()
     assert not missing, f"not read by `gpuguard watch`: {sorted(missing)}"
@@ -348,10 +354,50 @@ def test_the_namespace_is_left_out_when_namespace_create_is_false(helm: Helm, de
     assert rendered == [d for d in default_render if d["kind"] != "Namespace"]
 
 
+def test_flow_control_off_leaves_out_exactly_the_flow_schema_and_its_priority_level(
+    helm: Helm, default_render: Docs
+) -> None:
+    rendered = helm.render("--set", "flowControl.enabled=false")
+    assert rendered == [
+        d for d in default_render if d["kind"] not in ("FlowSchema", "PriorityLevelConfiguration")
+    ]
+
+
+def test_the_priority_levels_shares_and_queues_are_values(helm: Helm) -> None:
+    docs = _by_kind(
+        helm.render(
+            *("--set", "flowControl.nominalConcurrencyShares=50", "--set", "flowControl.lendablePercent=0"),
+            *("--set", "flowControl.queuing.queues=128", "--set", "flowControl.queuing.handSize=6"),
+            *(
+                "--set",
+                "flowControl.queuing.queueLengthLimit=500",
+                "--set",
+                "flowControl.matchingPrecedence=950",
+            ),
+        )
+    )
+    limited = docs["PriorityLevelConfiguration"]["spec"]["limited"]
+    assert limited["nominalConcurrencyShares"] == 50 and limited["lendablePercent"] == 0
+    assert limited["limitResponse"]["queuing"] == {"queues": 128, "handSize": 6, "queueLengthLimit": 500}
+    assert docs["FlowSchema"]["spec"]["matchingPrecedence"] == 950
+
+
 def test_another_release_name_renames_every_object_consistently(helm: Helm) -> None:
     docs = _by_kind(helm.render(release="gpu"))
-    for kind in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "DaemonSet"):
+    for kind in (
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "DaemonSet",
+        "FlowSchema",
+        "PriorityLevelConfiguration",
+    ):
         assert docs[kind]["metadata"]["name"] == "gpu-gpuguard", kind
+    schema = docs["FlowSchema"]["spec"]
+    assert schema["priorityLevelConfiguration"] == {"name": "gpu-gpuguard"}
+    assert schema["rules"][0]["subjects"] == [
+        {"kind": "ServiceAccount", "serviceAccount": {"name": "gpu-gpuguard", "namespace": NAMESPACE}}
+    ]
     binding = docs["ClusterRoleBinding"]
     assert binding["roleRef"]["name"] == "gpu-gpuguard"
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gpu-gpuguard", "namespace": NAMESPACE}]
@@ -386,6 +432,8 @@ def test_a_render_with_every_value_changed_matches_the_kubernetes_api_schema(hel
         (["--set", "metrics.port=0"], "/metrics/port"),
         (["--set", "admissionPolicy.enabled=yes"], "/admissionPolicy/enabled"),
         (["--set", "admissionPolicy.enable=true"], "'enable' not allowed"),
+        (["--set", "apiServer.startupJitter=-1"], "/apiServer/startupJitter"),
+        (["--set", "flowControl.queuing.handSize=0"], "/flowControl/queuing/handSize"),
     ],
     ids=[
         "a misspelt taint effect",
@@ -399,6 +447,8 @@ def test_a_render_with_every_value_changed_matches_the_kubernetes_api_schema(hel
         "port 0",
         "a word for the admission policy switch",
         "a misspelt admission policy key",
+        "a negative start-up jitter",
+        "an empty hand",
     ],
 )
 def test_the_values_schema_rejects_a_mistake_before_anything_is_deployed(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 import re
 import shutil
@@ -42,6 +43,8 @@ API_VERSIONS = {
     "Role": "rbac.authorization.k8s.io/v1",
     "RoleBinding": "rbac.authorization.k8s.io/v1",
     "DaemonSet": "apps/v1",
+    "FlowSchema": "flowcontrol.apiserver.k8s.io/v1",
+    "PriorityLevelConfiguration": "flowcontrol.apiserver.k8s.io/v1",
 }
 
 
@@ -188,7 +191,13 @@ def test_the_manifest_defines_a_namespace_service_account_roles_bindings_and_dae
         assert doc["metadata"]["name"] == NAMESPACE
     assert _one("ServiceAccount")["metadata"]["namespace"] == NAMESPACE
     assert _one("DaemonSet")["metadata"]["namespace"] == NAMESPACE
-    for kind in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
+    for kind in (
+        "Namespace",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "FlowSchema",
+        "PriorityLevelConfiguration",
+    ):
         assert "namespace" not in _one(kind)["metadata"], f"{kind} is cluster-scoped"
     # The Events Role lives where the agent writes its Events, not in gpuguard's own namespace.
     for kind in ("Role", "RoleBinding"):
@@ -208,6 +217,50 @@ def test_every_manifest_matches_the_kubernetes_api_schema(kind: str) -> None:
     # The models also accept snake_case field names; the API server does not.
     snake = [k for k in _all_keys(doc) if re.fullmatch(r"[a-z]+(_[a-z0-9]+)+", k)]
     assert not snake, f"snake_case field names: {snake}"
+
+
+# -- API Priority and Fairness -----------------------------------------------------------------------------
+
+
+def test_every_request_of_the_agents_service_account_goes_to_a_priority_level_of_its_own() -> None:
+    schema = _one("FlowSchema")["spec"]
+    assert schema["priorityLevelConfiguration"] == {
+        "name": _one("PriorityLevelConfiguration")["metadata"]["name"]
+    }
+    (rule,) = schema["rules"]
+    assert rule["subjects"] == [
+        {"kind": "ServiceAccount", "serviceAccount": {"name": NAMESPACE, "namespace": NAMESPACE}}
+    ]
+    # Everything the agent may do (the ClusterRole and the Events Role) matches, whatever the resource.
+    (resources,) = rule["resourceRules"]
+    assert resources == {
+        "verbs": ["*"],
+        "apiGroups": ["*"],
+        "resources": ["*"],
+        "clusterScope": True,
+        "namespaces": ["*"],
+    }
+    # Before the built-in "service-accounts" (9000) that would take them otherwise; after the control
+    # plane's own schemas (system-nodes 500, kube-controller-manager/kube-scheduler 800,
+    # kube-system-service-accounts 900), which gpuguard must never get ahead of.
+    assert 900 < schema["matchingPrecedence"] < 9000
+
+
+def test_the_agents_priority_level_queues_a_starting_fleet_instead_of_rejecting_it() -> None:
+    limited = _one("PriorityLevelConfiguration")["spec"]
+    assert limited["type"] == "Limited"
+    queuing = limited["limited"]["limitResponse"]
+    assert queuing["type"] == "Queue"
+    q = queuing["queuing"]
+    # The API server's own validation: a hand no larger than the deck, and at most 60 bits of entropy
+    # (k8s.io/apiserver/pkg/util/shufflesharding.RequiredEntropyBits).
+    assert 1 <= q["handSize"] <= q["queues"]
+    assert math.ceil(math.log2(q["queues"])) * q["handSize"] <= 60
+    # The whole fleet is one flow (one user): its room in the queues is handSize x queueLengthLimit, which
+    # holds the first request of every agent at Kubernetes' limit of 5,000 nodes (docs/performance.md).
+    assert q["handSize"] * q["queueLengthLimit"] >= 5000
+    # Lends while idle: a healthy fleet makes no request, and its seats serve other tenants meanwhile.
+    assert 0 < limited["limited"]["lendablePercent"] <= 100
 
 
 def _grants(role: dict[str, Any]) -> set[tuple[str, str, str]]:
