@@ -65,8 +65,8 @@ class NodeReconciler:
         clock: Callable[[], float] = time.monotonic,
         start_delay: float = 0.0,
     ) -> None:
-        """start_delay: seconds the first request waits after start() unless a verdict with a fault comes
-        first (the start-up jitter, drawn by the caller from --startup-jitter)."""
+        """start_delay: seconds the first request waits after the first verdict unless a verdict with a
+        fault comes first (the start-up jitter, drawn by the caller from --startup-jitter)."""
         self._writer = writer
         self._start_delay = start_delay
         self._clock = clock
@@ -96,7 +96,7 @@ class NodeReconciler:
         self._rejected: tuple[str, float] | None = None
         self._override_logged: frozenset[str] = frozenset()
         self._attempt: NodeChange | None = None
-        self._hold_until = -math.inf
+        self._first_verdict_at: float | None = None
         self.writes = 0
 
     @property
@@ -104,7 +104,6 @@ class NodeReconciler:
         return self._status
 
     def start(self) -> None:
-        self._hold_until = self._clock() + self._start_delay
         self._thread = threading.Thread(target=self._run, name="gpuguard-node", daemon=True)
         self._thread.start()
 
@@ -129,6 +128,8 @@ class NodeReconciler:
         )
         settling = self.budget is not None and self.budget.settling
         with self._cond:
+            if self._first_verdict_at is None:
+                self._first_verdict_at = self._clock()
             self._latest = (verdict, healthy_streak, flapping)
             node = self._node
             if (
@@ -200,15 +201,21 @@ class NodeReconciler:
                 log.exception("node.reconcile_failed", node=self._name)
 
     def _hold_start(self) -> None:
-        """The start-up jitter: wait until `start_delay` after start() before the first request, so a fleet
-        that starts at once reaches the API server spread out. A verdict with a fault ends the wait at
-        once (the taint is never delayed); the checks and /healthz run meanwhile, only /readyz waits."""
+        """The start-up jitter: the first request waits until `start_delay` after the first verdict (the
+        agent's first check, right after start), so a fleet that starts at once reaches the API server
+        spread out. A verdict with a fault ends the wait at once (the taint is never delayed); the checks
+        and /healthz run meanwhile, only /readyz waits."""
+        if self._start_delay <= 0:
+            return
         with self._cond:
             while not self._stop.is_set():
-                latest = self._latest
-                if latest is not None and latest[0].faults:
+                latest, first = self._latest, self._first_verdict_at
+                if latest is None or first is None:
+                    self._cond.wait()
+                    continue
+                if latest[0].faults:
                     break
-                left = self._hold_until - self._clock()
+                left = first + self._start_delay - self._clock()
                 if left <= 0:
                     break
                 self._cond.wait(left)
