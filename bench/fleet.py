@@ -87,7 +87,14 @@ def _verdicts(gpus: int = 8) -> dict[str, Any]:
 
 
 class Worker:
-    def __init__(self, names: list[tuple[str, str]]) -> None:
+    """options (all optional): "jitter" (seconds: each reconciler's start delay is drawn from 0..jitter, as
+    `gpuguard watch --startup-jitter` draws it), "qps" and "burst" (the client-side rate limit, as
+    --api-qps/--api-burst; qps 0 or absent: none), "max_quarantined" (--max-quarantined)."""
+
+    def __init__(self, names: list[tuple[str, str]], options: dict[str, Any] | None = None) -> None:
+        import inspect
+        import random
+
         import structlog
 
         from gpuguard.config import NodeSettings
@@ -95,16 +102,29 @@ class Worker:
         from gpuguard.node.reconciler import NodeReconciler
         from gpuguard.node.writers import KubeNodeWriter, load_api_client
 
+        opts = options or {}
         self.counter = _Counting()
         structlog.configure(processors=[self.counter], cache_logger_on_first_use=False)
         self.verdicts = _verdicts()
         started = time.monotonic()
         self.reconcilers: dict[str, Any] = {}
+        self.limiters: list[Any] = []
+        qps, burst = float(opts.get("qps") or 0), int(opts.get("burst") or 1)
+        jitter = float(opts.get("jitter") or 0)
+        # An older checkout (make bench compares against main) has neither setting.
+        has_delay = "start_delay" in inspect.signature(NodeReconciler).parameters
         for name, kubeconfig in names:
-            writer = KubeNodeWriter(name, api=load_api_client(kubeconfig), timeout=10.0)
-            settings = NodeSettings(name=name)
+            api = load_api_client(kubeconfig, rate_limit=(qps, burst)) if qps else load_api_client(kubeconfig)
+            if getattr(api, "rate_limiter", None) is not None:
+                self.limiters.append(api.rate_limiter)
+            writer = KubeNodeWriter(name, api=api, timeout=10.0)
+            settings = NodeSettings(name=name, max_quarantined=str(opts.get("max_quarantined", "10%")))
             budget = QuarantineBudget(writer, settings)
-            self.reconcilers[name] = NodeReconciler(writer, settings, budget=budget)
+            extra: dict[str, Any] = {"start_delay": random.uniform(0, jitter)} if has_delay else {}
+            self.reconcilers[name] = NodeReconciler(writer, settings, budget=budget, **extra)
+        # Threads started now, not at the instant (thousands of thread starts would spread the instant over
+        # seconds): a reconciler's start-up delay counts from its first verdict, as an agent's first check
+        # comes right after its start.
         for r in self.reconcilers.values():
             r.start()
         self.created_s = time.monotonic() - started
@@ -138,6 +158,8 @@ class Worker:
             "not_idle": not_idle,
             "reconciled": sum(1 for r in targets if r.status.reconciled),
             "tainted": sum(1 for r in targets if r.status.tainted),
+            "deferred": sum(1 for r in targets if r.status.deferred),
+            "rate_limited_s": sum(limiter.waited for limiter in self.limiters),
         }
 
     def start_loop(self, period: float, streak: int | None = None) -> None:
@@ -185,10 +207,11 @@ class Worker:
             r.stop(0.1)
 
 
-def worker_main(names_file: str) -> int:
-    """names_file: one "<node> <kubeconfig>" per line (each node has its own Pod-bound token)."""
+def worker_main(names_file: str, options: str = "{}") -> int:
+    """names_file: one "<node> <kubeconfig>" per line (each node has its own Pod-bound token); options: a
+    JSON object (Worker's)."""
     names = [(a, b) for a, b in (line.split() for line in Path(names_file).read_text().splitlines() if line)]
-    w = Worker(names)
+    w = Worker(names, json.loads(options))
     out = sys.stdout
     _say(out, {"event": "created", "n": len(names), "seconds": w.created_s})
     for line in sys.stdin:
@@ -222,7 +245,19 @@ def _say(out: IO[str], doc: dict[str, Any]) -> None:
 class Fleet:
     """Spawns the worker processes and sends them commands; every call waits for every worker's answer."""
 
-    def __init__(self, kubeconfigs: dict[str, Path], *, processes: int, workdir: Path) -> None:
+    def __init__(
+        self,
+        kubeconfigs: dict[str, Path],
+        *,
+        processes: int,
+        workdir: Path,
+        options: dict[str, Any] | None = None,
+        nice: int = 0,
+    ) -> None:
+        """nice: the workers' niceness; the 5,000-node bench runs them at 19, so that the simulated agents,
+        which in a cluster run on their own nodes, do not take the API server's CPU on this machine."""
+        self.options = options or {}
+        self.nice = nice
         self.names = list(kubeconfigs)
         self.kubeconfigs = kubeconfigs
         self.procs: list[subprocess.Popen[str]] = []
@@ -240,7 +275,17 @@ class Fleet:
             log = (self.workdir / f"fleet-{i}.stderr").open("wb")
             self._logs.append(log)
             p = subprocess.Popen(
-                [sys.executable, "-m", "bench.fleet", "worker", str(names_file)],
+                [
+                    *(["nice", "-n", str(self.nice)] if self.nice else []),
+                    *(
+                        sys.executable,
+                        "-m",
+                        "bench.fleet",
+                        "worker",
+                        str(names_file),
+                        json.dumps(self.options),
+                    ),
+                ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -335,8 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="a fleet worker process (started by bench/k8s_bench.py)")
     ap.add_argument("role", choices=["worker"])
     ap.add_argument("names_file")
+    ap.add_argument("options", nargs="?", default="{}")
     args = ap.parse_args(argv)
-    return worker_main(args.names_file)
+    return worker_main(args.names_file, args.options)
 
 
 if __name__ == "__main__":
