@@ -94,14 +94,15 @@ class NodeSettings:
     """Client-side rate limit, requests per second on average (0: none). A fault costs at most 5 requests
     (LIST, patch, condition, Event, the order check's LIST), which the burst covers, so the limit never
     delays a taint; it holds an agent whose loop goes wrong (a conflict storm, a retry bug) to this rate,
-    client-go's default. Measured in docs/performance.md (the fleet at 5,000 nodes)."""
+    client-go's default; it never delayed a request in the fleet bench (docs/performance.md)."""
     api_burst: int = 20
     """Requests the client may send at once before the rate applies: a transition (5) plus 7 rounds of a
     409 conflict (read and patch again) without waiting."""
     startup_jitter: float = 30.0
     """Seconds: the reconciler's first request (the read of the node, then the start-up writes) waits a
     random 0..this, so a DaemonSet installed or restarted on 5,000 nodes at once reaches the API server at
-    about 170 agents a second instead of as one herd (measured: docs/performance.md). A fault found
+    about 170 agents a second instead of as one herd: a third of the rate measured clean at 1,000 nodes
+    (docs/performance.md). A fault found
     meanwhile ends the wait at once; checks, /healthz and the durable state do not wait, only /readyz.
     Not applied on a host that booted within 10 minutes (a new node: its startup gate waits for the
     agent). 0: no jitter."""
