@@ -12,10 +12,10 @@ Errors are mapped here, where the codes are known, into gpuguard's own (`gpuguar
 error page) are a `TransientApiError` (with Retry-After); any other status >= 400 a `PermanentApiError`.
 Callers never translate library exceptions again.
 
-Each client also holds a client-side rate limit (`RateLimiter`, client-go's token bucket): a fault's few
-requests fit in its burst and wait for nothing, while an agent whose loop goes wrong (a conflict storm, a
-bug that re-plans on every check) is held to a few requests a second instead of hammering the API server
-once per agent of a 5,000-node fleet.
+Each client also holds a client-side rate limit (`RateLimiter`, client-go's token bucket; a read costs two
+tokens, a patch none: `_COST`): a fault's few requests fit in its burst and wait for nothing, while an
+agent whose loop goes wrong (a conflict storm, a retry bug) is held to a few requests a second instead of
+hammering the API server once per agent of a 5,000-node fleet.
 """
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ _OWN_CLUSTER_KEYS = frozenset(
     }
 )
 _MAX_MESSAGE = 300
+# Tokens of the client-side rate limit per request: a read pays for itself and for the one write that may
+# follow it, so a read-modify-write never waits between its read and its write (a wait there would let a
+# busy writer's change land in between, and a 409 loop would never end); every fast loop of the reconciler
+# (a 409 re-read, a retry) goes through a read. A write on its own comes at most once per check.
+_COST = {"GET": 2.0, "PATCH": 0.0}
 
 
 @dataclass(frozen=True)
@@ -101,15 +106,15 @@ class RateLimiter:
         self.waited = 0.0
         """Seconds callers have slept here in all (the bench reports it)."""
 
-    def acquire(self) -> float:
-        """Take one token, sleeping until it is there; the seconds slept."""
-        if self.qps == 0:
+    def acquire(self, tokens: float = 1.0) -> float:
+        """Take `tokens`, sleeping until they are there; the seconds slept."""
+        if self.qps == 0 or tokens <= 0:
             return 0.0
         with self._lock:
             now = self._clock()
             self._tokens = min(float(self.burst), self._tokens + (now - self._last) * self.qps)
             self._last = now
-            self._tokens -= 1.0
+            self._tokens -= tokens
             wait = -self._tokens / self.qps if self._tokens < 0 else 0.0
             self.waited += wait
         if wait > 0:
@@ -175,7 +180,7 @@ class Client:
             headers["Content-Type"] = content_type
         url = self._server + path + (f"?{urlencode(query)}" if query else "")
         if self.rate_limiter is not None:
-            self.rate_limiter.acquire()
+            self.rate_limiter.acquire(_COST.get(method, 1.0))
         try:
             resp = self._pool.request(
                 method, url, body=data, headers=headers, timeout=urllib3.Timeout(total=timeout), retries=False

@@ -188,15 +188,33 @@ def test_qps_zero_is_no_limit() -> None:
     assert [limiter.acquire() for _ in range(100)] == [0.0] * 100 and not t.slept
 
 
-def test_every_request_of_a_client_takes_a_token_first(server: str) -> None:  # noqa: F811
+def test_a_read_pays_for_itself_and_the_write_after_it(server: str) -> None:  # noqa: F811
     t = FakeTime()
-    limiter = kubeapi.RateLimiter(2, 1, clock=t.clock, sleep=t.sleep)
+    limiter = kubeapi.RateLimiter(2, 2, clock=t.clock, sleep=t.sleep)
     client = kubeapi.Client(kubeapi.Credentials(server=server), user_agent="t", rate_limiter=limiter)
-    Recorder.replies = [(200, {}, json.dumps(NODE).encode())] * 3
-    for _ in range(3):
-        client.request("GET", "/api/v1/nodes/gpu-1")
-    assert len(Recorder.seen) == 3
-    assert t.slept == pytest.approx([0.5, 0.5])
+    Recorder.replies = [(200, {}, json.dumps(NODE).encode())] * 5
+    client.request("GET", "/api/v1/nodes/gpu-1")
+    client.request("PATCH", "/api/v1/nodes/gpu-1", body={})
+    client.request("GET", "/api/v1/nodes/gpu-1")  # the bucket is empty: waits for 2 tokens at 2/s
+    client.request("PATCH", "/api/v1/nodes/gpu-1", body={})  # never between its read and its write
+    client.request("POST", "/api/v1/namespaces/default/events", body={})
+    assert len(Recorder.seen) == 5
+    assert t.slept == pytest.approx([1.0, 0.5])
+
+
+def test_defect_a_rate_limited_conflict_loop_keeps_its_read_and_write_together() -> None:
+    """A 409 loop against a writer at 50 writes/s: a limit that made the write wait after its read let the
+    other writer land in between every time (tests/integration/test_agent_cluster.py, concurrent writers)."""
+    t = FakeTime()
+    limiter = kubeapi.RateLimiter(5, 4, clock=t.clock, sleep=t.sleep)
+    gaps = []
+    for _ in range(10):  # read, then patch: ten rounds of a conflict loop
+        limiter.acquire(kubeapi._COST["GET"])
+        read_at = t.now
+        limiter.acquire(kubeapi._COST["PATCH"])
+        gaps.append(t.now - read_at)
+    assert gaps == [0.0] * 10
+    assert sum(t.slept) == pytest.approx((20 - 4) / 5)  # the loop as a whole is still held to the rate
 
 
 # -- settings ----------------------------------------------------------------------------------------------
