@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from gpuguard import __version__
+from gpuguard.errors import NodeUpdateError
 from gpuguard.model import Verdict
+
+
+@contextmanager
+def counted(metrics: Metrics | None, verb: str) -> Iterator[None]:
+    """One Kubernetes API request in gpuguard_api_requests_total{verb,code} (the error's status, or 200)."""
+    try:
+        yield
+    except NodeUpdateError as exc:
+        if metrics is not None:
+            metrics.api_requests.labels(verb, str(exc.status or "error")).inc()
+        raise
+    if metrics is not None:
+        metrics.api_requests.labels(verb, "200").inc()
 
 
 class Metrics:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -17,8 +17,8 @@ import structlog
 
 from gpuguard import __version__, kubeapi, validation
 from gpuguard.config import GPU_NODE_SELECTOR, NodeSettings
-from gpuguard.errors import ConfigError, GpuguardError, NodeUpdateError, PermanentApiError
-from gpuguard.metrics import Metrics
+from gpuguard.errors import ConfigError, GpuguardError, PermanentApiError
+from gpuguard.metrics import Metrics, counted
 from gpuguard.node.budget import Budget, OtherNodes, count_budget
 from gpuguard.node.view import (
     ANN_REASON,
@@ -195,16 +195,8 @@ class KubeNodeWriter:
             )
         return NodeView.from_api(doc)
 
-    @contextmanager
-    def _counted(self, verb: str) -> Iterator[None]:
-        try:
-            yield
-        except NodeUpdateError as exc:
-            if self._metrics is not None:
-                self._metrics.api_requests.labels(verb, str(exc.status or "error")).inc()
-            raise
-        if self._metrics is not None:
-            self._metrics.api_requests.labels(verb, "200").inc()
+    def _counted(self, verb: str) -> AbstractContextManager[None]:
+        return counted(self._metrics, verb)
 
 
 def _checked_patch(node: NodeView, change: NodeChange) -> dict[str, Any]:
