@@ -144,6 +144,7 @@ class Agent:
             node = self._reconciler.status
             self._metrics.quarantined.set(1 if node.tainted and not node.deferred else 0)
             self._metrics.quarantine_deferred.set(1 if node.deferred else 0)
+            self._metrics.gpus_quarantined.set(sum(1 for g in node.gpus if not g.deferred))
         return verdict
 
     def _evaluate(self, snapshot: Snapshot, basis: Verdict | None) -> Verdict:
@@ -170,6 +171,7 @@ class Agent:
             cordoned=node.cordoned,
             dry_run=self._dry_run,
             last_check=self._last_check_wall,
+            gpu_quarantines=node.gpus,
         )
 
     def _check_library(self, init_error: str | None) -> None:

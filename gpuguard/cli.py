@@ -202,6 +202,22 @@ def cli() -> None:
     "as key=value[,key=value] ('' for every node).",
 )
 @_opt(
+    "--quarantine",
+    type=click.Choice(["auto", "node", "gpu"]),
+    default="auto",
+    show_default=True,
+    help="What a fault of one GPU (ECC, an Xid, a row-remap failure, a GPU reset asked for) quarantines: "
+    "auto that GPU alone (a DRA DeviceTaintRule) where the node's GPUs are in ResourceSlices of "
+    "--dra-driver, else the node; node always the node; gpu as auto, an unpublished GPU logged as an error.",
+)
+@_opt(
+    "--dra-driver",
+    type=str,
+    default="gpu.nvidia.com",
+    show_default=True,
+    help="The DRA driver whose ResourceSlices (pool = the node's name) publish the GPUs, matched by UUID.",
+)
+@_opt(
     "--flap-window",
     type=float,
     default=600.0,
@@ -325,11 +341,14 @@ def check(output: str, at: float | None, **kw: Any) -> int:
 )
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
 def status(kubeconfig: str | None, output: str) -> int:
-    """The cluster view for an operator: nodes quarantined by gpuguard, with reason, since and GPU."""
+    """The cluster view for an operator: nodes quarantined by gpuguard, and GPUs held out by its DRA device
+    taint rules (the per-GPU quarantine), with reason, since and GPU."""
+    from gpuguard.node.devicewriters import quarantined_gpus  # noqa: PLC0415
     from gpuguard.node.writers import load_api_client, quarantined_nodes  # noqa: PLC0415
 
     try:
-        rows = [_printable(r) for r in quarantined_nodes(load_api_client(kubeconfig))]
+        api = load_api_client(kubeconfig)
+        rows = [_printable(r) for r in (*quarantined_nodes(api), *quarantined_gpus(api))]
     except GpuguardError as exc:
         raise ConfigError(f"status: {exc}") from None
     from gpuguard import report  # noqa: PLC0415
@@ -454,6 +473,8 @@ def _config(kw: dict[str, Any], *, watch: bool) -> Config:
         startup_jitter=kw["startup_jitter"],
         api_qps=kw["api_qps"],
         api_burst=kw["api_burst"],
+        quarantine=kw["quarantine"],
+        dra_driver=kw["dra_driver"].strip(),
     )
     return Config(
         **common,

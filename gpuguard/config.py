@@ -41,6 +41,7 @@ class PolicySettings:
 
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 GATE_REMOVALS = ("gpuguard", "external")
+QUARANTINE_MODES = ("auto", "node", "gpu")
 # The label NVIDIA GPU Feature Discovery sets on GPU nodes; also the DaemonSet's nodeSelector.
 GPU_NODE_SELECTOR = "nvidia.com/gpu.present=true"
 
@@ -106,6 +107,14 @@ class NodeSettings:
     meanwhile ends the wait at once; checks, /healthz and the durable state do not wait, only /readyz.
     Not applied on a host that booted within 10 minutes (a new node: its startup gate waits for the
     agent). 0: no jitter."""
+    quarantine: str = "auto"
+    """What a fault of one GPU quarantines: "auto" that GPU alone (a DRA DeviceTaintRule) where the node
+    publishes its GPUs in ResourceSlices of `dra_driver`, else the node; "node" always the node (as before
+    DRA); "gpu" as auto, and a per-GPU fault whose GPU is not published is logged as an error (the node
+    taint still stands in: never a fault without a quarantine). One bad GPU of eight costs one GPU."""
+    dra_driver: str = "gpu.nvidia.com"
+    """The DRA driver whose ResourceSlices publish the node's GPUs (NVIDIA's k8s-dra-driver-gpu); the pool
+    is the node's name, the device's `uuid` attribute the GPU's UUID."""
     retry_max_wait: float = 2.0
     """Cap of the exponential backoff between retries of a transient API failure: a repaired API server
     sees the pending write within this long of coming back."""
@@ -150,6 +159,7 @@ MIN_INTERVAL = 0.05
 _LABEL_KEY = r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 _LABEL_VALUE = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?"
 _SELECTOR = re.compile(rf"^{_LABEL_KEY}={_LABEL_VALUE}(,{_LABEL_KEY}={_LABEL_VALUE})*$")
+_DRIVER = re.compile(r"^(?=.{1,63}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _BUDGET = re.compile(r"^(\d{1,6}|\d{1,3}(\.\d{1,3})?%)$")
 
 
@@ -183,6 +193,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"--gate-taint-key must not be {n.gate_taint_key}, the fault taint's key")
     if n.gate_removal not in GATE_REMOVALS:
         raise ConfigError(f"--gate-removal must be one of {', '.join(GATE_REMOVALS)}")
+    if n.quarantine not in QUARANTINE_MODES:
+        raise ConfigError(f"--quarantine must be one of {', '.join(QUARANTINE_MODES)}")
+    if not _DRIVER.match(n.dra_driver):
+        raise ConfigError(f"--dra-driver {n.dra_driver!r}: expected a DNS subdomain such as gpu.nvidia.com")
     if not 0 < n.budget_recheck <= 86400:
         raise ConfigError("--budget-recheck must be between 0 and 86400 seconds")
     if not 0 <= n.api_qps <= 1000:  # NaN fails this too

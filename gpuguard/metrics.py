@@ -68,6 +68,14 @@ class Metrics:
             ["dry_run"],
             registry=registry,
         )
+        self._gpus_quarantined = Gauge(
+            "gpuguard_gpus_quarantined",
+            "GPUs of this node held out of service by gpuguard's DRA DeviceTaintRules (the per-GPU "
+            'quarantine; not counting rules deferred by the budget; dry_run="true": would be).',
+            ["dry_run"],
+            registry=registry,
+        )
+        self.gpus_quarantined = self._gpus_quarantined.labels(self._dry_run)
         self.quarantined = self._quarantined.labels(self._dry_run)
         self.quarantine_deferred = self._quarantine_deferred.labels(self._dry_run)
         self.check_duration = Histogram(

@@ -174,6 +174,20 @@ class Verdict:
 
 
 @dataclass(frozen=True)
+class GpuQuarantine:
+    """One GPU held out of service by a DRA DeviceTaintRule (the per-GPU quarantine), for /healthz,
+    `gpuguard status` and gpuguard_gpus_quarantined."""
+
+    uuid: str
+    device: str
+    rule: str
+    reason: str
+    effect: str
+    # Past the quarantine budget: the rule has effect None (informational) until there is room.
+    deferred: bool
+
+
+@dataclass(frozen=True)
 class AgentStatus:
     """Everything /healthz and /readyz report, read atomically (made by the agent, served by the server)."""
 
@@ -185,3 +199,4 @@ class AgentStatus:
     cordoned: bool
     dry_run: bool
     last_check: datetime | None
+    gpu_quarantines: tuple[GpuQuarantine, ...] = ()

@@ -46,13 +46,13 @@ def verdict_json(verdict: Verdict) -> str:
 
 def status_table(rows: Sequence[Mapping[str, Any]]) -> str:
     if not rows:
-        return "no node is quarantined by gpuguard"
+        return "no node or GPU is quarantined by gpuguard"
     table: list[tuple[str, ...]] = [("NODE", "STATE", "REASON", "SINCE", "CORDONED", "FAULTS", "DETAIL")]
     for r in rows:
         cordon = "gpuguard" if r["cordoned_by_gpuguard"] else ("other" if r["unschedulable"] else "no")
         table.append(
             (
-                r["node"],
+                r["node"] + (f" {r['device']}" if r.get("device") else ""),
                 r["state"],
                 r["reason"] or "-",
                 r["since"] or "-",

@@ -102,6 +102,8 @@ def watch(cfg: Config) -> bool:
     from gpuguard.agent import Agent  # noqa: PLC0415
     from gpuguard.metrics import Metrics  # noqa: PLC0415
     from gpuguard.node.budget import QuarantineBudget  # noqa: PLC0415
+    from gpuguard.node.devices import DeviceQuarantine  # noqa: PLC0415
+    from gpuguard.node.devicewriters import make_device_source  # noqa: PLC0415
     from gpuguard.node.reconciler import NodeReconciler  # noqa: PLC0415
     from gpuguard.node.writers import make_writer  # noqa: PLC0415
     from gpuguard.server import HealthServer  # noqa: PLC0415
@@ -114,7 +116,17 @@ def watch(cfg: Config) -> bool:
     budget = QuarantineBudget(writer, cfg.node)
     # The start-up jitter (--startup-jitter): a fleet started at once reaches the API server spread out.
     delay = startup_delay(cfg, uptime=host_uptime())
-    reconciler = NodeReconciler(writer, cfg.node, budget=budget, metrics=metrics, start_delay=delay)
+    devices = None
+    if cfg.node.quarantine != "node":
+        node_name = cfg.node.name or ""
+        devices = DeviceQuarantine(
+            make_device_source(cfg.node, metrics),
+            cfg.node,
+            budget=lambda: writer.budget(cfg.node.max_quarantined, exclude=node_name),
+        )
+    reconciler = NodeReconciler(
+        writer, cfg.node, budget=budget, devices=devices, metrics=metrics, start_delay=delay
+    )
     state = None
     if cfg.state_dir and not cfg.node.dry_run:
         state = StateStore(cfg.state_dir, boot_id=read_boot_id(cfg.boot_id_file), backend=cfg.backend)

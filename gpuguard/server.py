@@ -75,6 +75,18 @@ def health_body(s: AgentStatus) -> dict[str, Any]:
         ],
         "tainted": s.tainted,
         "cordoned": s.cordoned,
+        # GPUs held out by DRA DeviceTaintRules (the per-GPU quarantine); the node itself stays in service.
+        "gpu_quarantines": [
+            {
+                "uuid": q.uuid,
+                "device": q.device,
+                "rule": q.rule,
+                "reason": q.reason,
+                "effect": q.effect,
+                "deferred": q.deferred,
+            }
+            for q in s.gpu_quarantines
+        ],
         "dry_run": s.dry_run,
         "last_check": s.last_check.astimezone(UTC).isoformat().replace("+00:00", "Z")
         if s.last_check

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections import deque
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from gpuguard.errors import ConflictError, NodeUpdateError
 from gpuguard.node.budget import Budget
+from gpuguard.node.devices import DeviceRule
 from gpuguard.node.view import ANN_SINCE, LABEL_QUARANTINED, EventSpec, NodeChange, NodeView, apply_change
 
 
@@ -104,3 +107,78 @@ def http_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+class FakeDeviceSource:
+    """Behaves like the API server for one node's ResourceSlices and DeviceTaintRules (resourceVersion
+    preconditions on patch and delete, 409 on a name taken, injected failures); `operator_delete` removes a
+    rule behind the agent's back."""
+
+    def __init__(self, slices: list[dict[str, Any]] | None = None) -> None:
+        self.slice_items = slices
+        self.store: dict[str, dict[str, Any]] = {}
+        self.other_rules: list[DeviceRule] = []
+        self.calls: list[str] = []
+        self._errors: deque[NodeUpdateError] = deque()
+        self._version = 0
+
+    def inject_error(self, *errors: NodeUpdateError) -> None:
+        """The next writes (create, patch, delete) fail with these errors, in order."""
+        self._errors.extend(errors)
+
+    def operator_delete(self, name: str) -> None:
+        del self.store[name]
+
+    def slices(self) -> list[dict[str, Any]] | None:
+        self.calls.append("slices")
+        return self.slice_items
+
+    def rules(self) -> list[DeviceRule]:
+        self.calls.append("rules")
+        return [DeviceRule.from_api(d) for d in self.store.values()]
+
+    def all_rules(self) -> list[DeviceRule]:
+        self.calls.append("all_rules")
+        return [*self.other_rules, *self.rules()]
+
+    def _bump(self, doc: dict[str, Any]) -> DeviceRule:
+        self._version += 1
+        doc["metadata"]["resourceVersion"] = str(self._version)
+        self.store[doc["metadata"]["name"]] = doc
+        return DeviceRule.from_api(doc)
+
+    def _fail(self) -> None:
+        if self._errors:
+            raise self._errors.popleft()
+
+    def create(self, body: Mapping[str, Any]) -> DeviceRule:
+        self.calls.append("create")
+        self._fail()
+        doc = copy.deepcopy(dict(body))
+        if doc["metadata"]["name"] in self.store:
+            raise ConflictError("exists")
+        doc["metadata"]["uid"] = f"uid-{doc['metadata']['name']}"
+        return self._bump(doc)
+
+    def patch(self, rule: DeviceRule, body: Mapping[str, Any]) -> DeviceRule:
+        self.calls.append("patch")
+        self._fail()
+        doc = copy.deepcopy(self.store[rule.name])
+        if body["metadata"]["resourceVersion"] != doc["metadata"]["resourceVersion"]:
+            raise ConflictError("resourceVersion mismatch")
+        for k, v in body["metadata"].get("annotations", {}).items():
+            if v is None:
+                doc["metadata"]["annotations"].pop(k, None)
+            else:
+                doc["metadata"]["annotations"][k] = v
+        if "spec" in body:
+            doc["spec"]["taint"] = body["spec"]["taint"]
+        return self._bump(doc)
+
+    def delete(self, rule: DeviceRule) -> None:
+        self.calls.append("delete")
+        self._fail()
+        doc = self.store[rule.name]
+        if rule.resource_version != doc["metadata"]["resourceVersion"]:
+            raise ConflictError("resourceVersion mismatch")
+        del self.store[rule.name]

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from gpuguard.config import PolicySettings
 from gpuguard.metrics import Metrics
-from gpuguard.model import AgentStatus, GpuReading, Snapshot
+from gpuguard.model import AgentStatus, GpuQuarantine, GpuReading, Snapshot
 from gpuguard.policy import evaluate
 from gpuguard.server import HealthServer
 
@@ -32,6 +32,16 @@ class State:
         cordoned=True,
         dry_run=False,
         last_check=datetime(2026, 12, 2, 12, 0, 1, tzinfo=UTC),
+        gpu_quarantines=(
+            GpuQuarantine(
+                uuid="GPU-1",
+                device="gpu-1",
+                rule="gpuguard-gpu-1-gpu-1",
+                reason="ecc: 3 uncorrected volatile ECC errors (GPU 1, GPU-1)",
+                effect="NoSchedule",
+                deferred=False,
+            ),
+        ),
     )
 
 
@@ -71,6 +81,16 @@ def test_healthz_has_exactly_the_documented_keys(server: HealthServer) -> None:
         ],
         "tainted": True,
         "cordoned": True,
+        "gpu_quarantines": [
+            {
+                "uuid": "GPU-1",
+                "device": "gpu-1",
+                "rule": "gpuguard-gpu-1-gpu-1",
+                "reason": "ecc: 3 uncorrected volatile ECC errors (GPU 1, GPU-1)",
+                "effect": "NoSchedule",
+                "deferred": False,
+            }
+        ],
         "dry_run": False,
         "last_check": "2026-12-02T12:00:01Z",
     }

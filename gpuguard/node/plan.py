@@ -230,10 +230,16 @@ def _escalate(
 
 
 def plan_condition(
-    current: str | None, verdict: Verdict, *, last_keys: frozenset[str] | None, now: datetime
+    current: str | None,
+    verdict: Verdict,
+    *,
+    last_keys: frozenset[str] | None,
+    now: datetime,
+    device_tainted: int = 0,
 ) -> dict[str, str] | None:
     """The GPUHealthy node condition to write, or None when it already says this (updated only on change:
-    a status flip, or a different set of faults)."""
+    a status flip, or a different set of faults). Unhealthy, the message starts with how many GPUs are out
+    and how many of them DeviceTaintRules hold (`device_tainted`; the rest of the node stays in service)."""
     status = "True" if verdict.healthy else "False"
     keys = frozenset(f.key for f in verdict.faults)
     if current == status and (last_keys is None or last_keys == keys):
@@ -244,11 +250,19 @@ def plan_condition(
         "status": status,
         "reason": "GPUsHealthy" if verdict.healthy else "GPUFault",
         "message": (
-            f"{len(verdict.gpus)} GPUs healthy (gpuguard)" if verdict.healthy else reason_text(verdict.faults)
+            f"{len(verdict.gpus)} GPUs healthy (gpuguard)"
+            if verdict.healthy
+            else _out(verdict, device_tainted)
         ),
         "lastHeartbeatTime": stamp,
         "lastTransitionTime": stamp,
     }
+
+
+def _out(verdict: Verdict, device_tainted: int) -> str:
+    bad = sum(1 for g in verdict.gpus if not g.healthy)
+    held = f", {device_tainted} held out by device taints" if device_tainted else ""
+    return reason_text(verdict.faults) + f" ({bad} of {len(verdict.gpus)} GPUs unhealthy{held})"
 
 
 def evidence_gone(node: NodeView, verdict: Verdict | None = None) -> bool:

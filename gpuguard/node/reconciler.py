@@ -21,8 +21,9 @@ from gpuguard import validation
 from gpuguard.config import NodeSettings
 from gpuguard.errors import ConflictError, NodeUpdateError, PermanentApiError, TransientApiError
 from gpuguard.metrics import Metrics
-from gpuguard.model import Verdict
+from gpuguard.model import GpuQuarantine, Verdict
 from gpuguard.node.budget import QuarantineBudget
+from gpuguard.node.devices import DeviceQuarantine
 from gpuguard.node.plan import plan, plan_condition
 from gpuguard.node.view import EventSpec, NodeChange, NodeView, join_keys
 from gpuguard.node.writers import DRY_RUN_NODE, NodeWriter
@@ -39,6 +40,8 @@ class NodeStatus:
     cordoned: bool = False
     reconciled: bool = False
     deferred: bool = False
+    # GPUs held out by DeviceTaintRules (per-GPU quarantine), in device order.
+    gpus: tuple[GpuQuarantine, ...] = ()
 
 
 class NodeReconciler:
@@ -58,6 +61,7 @@ class NodeReconciler:
         settings: NodeSettings,
         *,
         budget: QuarantineBudget | None = None,
+        devices: DeviceQuarantine | None = None,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
         retry_deadline: float = 60.0,
         max_conflicts: int = 20,
@@ -74,6 +78,7 @@ class NodeReconciler:
         self._name = settings.name or DRY_RUN_NODE
         self._read_at = -math.inf
         self.budget = budget
+        self.devices = devices
         self._metrics = metrics
         self._condition_keys: frozenset[str] | None = None
         self._settings = settings
@@ -231,12 +236,17 @@ class NodeReconciler:
             node = self._read()
         if self.budget is not None:
             self.budget.begin(node)
+        full = verdict
+        if self.devices is not None:
+            # Per-GPU faults become DeviceTaintRules; the node is planned for what is left (docs/design.md).
+            verdict = self.devices.apply(node, verdict, streak=streak, flapping=flapping)
+            self._set_node(node)
         for attempt in range(self._max_conflicts):
             change = self._plan(node, verdict, streak, flapping)
             if change is None:
                 self._log_override(node, verdict)
                 self._set_node(node)
-                self._update_condition(node, verdict, flapping)
+                self._update_condition(node, full, flapping)
                 return
             if (
                 self._rejected is not None
@@ -262,7 +272,7 @@ class NodeReconciler:
             self._rejected = None
             self._set_node(node)
             self._log_change(before, change, verdict)
-            self._update_condition(node, verdict, flapping)
+            self._update_condition(node, full, flapping)
             if change.event is not None:
                 self._record_event(node, change.event)
             if self.budget is not None and self.budget.written(node, change):
@@ -284,7 +294,9 @@ class NodeReconciler:
 
     def _resync_due(self, node: NodeView) -> bool:
         due = self._clock() - self._read_at >= self._settings.node_resync
-        return due and node.holds_gpuguard_state(self._settings.gate_taint_key)
+        # Device rules hold state too: the node's new bootID after a reboot is their evidence.
+        rules = self.devices is not None and self.devices.holds_rules
+        return due and (node.holds_gpuguard_state(self._settings.gate_taint_key) or rules)
 
     def _read(self) -> NodeView:
         try:
@@ -305,6 +317,7 @@ class NodeReconciler:
             cordoned=node.unschedulable,
             reconciled=True,
             deferred=node.deferred,
+            gpus=self.devices.quarantined if self.devices is not None else (),
         )
 
     def _update_condition(self, node: NodeView, verdict: Verdict, flapping: bool) -> None:
@@ -314,7 +327,11 @@ class NodeReconciler:
         if flapping and verdict.healthy:
             return
         condition = plan_condition(
-            node.gpu_condition, verdict, last_keys=self._condition_keys, now=self._now()
+            node.gpu_condition,
+            verdict,
+            last_keys=self._condition_keys,
+            now=self._now(),
+            device_tainted=len(self.devices.quarantined) if self.devices is not None else 0,
         )
         if condition is None:
             self._condition_keys = frozenset(f.key for f in verdict.faults)

@@ -31,7 +31,7 @@ def test_the_gpu_healthy_condition_tells_the_story_on_the_node(admin: Admin, sta
     state.write_text(GPUS_OK + "xid 1 79\n")
     c = eventually(lambda: (x := condition(admin, node)) and x["status"] == "False" and x, 10, what="False")
     assert c["reason"] == "GPUFault"
-    assert c["message"] == "xid-79: GPU has fallen off the bus (GPU 1, GPU-it-1)"
+    assert c["message"] == "xid-79: GPU has fallen off the bus (GPU 1, GPU-it-1) (1 of 2 GPUs unhealthy)"
     assert c["lastTransitionTime"]
     assert [e for e in agent.lines if e.get("event") == "node.condition_failed"] == []
 

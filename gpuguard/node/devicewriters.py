@@ -1,0 +1,264 @@
+"""The `DeviceSource`s: `KubeDeviceSource` (ResourceSlices and DeviceTaintRules of resource.k8s.io/v1 on
+the API server, through `gpuguard.kubeapi`, which raises gpuguard's errors itself) and `DryRunDeviceSource`
+(reads the real slices where a cluster is named, writes nothing: logs the exact rule and keeps it in memory).
+`make_device_source` is the one place that knows which one a setting asks for."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+import structlog
+
+from gpuguard import kubeapi
+from gpuguard.config import NodeSettings
+from gpuguard.errors import ConflictError, GpuguardError, PermanentApiError
+from gpuguard.metrics import Metrics, counted
+from gpuguard.node.devices import API, LABEL_MANAGED_BY, LABEL_NODE, MANAGED_BY, DeviceRule
+from gpuguard.node.view import ANN_REASON, ANN_SINCE
+from gpuguard.node.writers import load_api_client
+
+log = structlog.get_logger("gpuguard.node.devicewriters")
+
+_SLICES = f"{API}/resourceslices"
+# DeviceTaintRules are resource.k8s.io/v1 from Kubernetes 1.37; 1.36 serves them as v1beta2 (beta, off by
+# default: --runtime-config and the DRADeviceTaintRules gate). The first list finds which one is served.
+_RULE_VERSIONS = ("v1", "v1beta2")
+
+
+class KubeDeviceSource:
+    """One node's ResourceSlices (field selectors spec.nodeName and spec.driver: only this node's, of the
+    driver) and gpuguard's DeviceTaintRules for it (label selector gpuguard.io/node)."""
+
+    def __init__(
+        self,
+        node: str,
+        *,
+        api: kubeapi.Client,
+        driver: str,
+        timeout: float = 10.0,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self._node = node
+        self._api = api
+        self._driver = driver
+        self._timeout = timeout
+        self._metrics = metrics
+        self._rule_version = _RULE_VERSIONS[0]
+        self._version_known = False
+
+    @property
+    def _rules_path(self) -> str:
+        return f"/apis/resource.k8s.io/{self._rule_version}/devicetaintrules"
+
+    def slices(self) -> list[dict[str, Any]] | None:
+        query = {"fieldSelector": f"spec.nodeName={self._node},spec.driver={self._driver}"}
+        try:
+            with self._counted("list"):
+                doc = self._api.request(
+                    "GET", _SLICES, query=query, timeout=self._timeout, what="list resource slices"
+                )
+        except PermanentApiError as exc:
+            if exc.status == 404:
+                return None  # no resource.k8s.io/v1 here (Kubernetes < 1.34, or DRA off): no slices
+            raise
+        return list(doc.get("items") or [])
+
+    def rules(self) -> list[DeviceRule]:
+        return self._list(f"{LABEL_NODE}={self._node},{LABEL_MANAGED_BY}={MANAGED_BY}")
+
+    def all_rules(self) -> list[DeviceRule]:
+        return self._list(f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_NODE}")
+
+    def _list(self, selector: str) -> list[DeviceRule]:
+        versions = (self._rule_version,) if self._version_known else _RULE_VERSIONS
+        for version in versions:
+            self._rule_version = version
+            try:
+                with self._counted("list"):
+                    doc = self._api.request(
+                        "GET",
+                        self._rules_path,
+                        query={"labelSelector": selector},
+                        timeout=self._timeout,
+                        what="list device taint rules",
+                    )
+            except PermanentApiError as exc:
+                if exc.status == 404:
+                    continue  # not served in this version
+                raise
+            self._version_known = True
+            return [DeviceRule.from_api(d) for d in doc.get("items") or []]
+        # Served in no version: a create answers 404, and the node taint stands in (device.rule_rejected).
+        self._rule_version = _RULE_VERSIONS[0]
+        return []
+
+    def create(self, body: Mapping[str, Any]) -> DeviceRule:
+        name = body["metadata"]["name"]
+        body = {**body, "apiVersion": f"resource.k8s.io/{self._rule_version}"}
+        try:
+            with self._counted("create"):
+                doc = self._api.request(
+                    "POST",
+                    self._rules_path,
+                    body=body,
+                    timeout=self._timeout,
+                    what=f"create device taint rule {name}",
+                )
+        except ConflictError:
+            # Ours from before a restart (the name is deterministic): read it, the next plan updates it.
+            with self._counted("get"):
+                doc = self._api.request(
+                    "GET",
+                    kubeapi.path_of(self._rules_path[1:], name),
+                    timeout=self._timeout,
+                    what=f"read rule {name}",
+                )
+        return DeviceRule.from_api(doc)
+
+    def patch(self, rule: DeviceRule, body: Mapping[str, Any]) -> DeviceRule:
+        with self._counted("patch"):
+            doc = self._api.request(
+                "PATCH",
+                kubeapi.path_of(self._rules_path[1:], rule.name),
+                body=body,
+                content_type="application/merge-patch+json",
+                timeout=self._timeout,
+                what=f"patch device taint rule {rule.name}",
+            )
+        return DeviceRule.from_api(doc)
+
+    def delete(self, rule: DeviceRule) -> None:
+        body = {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "preconditions": {"uid": rule.uid, "resourceVersion": rule.resource_version},
+        }
+        try:
+            with self._counted("delete"):
+                self._api.request(
+                    "DELETE",
+                    kubeapi.path_of(self._rules_path[1:], rule.name),
+                    body=body,
+                    timeout=self._timeout,
+                    what=f"delete device taint rule {rule.name}",
+                )
+        except PermanentApiError as exc:
+            if exc.status != 404:  # already gone: what recovery wanted
+                raise
+
+    def _counted(self, verb: str) -> AbstractContextManager[None]:
+        return counted(self._metrics, verb)
+
+
+class DryRunDeviceSource:
+    """Writes nothing: logs the rule it would create, change or delete, and keeps it in memory. Reads the
+    real slices where a cluster was named (so a dry run on a live cluster takes the real decisions), else
+    sees none (every fault then plans the node taint, as on a device-plugin cluster)."""
+
+    def __init__(self, real: KubeDeviceSource | None) -> None:
+        self._real = real
+        self._rules: dict[str, DeviceRule] = {}
+        self._version = 0
+
+    def slices(self) -> list[dict[str, Any]] | None:
+        if self._real is None:
+            return None
+        try:
+            return self._real.slices()
+        except GpuguardError as exc:
+            log.warning("device.dry_run_without_slices", error=str(exc))
+            return None
+
+    def rules(self) -> list[DeviceRule]:
+        return list(self._rules.values())
+
+    def all_rules(self) -> list[DeviceRule]:
+        return list(self._rules.values())
+
+    def create(self, body: Mapping[str, Any]) -> DeviceRule:
+        log.info("device.dry_run", action="create", rule=body["metadata"]["name"], body=dict(body))
+        return self._keep(body)
+
+    def patch(self, rule: DeviceRule, body: Mapping[str, Any]) -> DeviceRule:
+        log.info("device.dry_run", action="patch", rule=rule.name, patch=dict(body))
+        meta = body.get("metadata") or {}
+        annotations = {**rule.annotations, **(meta.get("annotations") or {})}
+        effect = ((body.get("spec") or {}).get("taint") or {}).get("effect", rule.effect)
+        doc = {
+            "metadata": {
+                "name": rule.name,
+                "annotations": {k: v for k, v in annotations.items() if v is not None},
+            },
+            "spec": {
+                "deviceSelector": {"pool": rule.pool, "device": rule.device},
+                "taint": {"effect": effect},
+            },
+        }
+        return self._keep(doc)
+
+    def delete(self, rule: DeviceRule) -> None:
+        log.info("device.dry_run", action="delete", rule=rule.name)
+        self._rules.pop(rule.name, None)
+
+    def _keep(self, doc: Mapping[str, Any]) -> DeviceRule:
+        self._version += 1
+        meta = {**doc["metadata"], "resourceVersion": str(self._version), "uid": "dry-run"}
+        rule = DeviceRule.from_api({**doc, "metadata": meta})
+        self._rules[rule.name] = rule
+        return rule
+
+
+def make_device_source(
+    settings: NodeSettings, metrics: Metrics | None = None
+) -> KubeDeviceSource | DryRunDeviceSource:
+    """The source the settings ask for: the API server, or a dry run (the real slices where a cluster is
+    named, as `writers.make_writer` reads the real node)."""
+    if not settings.dry_run:
+        assert settings.name is not None  # validated
+        return KubeDeviceSource(
+            settings.name,
+            api=load_api_client(settings.kubeconfig),
+            driver=settings.dra_driver,
+            timeout=settings.api_timeout,
+            metrics=metrics,
+        )
+    real = None
+    if settings.name and (settings.kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST")):
+        try:
+            real = KubeDeviceSource(
+                settings.name,
+                api=load_api_client(settings.kubeconfig),
+                driver=settings.dra_driver,
+                timeout=3.0,
+            )
+        except GpuguardError as exc:
+            log.warning("device.dry_run_without_cluster", error=str(exc))
+    return DryRunDeviceSource(real)
+
+
+def quarantined_gpus(api: kubeapi.Client, *, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """For `gpuguard status`: every GPU gpuguard holds out with a DeviceTaintRule (one list request; none
+    where the API server serves no DeviceTaintRules). Rows shaped like `writers.quarantined_nodes`'s, plus the
+    device and the GPU's UUID."""
+    source = KubeDeviceSource("", api=api, driver="", timeout=timeout)
+    rows = []
+    for rule in source.all_rules():
+        rows.append(
+            {
+                "node": rule.pool,
+                "device": rule.device,
+                "uuid": rule.uuid,
+                "state": "gpu-deferred" if rule.deferred else "gpu-quarantined",
+                "reason": rule.taint_value,
+                "effect": rule.effect,
+                "since": rule.annotations.get(ANN_SINCE),
+                "faults": sorted(rule.faults),
+                "detail": rule.annotations.get(ANN_REASON),
+                "cordoned_by_gpuguard": False,
+                "unschedulable": False,
+            }
+        )
+    return sorted(rows, key=lambda r: (str(r["node"]), str(r["device"])))

@@ -1,0 +1,331 @@
+"""The per-GPU quarantine (gpuguard.node.devices): one bad GPU of eight is one DeviceTaintRule for that
+device, node-level faults and nodes without DRA slices keep the node taint, recovery follows the evidence
+rules."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from fractions import Fraction
+
+import pytest
+
+from gpuguard.config import NodeSettings, PolicySettings
+from gpuguard.errors import PermanentApiError
+from gpuguard.model import (
+    ECC,
+    GPU_LOST,
+    GPU_MISSING,
+    GPU_UNREADABLE,
+    NVML_INIT,
+    RESET_REQUIRED,
+    ROW_REMAP,
+    Fault,
+    GpuReading,
+    Snapshot,
+    Verdict,
+    XidEvent,
+    recovery_reason,
+)
+from gpuguard.node.budget import Budget
+from gpuguard.node.devices import (
+    ANN_NODE_GPUS,
+    DeviceQuarantine,
+    DeviceRule,
+    per_gpu,
+    rule_name,
+    slice_devices,
+)
+from gpuguard.node.devicewriters import DryRunDeviceSource
+from gpuguard.node.reconciler import NodeReconciler
+from gpuguard.node.view import TAINT_KEY, NodeView
+from gpuguard.policy import evaluate
+from tests.dra import DRIVER, gpu_uuid, nvidia_slice
+from tests.fakes import FakeDeviceSource, FakeNodeWriter
+
+NODE = "gpu-node-1"
+SETTINGS = NodeSettings(name=NODE, retry_max_wait=0.01, recover_after=2)
+UUIDS = [gpu_uuid(NODE, i) for i in range(8)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def reading(i: int, **kw: object) -> GpuReading:
+    return GpuReading(index=i, uuid=UUIDS[i], **kw)  # type: ignore[arg-type]
+
+
+def verdict(
+    *,
+    xid_on: int | None = None,
+    ecc_on: int | None = None,
+    lost: int | None = None,
+    prev: Verdict | None = None,
+) -> Verdict:
+    gpus = tuple(reading(i, ecc_uncorrected=3 if i == ecc_on else 0, lost=i == lost) for i in range(8))
+    xids = (XidEvent(gpu_index=xid_on, uuid=UUIDS[xid_on], code=79),) if xid_on is not None else ()
+    return evaluate(Snapshot(gpus=gpus, xids=xids), previous=prev, settings=PolicySettings())
+
+
+def make(
+    slices: list[dict[str, object]] | None = None,
+    settings: NodeSettings = SETTINGS,
+    budget: Budget | None = None,
+) -> tuple[FakeNodeWriter, FakeDeviceSource, NodeReconciler, Clock]:
+    writer = FakeNodeWriter(NodeView(name=NODE, resource_version="1", boot_id="boot-1"))
+    source = FakeDeviceSource([nvidia_slice(NODE)] if slices is None else slices)
+    clock = Clock()
+    devices = DeviceQuarantine(
+        source,
+        settings,
+        budget=(lambda: budget) if budget is not None else None,
+        now=lambda: datetime(2026, 12, 3, tzinfo=UTC),
+        clock=clock,
+    )
+    return writer, source, NodeReconciler(writer, settings, devices=devices, clock=clock), clock
+
+
+def run(r: NodeReconciler, v: Verdict, streak: int = 0) -> None:
+    r.submit(v, streak)
+    r.reconcile_now()
+
+
+def test_an_xid_on_gpu_3_of_8_is_one_rule_for_that_device_and_no_node_taint() -> None:
+    writer, source, r, _ = make()
+    run(r, verdict(xid_on=3))
+    (doc,) = source.store.values()
+    assert doc["metadata"]["name"] == f"gpuguard-{NODE}-gpu-3"
+    assert doc["spec"]["deviceSelector"] == {"driver": DRIVER, "pool": NODE, "device": "gpu-3"}
+    assert doc["spec"]["taint"] == {"key": TAINT_KEY, "value": "xid-79", "effect": "NoSchedule"}
+    ann = doc["metadata"]["annotations"]
+    assert ann["gpuguard.io/faults"] == f"xid-79/{UUIDS[3]}"
+    assert (ann["gpuguard.io/boot-id"], ann["gpuguard.io/since"]) == ("boot-1", "2026-12-03T00:00:00Z")
+    assert doc["metadata"]["labels"] == {"gpuguard.io/node": NODE, "app.kubernetes.io/managed-by": "gpuguard"}
+    assert writer.node.our_taint is None and not writer.node.unschedulable
+    assert [g.device for g in r.status.gpus] == ["gpu-3"]
+    # The GPUHealthy condition still says False, and how many GPUs are out.
+    assert writer.conditions[-1]["status"] == "False"
+    assert "(1 of 8 GPUs unhealthy, 1 held out by device taints)" in writer.conditions[-1]["message"]
+
+
+def test_the_same_fault_again_writes_nothing() -> None:
+    _, source, r, _ = make()
+    v = verdict(xid_on=3)
+    run(r, v)
+    calls = len(source.calls)
+    run(r, verdict(prev=v))
+    assert source.calls[calls:] == []
+
+
+def test_a_lost_gpu_is_the_nodes_fault_and_taints_the_node() -> None:
+    writer, source, r, _ = make()
+    run(r, verdict(lost=5))
+    assert source.store == {}
+    assert writer.node.our_taint is not None and writer.node.our_taint.value == GPU_LOST
+
+
+def test_a_node_without_dra_slices_keeps_the_node_taint() -> None:
+    writer, source, r, _ = make(slices=[])
+    run(r, verdict(xid_on=3))
+    assert source.store == {}
+    assert writer.node.our_taint is not None and writer.node.our_taint.value == "xid-79"
+
+
+def test_quarantine_node_reads_no_slices_and_taints_the_node() -> None:
+    writer, source, r, _ = make(settings=NodeSettings(name=NODE, quarantine="node"))
+    run(r, verdict(xid_on=3))
+    assert source.calls == [] and writer.node.our_taint is not None
+
+
+def test_a_gpu_the_slices_do_not_publish_gets_the_node_taint() -> None:
+    other = nvidia_slice(NODE, uuids=[f"GPU-elsewhere-{i}" for i in range(8)])
+    writer, source, r, _ = make(slices=[other])
+    run(r, verdict(ecc_on=2))
+    assert source.store == {} and writer.node.our_taint is not None
+
+
+def test_a_rule_the_api_server_refuses_falls_back_to_the_node_taint() -> None:
+    writer, source, r, _ = make()
+    source.inject_error(PermanentApiError("denied by policy", status=403))
+    run(r, verdict(ecc_on=1))
+    assert source.store == {} and writer.node.our_taint is not None and writer.node.our_taint.value == ECC
+
+
+def test_recovery_deletes_the_rule_when_the_ecc_counter_reads_zero_after_recover_after_checks() -> None:
+    writer, source, r, _ = make()
+    sick = verdict(ecc_on=6)
+    run(r, sick)
+    assert len(source.store) == 1
+    healthy = verdict(prev=sick)
+    run(r, healthy, streak=1)
+    assert len(source.store) == 1, "one healthy check is not enough (--recover-after 2)"
+    run(r, healthy, streak=2)
+    assert source.store == {} and r.status.gpus == ()
+    assert writer.node.our_taint is None
+
+
+def test_an_xid_rule_stays_until_the_node_reboots() -> None:
+    writer, source, r, clock = make()
+    sick = verdict(xid_on=3)
+    run(r, sick)
+    # A new process (the Xid is not sticky any more) reads healthy: the Xid's evidence needs a reboot.
+    healthy = verdict()
+    run(r, healthy, streak=5)
+    assert len(source.store) == 1
+    writer.edit(boot_id="boot-2")
+    clock.t += SETTINGS.node_resync + 1
+    run(r, healthy, streak=6)
+    assert source.store == {}
+
+
+def test_a_rule_an_operator_deleted_is_not_recreated_for_the_same_fault_but_a_new_fault_makes_it_again() -> (
+    None
+):
+    writer, source, r, clock = make()
+    first = verdict(xid_on=3)
+    run(r, first)
+    source.operator_delete(f"gpuguard-{NODE}-gpu-3")
+    clock.t += SETTINGS.node_resync + 1
+    run(r, verdict(prev=first), streak=0)
+    r.submit(verdict(prev=first), 0)
+    r.reconcile_now()
+    assert source.store == {} and writer.node.our_taint is None
+    second = evaluate(
+        Snapshot(gpus=tuple(reading(i, ecc_uncorrected=4 if i == 3 else 0) for i in range(8))),
+        previous=first,
+        settings=PolicySettings(),
+    )
+    run(r, second)
+    (doc,) = source.store.values()
+    assert doc["metadata"]["annotations"]["gpuguard.io/faults"] == f"ecc/{UUIDS[3]},xid-79/{UUIDS[3]}"
+
+
+def test_a_second_fault_on_the_same_gpu_is_added_to_the_rules_record() -> None:
+    _, source, r, _ = make()
+    first = verdict(xid_on=3)
+    run(r, first)
+    both = evaluate(
+        Snapshot(gpus=tuple(reading(i, ecc_uncorrected=4 if i == 3 else 0) for i in range(8))),
+        previous=first,
+        settings=PolicySettings(),
+    )
+    run(r, both)
+    (doc,) = source.store.values()
+    assert doc["metadata"]["annotations"]["gpuguard.io/faults"] == f"ecc/{UUIDS[3]},xid-79/{UUIDS[3]}"
+    assert source.calls.count("create") == 1
+
+
+def test_past_the_budget_the_rule_has_effect_none_and_escalates_when_there_is_room() -> None:
+    budget = Budget(quarantined=1, limit=1)
+    _, source, r, clock = make(budget=budget)
+    sick = verdict(ecc_on=0)
+    run(r, sick)
+    (doc,) = source.store.values()
+    assert doc["spec"]["taint"]["effect"] == "None"
+    assert "gpuguard.io/quarantine-deferred" in doc["metadata"]["annotations"]
+    # The budget frees up (the other node recovered): at the next re-check the rule takes effect.
+    r.devices._budget = lambda: Budget(quarantined=0, limit=1)  # type: ignore[union-attr]
+    clock.t += SETTINGS.budget_recheck + 1
+    run(r, verdict(prev=sick, ecc_on=0))
+    (doc,) = source.store.values()
+    assert doc["spec"]["taint"]["effect"] == "NoSchedule"
+    assert "gpuguard.io/quarantine-deferred" not in doc["metadata"]["annotations"]
+
+
+def test_a_gpu_costs_its_share_of_a_node_in_the_budget() -> None:
+    """Budget 1 node; 7 GPUs of 8-GPU nodes are held elsewhere (7/8): one more GPU fits, a second does not."""
+    _, source, r, _ = make(budget=Budget(quarantined=0, limit=1))
+    source.other_rules = [
+        DeviceRule(
+            name=f"r{i}",
+            pool="other",
+            device=f"gpu-{i}",
+            effect="NoSchedule",
+            annotations={ANN_NODE_GPUS: "8"},
+        )
+        for i in range(7)
+    ]
+    first = verdict(ecc_on=0)
+    run(r, first)
+    assert [d["spec"]["taint"]["effect"] for d in source.store.values()] == ["NoSchedule"]
+    second = evaluate(
+        Snapshot(gpus=tuple(reading(i, ecc_uncorrected=3 if i in (0, 1) else 0) for i in range(8))),
+        previous=first,
+        settings=PolicySettings(),
+    )
+    run(r, second)
+    effects = {
+        d["spec"]["deviceSelector"]["device"]: d["spec"]["taint"]["effect"] for d in source.store.values()
+    }
+    assert effects == {"gpu-0": "NoSchedule", "gpu-1": "None"}
+
+
+@pytest.mark.parametrize(
+    "raw, share",
+    [
+        ("8", Fraction(1, 8)),
+        ("", Fraction(1)),
+        ("0", Fraction(1)),
+        ("x", Fraction(1)),
+        ("99999", Fraction(1)),
+    ],
+)
+def test_a_missing_or_absurd_gpu_count_on_a_rule_counts_as_a_whole_node(raw: str, share: Fraction) -> None:
+    assert (
+        DeviceRule(
+            name="r", pool="p", device="d", effect="NoSchedule", annotations={ANN_NODE_GPUS: raw}
+        ).share
+        == share
+    )
+
+
+def test_a_dry_run_without_a_cluster_creates_no_rule_and_plans_the_node_taint() -> None:
+    writer = FakeNodeWriter(NodeView(name=NODE, resource_version="1", boot_id="b"))
+    settings = NodeSettings(name=NODE, dry_run=True)
+    devices = DeviceQuarantine(DryRunDeviceSource(None), settings)
+    r = NodeReconciler(writer, settings, devices=devices)
+    run(r, verdict(xid_on=3))
+    assert writer.node.our_taint is not None and r.status.gpus == ()
+
+
+@pytest.mark.parametrize(
+    "reason, one_gpu",
+    [
+        (ECC, True),
+        ("xid-79", True),
+        (ROW_REMAP, True),
+        (RESET_REQUIRED, True),
+        (recovery_reason(1), True),
+        (recovery_reason(4), True),
+        (recovery_reason(2), False),
+        (GPU_LOST, False),
+        (GPU_MISSING, False),
+        (GPU_UNREADABLE, False),
+        (NVML_INIT, False),
+    ],
+)
+def test_which_faults_belong_to_one_gpu(reason: str, one_gpu: bool) -> None:
+    assert per_gpu(Fault(reason, "d", uuid="GPU-1", gpu_index=1)) is one_gpu
+    assert per_gpu(Fault(reason, "d")) is False  # no GPU named: the node's
+
+
+def test_the_rule_name_is_deterministic_and_a_dns_subdomain_even_for_a_long_node_name() -> None:
+    assert rule_name("node-a", "gpu-3") == rule_name("node-a", "gpu-3") == "gpuguard-node-a-gpu-3"
+    long = "n" * 250
+    name = rule_name(long, "gpu-3")
+    assert len(name) <= 253 and name != rule_name(long, "gpu-4")
+
+
+def test_a_uuid_published_twice_is_left_out() -> None:
+    doubled = nvidia_slice(NODE, gpus=2, uuids=["GPU-same", "GPU-same"])
+    assert slice_devices([doubled], driver=DRIVER, node=NODE) == {}
+
+
+def test_slices_of_another_driver_or_pool_are_not_this_nodes() -> None:
+    assert slice_devices([nvidia_slice("other")], driver=DRIVER, node=NODE) == {}
+    assert slice_devices([nvidia_slice(NODE)], driver="example.com", node=NODE) == {}
+    assert len(slice_devices([nvidia_slice(NODE)], driver=DRIVER, node=NODE)) == 8
