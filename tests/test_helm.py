@@ -24,6 +24,7 @@ from tests.helmtool import CHART, NAMESPACE, ROOT, Docs, Helm, build_helm
 
 MANIFEST = ROOT / "deploy" / "daemonset.yaml"
 ADMISSION_POLICY = ROOT / "deploy" / "admission-policy.yaml"
+DEVICE_POLICY = ROOT / "deploy" / "admission-policy-devices.yaml"
 
 # The first run builds helm inside the test session: allow it more than pytest's default timeout.
 pytestmark = pytest.mark.timeout(1200)
@@ -130,12 +131,15 @@ def test_enabled_the_render_is_daemonset_yaml_plus_exactly_the_objects_of_admiss
     helm: Helm,
 ) -> None:
     policy = _manifest(ADMISSION_POLICY)
-    assert sorted(d["kind"] for d in policy) == sorted(ADMISSION_KINDS)
-    assert _sorted(helm.render(*ENABLE_POLICY)) == _sorted(_manifest() + policy)
+    devices = _manifest(DEVICE_POLICY)
+    assert sorted(d["kind"] for d in policy) == sorted(d["kind"] for d in devices) == sorted(ADMISSION_KINDS)
+    assert _sorted(helm.render(*ENABLE_POLICY)) == _sorted(_manifest() + policy + devices)
 
 
 def test_the_admission_policy_follows_the_release_name_and_namespace(helm: Helm) -> None:
-    rendered = helm.render(*ENABLE_POLICY, release="gpu", namespace="gpu-health")
+    everything = helm.render(*ENABLE_POLICY, release="gpu", namespace="gpu-health")
+    devices = [d for d in everything if d["metadata"]["name"] == "gpu-gpuguard-own-devices-only"]
+    rendered = [d for d in everything if d not in devices]
     docs = _by_kind(rendered)
     account = docs["ServiceAccount"]["metadata"]
     assert (account["namespace"], account["name"]) == ("gpu-health", "gpu-gpuguard")
@@ -154,6 +158,18 @@ def test_the_admission_policy_follows_the_release_name_and_namespace(helm: Helm)
         doc["metadata"]["name"] = "gpuguard-own-node-only"
     binding["spec"]["policyName"] = "gpuguard-own-node-only"
     assert [policy, binding] == [expected[kind] for kind in ADMISSION_KINDS]
+    # The device rules' policy follows the same way.
+    expected_devices = _by_kind(_manifest(DEVICE_POLICY))
+    device_policy, device_binding = (_by_kind(devices)[kind] for kind in ADMISSION_KINDS)
+    assert _service_account_match(devices) == (
+        "request.userInfo.username == 'system:serviceaccount:gpu-health:gpu-gpuguard'"
+    )
+    assert device_binding["spec"]["policyName"] == "gpu-gpuguard-own-devices-only"
+    device_policy["spec"]["matchConditions"][0]["expression"] = expected_match
+    for doc in (device_policy, device_binding):
+        doc["metadata"]["name"] = "gpuguard-own-devices-only"
+    device_binding["spec"]["policyName"] = "gpuguard-own-devices-only"
+    assert [device_policy, device_binding] == [expected_devices[kind] for kind in ADMISSION_KINDS]
 
 
 def test_the_chart_passes_helm_lint_strict_with_the_admission_policy(helm: Helm) -> None:

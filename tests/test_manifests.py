@@ -274,12 +274,16 @@ def _grants(role: dict[str, Any]) -> set[tuple[str, str, str]]:
     return granted
 
 
-def test_the_cluster_role_grants_exactly_nodes_get_list_patch_and_node_status_patch() -> None:
+def test_the_cluster_role_grants_exactly_nodes_node_status_and_the_per_gpu_quarantines_rules() -> None:
     assert _grants(_one("ClusterRole")) == {
         ("", "nodes", "get"),
         ("", "nodes", "list"),  # the quarantine budget counts quarantined GPU nodes
         ("", "nodes", "patch"),
         ("", "nodes/status", "patch"),  # the GPUHealthy node condition
+        # The per-GPU quarantine: which GPUs the node's ResourceSlices publish, and one DeviceTaintRule per
+        # faulty GPU (deploy/admission-policy-devices.yaml limits each agent to its own node's rules).
+        ("resource.k8s.io", "resourceslices", "list"),
+        *(("resource.k8s.io", "devicetaintrules", v) for v in ("get", "list", "create", "patch", "delete")),
     }
 
 

@@ -1,0 +1,181 @@
+"""deploy/admission-policy-devices.yaml on a real kube-apiserver (v1.37, resource.k8s.io/v1
+DeviceTaintRules): gpuguard's ServiceAccount, with a token bound to a Pod on its node, may create, change and
+delete only its own rules: single devices of its node's pool, gpuguard's taint key, gpuguard's labels. Every
+refusal is asserted by the policy's own message, so a 403 from RBAC cannot pass for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from typing import Any
+
+import kubernetes
+import pytest
+
+from tests.integration.kube import TAINT_KEY, Admin, eventually, token_client
+
+pytestmark = pytest.mark.timeout(180)
+
+POLICY = "gpuguard-own-devices-only"
+DENIED = f"ValidatingAdmissionPolicy '{POLICY}' with binding '{POLICY}' denied request: "
+GROUP, VERSION, PLURAL = "resource.k8s.io", "v1", "devicetaintrules"
+DRIVER = "gpu.nvidia.com"
+MERGE = {"_content_type": "application/merge-patch+json"}
+_names = itertools.count()
+ApiException = kubernetes.client.exceptions.ApiException
+
+
+@pytest.fixture(scope="module")
+def admin(admin_api: kubernetes.client.ApiClient, control_plane: Any) -> Admin:
+    a = Admin(admin_api)
+    created = a.apply_deploy_manifests()
+    assert f"ValidatingAdmissionPolicy/{POLICY}" in created
+    here, there = new_node(a), new_node(a)
+    api = agent_api(a, control_plane, here)
+
+    def probe() -> bool:
+        try:
+            api.create_cluster_custom_object(GROUP, VERSION, PLURAL, rule(there, "gpu-0"), dry_run="All")
+        except ApiException as exc:
+            return exc.status == 403 and DENIED in message(exc)
+        return False
+
+    eventually(probe, 30, interval=0.1, what="the device admission policy to be enforced")
+    return a
+
+
+def new_node(admin: Admin) -> str:
+    name = f"dadm-{next(_names)}-{int(time.time() * 1000) % 100000}"
+    admin.make_node(name)
+    return name
+
+
+def agent_api(admin: Admin, control_plane: Any, node: str) -> Any:
+    """CustomObjectsApi (any group's REST) as gpuguard's ServiceAccount, token bound to a Pod on `node`."""
+    return kubernetes.client.CustomObjectsApi(
+        token_client(control_plane.url, control_plane.ca_path, admin.agent_token(node))
+    )
+
+
+def rule(
+    pool: str,
+    device: str | None,
+    *,
+    key: str = TAINT_KEY,
+    labels: dict[str, str] | None = None,
+    name: str | None = None,
+) -> dict[str, Any]:
+    """A DeviceTaintRule as gpuguard writes it (gpuguard.node.devices.rule_body's shape)."""
+    selector = {"driver": DRIVER, "pool": pool} | ({"device": device} if device else {})
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "DeviceTaintRule",
+        "metadata": {
+            "name": name or f"gpuguard-{pool}-{device or 'all'}-{next(_names)}",
+            "labels": {"gpuguard.io/node": pool, "app.kubernetes.io/managed-by": "gpuguard"}
+            if labels is None
+            else labels,
+        },
+        "spec": {
+            "deviceSelector": selector,
+            "taint": {"key": key, "value": "xid-79", "effect": "NoSchedule"},
+        },
+    }
+
+
+def message(exc: ApiException) -> str:
+    try:
+        return str(json.loads(exc.body or "")["message"])
+    except (TypeError, ValueError, KeyError):
+        return str(exc.body)
+
+
+def refused(call: Any) -> str:
+    with pytest.raises(ApiException) as err:
+        call()
+    text = message(err.value)
+    assert err.value.status == 403, text
+    assert DENIED in text, text
+    return text.split(DENIED, 1)[1]
+
+
+def custom(admin: Admin) -> Any:
+    return kubernetes.client.CustomObjectsApi(admin.api)
+
+
+def test_the_agent_creates_changes_and_deletes_a_rule_for_one_device_of_its_own_node(
+    admin: Admin, control_plane: Any
+) -> None:
+    node = new_node(admin)
+    api = agent_api(admin, control_plane, node)
+    body = rule(node, "gpu-3")
+    name = body["metadata"]["name"]
+    api.create_cluster_custom_object(GROUP, VERSION, PLURAL, body)
+    api.patch_cluster_custom_object(
+        GROUP,
+        VERSION,
+        PLURAL,
+        name,
+        {"metadata": {"annotations": {"gpuguard.io/faults": "ecc/GPU-3"}}},
+        **MERGE,
+    )
+    api.delete_cluster_custom_object(GROUP, VERSION, PLURAL, name)
+
+
+def test_a_rule_for_another_nodes_pool_is_denied(admin: Admin, control_plane: Any) -> None:
+    here, there = new_node(admin), new_node(admin)
+    api = agent_api(admin, control_plane, here)
+    text = refused(lambda: api.create_cluster_custom_object(GROUP, VERSION, PLURAL, rule(there, "gpu-0")))
+    assert text.startswith(f"gpuguard may taint only single devices of its own node {here}'s pool"), text
+    assert f"{there}/gpu-0" in text
+
+
+def test_a_rule_for_a_whole_pool_is_denied(admin: Admin, control_plane: Any) -> None:
+    node = new_node(admin)
+    api = agent_api(admin, control_plane, node)
+    text = refused(lambda: api.create_cluster_custom_object(GROUP, VERSION, PLURAL, rule(node, None)))
+    assert f"{node}/(all)" in text
+
+
+def test_a_foreign_taint_key_is_denied(admin: Admin, control_plane: Any) -> None:
+    node = new_node(admin)
+    api = agent_api(admin, control_plane, node)
+    body = rule(node, "gpu-1", key="example.com/maintenance")
+    text = refused(lambda: api.create_cluster_custom_object(GROUP, VERSION, PLURAL, body))
+    assert text.startswith("gpuguard may write only device taints with key gpuguard.io/gpu-unhealthy"), text
+    assert "example.com/maintenance" in text
+
+
+def test_deleting_a_rule_gpuguard_did_not_make_is_denied(admin: Admin, control_plane: Any) -> None:
+    """An administrator's rule on the agent's own pool, even with gpuguard's taint key: not the agent's."""
+    node = new_node(admin)
+    theirs = rule(node, "gpu-2", labels={"team": "infra"})
+    custom(admin).create_cluster_custom_object(GROUP, VERSION, PLURAL, theirs)
+    api = agent_api(admin, control_plane, node)
+    name = theirs["metadata"]["name"]
+    text = refused(lambda: api.delete_cluster_custom_object(GROUP, VERSION, PLURAL, name))
+    assert text.startswith("gpuguard may change or delete only its own rules"), text
+    # Nor taken over by a patch that adds gpuguard's labels (the rule as it was is checked too).
+    takeover = {
+        "metadata": {"labels": {"gpuguard.io/node": node, "app.kubernetes.io/managed-by": "gpuguard"}}
+    }
+    refused(lambda: api.patch_cluster_custom_object(GROUP, VERSION, PLURAL, name, takeover, **MERGE))
+    custom(admin).get_cluster_custom_object(GROUP, VERSION, PLURAL, name)  # still there
+
+
+def test_an_agent_cannot_delete_another_agents_rule(admin: Admin, control_plane: Any) -> None:
+    here, there = new_node(admin), new_node(admin)
+    body = rule(there, "gpu-5")
+    agent_api(admin, control_plane, there).create_cluster_custom_object(GROUP, VERSION, PLURAL, body)
+    api = agent_api(admin, control_plane, here)
+    refused(lambda: api.delete_cluster_custom_object(GROUP, VERSION, PLURAL, body["metadata"]["name"]))
+
+
+def test_other_users_are_not_affected(admin: Admin) -> None:
+    node = new_node(admin)
+    body = rule("some-other-pool", None, key="example.com/maintenance", labels={})
+    custom(admin).create_cluster_custom_object(GROUP, VERSION, PLURAL, body)
+    custom(admin).delete_cluster_custom_object(GROUP, VERSION, PLURAL, body["metadata"]["name"])
+    assert node
