@@ -20,6 +20,7 @@ import kubernetes
 import pytest
 import yaml
 
+from tests.dra import DRIVER, gpu_uuid, nvidia_slice
 from tests.integration.kube import (
     DEPLOY,
     GPUS_OK,
@@ -204,5 +205,187 @@ def test_no_execute_evicts_the_pods_of_a_bad_node_but_not_tolerating_ones_or_the
             assert left is not None, f"{name} was evicted"
             assert left["metadata"].get("deletionTimestamp") is None, f"{name} is being deleted"
         assert agent.proc is not None and agent.proc.poll() is None
+    finally:
+        agent.stop()
+
+
+# -- one bad GPU out of eight: the DRA device taint (docs/design.md "Per-GPU quarantine") -------------------
+
+DRA = "resource.k8s.io"
+CLAIM_TEMPLATE = "one-gpu"
+
+
+def _dra_objects(admin: Admin) -> None:
+    """The DeviceClass of NVIDIA's DRA driver and a ResourceClaimTemplate asking for one GPU of it."""
+    custom: Any = kubernetes.client.CustomObjectsApi(admin.api)
+    device_class = {
+        "apiVersion": f"{DRA}/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": DRIVER},
+        "spec": {
+            "selectors": [
+                {
+                    "cel": {
+                        "expression": f"device.driver == '{DRIVER}' && "
+                        f"device.attributes['{DRIVER}'].type == 'gpu'"
+                    }
+                }
+            ]
+        },
+    }
+    template = {
+        "apiVersion": f"{DRA}/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": CLAIM_TEMPLATE, "namespace": WORKLOADS},
+        "spec": {
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}}
+        },
+    }
+    calls: list[tuple[str, tuple[Any, ...]]] = [
+        ("create_cluster_custom_object", (DRA, "v1", "deviceclasses", device_class)),
+        ("create_namespaced_custom_object", (DRA, "v1", WORKLOADS, "resourceclaimtemplates", template)),
+    ]
+    for method, args in calls:
+        try:
+            getattr(custom, method)(*args)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+
+
+def make_claiming_pod(admin: Admin, node: str) -> str:
+    """A pod that claims one GPU through the ResourceClaimTemplate (DRA, no device plugin resource)."""
+    name = f"dra-{next(_names)}"
+    admin.core.create_namespaced_pod(
+        WORKLOADS,
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node},
+                "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": CLAIM_TEMPLATE}],
+                "containers": [
+                    {
+                        "name": "server",
+                        "image": "registry.example/llm-server:1",
+                        "resources": {"claims": [{"name": "gpu"}]},
+                    }
+                ],
+            },
+        },
+    )
+    return name
+
+
+def allocated_device(admin: Admin, pod: str) -> str | None:
+    """The device the scheduler allocated to the pod's claim (None while unallocated)."""
+    p = read_pod(admin, pod) or {}
+    statuses = p.get("status", {}).get("resourceClaimStatuses") or []
+    if not statuses or not statuses[0].get("resourceClaimName"):
+        return None
+    custom: Any = kubernetes.client.CustomObjectsApi(admin.api)
+    claim = custom.get_namespaced_custom_object(
+        DRA, "v1", WORKLOADS, "resourceclaims", statuses[0]["resourceClaimName"]
+    )
+    results = (claim.get("status", {}).get("allocation") or {}).get("devices", {}).get("results") or []
+    return str(results[0]["device"]) if results else None
+
+
+def device_rule(admin: Admin, name: str) -> dict[str, Any] | None:
+    custom: Any = kubernetes.client.CustomObjectsApi(admin.api)
+    try:
+        return custom.get_cluster_custom_object(DRA, "v1", "devicetaintrules", name)  # type: ignore[no-any-return]
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def unschedulable(admin: Admin, pod: str) -> bool:
+    conditions = (read_pod(admin, pod) or {}).get("status", {}).get("conditions") or []
+    return any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable" for c in conditions)
+
+
+def test_one_bad_gpu_of_eight_costs_one_gpu_through_a_dra_device_taint(
+    cluster: Admin, full_control_plane: Any, fakenvml: Path, tmp_path: Path
+) -> None:
+    """The real scheduler, the controller-manager's device-taint eviction and a real agent: an Xid on GPU 3
+    becomes one DeviceTaintRule; the pod holding GPU 3 is evicted (NoExecute), new claims never get GPU 3,
+    the other seven keep being allocated, the node stays schedulable; after a reboot the rule is gone and
+    GPU 3 is allocated again."""
+    _dra_objects(cluster)
+    node = make_gpu_node(cluster)
+    cluster.set_boot_id(node, "boot-1")
+    custom: Any = kubernetes.client.CustomObjectsApi(cluster.api)
+    custom.create_cluster_custom_object(DRA, "v1", "resourceslices", nvidia_slice(node))
+    ds_pod = eventually(lambda: daemon_pod(cluster, node), 60, what="DaemonSet pod on the node")
+
+    pods = [make_claiming_pod(cluster, node) for _ in range(8)]
+    devices: dict[str, str] = {}
+    for p in pods:
+        eventually(lambda p=p: pod_ready(read_pod(cluster, p)), 90, what=f"{p} Ready")  # type: ignore[misc]
+        devices[p] = eventually(lambda p=p: allocated_device(cluster, p), 10, what=f"{p}'s GPU")  # type: ignore[misc]
+    assert sorted(devices.values()) == sorted(f"gpu-{i}" for i in range(8))
+    holder = next(p for p, d in devices.items() if d == "gpu-3")
+
+    gpus = "".join(f"gpu {i} uuid={gpu_uuid(node, i)}\n" for i in range(8))
+    state = tmp_path / "gpus.state"
+    state.write_text(gpus)
+    kubeconfig = token_kubeconfig(
+        tmp_path / "agent.kubeconfig",
+        server=full_control_plane.url,
+        ca_path=full_control_plane.ca_path,
+        token=cluster.pod_token(ds_pod["metadata"]["name"]),
+    )
+    args = ("--taint-effect", "NoExecute", "--max-quarantined", "100%", "--node-resync", "1")
+    agent = Agent(node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml, args=args).start()
+    rule = f"gpuguard-{node}-gpu-3"
+    try:
+        eventually(agent.ready, 15, what="agent /readyz")
+        fault_at = time.monotonic()
+        state.write_text(gpus + "xid 3 79\n")
+        taint = eventually(lambda: device_rule(cluster, rule), 15, interval=0.02, what="the DeviceTaintRule")
+        visible_at = time.monotonic()
+        assert taint["spec"]["deviceSelector"] == {"driver": DRIVER, "pool": node, "device": "gpu-3"}
+        assert taint["spec"]["taint"]["effect"] == "NoExecute"
+        eventually(lambda: read_pod(cluster, holder) is None, 60, interval=0.1, what="GPU 3's pod evicted")
+        evicted_at = time.monotonic()
+        print(
+            f"device taint: Xid -> rule visible {visible_at - fault_at:.2f} s, "
+            f"rule -> pod on GPU 3 gone {evicted_at - visible_at:.2f} s"
+        )
+        # Only that pod: the other seven keep running, the node carries no taint of gpuguard's.
+        time.sleep(2)
+        for p in pods:
+            if p != holder:
+                assert pod_ready(read_pod(cluster, p)), f"{p} was disturbed"
+        assert cluster.our_taint(node) is None and not cluster.node(node)["spec"].get("unschedulable")
+        # New claims never get GPU 3: the replacement waits although GPU 3 is free ...
+        replacement = make_claiming_pod(cluster, node)
+        eventually(lambda: unschedulable(cluster, replacement), 60, what="replacement Unschedulable")
+        # ... and gets a good GPU as soon as one is free: the other seven keep being allocated.
+        freed = next(p for p in pods if p != holder)
+        cluster.core.delete_namespaced_pod(freed, WORKLOADS, grace_period_seconds=0)
+        got = eventually(lambda: allocated_device(cluster, replacement), 90, what="replacement allocated")
+        assert got == devices[freed] != "gpu-3"
+        # The agent's /healthz names the GPU it holds out.
+        _, health = agent.healthz()
+        assert [g["device"] for g in health["gpu_quarantines"]] == ["gpu-3"]
+    finally:
+        agent.stop()
+
+    # A reboot clears the Xid's evidence: the new agent (new boot) deletes the rule; GPU 3 is allocated again.
+    cluster.set_boot_id(node, "boot-2")
+    state.write_text(gpus)
+    agent = Agent(
+        node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml, args=args, host_boot_id="host-boot-2"
+    ).start()
+    try:
+        eventually(lambda: device_rule(cluster, rule) is None, 30, what="the rule deleted after the reboot")
+        again = make_claiming_pod(cluster, node)
+        assert (
+            eventually(lambda: allocated_device(cluster, again), 90, what="GPU 3 allocated again") == "gpu-3"
+        )
     finally:
         agent.stop()
