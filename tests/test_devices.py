@@ -8,9 +8,10 @@ from datetime import UTC, datetime
 from fractions import Fraction
 
 import pytest
+from structlog.testing import capture_logs
 
-from gpuguard.config import NodeSettings, PolicySettings
-from gpuguard.errors import PermanentApiError
+from gpuguard.config import Config, NodeSettings, PolicySettings
+from gpuguard.errors import ConfigError, PermanentApiError
 from gpuguard.model import (
     ECC,
     GPU_LOST,
@@ -329,3 +330,25 @@ def test_slices_of_another_driver_or_pool_are_not_this_nodes() -> None:
     assert slice_devices([nvidia_slice("other")], driver=DRIVER, node=NODE) == {}
     assert slice_devices([nvidia_slice(NODE)], driver="example.com", node=NODE) == {}
     assert len(slice_devices([nvidia_slice(NODE)], driver=DRIVER, node=NODE)) == 8
+
+
+def test_quarantine_gpu_names_a_gpu_the_slices_do_not_publish_as_an_error_and_still_taints_the_node() -> None:
+    settings = NodeSettings(name=NODE, quarantine="gpu")
+    with capture_logs() as logs:
+        writer, source, r, _ = make(slices=[], settings=settings)
+        run(r, verdict(xid_on=3))
+    assert writer.node.our_taint is not None and source.store == {}
+    assert [e["uuid"] for e in logs if e["event"] == "device.unpublished"] == [UUIDS[3]]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"quarantine": "device"}, "--quarantine must be one of auto, node, gpu"),
+        ({"dra_driver": "GPU.NVIDIA.COM"}, "--dra-driver"),
+        ({"dra_driver": ""}, "--dra-driver"),
+    ],
+)
+def test_a_bad_quarantine_setting_is_one_clear_error(change: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Config(node=NodeSettings(name=NODE, **change))  # type: ignore[arg-type]

@@ -20,6 +20,8 @@ import kubernetes
 import pytest
 import yaml
 
+from gpuguard import kubeapi
+from gpuguard.node.devicewriters import quarantined_gpus
 from tests.dra import DRIVER, gpu_uuid, nvidia_slice
 from tests.integration.kube import (
     DEPLOY,
@@ -369,9 +371,14 @@ def test_one_bad_gpu_of_eight_costs_one_gpu_through_a_dra_device_taint(
         cluster.core.delete_namespaced_pod(freed, WORKLOADS, grace_period_seconds=0)
         got = eventually(lambda: allocated_device(cluster, replacement), 90, what="replacement allocated")
         assert got == devices[freed] != "gpu-3"
-        # The agent's /healthz names the GPU it holds out.
+        # The agent's /healthz names the GPU it holds out; `gpuguard status` lists it.
         _, health = agent.healthz()
         assert [g["device"] for g in health["gpu_quarantines"]] == ["gpu-3"]
+        admin_api = kubeapi.load(str(full_control_plane.kubeconfig_path), user_agent="test")
+        rows = [r for r in quarantined_gpus(admin_api) if r["node"] == node]
+        assert [(r["device"], r["state"], r["reason"]) for r in rows] == [
+            ("gpu-3", "gpu-quarantined", "xid-79")
+        ]
     finally:
         agent.stop()
 
@@ -387,5 +394,39 @@ def test_one_bad_gpu_of_eight_costs_one_gpu_through_a_dra_device_taint(
         assert (
             eventually(lambda: allocated_device(cluster, again), 90, what="GPU 3 allocated again") == "gpu-3"
         )
+    finally:
+        agent.stop()
+
+
+def test_a_lost_gpu_on_a_dra_node_still_quarantines_the_node(
+    cluster: Admin, full_control_plane: Any, fakenvml: Path, tmp_path: Path
+) -> None:
+    """A lost GPU makes the whole node turn pods away: the node taint, no device rule, even with slices."""
+    node = make_gpu_node(cluster)
+    cluster.set_boot_id(node, "boot-1")
+    custom: Any = kubernetes.client.CustomObjectsApi(cluster.api)
+    custom.create_cluster_custom_object(DRA, "v1", "resourceslices", nvidia_slice(node))
+    ds_pod = eventually(lambda: daemon_pod(cluster, node), 60, what="DaemonSet pod on the node")
+    gpus = "".join(f"gpu {i} uuid={gpu_uuid(node, i)}\n" for i in range(8))
+    state = tmp_path / "gpus.state"
+    state.write_text(gpus)
+    kubeconfig = token_kubeconfig(
+        tmp_path / "agent.kubeconfig",
+        server=full_control_plane.url,
+        ca_path=full_control_plane.ca_path,
+        token=cluster.pod_token(ds_pod["metadata"]["name"]),
+    )
+    agent = Agent(
+        node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml, args=("--max-quarantined", "100%")
+    )
+    agent.start()
+    try:
+        eventually(agent.ready, 15, what="agent /readyz")
+        state.write_text(
+            gpus.replace(f"gpu 2 uuid={gpu_uuid(node, 2)}", f"gpu 2 uuid={gpu_uuid(node, 2)} lost=1")
+        )
+        taint = eventually(lambda: cluster.our_taint(node), 15, what="gpuguard's node taint")
+        assert taint["value"] == "gpu-lost"
+        assert device_rule(cluster, f"gpuguard-{node}-gpu-2") is None
     finally:
         agent.stop()
