@@ -118,6 +118,7 @@ class FakeDeviceSource:
         self.slice_items = slices
         self.store: dict[str, dict[str, Any]] = {}
         self.other_rules: list[DeviceRule] = []
+        self.slice_error: NodeUpdateError | None = None
         self.calls: list[str] = []
         self._errors: deque[NodeUpdateError] = deque()
         self._version = 0
@@ -131,6 +132,8 @@ class FakeDeviceSource:
 
     def slices(self) -> list[dict[str, Any]] | None:
         self.calls.append("slices")
+        if self.slice_error is not None:
+            raise self.slice_error
         return self.slice_items
 
     def rules(self) -> list[DeviceRule]:

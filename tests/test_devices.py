@@ -352,3 +352,32 @@ def test_quarantine_gpu_names_a_gpu_the_slices_do_not_publish_as_an_error_and_st
 def test_a_bad_quarantine_setting_is_one_clear_error(change: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         Config(node=NodeSettings(name=NODE, **change))  # type: ignore[arg-type]
+
+
+def test_an_agent_whose_cluster_role_predates_dra_still_taints_the_node_for_a_gpu_fault() -> None:
+    """A new agent with the old ClusterRole: listing ResourceSlices is refused (403). Never blind: the node
+    taint, and an error line, rather than no quarantine at all."""
+    writer, source, r, _ = make()
+    source.slice_error = PermanentApiError("resourceslices is forbidden", status=403)
+    with capture_logs() as logs:
+        run(r, verdict(xid_on=3))
+    assert writer.node.our_taint is not None and writer.node.our_taint.value == "xid-79"
+    assert [e["event"] for e in logs if e["event"].startswith("device.")] == ["device.read_rejected"]
+
+
+def test_a_rule_changed_by_someone_else_is_read_again_not_fought_over() -> None:
+    _, source, r, _ = make()
+    first = verdict(xid_on=3)
+    run(r, first)
+    name = f"gpuguard-{NODE}-gpu-3"
+    source.store[name]["metadata"]["resourceVersion"] = "99"  # another writer's change
+    both = evaluate(
+        Snapshot(gpus=tuple(reading(i, ecc_uncorrected=4 if i == 3 else 0) for i in range(8))),
+        previous=first,
+        settings=PolicySettings(),
+    )
+    run(r, both)  # 409: no crash, the rules are read again at the next reconcile
+    run(r, both)
+    assert source.store[name]["metadata"]["annotations"]["gpuguard.io/faults"] == (
+        f"ecc/{UUIDS[3]},xid-79/{UUIDS[3]}"
+    )

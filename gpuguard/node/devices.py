@@ -26,13 +26,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from fractions import Fraction
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
 from gpuguard import validation
 from gpuguard.config import NodeSettings
-from gpuguard.errors import PermanentApiError
+from gpuguard.errors import ConfigError, ConflictError, PermanentApiError
 from gpuguard.model import ECC, RESET_REQUIRED, ROW_REMAP, Fault, GpuQuarantine, Verdict, recovery_reason
 from gpuguard.node.budget import Budget
 from gpuguard.node.view import (
@@ -51,6 +51,7 @@ from gpuguard.node.view import (
 from gpuguard.policy import cleared_without_reboot, primary
 
 log = structlog.get_logger("gpuguard.node.devices")
+T = TypeVar("T")
 
 API = "/apis/resource.k8s.io/v1"
 # Labels on every rule gpuguard writes: which node's (what `gpuguard status`, the budget and the admission
@@ -227,7 +228,7 @@ def _taint_value(faults: tuple[Fault, ...]) -> str:
     value = first.reason if first is not None else "unhealthy"
     try:
         return validation.taint_value(value)
-    except Exception:
+    except ConfigError:  # a reason that is not a label value: a fixed one
         return "unhealthy"
 
 
@@ -312,6 +313,7 @@ class DeviceQuarantine:
         self._overridden: dict[str, frozenset[str]] = {}
         # UUIDs whose rule the API server refused (403, 404 API not served): the node taint stands in.
         self._held: set[str] = set()
+        self._read_error = ""
         self.quarantined: tuple[GpuQuarantine, ...] = ()
 
     @property
@@ -355,11 +357,21 @@ class DeviceQuarantine:
         return result.node_verdict
 
     def _read(self, node: NodeView) -> None:
-        docs = self._source.slices()
-        self._slices_at = self._clock()
+        self._slices_at = self._read_at = self._clock()
+        try:
+            docs = self._source.slices()
+            rules = {r.name: r for r in self._source.rules()}
+        except PermanentApiError as exc:
+            # 403: a ClusterRole from before the per-GPU quarantine. Every fault gets the node taint until a
+            # read succeeds (next --node-resync): never no quarantine at all because of the GPUs' one.
+            if self._devices or self._read_error != str(exc):
+                log.error("device.read_rejected", node=node.name, error=str(exc), note="node taint")
+            self._read_error = str(exc)
+            self._devices, self._node_gpus = {}, 0
+            return
+        self._read_error = ""
         self._devices = slice_devices(docs or [], driver=self._settings.dra_driver, node=node.name)
         self._node_gpus = len(self._devices)
-        rules = {r.name: r for r in self._source.rules()}
         for name, keys in self._known.items():
             if name not in rules:
                 log.warning(
@@ -369,7 +381,6 @@ class DeviceQuarantine:
                 self._overridden[uuid] = keys
         self._known = {n: r.faults for n, r in rules.items()}
         self._rules = rules
-        self._read_at = self._clock()
 
     def _hold(
         self, node: NodeView, dev: SliceDevice, faults: tuple[Fault, ...], rule: DeviceRule | None
@@ -396,7 +407,9 @@ class DeviceQuarantine:
         if not annotations and not body:
             return
         body["metadata"] = {"annotations": annotations, "resourceVersion": rule.resource_version}
-        updated = self._source.patch(rule, body)
+        updated = self._write(node, rule, lambda: self._source.patch(rule, body))
+        if updated is None:
+            return
         self._rules[updated.name] = updated
         self._known[updated.name] = updated.faults
         log.warning(
@@ -409,8 +422,26 @@ class DeviceQuarantine:
             dry_run=self._settings.dry_run,
         )
 
+    def _write(self, node: NodeView, rule: DeviceRule, call: Callable[[], T]) -> T | None:
+        """A change to an existing rule: its answer, or None when it did not land. A conflict (someone
+        changed the rule) reads the rules again at the next reconcile; a refusal is logged, the rule left."""
+        try:
+            return call()
+        except ConflictError:
+            self._read_at = -math.inf
+        except PermanentApiError as exc:
+            log.error("device.rule_write_rejected", node=node.name, rule=rule.name, error=str(exc))
+        return None
+
     def _create(self, node: NodeView, dev: SliceDevice, faults: tuple[Fault, ...]) -> None:
-        deferred = not self._room(node, None)
+        try:
+            deferred = not self._room(node, None)
+        except PermanentApiError as exc:
+            self._held.add(dev.uuid)
+            log.error(
+                "device.budget_unreadable", node=node.name, uuid=dev.uuid, error=str(exc), note="node taint"
+            )
+            return
         effect = NONE_EFFECT if deferred else device_effect(self._settings.taint_effect)
         body = rule_body(
             node,
@@ -458,7 +489,8 @@ class DeviceQuarantine:
         rebooted = rule.annotations.get(ANN_BOOT_ID, "") not in ("", node.boot_id) and bool(node.boot_id)
         if not (gone or rebooted):
             return
-        self._source.delete(rule)
+        if not self._write(node, rule, lambda: _deleted(self._source, rule)):
+            return
         self._rules.pop(rule.name, None)
         self._known.pop(rule.name, None)
         log.info(
@@ -510,3 +542,8 @@ class DeviceQuarantine:
             )
             for r in sorted(self._rules.values(), key=lambda r: r.device)
         )
+
+
+def _deleted(source: DeviceSource, rule: DeviceRule) -> bool:
+    source.delete(rule)
+    return True
