@@ -2,7 +2,8 @@
 
 gpuguard's marks on a node: taints, labels and annotations under ``gpuguard.io/``, the ``GPUHealthy`` node
 condition, and the cordon when gpuguard made it (annotation ``gpuguard.io/cordoned=true``; an operator's
-own cordon stays). Removing the DaemonSet leaves all of them in place, on purpose: a node that was held out
+own cordon stays); and its DeviceTaintRules, which hold single GPUs out (the per-GPU quarantine).
+Removing the DaemonSet leaves all of them in place, on purpose: a node that was held out
 for a bad GPU stays held out until someone decides. Run this after the agents are gone (they would put the
 marks back). Writes are merge patches with the resourceVersion read (a 409 re-reads and plans again) and
 touch nothing else; the condition goes with a strategic-merge delete on nodes/status.
@@ -18,6 +19,7 @@ import tenacity
 
 from gpuguard import kubeapi
 from gpuguard.errors import ConflictError, GpuguardError
+from gpuguard.node.devicewriters import KubeDeviceSource
 from gpuguard.node.view import ANN_CORDONED, CONDITION_TYPE, DOMAIN
 
 PREFIX = f"{DOMAIN}/"
@@ -143,3 +145,20 @@ def clean_node(api: kubeapi.Client, name: str, *, dry_run: bool = False, timeout
         return retrying(once)
     except _Conflict as exc:
         raise GpuguardError(f"node {name}: changed under every one of {_ATTEMPTS} attempts: {exc}") from None
+
+
+def clean_rules(
+    api: kubeapi.Client, nodes: tuple[str, ...] | None, *, dry_run: bool = False, timeout: float = 10.0
+) -> list[str]:
+    """Delete gpuguard's DeviceTaintRules (the per-GPU quarantine) of the named nodes, or of every node
+    (None): only rules labelled app.kubernetes.io/managed-by=gpuguard, an administrator's stay. The names,
+    "<node>/<device> (<rule>)", deleted (or, dry_run, to be deleted)."""
+    source = KubeDeviceSource("", api=api, driver="", timeout=timeout)
+    done = []
+    for rule in source.all_rules():
+        if nodes is not None and rule.pool not in nodes:
+            continue
+        if not dry_run:
+            source.delete(rule)
+        done.append(f"{rule.pool}/{rule.device} ({rule.name})")
+    return sorted(done)

@@ -381,8 +381,9 @@ def _printable(value: Any) -> Any:
 @click.option("--dry-run", is_flag=True, default=False, help="Only say what would be removed.")
 def uninstall(kubeconfig: str | None, nodes: tuple[str, ...], all_nodes: bool, dry_run: bool) -> int:
     """Remove every gpuguard.io/ taint, label and annotation, the GPUHealthy condition and the cordons
-    gpuguard made, from the nodes named (--node) or all (--all). Run it after removing the DaemonSet."""
-    from gpuguard.cleanup import clean_node, node_names  # noqa: PLC0415
+    gpuguard made, from the nodes named (--node) or all (--all), and gpuguard's DRA DeviceTaintRules of
+    those nodes. Run it after removing the DaemonSet."""
+    from gpuguard.cleanup import clean_node, clean_rules, node_names  # noqa: PLC0415
     from gpuguard.node.writers import load_api_client  # noqa: PLC0415
 
     if bool(nodes) == all_nodes:
@@ -394,6 +395,8 @@ def uninstall(kubeconfig: str | None, nodes: tuple[str, ...], all_nodes: bool, d
             plan = clean_node(api, name, dry_run=dry_run)
             verb = "would remove" if dry_run and not plan.empty else "removed"
             click.echo(f"{name}: {verb if not plan.empty else 'clean:'} {plan.describe()}")
+        for rule in clean_rules(api, nodes or None, dry_run=dry_run):
+            click.echo(f"{rule}: {'would delete' if dry_run else 'deleted'} device taint rule")
     except GpuguardError as exc:
         raise ConfigError(f"uninstall: {exc}") from None
     return EXIT_OK

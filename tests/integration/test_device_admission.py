@@ -14,6 +14,8 @@ from typing import Any
 import kubernetes
 import pytest
 
+from gpuguard import kubeapi
+from gpuguard.cleanup import clean_rules
 from tests.integration.kube import TAINT_KEY, Admin, eventually, token_client
 
 pytestmark = pytest.mark.timeout(180)
@@ -179,3 +181,24 @@ def test_other_users_are_not_affected(admin: Admin) -> None:
     custom(admin).create_cluster_custom_object(GROUP, VERSION, PLURAL, body)
     custom(admin).delete_cluster_custom_object(GROUP, VERSION, PLURAL, body["metadata"]["name"])
     assert node
+
+
+def test_uninstall_deletes_gpuguards_rules_of_the_named_nodes_and_no_one_elses(
+    admin: Admin, control_plane: Any
+) -> None:
+    here, there = new_node(admin), new_node(admin)
+    mine, other = rule(here, "gpu-1"), rule(there, "gpu-1")
+    agent_api(admin, control_plane, here).create_cluster_custom_object(GROUP, VERSION, PLURAL, mine)
+    agent_api(admin, control_plane, there).create_cluster_custom_object(GROUP, VERSION, PLURAL, other)
+    theirs = rule(here, "gpu-2", labels={"team": "infra"})
+    custom(admin).create_cluster_custom_object(GROUP, VERSION, PLURAL, theirs)
+    api = kubeapi.load(str(control_plane.kubeconfig_path), user_agent="test")
+    name = mine["metadata"]["name"]
+    assert clean_rules(api, (here,), dry_run=True) == [f"{here}/gpu-1 ({name})"]
+    assert custom(admin).get_cluster_custom_object(GROUP, VERSION, PLURAL, name)  # a dry run deletes nothing
+    assert clean_rules(api, (here,)) == [f"{here}/gpu-1 ({name})"]
+    left = {
+        d["metadata"]["name"]
+        for d in custom(admin).list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
+    }
+    assert name not in left and {other["metadata"]["name"], theirs["metadata"]["name"]} <= left
