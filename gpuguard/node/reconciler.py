@@ -240,7 +240,6 @@ class NodeReconciler:
         if self.devices is not None:
             # Per-GPU faults become DeviceTaintRules; the node is planned for what is left (docs/design.md).
             verdict = self.devices.apply(node, verdict, streak=streak, flapping=flapping)
-            self._set_node(node)
         for attempt in range(self._max_conflicts):
             change = self._plan(node, verdict, streak, flapping)
             if change is None:

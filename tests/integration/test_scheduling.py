@@ -54,29 +54,40 @@ def cluster(full_control_plane: Any) -> Iterator[Admin]:
         yield with_workloads(Admin(api))
 
 
-def make_gpu_pod(admin: Admin, node: str, *, tolerations: list[dict[str, str]] | None = None) -> str:
-    """A pod that asks for one GPU and may only run on `node`: the scheduler binds it, kwok runs it."""
+def make_gpu_pod(
+    admin: Admin, node: str, *, tolerations: list[dict[str, str]] | None = None, claim: str | None = None
+) -> str:
+    """A pod that asks for one GPU and may only run on `node`: the scheduler binds it, kwok runs it. The GPU
+    is the device plugin's resource nvidia.com/gpu, or with `claim` (a ResourceClaimTemplate) one DRA
+    device claimed through it."""
     name = f"llm-{next(_names)}"
+    spec: dict[str, Any] = {
+        "nodeSelector": {"kubernetes.io/hostname": node},
+        "tolerations": tolerations or [],
+        "containers": [
+            {
+                "name": "server",
+                "image": "registry.example/llm-server:1",
+                "resources": {"claims": [{"name": "gpu"}]} if claim else {"limits": {"nvidia.com/gpu": "1"}},
+            }
+        ],
+    }
+    if claim:
+        spec["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": claim}]
     admin.core.create_namespaced_pod(
-        WORKLOADS,
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name},
-            "spec": {
-                "nodeSelector": {"kubernetes.io/hostname": node},
-                "tolerations": tolerations or [],
-                "containers": [
-                    {
-                        "name": "server",
-                        "image": "registry.example/llm-server:1",
-                        "resources": {"limits": {"nvidia.com/gpu": "1"}},
-                    }
-                ],
-            },
-        },
+        WORKLOADS, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
     )
     return name
+
+
+def daemon_pod_kubeconfig(admin: Admin, cluster: Any, ds_pod: dict[str, Any], tmp_path: Path) -> Path:
+    """The agent runs as the DaemonSet pod's ServiceAccount, with a token bound to that very pod."""
+    return token_kubeconfig(
+        tmp_path / "agent.kubeconfig",
+        server=cluster.url,
+        ca_path=cluster.ca_path,
+        token=admin.pod_token(ds_pod["metadata"]["name"]),
+    )
 
 
 def test_a_gpu_pod_is_bound_by_the_scheduler_and_run_by_kwok(cluster: Admin) -> None:
@@ -175,14 +186,7 @@ def test_no_execute_evicts_the_pods_of_a_bad_node_but_not_tolerating_ones_or_the
     for name in (victim, tolerant):
         eventually(lambda name=name: pod_ready(read_pod(cluster, name)), 60, what=f"{name} Ready")  # type: ignore[misc]
 
-    # The agent runs as the DaemonSet pod's ServiceAccount, with a token bound to that very pod.
-    token = cluster.pod_token(ds_pod["metadata"]["name"])
-    kubeconfig = token_kubeconfig(
-        tmp_path / "agent.kubeconfig",
-        server=full_control_plane.url,
-        ca_path=full_control_plane.ca_path,
-        token=token,
-    )
+    kubeconfig = daemon_pod_kubeconfig(cluster, full_control_plane, ds_pod, tmp_path)
     state = tmp_path / "gpus.state"
     state.write_text(GPUS_OK)
     args = ("--taint-effect", "NoExecute", "--max-quarantined", "100%")
@@ -255,31 +259,6 @@ def _dra_objects(admin: Admin) -> None:
                 raise
 
 
-def make_claiming_pod(admin: Admin, node: str) -> str:
-    """A pod that claims one GPU through the ResourceClaimTemplate (DRA, no device plugin resource)."""
-    name = f"dra-{next(_names)}"
-    admin.core.create_namespaced_pod(
-        WORKLOADS,
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name},
-            "spec": {
-                "nodeSelector": {"kubernetes.io/hostname": node},
-                "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": CLAIM_TEMPLATE}],
-                "containers": [
-                    {
-                        "name": "server",
-                        "image": "registry.example/llm-server:1",
-                        "resources": {"claims": [{"name": "gpu"}]},
-                    }
-                ],
-            },
-        },
-    )
-    return name
-
-
 def allocated_device(admin: Admin, pod: str) -> str | None:
     """The device the scheduler allocated to the pod's claim (None while unallocated)."""
     p = read_pod(admin, pod) or {}
@@ -304,6 +283,17 @@ def device_rule(admin: Admin, name: str) -> dict[str, Any] | None:
         raise
 
 
+def dra_node(admin: Admin) -> tuple[str, dict[str, Any], str]:
+    """A kwok GPU node (bootID boot-1) whose 8 GPUs NVIDIA's DRA driver publishes, its DaemonSet pod, and the
+    fake NVML state of those GPUs (the same UUIDs)."""
+    node = make_gpu_node(admin)
+    admin.set_boot_id(node, "boot-1")
+    custom: Any = kubernetes.client.CustomObjectsApi(admin.api)
+    custom.create_cluster_custom_object(DRA, "v1", "resourceslices", nvidia_slice(node))
+    ds_pod = eventually(lambda: daemon_pod(admin, node), 60, what="DaemonSet pod on the node")
+    return node, ds_pod, "".join(f"gpu {i} uuid={gpu_uuid(node, i)}\n" for i in range(8))
+
+
 def unschedulable(admin: Admin, pod: str) -> bool:
     conditions = (read_pod(admin, pod) or {}).get("status", {}).get("conditions") or []
     return any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable" for c in conditions)
@@ -317,13 +307,9 @@ def test_one_bad_gpu_of_eight_costs_one_gpu_through_a_dra_device_taint(
     the other seven keep being allocated, the node stays schedulable; after a reboot the rule is gone and
     GPU 3 is allocated again."""
     _dra_objects(cluster)
-    node = make_gpu_node(cluster)
-    cluster.set_boot_id(node, "boot-1")
-    custom: Any = kubernetes.client.CustomObjectsApi(cluster.api)
-    custom.create_cluster_custom_object(DRA, "v1", "resourceslices", nvidia_slice(node))
-    ds_pod = eventually(lambda: daemon_pod(cluster, node), 60, what="DaemonSet pod on the node")
+    node, ds_pod, gpus = dra_node(cluster)
 
-    pods = [make_claiming_pod(cluster, node) for _ in range(8)]
+    pods = [make_gpu_pod(cluster, node, claim=CLAIM_TEMPLATE) for _ in range(8)]
     devices: dict[str, str] = {}
     for p in pods:
         eventually(lambda p=p: pod_ready(read_pod(cluster, p)), 90, what=f"{p} Ready")  # type: ignore[misc]
@@ -331,15 +317,9 @@ def test_one_bad_gpu_of_eight_costs_one_gpu_through_a_dra_device_taint(
     assert sorted(devices.values()) == sorted(f"gpu-{i}" for i in range(8))
     holder = next(p for p, d in devices.items() if d == "gpu-3")
 
-    gpus = "".join(f"gpu {i} uuid={gpu_uuid(node, i)}\n" for i in range(8))
     state = tmp_path / "gpus.state"
     state.write_text(gpus)
-    kubeconfig = token_kubeconfig(
-        tmp_path / "agent.kubeconfig",
-        server=full_control_plane.url,
-        ca_path=full_control_plane.ca_path,
-        token=cluster.pod_token(ds_pod["metadata"]["name"]),
-    )
+    kubeconfig = daemon_pod_kubeconfig(cluster, full_control_plane, ds_pod, tmp_path)
     args = ("--taint-effect", "NoExecute", "--max-quarantined", "100%", "--node-resync", "1")
     agent = Agent(node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml, args=args).start()
     rule = f"gpuguard-{node}-gpu-3"
@@ -364,7 +344,7 @@ def test_one_bad_gpu_of_eight_costs_one_gpu_through_a_dra_device_taint(
                 assert pod_ready(read_pod(cluster, p)), f"{p} was disturbed"
         assert cluster.our_taint(node) is None and not cluster.node(node)["spec"].get("unschedulable")
         # New claims never get GPU 3: the replacement waits although GPU 3 is free ...
-        replacement = make_claiming_pod(cluster, node)
+        replacement = make_gpu_pod(cluster, node, claim=CLAIM_TEMPLATE)
         eventually(lambda: unschedulable(cluster, replacement), 60, what="replacement Unschedulable")
         # ... and gets a good GPU as soon as one is free: the other seven keep being allocated.
         freed = next(p for p in pods if p != holder)
@@ -390,7 +370,7 @@ def test_one_bad_gpu_of_eight_costs_one_gpu_through_a_dra_device_taint(
     ).start()
     try:
         eventually(lambda: device_rule(cluster, rule) is None, 30, what="the rule deleted after the reboot")
-        again = make_claiming_pod(cluster, node)
+        again = make_gpu_pod(cluster, node, claim=CLAIM_TEMPLATE)
         assert (
             eventually(lambda: allocated_device(cluster, again), 90, what="GPU 3 allocated again") == "gpu-3"
         )
@@ -402,20 +382,10 @@ def test_a_lost_gpu_on_a_dra_node_still_quarantines_the_node(
     cluster: Admin, full_control_plane: Any, fakenvml: Path, tmp_path: Path
 ) -> None:
     """A lost GPU makes the whole node turn pods away: the node taint, no device rule, even with slices."""
-    node = make_gpu_node(cluster)
-    cluster.set_boot_id(node, "boot-1")
-    custom: Any = kubernetes.client.CustomObjectsApi(cluster.api)
-    custom.create_cluster_custom_object(DRA, "v1", "resourceslices", nvidia_slice(node))
-    ds_pod = eventually(lambda: daemon_pod(cluster, node), 60, what="DaemonSet pod on the node")
-    gpus = "".join(f"gpu {i} uuid={gpu_uuid(node, i)}\n" for i in range(8))
+    node, ds_pod, gpus = dra_node(cluster)
     state = tmp_path / "gpus.state"
     state.write_text(gpus)
-    kubeconfig = token_kubeconfig(
-        tmp_path / "agent.kubeconfig",
-        server=full_control_plane.url,
-        ca_path=full_control_plane.ca_path,
-        token=cluster.pod_token(ds_pod["metadata"]["name"]),
-    )
+    kubeconfig = daemon_pod_kubeconfig(cluster, full_control_plane, ds_pod, tmp_path)
     agent = Agent(
         node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml, args=("--max-quarantined", "100%")
     )
