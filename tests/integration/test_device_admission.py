@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import subprocess
 import time
 from typing import Any
 
+import controlplane
 import kubernetes
 import pytest
 
@@ -202,3 +204,35 @@ def test_uninstall_deletes_gpuguards_rules_of_the_named_nodes_and_no_one_elses(
         for d in custom(admin).list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
     }
     assert name not in left and {other["metadata"]["name"], theirs["metadata"]["name"]} <= left
+
+
+GET_RULES = "kubectl get devicetaintrules -l app.kubernetes.io/managed-by=gpuguard"
+DELETE_RULES = "kubectl delete devicetaintrules -l app.kubernetes.io/managed-by=gpuguard"
+
+
+def test_the_pages_kubectl_commands_list_and_delete_gpuguards_rules_and_no_one_elses(
+    admin: Admin, control_plane: Any
+) -> None:
+    """docs/operations.md names these two commands in its prose; run as written, with the pinned kubectl."""
+    bins = controlplane.cached_binaries()
+    assert bins is not None and bins.kubectl is not None
+    node = new_node(admin)
+    mine = rule(node, "gpu-4")
+    agent_api(admin, control_plane, node).create_cluster_custom_object(GROUP, VERSION, PLURAL, mine)
+    theirs = rule(node, "gpu-5", labels={"team": "infra"})
+    custom(admin).create_cluster_custom_object(GROUP, VERSION, PLURAL, theirs)
+
+    def kubectl(command: str) -> str:
+        argv = [str(bins.kubectl), *command.split()[1:], "--kubeconfig", str(control_plane.kubeconfig_path)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    listed = kubectl(GET_RULES)
+    assert mine["metadata"]["name"] in listed and theirs["metadata"]["name"] not in listed
+    kubectl(DELETE_RULES)
+    left = {
+        d["metadata"]["name"]
+        for d in custom(admin).list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
+    }
+    assert mine["metadata"]["name"] not in left and theirs["metadata"]["name"] in left
