@@ -282,9 +282,10 @@ class DeviceQuarantine:
     """The per-GPU quarantine across reconciles. `apply` runs in the reconciler's thread before the node is
     planned: it writes the rules and returns the verdict left for the node taint.
 
-    Reads: the node's slices and rules at the first call, then again every --node-resync seconds while a
-    rule is held or a per-GPU fault waits for its device (the driver publishes after gpuguard starts), and
-    at once when a fault names a GPU not in the slices read. A healthy node without rules costs nothing.
+    Reads: the node's slices and rules at the first call (the agent's first reconcile), then again every
+    --node-resync seconds while a rule is held, and at once when a fault names a GPU the node's slices did
+    not list. A node without slices at the first read makes no request in a fault's path (its faults get
+    the node taint, as on a device-plugin cluster), and a healthy node without rules costs nothing.
     """
 
     def __init__(
@@ -332,10 +333,16 @@ class DeviceQuarantine:
             return verdict
         wanted = {g.uuid for g in verdict.gpus if any(per_gpu(f) for f in g.faults)}
         due = self._clock() - self._read_at >= self._settings.node_resync
-        if due and (self._rules or wanted or self._read_at == -math.inf):
+        if self._read_at == -math.inf or (due and self._rules):
             self._read(node)
-        elif wanted - set(self._devices) - self._held and self._clock() - self._slices_at >= 1.0:
-            self._read(node)  # a fault on a GPU not in the slices read: they may have changed since
+        elif (
+            self._devices
+            and wanted - set(self._devices) - self._held
+            and self._clock() - self._slices_at >= 1.0
+        ):
+            # A DRA node, and a fault on a GPU its slices did not list: they may have changed since. A node
+            # without slices (device-plugin clusters) makes no request here: the fault's path stays as fast.
+            self._read(node)
         result = split(verdict, self._devices, mode=self.mode, held=frozenset(self._held))
         if self.mode == "gpu":
             for uuid in wanted - set(result.by_gpu):
