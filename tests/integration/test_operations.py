@@ -34,7 +34,7 @@ pytestmark = pytest.mark.timeout(900)
 EXERCISED_ELSEWHERE = {
     "gpuguard uninstall --node NAME": "test_uninstall_of_one_node_and_its_dry_run_do_what_the_page_says",
     "kubectl delete": "test_the_plain_manifests_apply_and_delete_with_kubectl_and_why_the_namespace_comes_first",  # noqa: E501
-    "kubectl delete nodeclaim NAME": "test_karpenter.py::test_karpenter_launches_gated_nodes_once_and_pods_land_only_where_gpuguard_verified_the_gpus",  # noqa: E501,
+    "kubectl delete nodeclaim NAME": "test_karpenter.py::test_karpenter_launches_gated_nodes_once_and_pods_land_only_where_gpuguard_verified_the_gpus",  # noqa: E501
     # tests/integration/test_device_admission.py
     "kubectl get devicetaintrules -l app.kubernetes.io/managed-by=gpuguard": (
         "test_the_pages_kubectl_commands_list_and_delete_gpuguards_rules_and_no_one_elses"
