@@ -1,5 +1,5 @@
-"""The Kubernetes API for gpuguard's five kinds of request: one urllib3 pool, TLS, a bearer token or a client
-certificate, JSON in and out.
+"""The Kubernetes API for gpuguard's five kinds of request and its one watch: one urllib3 pool, TLS, a bearer
+token or a client certificate, JSON in and out.
 
 Why not the kubernetes package's CoreV1Api: importing it loads all of its generated models, +42 MB of RSS
 and ~280 ms of start-up on every GPU node (make bench), for five requests. The package stays a dependency
@@ -30,7 +30,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,7 +149,7 @@ class Client:
                 tls["key_file"] = creds.key_file
             if creds.tls_server_name:
                 tls["server_hostname"] = creds.tls_server_name
-        # maxsize 4: the writer thread, plus `gpuguard status`/benches that share a client.
+        # maxsize 4: the writer thread, the budget's watch and count (node/fleet.py), `gpuguard status`.
         pool: dict[str, Any] = {"num_pools": 1, "maxsize": 4, "retries": False, **tls}
         self._pool: urllib3.PoolManager = (
             urllib3.ProxyManager(creds.proxy, **pool) if creds.proxy else urllib3.PoolManager(**pool)
@@ -187,22 +187,53 @@ class Client:
             )
         except (HTTPError, OSError) as exc:
             raise TransientApiError(f"{what}: {type(exc).__name__}: {exc}") from exc
-        if resp.status >= 400:
-            message = _message(resp.data, resp.reason)
-            if resp.status == 409:
-                raise ConflictError(f"{what}: conflict: {message}")
-            if resp.status == 429 or resp.status >= 500:
-                raise TransientApiError(
-                    f"{what}: HTTP {resp.status}: {message}",
-                    status=resp.status,
-                    retry_after=_retry_after(resp.headers),
-                )
-            raise PermanentApiError(f"{what}: HTTP {resp.status}: {message}", status=resp.status)
+        _raise_for_status(resp, what)
         try:
             return json.loads(resp.data) if resp.data else None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             # An answer that is not JSON (a proxy's error page) is as good as no answer.
             raise TransientApiError(f"{what}: {type(exc).__name__}: {exc}", status=resp.status) from exc
+
+    def watch(
+        self,
+        path: str,
+        *,
+        query: Mapping[str, str],
+        accept: str = "application/json",
+        timeout: float = 10.0,
+        idle: float = 330.0,
+        what: str = "",
+    ) -> Iterator[dict[str, Any]]:
+        """A watch, started before this returns (`query` carries watch=1, the resourceVersion and the
+        server's timeoutSeconds): each event ({"type", "object"}) as the server sends it, until the server
+        ends the stream. `idle`: the longest silence before the connection counts as dead (more than
+        timeoutSeconds; bookmarks come sooner). The errors of request(), also for a stream that breaks."""
+        what = what or f"watch {path}"
+        headers = {"Accept": accept, "User-Agent": self._user_agent}
+        auth = self._authorization()
+        if auth:
+            headers["Authorization"] = auth
+        url = self._server + path + f"?{urlencode(query)}"
+        try:
+            resp = self._pool.request(
+                "GET",
+                url,
+                headers=headers,
+                timeout=urllib3.Timeout(connect=timeout, read=idle),
+                retries=False,
+                preload_content=False,
+            )
+        except (HTTPError, OSError) as exc:
+            raise TransientApiError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        if resp.status >= 400:
+            try:
+                resp.read()
+            except (HTTPError, OSError):
+                pass
+            finally:
+                resp.release_conn()
+            _raise_for_status(resp, what)
+        return _events(resp, what)
 
     def _authorization(self) -> str | None:
         creds = self.creds
@@ -405,6 +436,40 @@ def _unless_bypassed(server: str, proxy: str | None, no_proxy: str) -> str | Non
             if name == domain or name.endswith("." + domain):
                 return None
     return proxy
+
+
+def _events(resp: urllib3.BaseHTTPResponse, what: str) -> Iterator[dict[str, Any]]:
+    """A watch's events, one JSON document a line, until the server ends the stream."""
+    try:
+        buffer = b""
+        for chunk in resp.stream(65536):
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                if line.strip():
+                    yield json.loads(line)
+    except (HTTPError, OSError) as exc:
+        raise TransientApiError(f"{what}: {type(exc).__name__}: {exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TransientApiError(f"{what}: {type(exc).__name__}: {exc}", status=resp.status) from exc
+    finally:
+        resp.close()  # an unfinished stream: the connection is not reusable
+        resp.release_conn()
+
+
+def _raise_for_status(resp: urllib3.BaseHTTPResponse, what: str) -> None:
+    if resp.status < 400:
+        return
+    message = _message(resp.data, resp.reason)
+    if resp.status == 409:
+        raise ConflictError(f"{what}: conflict: {message}")
+    if resp.status == 429 or resp.status >= 500:
+        raise TransientApiError(
+            f"{what}: HTTP {resp.status}: {message}",
+            status=resp.status,
+            retry_after=_retry_after(resp.headers),
+        )
+    raise PermanentApiError(f"{what}: HTTP {resp.status}: {message}", status=resp.status)
 
 
 def _message(data: bytes, reason: str | None) -> str:
