@@ -104,6 +104,7 @@ def watch(cfg: Config) -> bool:
     from gpuguard.node.budget import QuarantineBudget  # noqa: PLC0415
     from gpuguard.node.devices import DeviceQuarantine  # noqa: PLC0415
     from gpuguard.node.devicewriters import make_device_source  # noqa: PLC0415
+    from gpuguard.node.fleet import watched  # noqa: PLC0415
     from gpuguard.node.reconciler import NodeReconciler  # noqa: PLC0415
     from gpuguard.node.writers import make_writer  # noqa: PLC0415
     from gpuguard.server import HealthServer  # noqa: PLC0415
@@ -113,7 +114,9 @@ def watch(cfg: Config) -> bool:
     backend = make_backend(cfg)
     metrics = Metrics(REGISTRY, dry_run=cfg.node.dry_run)
     writer = make_writer(cfg.node, metrics)
-    budget = QuarantineBudget(writer, cfg.node)
+    fleet = watched(cfg.node, writer)  # the budget off the fault's path: a watch and a background count
+    budget_source = fleet or writer
+    budget = QuarantineBudget(budget_source, cfg.node)
     # The start-up jitter (--startup-jitter): a fleet started at once reaches the API server spread out.
     delay = startup_delay(cfg, uptime=host_uptime())
     devices = None
@@ -122,7 +125,7 @@ def watch(cfg: Config) -> bool:
         devices = DeviceQuarantine(
             make_device_source(cfg.node, metrics),
             cfg.node,
-            budget=lambda: writer.budget(cfg.node.max_quarantined, exclude=node_name),
+            budget=lambda: budget_source.budget(cfg.node.max_quarantined, exclude=node_name),
         )
     reconciler = NodeReconciler(
         writer, cfg.node, budget=budget, devices=devices, metrics=metrics, start_delay=delay
@@ -157,8 +160,12 @@ def watch(cfg: Config) -> bool:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGINT, _stop)
+    if fleet is not None:
+        fleet.start()
     try:
         agent.run(run_for=cfg.run_for)
     finally:
+        if fleet is not None:
+            fleet.stop()
         server.stop()
     return agent.no_library

@@ -32,6 +32,7 @@ class FakeNodeWriter:
         self.order: list[tuple[str, str]] = []  # (since, name) of the other fully quarantined nodes
         self.order_lists = 0
         self.order_error: NodeUpdateError | None = None
+        self.generation = 0
         self.conditions: list[dict[str, str]] = []
 
     def inject_error(self, *errors: NodeUpdateError, on: str = "patch") -> None:
@@ -85,6 +86,10 @@ class FakeNodeWriter:
             else []
         )
         return [*self.order, *mine]
+
+    def changes(self) -> int:
+        """0, as the API server's lists; a test sets `generation` to act as a watch kept in memory."""
+        return self.generation
 
     def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
         with self._lock:

@@ -278,6 +278,7 @@ def test_the_cluster_role_grants_exactly_nodes_node_status_and_the_per_gpu_quara
     assert _grants(_one("ClusterRole")) == {
         ("", "nodes", "get"),
         ("", "nodes", "list"),  # the quarantine budget counts quarantined GPU nodes
+        ("", "nodes", "watch"),  # ... and keeps them in memory, off the fault's path
         ("", "nodes", "patch"),
         ("", "nodes/status", "patch"),  # the GPUHealthy node condition
         # The per-GPU quarantine: which GPUs the node's ResourceSlices publish, and one DeviceTaintRule per

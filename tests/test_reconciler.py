@@ -273,6 +273,34 @@ def test_the_first_in_the_order_stays_and_checks_once_more_after_the_burst_settl
     assert writer.order_lists == 2 and budget_of(r).settle is None
 
 
+def test_a_watched_fleet_is_checked_again_at_each_change_and_a_node_now_past_the_limit_steps_back() -> None:
+    """A source kept in memory by a watch (fleet.WatchedBudget): the order costs no request, so a fully
+    quarantined node checks it again whenever the watch delivered a change, not only 10 s after its write."""
+    from gpuguard.node.budget import Budget
+
+    writer, r = make()
+    writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert [p.action for p in writer.patches] == ["taint"] and writer.order_lists == 1
+    for _ in range(3):  # nothing changed: no check, and an unchanged verdict does not wake the writer
+        r.submit(SICK, 0)
+        r.reconcile_now()
+    assert writer.order_lists == 1 and budget_of(r).settle is not None  # the 10 s check is still to come
+    # Another agent's quarantine with an earlier since lands: the watch delivers it.
+    writer.order.append(("2000-01-01T00:00:00Z", "gpu-0"))
+    writer.generation += 1
+    assert budget_of(r).settling
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.order_lists == 2
+    assert [p.action for p in writer.patches] == ["taint", "yield"] and writer.node.deferred
+    writer.generation += 1  # a deferred node holds no full quarantine: no order check
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.order_lists == 2
+
+
 def test_a_failed_order_check_keeps_the_quarantine_and_checks_again_later() -> None:
     from gpuguard.node.budget import Budget
 

@@ -71,13 +71,18 @@ class Budget:
 
 
 class BudgetSource(Protocol):
-    """Where the budget is read: the API server (`writers.KubeNodeWriter`), or nowhere in a dry run."""
+    """Where the budget is read: a watch kept in memory (`fleet.WatchedBudget`), the API server's lists
+    (`writers.KubeNodeWriter`, its fallback), or nowhere in a dry run."""
 
     def budget(self, spec: str, *, exclude: str) -> Budget | None:
-        """The quarantine budget (one list), or None where there is no cluster to ask."""
+        """The quarantine budget, or None where there is no cluster to ask."""
 
     def quarantine_order(self) -> list[tuple[str, str]]:
-        """(gpuguard.io/since, name) of every node fully quarantined by gpuguard (one small list)."""
+        """(gpuguard.io/since, name) of every node fully quarantined by gpuguard."""
+
+    def changes(self) -> int:
+        """A number that moves whenever the fleet's quarantines may have changed, so that a fully quarantined
+        node checks the order again (free from memory); a constant where every read is a request."""
 
 
 def budget_limit(spec: str, gpu_nodes: int) -> int:
@@ -233,7 +238,9 @@ class QuarantineBudget:
     - one list per reconcile call: a 409 re-plan reuses it (the count has not moved in between);
     - while deferred, at most one list per --budget-recheck to see whether there is room again;
     - after a full quarantine, the quarantine order is checked at once and again VERIFY_SETTLE seconds
-      later; a node found past the limit yields (the next plan is the step back).
+      later; a node found past the limit yields (the next plan is the step back);
+    - while fully quarantined, again whenever the source's `changes()` moves (a watch kept in memory: each
+      check costs no request), so the budget holds exactly once every agent's watch has caught up.
     """
 
     def __init__(
@@ -253,19 +260,32 @@ class QuarantineBudget:
         # Set when the order check found this node past the limit: the next plan is the yield.
         self._yield: tuple[int, int] | None = None
         self.checked = -math.inf
+        # The source's changes() at the last order check, and whether this node is fully quarantined by us.
+        self._seen = source.changes()
+        self._holding = False
 
     @property
     def settling(self) -> bool:
-        """A second order check is pending: the reconciler must wake for it even on an unchanged verdict."""
-        return self.settle is not None
+        """An order check is pending: the reconciler must wake for it even on an unchanged verdict."""
+        return self.settle is not None or (self._holding and self._source.changes() != self._seen)
 
     def begin(self, node: NodeView) -> None:
-        """A new reconcile call: forget the last call's list; run the second order check when it is due."""
+        """A new reconcile call: forget the last call's list; run the second order check when it is due,
+        or another one when the fleet's quarantines changed while this node holds a full quarantine."""
         self._call = None
+        self._holding = node.fully_quarantined
         if self.settle is not None and self._clock() >= self.settle[1]:
             budget = self.settle[0]
             self.settle = None
             self._check_order(node, budget)
+        elif self._holding and self._yield is None and self._source.changes() != self._seen:
+            try:
+                now = self._source.budget(self._settings.max_quarantined, exclude=node.name)
+            except NodeUpdateError as exc:
+                log.warning("node.quarantine_order_failed", node=node.name, error=str(exc))
+                return
+            if now is not None:
+                self._check_order(node, now)
 
     def pending_yield(self, node: NodeView) -> NodeChange | None:
         """The step back the order check asked for, if the node is still fully quarantined by us."""
@@ -304,6 +324,7 @@ class QuarantineBudget:
     def written(self, node: NodeView, change: NodeChange) -> bool:
         """After a write landed. True when the order check found this node past the limit: plan again,
         the next plan is the yield."""
+        self._holding = node.fully_quarantined
         if change.action == "yield":
             self._yield = self.settle = None
             return False
@@ -318,6 +339,7 @@ class QuarantineBudget:
         the yield for the next plan and returns True if so. A failed list keeps the check for later."""
         if not node.fully_quarantined:
             return False
+        self._seen = self._source.changes()
         try:
             order = self._source.quarantine_order()
         except NodeUpdateError as exc:

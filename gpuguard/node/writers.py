@@ -1,7 +1,8 @@
 """The writers: `KubeNodeWriter` (the API server, through `gpuguard.kubeapi`, which raises gpuguard's errors
 itself) and `DryRunNodeWriter` (logs the exact patch, applies it to an in-memory copy, needs no cluster).
 `make_writer` is the one place that knows which one a setting asks for. Both are also the budget's
-`BudgetSource`: the API server lists the fleet; a dry run has no fleet (every quarantine is full)."""
+`BudgetSource`: the API server lists the fleet (the fallback of `fleet.WatchedBudget`, which keeps the
+budget in memory); a dry run has no fleet (every quarantine is full)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,9 @@ class DryRunNodeWriter:
     def quarantine_order(self) -> list[tuple[str, str]]:
         return []
 
+    def changes(self) -> int:
+        return 0
+
     def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
         _checked_condition(node, condition)
         log.info("node.dry_run_condition", node=node.name, condition=dict(condition))
@@ -112,6 +116,15 @@ class KubeNodeWriter:
         self._event_namespace = event_namespace
         self._metrics = metrics
         self._others = others or OtherNodes()
+
+    @property
+    def api(self) -> kubeapi.Client:
+        return self._api
+
+    @property
+    def others(self) -> OtherNodes:
+        """How other nodes' claims are validated (and each ignored one logged once)."""
+        return self._others
 
     def read(self) -> NodeView:
         with self._counted("get"):
@@ -153,9 +166,9 @@ class KubeNodeWriter:
             self._api.request("POST", path, body=body, timeout=self._timeout, what="create event")
 
     def budget(self, spec: str, *, exclude: str) -> Budget | None:
-        """One list, in the fault's hot path: for a count, the quarantined nodes (by label: a few items);
-        for a percentage, every GPU node's metadata (PartialObjectMetadataList: no specs, no statuses),
-        which gives the total and, from the labels, the quarantined ones."""
+        """One list (`fleet.WatchedBudget`'s fallback while its watch is not synced): for a count, the
+        quarantined nodes (by label: a few items); for a percentage, every GPU node's metadata
+        (PartialObjectMetadataList: no specs, no statuses): the total, and the quarantined by label."""
         if not spec.endswith("%"):
             quarantined = sum(1 for _, name in self.quarantine_order() if name != exclude)
             return Budget(quarantined=quarantined, limit=int(spec))
@@ -168,6 +181,10 @@ class KubeNodeWriter:
         node's claim validated first (`OtherNodes`): a malformed or forged one does not count."""
         selector = ",".join(s for s in (f"{LABEL_QUARANTINED}=true", self._gpu_nodes) if s)
         return self._others.quarantined(self._list_metadata("list quarantined nodes", selector))
+
+    def changes(self) -> int:
+        """Constant: every read here is a request, so nothing is read again unasked."""
+        return 0
 
     def _list_metadata(self, what: str, selector: str) -> list[dict[str, Any]]:
         """Nodes by label selector, metadata only (PartialObjectMetadataList: no specs, no statuses)."""

@@ -1,0 +1,283 @@
+"""The budget's inputs kept current off the fault's path, so that a fault costs only its own writes:
+
+- the fully quarantined GPU nodes: a metadata-only list and watch of the nodes labelled
+  gpuguard.io/quarantined=true (PartialObjectMetadata: no specs, no statuses). Only those few nodes match the
+  selector, so the watch is silent while the fleet is healthy and carries one small event per quarantine;
+- the number of GPU nodes, for a percentage budget only: a metadata list of the GPU nodes in the background,
+  the first at a random moment of the agent's first COUNT_REFRESH seconds, then every COUNT_REFRESH seconds
+  or one second per GPU node, whichever is longer (so the fleet as a whole lists at most about once a
+  second, whatever its size: a list's cost grows with the fleet, and so does the number of agents).
+
+`WatchedBudget` answers the `BudgetSource` seam from memory. Until the watch is established, or while it
+is broken, and before the first count, it asks its fallback (`writers.KubeNodeWriter`: the lists in the
+path, as before), so it is never blind and never guesses. The design, the alternatives and their measured
+cost on the API server are in docs/design.md ("The budget off the fault's path").
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from gpuguard import kubeapi
+from gpuguard.config import NodeSettings
+from gpuguard.errors import NodeUpdateError
+from gpuguard.node.budget import Budget, BudgetSource, OtherNodes, budget_limit
+from gpuguard.node.view import LABEL_QUARANTINED
+from gpuguard.node.writers import DryRunNodeWriter, KubeNodeWriter
+
+log = structlog.get_logger("gpuguard.node.fleet")
+
+_METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+_METADATA = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+# The server ends each watch after this long and the agent resumes from the last resourceVersion: one
+# cheap request per agent every 5 minutes (17 a second at 5,000 agents), served from the watch cache.
+WATCH_SECONDS = 300
+# The GPU-node count: refreshed at least this often apart, and one second per GPU node when the fleet is
+# larger (see the module's docstring). A fleet changes size by autoscaling: a limit computed from a count
+# minutes old is off by the nodes that joined or left since, times the percentage.
+COUNT_REFRESH = 600.0
+COUNT_SECONDS_PER_NODE = 1.0
+# After a failed list or watch: waits from 1 s doubling to 60 s, so that a restarted API server is not met
+# by every agent at once.
+_BACKOFF_MAX = 60.0
+
+
+class WatchedBudget:
+    """The `BudgetSource` of a real cluster: the budget from memory, kept current by a watch and a
+    background count. `start()` starts its two daemon threads; `stop()` ends them."""
+
+    def __init__(
+        self,
+        node: str,
+        spec: str,
+        *,
+        api: kubeapi.Client,
+        fallback: BudgetSource,
+        gpu_node_selector: str,
+        others: OtherNodes | None = None,
+        timeout: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._node = node
+        self._spec = spec
+        self._api = api
+        self._fallback = fallback
+        self._gpu_nodes = gpu_node_selector
+        self._selector = ",".join(s for s in (f"{LABEL_QUARANTINED}=true", gpu_node_selector) if s)
+        self._others = others or OtherNodes()
+        self._timeout = timeout
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._items: dict[str, dict[str, Any]] = {}
+        self._synced = False
+        self._generation = 0
+        # The GPU nodes (this node counted), and when they were counted; None before the first count.
+        self._total: tuple[int, float] | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- BudgetSource ------------------------------------------------------------------------------------
+
+    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+        """From memory; from the fallback's list while the watch is not synced or nothing is counted yet."""
+        with self._lock:
+            synced, total = self._synced, self._total
+        if not synced:
+            return self._fallback.budget(spec, exclude=exclude)
+        quarantined = sum(1 for _, name in self.quarantine_order() if name != exclude)
+        if not spec.endswith("%"):
+            return Budget(quarantined=quarantined, limit=int(spec))
+        if total is None:
+            budget = self._fallback.budget(spec, exclude=exclude)  # the one list before the first count
+            if budget is not None and budget.gpu_nodes is not None:
+                self._counted(budget.gpu_nodes)
+            return budget
+        return Budget(quarantined=quarantined, limit=budget_limit(spec, total[0]), gpu_nodes=total[0])
+
+    def quarantine_order(self) -> list[tuple[str, str]]:
+        """(since, name) of the fully quarantined GPU nodes, each claim validated (`OtherNodes`)."""
+        with self._lock:
+            synced = self._synced
+            items = list(self._items.values())
+        if not synced:
+            return self._fallback.quarantine_order()
+        return self._others.quarantined(items)
+
+    def changes(self) -> int:
+        """Moves with every change the watch delivers (and every re-list): the order is checked again."""
+        with self._lock:
+            return self._generation
+
+    # -- the threads -------------------------------------------------------------------------------------
+
+    @property
+    def synced(self) -> bool:
+        with self._lock:
+            return self._synced
+
+    @property
+    def gpu_nodes(self) -> int | None:
+        with self._lock:
+            return self._total[0] if self._total else None
+
+    def start(self) -> None:
+        self._threads = [threading.Thread(target=self._watch_loop, name="gpuguard-budget-watch", daemon=True)]
+        if self._spec.endswith("%"):
+            self._threads.append(
+                threading.Thread(target=self._count_loop, name="gpuguard-budget-count", daemon=True)
+            )
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        """Ends the count at once and the watch at its next event (daemon threads: never blocks exit)."""
+        self._stop.set()
+
+    def _watch_loop(self) -> None:
+        backoff = 1.0
+        rv: str | None = None
+        broken, announce = False, True
+        while not self._stop.is_set():
+            try:
+                if rv is None:
+                    rv = self._list()
+                rv = self._watch(rv, announce=announce or broken)
+                backoff = 1.0
+                broken = announce = False
+            except NodeUpdateError as exc:
+                with self._lock:
+                    self._synced = False  # the fallback's lists until the watch is back
+                if not broken:
+                    broken = True
+                    log.warning(
+                        "fleet.watch_broken", node=self._node, error=str(exc), note="budget listed per fault"
+                    )
+                rv = None if exc.status == 410 else rv
+                self._stop.wait(random.uniform(0.5, 1.0) * backoff)  # noqa: S311 - jitter, not crypto
+                backoff = min(backoff * 2, _BACKOFF_MAX)
+
+    def _list(self) -> str:
+        doc = self._api.request(
+            "GET",
+            "/api/v1/nodes",
+            query={"labelSelector": self._selector},
+            accept=_METADATA_LIST,
+            timeout=self._timeout,
+            what="list quarantined nodes",
+        )
+        items = {str(i["metadata"]["name"]): i for i in doc.get("items") or []}
+        with self._lock:
+            self._items = items
+            self._generation += 1
+        return str(doc["metadata"]["resourceVersion"])
+
+    def _watch(self, rv: str, *, announce: bool) -> str | None:
+        """One watch from `rv` until the server ends it; the last resourceVersion seen (None: list again).
+        `announce`: log fleet.watching once it is established (at start, and after a broken watch)."""
+        query = {
+            "watch": "1",
+            "labelSelector": self._selector,
+            "resourceVersion": rv,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(WATCH_SECONDS),
+        }
+        events = self._api.watch(
+            "/api/v1/nodes",
+            query=query,
+            accept=_METADATA,
+            timeout=self._timeout,
+            idle=WATCH_SECONDS + 30,
+            what="watch quarantined nodes",
+        )
+        with self._lock:
+            self._synced = True
+            quarantined = len(self._items)
+        if announce:
+            log.info("fleet.watching", node=self._node, selector=self._selector, quarantined=quarantined)
+        for event in events:
+            kind, obj = event.get("type"), event.get("object") or {}
+            if kind == "ERROR":
+                code = obj.get("code")
+                if code == 410:
+                    return None  # too old: the watch cache moved on, list again
+                raise NodeUpdateError(
+                    f"watch quarantined nodes: {obj.get('message', obj)!s:.300}", status=code
+                )
+            meta = obj.get("metadata") or {}
+            rv = str(meta.get("resourceVersion") or rv)
+            if kind == "BOOKMARK":
+                continue
+            name = str(meta.get("name", ""))
+            with self._lock:
+                if kind == "DELETED":
+                    self._items.pop(name, None)
+                else:
+                    self._items[name] = obj
+                self._generation += 1
+            if self._stop.is_set():
+                break
+        return rv
+
+    def _count_loop(self) -> None:
+        delay = random.uniform(0, COUNT_REFRESH)  # noqa: S311 - spread over the fleet's start, not crypto
+        while not self._stop.wait(delay):
+            with self._lock:
+                total = self._total
+            period = _period(total[0] if total else 0)
+            if total is not None and self._clock() - total[1] < period * 0.9:
+                delay = total[1] + period - self._clock()  # counted meanwhile (a fault's fallback list)
+                continue
+            try:
+                self._counted(self._count())
+                delay = _period(self.gpu_nodes or 0) * random.uniform(0.8, 1.2)  # noqa: S311
+            except NodeUpdateError as exc:
+                log.warning("fleet.count_failed", node=self._node, error=str(exc))
+                delay = random.uniform(30, 60)  # noqa: S311
+
+    def _count(self) -> int:
+        doc = self._api.request(
+            "GET",
+            "/api/v1/nodes",
+            query={"labelSelector": self._gpu_nodes} if self._gpu_nodes else None,
+            accept=_METADATA_LIST,
+            timeout=self._timeout,
+            what="count GPU nodes",
+        )
+        names = {str(i["metadata"]["name"]) for i in doc.get("items") or []}
+        return len(names) if self._node in names else len(names) + 1
+
+    def _counted(self, total: int) -> None:
+        with self._lock:
+            changed = self._total is None or self._total[0] != total
+            self._total = (total, self._clock())
+            if changed:
+                self._generation += 1
+        if changed:
+            log.info("fleet.gpu_nodes_counted", node=self._node, gpu_nodes=total)
+
+
+def watched(settings: NodeSettings, writer: KubeNodeWriter | DryRunNodeWriter) -> WatchedBudget | None:
+    """The watched budget for a writer to the API server with a budget to keep (not "100%"); else None:
+    the writer is the source (a dry run has no fleet; an unlimited budget is never read)."""
+    if not isinstance(writer, KubeNodeWriter) or settings.max_quarantined == "100%":
+        return None
+    assert settings.name is not None  # validated: a writer to the API server has a node
+    return WatchedBudget(
+        settings.name,
+        settings.max_quarantined,
+        api=writer.api,
+        fallback=writer,
+        gpu_node_selector=settings.gpu_node_selector,
+        others=writer.others,
+        timeout=settings.api_timeout,
+    )
+
+
+def _period(gpu_nodes: int) -> float:
+    return max(COUNT_REFRESH, gpu_nodes * COUNT_SECONDS_PER_NODE)

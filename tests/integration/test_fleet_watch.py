@@ -1,0 +1,81 @@
+"""The budget's watch (gpuguard.node.fleet.WatchedBudget) against a real kube-apiserver: another agent's
+quarantine is in memory within a second of its write, a step back or a recovery leaves it, and the GPU-node
+count comes from one list. Nothing here is a request in the fault's path."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from gpuguard import kubeapi
+from gpuguard.node.fleet import WatchedBudget
+from gpuguard.node.writers import KubeNodeWriter
+from tests.integration.fixtures import admin  # noqa: F401
+from tests.integration.kube import GPU_NODE_LABELS, TAINT_KEY, Admin, eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def rfc3339(at: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+
+
+def quarantine(admin: Admin, name: str, *, label: str | None, since: str) -> None:
+    """What another node's agent writes when it quarantines (label "true") or steps back ("deferred")."""
+    admin.patch_node(
+        name,
+        {
+            "metadata": {
+                "labels": {"gpuguard.io/quarantined": label},
+                "annotations": {"gpuguard.io/since": since if label else None},
+            },
+            "spec": {
+                "taints": [{"key": TAINT_KEY, "value": "xid-79", "effect": "NoSchedule"}] if label else []
+            },
+        },
+    )
+
+
+def test_another_agents_quarantine_reaches_the_budget_by_watch_and_leaves_it_on_a_step_back(
+    admin: Admin, control_plane: Any
+) -> None:
+    pool = f"fleet-{uuid.uuid4().hex[:8]}"
+    labels = {**GPU_NODE_LABELS, "gpuguard-test/pool": pool}
+    me, other, third = (f"{pool}-{i}" for i in range(3))
+    for n in (me, other, third):
+        admin.make_node(n, labels=labels)
+    now = rfc3339(time.time() + 1)  # not before the nodes were created: that claim would be ignored
+    selector = f"gpuguard-test/pool={pool}"
+    api = kubeapi.load(str(control_plane.kubeconfig_path), user_agent="gpuguard-test/fleet")
+    writer = KubeNodeWriter(me, api=api, gpu_node_selector=selector)
+    fleet = WatchedBudget(me, "50%", api=api, fallback=writer, gpu_node_selector=selector)
+    fleet.start()
+    try:
+        eventually(lambda: fleet.synced or None, 10, what="the watch")
+        assert fleet.quarantine_order() == []
+        # Before the first count the budget is listed once (the fallback) and that list is the count.
+        assert fleet.budget("50%", exclude=me) is not None
+        assert fleet.gpu_nodes == 3
+        before = fleet.changes()
+        t0 = time.monotonic()
+        quarantine(admin, other, label="true", since=now)
+        eventually(lambda: fleet.quarantine_order() or None, 5, what="the other node's quarantine")
+        print(f"another node's quarantine in memory after {(time.monotonic() - t0) * 1000:.0f} ms")
+        assert fleet.quarantine_order() == [(now, other)]
+        assert fleet.changes() != before
+        budget = fleet.budget("50%", exclude=me)
+        assert budget is not None and (budget.quarantined, budget.limit, budget.gpu_nodes) == (1, 2, 3)
+        assert fleet.budget("1", exclude=me) is not None and not fleet.budget("1", exclude=me).has_room  # type: ignore[union-attr]
+        # A forged claim (a since before the node existed) is ignored, as in the lists.
+        quarantine(admin, third, label="true", since="0001-01-01T00:00:00Z")
+        eventually(lambda: fleet.changes() != before + 1 or None, 5, what="the forged claim's event")
+        assert [name for _, name in fleet.quarantine_order()] == [other]
+        # Steps back (label "deferred") and recovery (label removed) leave the selection: DELETED events.
+        quarantine(admin, other, label="deferred", since=now)
+        quarantine(admin, third, label=None, since=now)
+        eventually(lambda: fleet.quarantine_order() == [] or None, 5, what="the step back")
+    finally:
+        fleet.stop()
