@@ -5,9 +5,16 @@ The driver delivers an Xid once and never replays it to a restarted process; wit
 killed between the Xid and its write would forget the fault. The file is keyed by the host's boot ID: after a
 reboot the faults' evidence is gone by definition, so a file from another boot is discarded.
 
-Written atomically (temp file, fsync, rename, fsync of the directory), versioned, and tolerant: a corrupt or
-foreign file is logged and moved aside; an unwritable directory gives a warning and gpuguard runs on without
-durability.
+Written atomically (temp file, rename), versioned, and tolerant: a corrupt or foreign file is logged and moved
+aside; an unwritable directory gives a warning and gpuguard runs on without durability.
+
+No fsync, on purpose: it cost milliseconds in the fault's path (before the taint) and protects nothing here.
+A written file is in the kernel's page cache the moment write() returns, and the rename swaps old for new
+atomically, so a crash of the agent at any instant (SIGKILL, OOM kill, a container or pod restart, a node
+drain) leaves either the old file or the new one, never a fault lost: the kernel still holds it. Only the
+kernel's own end (a panic, a power cut) loses unsynced data, and that is a reboot: the boot ID changes and the
+file of the old boot is discarded anyway (its faults' evidence is gone with the boot). A torn file after such
+a crash is moved aside as corrupt, which is the same outcome. docs/reliability.md has the argument in full.
 """
 
 from __future__ import annotations
@@ -112,19 +119,12 @@ class StateStore:
             fd, tmp = tempfile.mkstemp(prefix=".state-", dir=self._dir)
             try:
                 with os.fdopen(fd, "w") as f:
-                    json.dump(doc, f)
-                    f.flush()
-                    os.fsync(f.fileno())
+                    json.dump(doc, f)  # no fsync: see the module's docstring
                 os.replace(tmp, self._dir / FILE_NAME)
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
-            dfd = os.open(self._dir, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
         except OSError as exc:
             self._disabled = True
             log.warning(

@@ -76,3 +76,30 @@ def test_no_state_dir_means_no_durability(tmp_path: Path) -> None:
     s = StateStore(None, boot_id="b")
     s.save((XID,))
     assert s.load() == ()
+
+
+def test_saving_a_fault_adds_no_fsync_to_the_faults_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 15: the save runs before the node write; an fsync there cost milliseconds and protects only
+    against the kernel's own end, after which the boot ID differs and the file is discarded anyway."""
+    calls: list[int] = []
+    monkeypatch.setattr(os, "fsync", calls.append)
+    StateStore(tmp_path, boot_id="b").save((XID,))
+    assert calls == []
+
+
+def test_a_fault_saved_just_before_a_sigkill_is_restored(tmp_path: Path) -> None:
+    """The process dies the instant save() returns (no exit handlers, no flush by anyone): the kernel
+    holds the file, and the next process of the same boot restores the fault."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, sys; from gpuguard.model import Fault; from gpuguard.state import StateStore; "
+        "StateStore(sys.argv[1], boot_id='b').save((Fault('xid-79', 'd', uuid='GPU-b', gpu_index=1),)); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=False)
+    assert proc.returncode == -9
+    assert [f.key for f in StateStore(tmp_path, boot_id="b").load()] == [XID.key]
