@@ -1,0 +1,113 @@
+"""Issue 15, point 2: a fault transition costs at most three API requests, the node patch, the GPUHealthy
+condition and the Event, counted at the real API server (its audit log), on the way in and on the way out,
+with a quarantine budget in force. Before the budget moved off the fault's path it cost five: the budget's
+list, the patch, the condition, the Event, and the order check's list."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from tests.integration.fixtures import USER_AGENT, admin, start_agent  # noqa: F401
+from tests.integration.kube import GPU_NODE_LABELS, GPUS_OK, Admin, eventually
+
+pytestmark = pytest.mark.timeout(120)
+
+THE_THREE = Counter({"patch nodes": 1, "patch nodes/status": 1, "create events": 1})
+
+
+def requests_since(control_plane: Any, since: int) -> Counter[str]:
+    """The agent's requests since audit line `since`, as "verb resource[/subresource]"; its long-running watch
+    left out (one per agent, not per transition: it ends and starts again every 5 minutes)."""
+    out: Counter[str] = Counter()
+    for e in control_plane.audit_events(USER_AGENT, since_line=since, stage="ResponseComplete"):
+        if e["verb"] == "watch":
+            continue
+        ref = e.get("objectRef", {})
+        sub = f"/{ref['subresource']}" if ref.get("subresource") else ""
+        out[f"{e['verb']} {ref.get('resource')}{sub}"] += 1
+    return out
+
+
+def transition(
+    admin: Admin, control_plane: Any, node: str, state: Any, content: str, *, tainted: bool, reason: str
+) -> Counter[str]:
+    """Write `content` to the fake NVML state, wait for the taint (or its absence), the condition and three
+    requests (the Event is written last), give the agent a second more (an order check would run then), and
+    return its requests."""
+    since = control_plane.audit_line_count()
+    state.write_text(content)
+    eventually(lambda: (admin.our_taint(node) is not None) == tainted or None, 10, what="the taint")
+    want = "False" if tainted else "True"
+    eventually(
+        lambda: (
+            any(
+                c["type"] == "GPUHealthy" and c["status"] == want
+                for c in admin.node(node)["status"].get("conditions") or []
+            )
+            or None
+        ),
+        10,
+        what="the condition",
+    )
+    eventually(
+        lambda: sum(requests_since(control_plane, since).values()) >= 3 or None,
+        10,
+        what=f"the {reason} Event (written last)",
+    )
+    time.sleep(1.0)
+    return requests_since(control_plane, since)
+
+
+def watching(agent: Any) -> bool:
+    return any(line.get("event") == "fleet.watching" for line in agent.lines)
+
+
+def test_a_fault_and_its_recovery_cost_three_requests_each_under_a_count_budget(
+    admin: Admin, control_plane: Any, start_agent: Any
+) -> None:
+    agent, node, state = start_agent(args=("--max-quarantined", "1000"))
+    eventually(lambda: watching(agent) or None, 10, what="the budget's watch")
+    faulty = GPUS_OK.replace("GPU-it-1", "GPU-it-1 ecc=2")
+    assert (
+        transition(admin, control_plane, node, state, faulty, tainted=True, reason="GPUUnhealthy")
+        == THE_THREE
+    )
+    assert (
+        transition(admin, control_plane, node, state, GPUS_OK, tainted=False, reason="GPURecovered")
+        == THE_THREE
+    )
+
+
+def test_under_a_percentage_budget_only_the_first_fault_after_start_lists_the_gpu_nodes(
+    admin: Admin, control_plane: Any, start_agent: Any
+) -> None:
+    """The GPU-node count is kept in the background (every 10 minutes or more); a fault before the first
+    count lists the GPU nodes once, in its path, and that list is the count from then on."""
+    pool = f"requests-{uuid.uuid4().hex[:8]}"
+    labels = {**GPU_NODE_LABELS, "gpuguard-test/pool": pool}
+    args = (
+        "--max-quarantined",
+        "50%",
+        "--gpu-node-selector",
+        f"gpuguard-test/pool={pool}",
+        "--flap-window",
+        "0",
+    )
+    agent, node, state = start_agent(args=args, labels=labels)
+    eventually(lambda: watching(agent) or None, 10, what="the budget's watch")
+    faulty = GPUS_OK.replace("GPU-it-1", "GPU-it-1 ecc=2")
+    first = transition(admin, control_plane, node, state, faulty, tainted=True, reason="GPUUnhealthy")
+    assert first == THE_THREE + Counter({"list nodes": 1})
+    assert (
+        transition(admin, control_plane, node, state, GPUS_OK, tainted=False, reason="GPURecovered")
+        == THE_THREE
+    )
+    assert (
+        transition(admin, control_plane, node, state, faulty, tainted=True, reason="GPUUnhealthy")
+        == THE_THREE
+    )
