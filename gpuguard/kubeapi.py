@@ -440,6 +440,7 @@ def _unless_bypassed(server: str, proxy: str | None, no_proxy: str) -> str | Non
 
 def _events(resp: urllib3.BaseHTTPResponse, what: str) -> Iterator[dict[str, Any]]:
     """A watch's events, one JSON document a line, until the server ends the stream."""
+    ended = False
     try:
         buffer = b""
         for chunk in resp.stream(65536):
@@ -448,12 +449,15 @@ def _events(resp: urllib3.BaseHTTPResponse, what: str) -> Iterator[dict[str, Any
             for line in lines:
                 if line.strip():
                     yield json.loads(line)
+        ended = True
     except (HTTPError, OSError) as exc:
         raise TransientApiError(f"{what}: {type(exc).__name__}: {exc}") from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TransientApiError(f"{what}: {type(exc).__name__}: {exc}", status=resp.status) from exc
     finally:
-        resp.close()  # an unfinished stream: the connection is not reusable
+        if not ended:
+            resp.close()  # left mid-stream: the connection is not reusable
+        # Ended by the server (its timeoutSeconds): the connection is kept for the next watch, no handshake.
         resp.release_conn()
 
 
