@@ -262,6 +262,13 @@ def cli() -> None:
     help="Seconds between budget lists while a quarantine is deferred.",
 )
 @_opt(
+    "--budget-count-spread",
+    type=float,
+    default=60.0,
+    hidden=True,
+    help="Seconds over which the first GPU-node count (a percentage budget) falls after start.",
+)
+@_opt(
     "--node-resync",
     type=float,
     default=30.0,
@@ -472,6 +479,7 @@ def _config(kw: dict[str, Any], *, watch: bool) -> Config:
         gpu_node_selector=kw["gpu_node_selector"].strip(),
         node_resync=kw["node_resync"],
         budget_recheck=kw["budget_recheck"],
+        budget_count_spread=kw["budget_count_spread"],
         flap_window=kw["flap_window"],
         startup_jitter=kw["startup_jitter"],
         api_qps=kw["api_qps"],

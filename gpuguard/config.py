@@ -80,6 +80,11 @@ class NodeSettings:
     this long. A node gpuguard holds nothing on is never re-read (a healthy fleet costs no requests)."""
     budget_recheck: float = 60.0
     """Seconds between budget lists while a quarantine is deferred: one cheap request a minute at most."""
+    budget_count_spread: float = 60.0
+    """Seconds over which an agent's first count of the GPU nodes (a percentage budget) falls at random
+    after its start: a fleet that starts at once lists the fleet once per agent, so 5,000 agents spread
+    5,000 lists over this long (docs/design.md has the cost). Until then a fault whose room the budget
+    cannot prove without the count lists in its path, as before issue 15."""
     flap_window: float = 600.0
     """Seconds: a fault that comes back within this long of the previous one keeps the node quarantined
     until the GPUs stay healthy for this long (one write per episode, not one per flip)."""
@@ -205,6 +210,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("--api-burst must be between 1 and 1000")
     if not 0 <= n.startup_jitter <= 3600:
         raise ConfigError("--startup-jitter must be between 0 and 3600 seconds")
+    if not 0 <= n.budget_count_spread <= 86400:
+        raise ConfigError("--budget-count-spread must be between 0 and 86400 seconds")
     if n.recover_after < 1:
         raise ConfigError("--recover-after must be >= 1")
     if not _BUDGET.match(n.max_quarantined) or (

@@ -4,14 +4,16 @@
   gpuguard.io/quarantined=true (PartialObjectMetadata: no specs, no statuses). Only those few nodes match the
   selector, so the watch is silent while the fleet is healthy and carries one small event per quarantine;
 - the number of GPU nodes, for a percentage budget only: a metadata list of the GPU nodes in the background,
-  the first at a random moment of the agent's first COUNT_REFRESH seconds, then every COUNT_REFRESH seconds
-  or one second per GPU node, whichever is longer (so the fleet as a whole lists at most about once a
-  second, whatever its size: a list's cost grows with the fleet, and so does the number of agents).
+  the first at a random moment of the agent's first minute (--budget-count-spread), then every
+  COUNT_REFRESH seconds or one second per GPU node, whichever is longer (so the fleet as a whole lists about
+  once a second at most, whatever its size: a list's cost grows with the fleet, and so do the agents).
 
 `WatchedBudget` answers the `BudgetSource` seam from memory. Until the watch is established, or while it
-is broken, and before the first count, it asks its fallback (`writers.KubeNodeWriter`: the lists in the
-path, as before), so it is never blind and never guesses. The design, the alternatives and their measured
-cost on the API server are in docs/design.md ("The budget off the fault's path").
+is broken, it asks its fallback (`writers.KubeNodeWriter`: the lists in the path, as before), so it is never
+blind. Before the first count, a fault's room is proven without it where it can be (the GPU nodes are at
+least the quarantined ones and this one: with nothing quarantined, always); where it cannot, the fallback's
+list decides, in the path, as before: exact at once, never a guess. The design, the alternatives and their
+measured cost on the API server: docs/design.md ("The budget off the fault's path").
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class WatchedBudget:
         gpu_node_selector: str,
         others: OtherNodes | None = None,
         timeout: float = 10.0,
+        first_count: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._node = node
@@ -79,7 +82,9 @@ class WatchedBudget:
         self._generation = 0
         # The GPU nodes (this node counted), and when they were counted; None before the first count.
         self._total: tuple[int, float] | None = None
+        self._first_count = first_count
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
 
     # -- BudgetSource ------------------------------------------------------------------------------------
@@ -94,7 +99,13 @@ class WatchedBudget:
         if not spec.endswith("%"):
             return Budget(quarantined=quarantined, limit=int(spec))
         if total is None:
-            budget = self._fallback.budget(spec, exclude=exclude)  # the one list before the first count
+            # Not counted yet (the agent's first minute). The GPU nodes are at least the quarantined ones
+            # and this one, so the limit is at least that share of them: room proven without a list
+            # (always in a fleet with nothing quarantined). Otherwise the fallback's list, as before.
+            floor = budget_limit(spec, quarantined + 1)
+            if quarantined < floor:
+                return Budget(quarantined=quarantined, limit=floor, gpu_nodes=quarantined + 1)
+            budget = self._fallback.budget(spec, exclude=exclude)
             if budget is not None and budget.gpu_nodes is not None:
                 self._counted(budget.gpu_nodes)
             return budget
@@ -138,6 +149,7 @@ class WatchedBudget:
     def stop(self) -> None:
         """Ends the count at once and the watch at its next event (daemon threads: never blocks exit)."""
         self._stop.set()
+        self._wake.set()
 
     def _watch_loop(self) -> None:
         backoff = 1.0
@@ -225,13 +237,16 @@ class WatchedBudget:
         return rv
 
     def _count_loop(self) -> None:
-        delay = random.uniform(0, COUNT_REFRESH)  # noqa: S311 - spread over the fleet's start, not crypto
-        while not self._stop.wait(delay):
+        delay = random.uniform(0, self._first_count)  # noqa: S311 - spread over the fleet's start, not crypto
+        while True:
+            self._wake.wait(delay)
+            if self._stop.is_set():
+                return
             with self._lock:
                 total = self._total
             period = _period(total[0] if total else 0)
             if total is not None and self._clock() - total[1] < period * 0.9:
-                delay = total[1] + period - self._clock()  # counted meanwhile (a fault's fallback list)
+                delay = total[1] + period - self._clock()
                 continue
             try:
                 self._counted(self._count())
@@ -276,6 +291,7 @@ def watched(settings: NodeSettings, writer: KubeNodeWriter | DryRunNodeWriter) -
         gpu_node_selector=settings.gpu_node_selector,
         others=writer.others,
         timeout=settings.api_timeout,
+        first_count=settings.budget_count_spread,
     )
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from gpuguard import kubeapi
+from gpuguard.node.budget import Budget
 from gpuguard.node.fleet import WatchedBudget
 from gpuguard.node.writers import KubeNodeWriter
 from tests.integration.fixtures import admin  # noqa: F401
@@ -51,13 +52,23 @@ def test_another_agents_quarantine_reaches_the_budget_by_watch_and_leaves_it_on_
     selector = f"gpuguard-test/pool={pool}"
     api = kubeapi.load(str(control_plane.kubeconfig_path), user_agent="gpuguard-test/fleet")
     writer = KubeNodeWriter(me, api=api, gpu_node_selector=selector)
-    fleet = WatchedBudget(me, "50%", api=api, fallback=writer, gpu_node_selector=selector)
+    uncounted = WatchedBudget(
+        me, "50%", api=api, fallback=writer, gpu_node_selector=selector, first_count=3600
+    )
+    uncounted.start()
+    try:
+        eventually(lambda: uncounted.synced or None, 10, what="the watch")
+        # Before the first count, with nothing quarantined: room proven without a list (1 of at least 1).
+        assert uncounted.budget("50%", exclude=me) == Budget(quarantined=0, limit=1, gpu_nodes=1)
+        assert uncounted.gpu_nodes is None
+    finally:
+        uncounted.stop()
+    fleet = WatchedBudget(me, "50%", api=api, fallback=writer, gpu_node_selector=selector, first_count=0)
     fleet.start()
     try:
         eventually(lambda: fleet.synced or None, 10, what="the watch")
         assert fleet.quarantine_order() == []
-        # Before the first count the budget is listed once (the fallback) and that list is the count.
-        assert fleet.budget("50%", exclude=me) is not None
+        eventually(lambda: fleet.gpu_nodes, 5, what="the first count (spread over 0 s here)")
         assert fleet.gpu_nodes == 3
         before = fleet.changes()
         t0 = time.monotonic()

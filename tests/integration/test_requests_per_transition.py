@@ -83,31 +83,44 @@ def test_a_fault_and_its_recovery_cost_three_requests_each_under_a_count_budget(
     )
 
 
-def test_under_a_percentage_budget_only_the_first_fault_after_start_lists_the_gpu_nodes(
-    admin: Admin, control_plane: Any, start_agent: Any
-) -> None:
-    """The GPU-node count is kept in the background (every 10 minutes or more); a fault before the first
-    count lists the GPU nodes once, in its path, and that list is the count from then on."""
+def pool_agent(start_agent: Any, *, spread: str) -> tuple[Any, str, Any]:
+    """An agent whose percentage budget counts only its own node (a pool of one, so nothing else counts)."""
     pool = f"requests-{uuid.uuid4().hex[:8]}"
     labels = {**GPU_NODE_LABELS, "gpuguard-test/pool": pool}
     args = (
-        "--max-quarantined",
-        "50%",
-        "--gpu-node-selector",
-        f"gpuguard-test/pool={pool}",
-        "--flap-window",
-        "0",
+        *("--max-quarantined", "50%", "--gpu-node-selector", f"gpuguard-test/pool={pool}"),
+        *("--flap-window", "0", "--budget-count-spread", spread),
     )
     agent, node, state = start_agent(args=args, labels=labels)
     eventually(lambda: watching(agent) or None, 10, what="the budget's watch")
-    faulty = GPUS_OK.replace("GPU-it-1", "GPU-it-1 ecc=2")
-    first = transition(admin, control_plane, node, state, faulty, tainted=True, reason="GPUUnhealthy")
-    assert first == THE_THREE + Counter({"list nodes": 1})
-    assert (
-        transition(admin, control_plane, node, state, GPUS_OK, tainted=False, reason="GPURecovered")
-        == THE_THREE
+    return agent, node, state
+
+
+def test_under_a_percentage_budget_faults_cost_three_requests_once_the_gpu_nodes_are_counted(
+    admin: Admin, control_plane: Any, start_agent: Any
+) -> None:
+    agent, node, state = pool_agent(start_agent, spread="0")
+    eventually(
+        lambda: any(line.get("event") == "fleet.gpu_nodes_counted" for line in agent.lines) or None,
+        10,
+        what="the first count",
     )
+    faulty = GPUS_OK.replace("GPU-it-1", "GPU-it-1 ecc=2")
+    for content, tainted, reason in ((faulty, True, "GPUUnhealthy"), (GPUS_OK, False, "GPURecovered")) * 2:
+        assert (
+            transition(admin, control_plane, node, state, content, tainted=tainted, reason=reason)
+            == THE_THREE
+        )
+
+
+def test_before_the_first_count_a_fault_with_nothing_quarantined_needs_no_list(
+    admin: Admin, control_plane: Any, start_agent: Any
+) -> None:
+    """The GPU nodes are at least this one: 50% of at least one node is room for one, without a list."""
+    agent, node, state = pool_agent(start_agent, spread="3600")
+    faulty = GPUS_OK.replace("GPU-it-1", "GPU-it-1 ecc=2")
     assert (
         transition(admin, control_plane, node, state, faulty, tainted=True, reason="GPUUnhealthy")
         == THE_THREE
     )
+    assert not any(line.get("event") == "fleet.gpu_nodes_counted" for line in agent.lines)
