@@ -75,11 +75,14 @@ def latency_phase(
     work = cl.tmp / "latency"
     work.mkdir()
     xid_nodes = [f"lat-xid-{i}" for i in range(lanes)]
+    floor_nodes = [f"lat-floor-{i}" for i in range(lanes)]
     ecc_nodes = [f"lat-ecc-{i}" for i in range(lanes)]
     base_ecc_nodes = [f"base-ecc-{i}" for i in range(lanes)]
     base_xid_nodes = [f"base-xid-{i}" for i in range(lanes)]
-    every = xid_nodes + ecc_nodes + base_ecc_nodes + base_xid_nodes
+    every = xid_nodes + ecc_nodes + base_ecc_nodes + base_xid_nodes + floor_nodes
     cl.make_nodes(every)
+    floor = BarePatcher(cl, cl.admin.agent_token(floor_nodes[0]))
+    cl.on_close(floor.close)
     kubeconfigs = cl.agent_kubeconfigs(every)
     watches = {n: cl.watch(field_selector=f"metadata.name={n}") for n in every}
     since = cl.cp.audit_line_count()
@@ -96,9 +99,10 @@ def latency_phase(
                 cl.admin.set_boot_id(n, f"boot-{r}")
             state = work / f"{n}.state"
             state.write_text(gpu_lines(GPUS))
-            agents.append(
-                cl.agent(n, kubeconfigs[n], state, interval=interval, args=("--recover-after", "1"))
-            )
+            # --budget-count-spread 0: the GPU nodes counted at start, as every agent has them after its first
+            # minute (before, a fault whose room the budget cannot prove lists them in its path).
+            args = ("--recover-after", "1", "--budget-count-spread", "0")
+            agents.append(cl.agent(n, kubeconfigs[n], state, interval=interval, args=args))
         wall = time.time()
         for a in agents:
             a.wait_ready()
@@ -130,15 +134,25 @@ def latency_phase(
                 transitions.append((kind, n, injected[n], end))
 
     # Xid, gpuguard, on a quiet machine: Xids are sticky until a reboot, so each round reboots the nodes and
-    # starts new agents, then one Xid per node, one node after the other.
-    progress(f"latency: gpuguard Xid, {rounds} rounds x {lanes} nodes")
+    # starts new agents, then one Xid per node, one node after the other. The floor in the same run, sample
+    # for sample just before each Xid: a bare merge patch of the same taint by a minimal client (one
+    # keep-alive connection, the DaemonSet's ServiceAccount, so the same authentication, admission policy and
+    # priority level), timed to the same kind of watch.
+    progress(f"latency: gpuguard Xid and the floor (a bare patch), {rounds} rounds x {lanes} nodes")
     xid_lat: list[float] = []
+    floor_lat: list[float] = []
     quiet(True)
     for r in range(rounds):
         agents, started = start_round(xid_nodes, r)
         time.sleep(1.0)
         injected: dict[str, float] = {}
-        for n in xid_nodes:
+        for n, fn in zip(xid_nodes, floor_nodes, strict=True):
+            time.sleep(random.uniform(0.05, 0.3))
+            t0 = time.monotonic()
+            floor.taint(fn)
+            floor_lat.append(watches[fn].wait_change(fn, tainted, after=t0, timeout=10) - t0)
+            floor.untaint(fn)
+            watches[fn].wait_current(fn, untainted, 10)
             time.sleep(random.uniform(0.05, 0.3))
             injected[n] = time.time()
             t0 = time.monotonic()
@@ -244,7 +258,9 @@ def latency_phase(
         server[kind].extend(inside)
     return {
         "lanes": lanes,
+        "gpu_nodes": cl.gpu_nodes(),
         "xid": summary(xid_lat),
+        "floor": summary(floor_lat),
         "ecc": summary(results["gpuguard-ecc"]),
         "baseline_xid": summary(results["baseline-xid"]),
         "baseline_ecc": summary(results["baseline-ecc"]),
@@ -260,6 +276,50 @@ def latency_phase(
             for k, v in per_kind.items()
         },
     }
+
+
+class BarePatcher:
+    """The floor's minimal client: one keep-alive HTTPS connection, a bearer token, a JSON merge patch of the
+    node's taints and nothing else (no read, no precondition, no Event, no condition)."""
+
+    def __init__(self, cl: Cluster, token: str) -> None:
+        import http.client
+        import ssl
+        from urllib.parse import urlparse
+
+        url = urlparse(cl.cp.url)
+        ctx = ssl.create_default_context(cafile=str(cl.cp.ca_path))
+        self._conn = http.client.HTTPSConnection(
+            url.hostname or "127.0.0.1", url.port, context=ctx, timeout=10
+        )
+        self._token = token
+
+    def _patch(self, node: str, taints: list[dict[str, str]]) -> None:
+        body = json.dumps({"spec": {"taints": taints}})
+        self._conn.request(
+            "PATCH",
+            f"/api/v1/nodes/{node}",
+            body=body,
+            headers={
+                "Authorization": f"Bearer {self._token}",
+                "Content-Type": "application/merge-patch+json",
+                "Accept": "application/json",
+                "User-Agent": "floor/1",
+            },
+        )
+        resp = self._conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"floor patch {node}: HTTP {resp.status}: {data[:300]!r}")
+
+    def taint(self, node: str) -> None:
+        self._patch(node, [{"key": TAINT_KEY, "value": "xid-79", "effect": "NoSchedule"}])
+
+    def untaint(self, node: str) -> None:
+        self._patch(node, [])
+
+    def close(self) -> None:
+        self._conn.close()
 
 
 # -- item 5: start-up ----------------------------------------------------------------------------------------
