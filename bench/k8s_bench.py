@@ -81,7 +81,7 @@ def latency_phase(
     base_xid_nodes = [f"base-xid-{i}" for i in range(lanes)]
     every = xid_nodes + ecc_nodes + base_ecc_nodes + base_xid_nodes + floor_nodes
     cl.make_nodes(every)
-    floor = BarePatcher(cl, cl.admin.agent_token(floor_nodes[0]))
+    floor = BarePatcher(cl, {n: cl.admin.agent_token(n) for n in floor_nodes})
     cl.on_close(floor.close)
     kubeconfigs = cl.agent_kubeconfigs(every)
     watches = {n: cl.watch(field_selector=f"metadata.name={n}") for n in every}
@@ -148,10 +148,17 @@ def latency_phase(
         injected: dict[str, float] = {}
         for n, fn in zip(xid_nodes, floor_nodes, strict=True):
             time.sleep(random.uniform(0.05, 0.3))
+            # The node's other taints as the watch last delivered them: a merge patch replaces the list whole
+            # (as gpuguard's does), and the admission policy lets the agent's token change only its own.
+            others = [
+                t
+                for t in (watches[fn].objects[fn].get("spec") or {}).get("taints") or []
+                if t.get("key") != TAINT_KEY
+            ]
             t0 = time.monotonic()
-            floor.taint(fn)
+            floor.taint(fn, others)
             floor_lat.append(watches[fn].wait_change(fn, tainted, after=t0, timeout=10) - t0)
-            floor.untaint(fn)
+            floor.untaint(fn, others)
             watches[fn].wait_current(fn, untainted, 10)
             time.sleep(random.uniform(0.05, 0.3))
             injected[n] = time.time()
@@ -282,7 +289,7 @@ class BarePatcher:
     """The floor's minimal client: one keep-alive HTTPS connection, a bearer token, a JSON merge patch of the
     node's taints and nothing else (no read, no precondition, no Event, no condition)."""
 
-    def __init__(self, cl: Cluster, token: str) -> None:
+    def __init__(self, cl: Cluster, tokens: dict[str, str]) -> None:
         import http.client
         import ssl
         from urllib.parse import urlparse
@@ -292,7 +299,7 @@ class BarePatcher:
         self._conn = http.client.HTTPSConnection(
             url.hostname or "127.0.0.1", url.port, context=ctx, timeout=10
         )
-        self._token = token
+        self._tokens = tokens  # each node's own Pod-bound token, as each node's agent has
 
     def _patch(self, node: str, taints: list[dict[str, str]]) -> None:
         body = json.dumps({"spec": {"taints": taints}})
@@ -301,7 +308,7 @@ class BarePatcher:
             f"/api/v1/nodes/{node}",
             body=body,
             headers={
-                "Authorization": f"Bearer {self._token}",
+                "Authorization": f"Bearer {self._tokens[node]}",
                 "Content-Type": "application/merge-patch+json",
                 "Accept": "application/json",
                 "User-Agent": "floor/1",
@@ -312,11 +319,11 @@ class BarePatcher:
         if resp.status != 200:
             raise RuntimeError(f"floor patch {node}: HTTP {resp.status}: {data[:300]!r}")
 
-    def taint(self, node: str) -> None:
-        self._patch(node, [{"key": TAINT_KEY, "value": "xid-79", "effect": "NoSchedule"}])
+    def taint(self, node: str, others: list[dict[str, str]]) -> None:
+        self._patch(node, [*others, {"key": TAINT_KEY, "value": "xid-79", "effect": "NoSchedule"}])
 
-    def untaint(self, node: str) -> None:
-        self._patch(node, [])
+    def untaint(self, node: str, others: list[dict[str, str]]) -> None:
+        self._patch(node, others)
 
     def close(self) -> None:
         self._conn.close()
