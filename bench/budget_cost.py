@@ -20,6 +20,7 @@ number of watches and of events (the API server's watch cache does one filter pe
 from __future__ import annotations
 
 import json
+import os
 import selectors
 import socket
 import ssl
@@ -82,7 +83,12 @@ def _hold(url_text: str, ca: str) -> None:
     url = urlparse(url_text)
     host, port = url.hostname or "127.0.0.1", url.port or 443
     ctx = ssl.create_default_context(cafile=ca)
-    token = sys.stdin.readline().strip()
+    # Raw stdin, lines split here: a buffered reader would keep a line that select() then never reports.
+    pending = b""
+    while b"\n" not in pending:
+        pending += os.read(0, 4096)
+    first, pending = pending.split(b"\n", 1)
+    token = first.decode().strip()
     query = urlencode(
         {"watch": "1", "labelSelector": SELECTOR, "allowWatchBookmarks": "true", "timeoutSeconds": "3600"}
     )
@@ -105,23 +111,25 @@ def _hold(url_text: str, ca: str) -> None:
         s.setblocking(False)
         return s
 
-    commands = sys.stdin
     sel = selectors.DefaultSelector()
-    sel.register(commands, selectors.EVENT_READ, data="commands")
+    sel.register(0, selectors.EVENT_READ, data="commands")
     held = 0
     received = 0
     while True:
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            want = int(line)
+            with ThreadPoolExecutor(8) as pool:
+                for s in pool.map(open_one, range(want - held)):
+                    sel.register(s, selectors.EVENT_READ)
+                    held += 1
+            print(f"ok {held} {received}", flush=True)
         for key, _ in sel.select():
             if key.data == "commands":
-                line = commands.readline()
-                if not line:
+                chunk = os.read(0, 4096)
+                if not chunk:
                     return
-                want = int(line)
-                with ThreadPoolExecutor(8) as pool:
-                    for s in pool.map(open_one, range(want - held)):
-                        sel.register(s, selectors.EVENT_READ)
-                        held += 1
-                print(f"ok {held} {received}", flush=True)
+                pending += chunk
                 continue
             try:
                 data = key.fileobj.recv(65536)  # type: ignore[union-attr]

@@ -59,6 +59,10 @@ from bench.cluster import (  # noqa: E402
 from bench.fleet import Fleet  # noqa: E402
 from bench.nvml_bench import gpu_lines  # noqa: E402
 
+# How long an agent may take to answer /readyz: on a quiet machine about a second (the start-up row), but the
+# bench's machine is shared and under a load of hundreds a Python process can take minutes to start.
+READY_TIMEOUT = 300.0
+
 # -- item 1 (and part of 3): fault-to-taint latency ----------------------------------------------------------
 
 
@@ -105,7 +109,7 @@ def latency_phase(
             agents.append(cl.agent(n, kubeconfigs[n], state, interval=interval, args=args))
         wall = time.time()
         for a in agents:
-            a.wait_ready()
+            a.wait_ready(READY_TIMEOUT)
         for n in nodes:
             watches[n].wait_current(n, untainted, 15)
         return agents, wall
@@ -230,7 +234,7 @@ def latency_phase(
         baselines.append(b.start())
         cl.on_close(b.stop)
     for b in baselines:
-        b.wait_ready()
+        b.wait_ready(READY_TIMEOUT)
     threads = [threading.Thread(target=gpuguard_ecc, daemon=True)]
     threads += [
         threading.Thread(target=baseline_lane, args=("baseline-ecc", n), daemon=True) for n in base_ecc_nodes
@@ -341,13 +345,13 @@ def startup_phase(cl: Cluster, runs: int = 5) -> dict[str, Any]:
     ready, listening = [], []
     for _ in range(runs):
         a = cl.agent(node, kubeconfig, state)
-        t = a.wait_ready()
+        t = a.wait_ready(READY_TIMEOUT)
         ready.append(t - a.t_start)
         listening.append(a.t_listening - a.t_start)
         a.stop()
     # One more run with -X importtime (PYTHONPROFILEIMPORTTIME): where the start-up goes.
     a = cl.agent(node, kubeconfig, state, env={"PYTHONPROFILEIMPORTTIME": "1"})
-    a.wait_ready()
+    a.wait_ready(READY_TIMEOUT)
     a.stop()
     top: list[tuple[int, str]] = []
     for doc in a.events("non-json"):
@@ -626,7 +630,7 @@ class IdleWindow:
         self.node = node
         self.agent = cl.agent(node, cl.agent_kubeconfig(node), state, interval=3.0)
         self.audit_start = cl.cp.audit_line_count()
-        self.agent.wait_ready()
+        self.agent.wait_ready(READY_TIMEOUT)
         self.startup_requests = describe_requests(
             e for e in cl.audit(self.audit_start) if audit_node(e) == node
         )
