@@ -172,6 +172,9 @@ def latency_phase(
             xid_lat.append(watches[n].wait_change(n, tainted, after=t0, timeout=10) - t0)
         end_round("Xid -> taint", xid_nodes, agents, r=r, started=started, injected=injected)
     quiet(False)
+    progress(
+        f"latency: Xid -> taint {summary(xid_lat)}; the floor {summary(floor_lat)}; load {os.getloadavg()}"
+    )
 
     # ECC (gpuguard, in rounds of new agents again: the flap window would otherwise hold the quarantine), and
     # the seed baseline's ECC and Xid lanes, all at once. Every sample waits a random phase of the 3 s poll.
