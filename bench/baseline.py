@@ -87,6 +87,8 @@ class Baseline:
             self.node,
             {"spec": {"taints": taints}},
             _content_type="application/strategic-merge-patch+json",
+            # The admission policy admits no other manager's managedFields entry from the agents' token.
+            field_manager="gpuguard",
             _preload_content=False,
             _request_timeout=10,
         )
