@@ -19,7 +19,16 @@ import pytest
 
 from gpuguard.node.budget import VERIFY_SETTLE
 from tests.integration.fixtures import admin, start_agent  # noqa: F401
-from tests.integration.kube import GPUS_OK, ROOT, TAINT_KEY, Admin, Agent, eventually, token_kubeconfig
+from tests.integration.kube import (
+    GPU_NODE_LABELS,
+    GPUS_OK,
+    ROOT,
+    TAINT_KEY,
+    Admin,
+    Agent,
+    eventually,
+    token_kubeconfig,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -132,13 +141,22 @@ def test_api_calls_that_hang_never_stall_the_check_loop(
         agent.stop()
 
 
+def budget_pool(limit: int) -> tuple[tuple[str, ...], dict[str, str]]:
+    """A budget of `limit` over a fleet of its own: agent arguments and the labels of its nodes. The budget
+    is cluster-wide, and nodes other tests leave quarantined (some with claims the agents rightly ignore)
+    must not decide how much room there is."""
+    pool = f"budget-{random.randrange(16**8):08x}"
+    args = ("--max-quarantined", str(limit), "--gpu-node-selector", f"gpuguard-test/pool={pool}")
+    return args, {**GPU_NODE_LABELS, "gpuguard-test/pool": pool}
+
+
 def test_the_quarantine_budget_defers_and_then_escalates(
     admin: Admin, control_plane: Any, start_agent: Any
 ) -> None:
-    already = len(admin.core.list_node(label_selector="gpuguard.io/quarantined=true").items)
-    budget = ("--max-quarantined", str(already + 1), "--budget-recheck", "1")
-    _a, node_a, state_a = start_agent(args=budget)
-    _b, node_b, state_b = start_agent(args=budget)
+    args, labels = budget_pool(1)
+    budget = (*args, "--budget-recheck", "1")
+    _a, node_a, state_a = start_agent(args=budget, labels=labels)
+    _b, node_b, state_b = start_agent(args=budget, labels=labels)
     state_a.write_text(GPUS_OK.replace("GPU-it-0", "GPU-it-0 ecc=1"))
     eventually(lambda: admin.our_taint(node_a), 10, what="A quarantined")
     assert admin.node(node_a)["metadata"]["labels"]["gpuguard.io/quarantined"] == "true"
@@ -169,9 +187,8 @@ def test_a_burst_past_the_budget_ends_with_exactly_the_budget_quarantined(
     """A bad driver roll-out: four nodes report an Xid at the same instant with room for one. Each agent may
     have listed before the others wrote; the order check after the write steps back all but the first in the
     quarantine order (since, then name), and the state holds past the second, settled check."""
-    already = len(admin.core.list_node(label_selector="gpuguard.io/quarantined=true").items)
-    budget = ("--max-quarantined", str(already + 1))
-    agents = [start_agent(args=budget) for _ in range(4)]
+    budget, labels = budget_pool(1)
+    agents = [start_agent(args=budget, labels=labels) for _ in range(4)]
     for _, _, state in agents:
         state.write_text(GPUS_OK + "xid 0 79\n")  # an Xid wakes every agent at once (no polling phase)
     nodes = [n for _, n, _ in agents]

@@ -60,7 +60,9 @@ def transition(
         what=f"the {reason} Event (written last)",
     )
     time.sleep(1.0)
-    return requests_since(control_plane, since)
+    got = requests_since(control_plane, since)
+    print(f"{reason}: {dict(got)}")  # a failed comparison shows the whole count
+    return got
 
 
 def watching(agent: Any) -> bool:
