@@ -75,15 +75,21 @@ class Shape:
     xid_nodes: int  # existing nodes that get a fatal Xid mid-burst
     replicas: int  # the scale-up's target: more than the existing good GPUs, so the burst needs the joiners
     fault_at: float  # seconds after the scale-up when (b) and (c) happen
+    join_every: float  # seconds between two joining nodes, the same in every mode
     timeout: float  # seconds to wait for all replicas Ready
 
 
-# 40 + 8 nodes of 8 GPUs: 4 existing and 3 joining ones go bad, (36 + 5) * 8 = 328 good GPUs for 300 replicas.
-FULL = Shape(nodes=40, joiners=8, bad_joiners=3, xid_nodes=3, replicas=300, fault_at=0.5, timeout=300)
+# 40 + 12 nodes of 8 GPUs: 4 existing and 3 joining go bad, (36 + 9) * 8 = 360 good GPUs for 340 replicas;
+# 340 is more than the 40 existing nodes hold (320), so the burst needs the joiners in every mode.
+FULL = Shape(
+    nodes=40, joiners=12, bad_joiners=3, xid_nodes=3, replicas=340, fault_at=0.5, join_every=0.5, timeout=300
+)
 # 4 + 4 nodes: 2 existing and 1 joining go bad, (2 + 3) * 8 = 40 good GPUs for 36 replicas. 36 is more than
 # the 4 existing nodes hold (32), so the burst needs the joiners in every mode: without an agent the pending
 # pods go to the first node that joins, the bad one.
-SHORT = Shape(nodes=4, joiners=4, bad_joiners=1, xid_nodes=1, replicas=36, fault_at=0.0, timeout=120)
+SHORT = Shape(
+    nodes=4, joiners=4, bad_joiners=1, xid_nodes=1, replicas=36, fault_at=0.0, join_every=0.5, timeout=120
+)
 
 
 def gpu_state(*, lost: bool = False) -> str:
@@ -201,6 +207,7 @@ class Scenario:
         self.first_check: dict[str, float] = {}  # joining node -> its agent's first complete check
         self.joiners: list[str] = []
         self._names = itertools.count()
+        self._lock = threading.Lock()  # joining nodes start their agents from threads of their own
 
     def run(self) -> Result:
         with self.stack:
@@ -237,12 +244,14 @@ class Scenario:
             agent = AgentProc(
                 node=node, kubeconfig=kubeconfig, state=state, args=("--max-quarantined", "100%")
             ).start()
-            self.stack.callback(agent.close)
+            with self._lock:
+                self.stack.callback(agent.close)
             if node in self.joiners:
                 self.first_check[node] = agent.wait_ready(60)
         else:
             seed = BaselineProc(node=node, kubeconfig=kubeconfig, state=state, log=self.work / f"{node}.log")
-            self.stack.callback(seed.stop)
+            with self._lock:
+                self.stack.callback(seed.stop)
             seed.start()
             if node in self.joiners:
                 try:
@@ -297,8 +306,17 @@ class Scenario:
             self.kind[ecc_node] = "ecc"
 
         def joins() -> None:  # (a) new nodes during the burst, the bad ones first
+            # On one schedule in every mode: a node joins when it joins, whatever watches it (its agent
+            # starts beside it; waiting for one agent must not hold back the next node).
+            joining = []
             for i in range(shape.joiners):
-                self._join(bad=i < shape.bad_joiners)
+                joining.append(
+                    threading.Thread(target=self._join, args=(i < shape.bad_joiners,), daemon=True)
+                )
+                joining[-1].start()
+                time.sleep(shape.join_every)
+            for t in joining:
+                t.join(shape.timeout)
 
         threads = [threading.Thread(target=f, daemon=True) for f in (faults, joins)]
         for t in threads:
