@@ -94,7 +94,7 @@ kube-status: install
 test: install fakenvml testenv testenv-oldest kwok karpenter helm promtool image
 	$(BIN)/python -m pytest -q
 
-# The burst scale-out end to end (bench/burst.py): 40 + 8 kwok GPU nodes, 2 -> 300 replicas, faults mid-burst,
+# The burst scale-out end to end (bench/burst.py): 40 + 12 kwok GPU nodes, 2 -> 340 replicas, faults mid-burst,
 # for gpuguard, the seed design and no agent on the real scheduler and controller-manager; prints the table.
 e2e: install fakenvml testenv kwok
 	$(BIN)/python -m bench.burst
