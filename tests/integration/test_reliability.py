@@ -193,10 +193,10 @@ def test_a_burst_past_the_budget_ends_with_exactly_the_budget_quarantined(
         state.write_text(GPUS_OK + "xid 0 79\n")  # an Xid wakes every agent at once (no polling phase)
     nodes = [n for _, n, _ in agents]
 
-    def labels() -> list[str | None]:
+    def states() -> list[str | None]:
         return [admin.node(n)["metadata"].get("labels", {}).get("gpuguard.io/quarantined") for n in nodes]
 
-    eventually(lambda: sorted(map(str, labels())) == ["deferred"] * 3 + ["true"], 20, what="one of four in")
+    eventually(lambda: sorted(map(str, states())) == ["deferred"] * 3 + ["true"], 20, what="one of four in")
     time.sleep(VERIFY_SETTLE + 3)  # past every agent's second order check: nothing moves any more
     views = {n: admin.node(n) for n in nodes}
     full = [n for n, v in views.items() if v["metadata"]["labels"]["gpuguard.io/quarantined"] == "true"]
