@@ -126,6 +126,7 @@ def watch(cfg: Config) -> bool:
             make_device_source(cfg.node, metrics),
             cfg.node,
             budget=lambda: budget_source.budget(cfg.node.max_quarantined, exclude=node_name),
+            order=budget_source.quarantine_order,
         )
     reconciler = NodeReconciler(
         writer, cfg.node, budget=budget, devices=devices, metrics=metrics, start_delay=delay

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -117,16 +118,26 @@ def http_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
 class FakeDeviceSource:
     """Behaves like the API server for one node's ResourceSlices and DeviceTaintRules (resourceVersion
     preconditions on patch and delete, 409 on a name taken, injected failures); `operator_delete` removes a
-    rule behind the agent's back."""
+    rule behind the agent's back. `for_node` is another node's agent on the same API server (one store of
+    rules, that node's slices and rules)."""
 
-    def __init__(self, slices: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, slices: list[dict[str, Any]] | None = None, *, node: str | None = None) -> None:
         self.slice_items = slices
+        self.node = node
         self.store: dict[str, dict[str, Any]] = {}
         self.other_rules: list[DeviceRule] = []
+        # Set: all_rules answers this instead (a list that raced the other agents' writes of a burst).
+        self.lagging: list[DeviceRule] | None = None
         self.slice_error: NodeUpdateError | None = None
         self.calls: list[str] = []
         self._errors: deque[NodeUpdateError] = deque()
-        self._version = 0
+        self._versions = itertools.count(1)
+
+    def for_node(self, node: str, slices: list[dict[str, Any]]) -> FakeDeviceSource:
+        """The same API server as another node's agent sees it: the rules shared, its own slices."""
+        other = FakeDeviceSource(slices, node=node)
+        other.store, other.other_rules, other._versions = self.store, self.other_rules, self._versions
+        return other
 
     def inject_error(self, *errors: NodeUpdateError) -> None:
         """The next writes (create, patch, delete) fail with these errors, in order."""
@@ -143,15 +154,20 @@ class FakeDeviceSource:
 
     def rules(self) -> list[DeviceRule]:
         self.calls.append("rules")
-        return [DeviceRule.from_api(d) for d in self.store.values()]
+        return [
+            DeviceRule.from_api(d)
+            for d in self.store.values()
+            if self.node is None or d["metadata"]["labels"].get("gpuguard.io/node") == self.node
+        ]
 
     def all_rules(self) -> list[DeviceRule]:
         self.calls.append("all_rules")
-        return [*self.other_rules, *self.rules()]
+        if self.lagging is not None:
+            return list(self.lagging)
+        return [*self.other_rules, *(DeviceRule.from_api(d) for d in self.store.values())]
 
     def _bump(self, doc: dict[str, Any]) -> DeviceRule:
-        self._version += 1
-        doc["metadata"]["resourceVersion"] = str(self._version)
+        doc["metadata"]["resourceVersion"] = str(next(self._versions))
         self.store[doc["metadata"]["name"]] = doc
         return DeviceRule.from_api(doc)
 

@@ -27,13 +27,14 @@ from gpuguard.model import (
     XidEvent,
     recovery_reason,
 )
-from gpuguard.node.budget import Budget
+from gpuguard.node.budget import VERIFY_SETTLE, Budget
 from gpuguard.node.devices import (
     ANN_NODE_GPUS,
     DeviceQuarantine,
     DeviceRule,
     per_gpu,
     rule_name,
+    rules_past_limit,
     slice_devices,
 )
 from gpuguard.node.devicewriters import DryRunDeviceSource
@@ -381,3 +382,96 @@ def test_a_rule_changed_by_someone_else_is_read_again_not_fought_over() -> None:
     assert source.store[name]["metadata"]["annotations"]["gpuguard.io/faults"] == (
         f"ecc/{UUIDS[3]},xid-79/{UUIDS[3]}"
     )
+
+
+def node_verdict(node: str, *, xid_on: int) -> Verdict:
+    gpus = tuple(GpuReading(index=i, uuid=gpu_uuid(node, i)) for i in range(8))
+    xids = (XidEvent(gpu_index=xid_on, uuid=gpu_uuid(node, xid_on), code=79),)
+    return evaluate(Snapshot(gpus=gpus, xids=xids), previous=None, settings=PolicySettings())
+
+
+def test_agents_faulting_at_the_same_instant_keep_exactly_the_budgets_worth_of_rules_blocking() -> None:
+    """Budget 1 node; 7 GPUs of 8-GPU nodes held since yesterday: room for one GPU's share. Three agents
+    fault at the same instant and all see room (their lists raced the others' creates); after the order
+    check settles, exactly one rule blocks (the earliest by (since, name)) and the others are deferred."""
+    shared = FakeDeviceSource()
+    shared.other_rules = [
+        DeviceRule(
+            name=f"gpuguard-old-gpu-{i}",
+            pool="old",
+            device=f"gpu-{i}",
+            effect="NoSchedule",
+            annotations={ANN_NODE_GPUS: "8", "gpuguard.io/since": "2026-12-02T00:00:00Z"},
+        )
+        for i in range(7)
+    ]
+    shared.lagging = list(shared.other_rules)
+    clock = Clock()
+    agents = []
+    for node in ("gpu-node-c", "gpu-node-a", "gpu-node-b"):
+        settings = NodeSettings(name=node, retry_max_wait=0.01)
+        devices = DeviceQuarantine(
+            shared.for_node(node, [nvidia_slice(node)]),
+            settings,
+            budget=lambda: Budget(quarantined=0, limit=1),
+            order=lambda: [],
+            now=lambda: datetime(2026, 12, 3, tzinfo=UTC),
+            clock=clock,
+        )
+        writer = FakeNodeWriter(NodeView(name=node, resource_version="1", boot_id="boot-1"))
+        agents.append((node, devices, NodeReconciler(writer, settings, devices=devices, clock=clock)))
+    for node, devices, r in agents:
+        devices._source.lagging = shared.lagging  # type: ignore[attr-defined]
+        run(r, node_verdict(node, xid_on=3))
+    assert [d["spec"]["taint"]["effect"] for d in shared.store.values()] == ["NoSchedule"] * 3
+    # The burst's writes have all landed; VERIFY_SETTLE later every agent checks the order again.
+    for _, devices, _ in agents:
+        devices._source.lagging = None  # type: ignore[attr-defined]
+        assert devices.settling
+    clock.t += VERIFY_SETTLE
+    with capture_logs() as logs:
+        for node, _, r in agents:
+            run(r, node_verdict(node, xid_on=3))
+    effects = {d["metadata"]["name"]: d["spec"]["taint"]["effect"] for d in shared.store.values()}
+    assert effects == {
+        "gpuguard-gpu-node-a-gpu-3": "NoSchedule",
+        "gpuguard-gpu-node-b-gpu-3": "None",
+        "gpuguard-gpu-node-c-gpu-3": "None",
+    }
+    for name in ("gpuguard-gpu-node-b-gpu-3", "gpuguard-gpu-node-c-gpu-3"):
+        assert "gpuguard.io/quarantine-deferred" in shared.store[name]["metadata"]["annotations"]
+    assert sorted(e["rule"] for e in logs if e["event"] == "device.rule_yielded") == [
+        "gpuguard-gpu-node-b-gpu-3",
+        "gpuguard-gpu-node-c-gpu-3",
+    ]
+    # Converged: no agent is waiting on another check, and the deferred rules stay deferred while the
+    # budget is spent (the room re-check finds none).
+    assert not any(d.settling for _, d, _ in agents)
+    clock.t += SETTINGS.budget_recheck + 1
+    for node, _, r in agents:
+        run(r, node_verdict(node, xid_on=3))
+    assert {d["metadata"]["name"]: d["spec"]["taint"]["effect"] for d in shared.store.values()} == effects
+
+
+def test_the_order_check_names_only_rules_past_the_limit_never_a_node() -> None:
+    old = "2026-12-02T00:00:00Z"
+    new = "2026-12-03T00:00:00Z"
+    rules = [
+        DeviceRule(
+            name=n,
+            pool="p",
+            device="d",
+            effect="NoSchedule",
+            annotations={ANN_NODE_GPUS: "2", "gpuguard.io/since": s},
+        )
+        for n, s in (("r-early", old), ("r-late-a", new), ("r-late-b", new))
+    ] + [
+        DeviceRule(
+            name="r-deferred", pool="p", device="d", effect="None", annotations={"gpuguard.io/since": old}
+        )
+    ]
+    # Limit 1: r-early (1/2) and r-late-a (1/2) fit; a node quarantined later and r-late-b do not.
+    past = rules_past_limit([("2026-12-04T00:00:00Z", "node-x")], rules, 1)
+    assert past == {"r-late-b": Fraction(1)}
+    # A node quarantined first takes the whole share: every rule after it is past the limit.
+    assert set(rules_past_limit([(old, "a-node")], rules, 1)) == {"r-early", "r-late-a", "r-late-b"}

@@ -13,7 +13,10 @@ fault on a node without such slices (device-plugin clusters), stays with the nod
 The budget counts GPUs as well as nodes (docs/design.md): a rule costs 1/G of a node's share (G: the GPUs
 the node publishes, recorded on the rule), and the sum of all rules plus the fully quarantined nodes must stay
 within --max-quarantined; past it the rule is written with effect None (informational: the API server's
-status says what would be evicted) until there is room.
+status says what would be evicted) until there is room. Agents that fault at the same instant all see room:
+after a rule is made blocking, the quarantine order of rules and fully quarantined nodes (`rules_past_limit`)
+is checked at once and again VERIFY_SETTLE seconds later, and a rule of this node past the limit steps back
+to effect None.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ import structlog
 
 from gpuguard import validation
 from gpuguard.config import NodeSettings
-from gpuguard.errors import ConfigError, ConflictError, PermanentApiError
+from gpuguard.errors import ConfigError, ConflictError, NodeUpdateError, PermanentApiError
 from gpuguard.model import ECC, RESET_REQUIRED, ROW_REMAP, Fault, GpuQuarantine, Verdict, recovery_reason
-from gpuguard.node.budget import Budget
+from gpuguard.node.budget import VERIFY_SETTLE, Budget
 from gpuguard.node.view import (
     ANN_BOOT_ID,
     ANN_DEFERRED,
@@ -185,6 +188,31 @@ class DeviceRule:
         return Fraction(1, gpus if 1 <= gpus <= 1024 else 1)
 
 
+def rules_past_limit(
+    nodes: Iterable[tuple[str, str]], rules: Iterable[DeviceRule], limit: int
+) -> dict[str, Fraction]:
+    """The quarantine order of rules: every blocking rule of gpuguard (its share) and every fully quarantined
+    node (`nodes`: (since, name), a whole node each), the earlier gpuguard.io/since first, then the name.
+    Returns the rules past `limit` with what comes before each. Pure; every agent reads the same rules and
+    nodes, so every agent computes the same order, and the earliest keep their place. Only rules are ever
+    named: a node past the limit is the node budget's to step back (budget.plan_yield), never a rule's."""
+    entries: list[tuple[str, str, Fraction, bool]] = [
+        (since, name, Fraction(1), False) for since, name in set(nodes)
+    ]
+    entries += [
+        (r.annotations.get(ANN_SINCE, ""), r.name, r.share, True)
+        for r in rules
+        if not r.deferred and r.effect != NONE_EFFECT
+    ]
+    past: dict[str, Fraction] = {}
+    used = Fraction(0)
+    for _, name, share, is_rule in sorted(entries, key=lambda e: (e[0], e[1])):
+        if is_rule and used + share > limit:
+            past[name] = used
+        used += share
+    return past
+
+
 def rule_body(
     node: NodeView,
     dev: SliceDevice,
@@ -294,12 +322,14 @@ class DeviceQuarantine:
         settings: NodeSettings,
         *,
         budget: Callable[[], Budget | None] | None = None,
+        order: Callable[[], Iterable[tuple[str, str]]] | None = None,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._source = source
         self._settings = settings
         self._budget = budget
+        self._order = order
         self._now = now
         self._clock = clock
         self._devices: dict[str, SliceDevice] = {}
@@ -315,6 +345,11 @@ class DeviceQuarantine:
         # UUIDs whose rule the API server refused (403, 404 API not served): the node taint stands in.
         self._held: set[str] = set()
         self._read_error = ""
+        # Rules made blocking since the last settled order check, whether the check runs at this apply,
+        # and the monotonic time of the second check (VERIFY_SETTLE after the last blocking write).
+        self._fresh: set[str] = set()
+        self._check_now = False
+        self._settle_at: float | None = None
         self.quarantined: tuple[GpuQuarantine, ...] = ()
 
     @property
@@ -326,6 +361,12 @@ class DeviceQuarantine:
         """Rules are held: the reconciler reads the node (its bootID) every --node-resync seconds, and the
         rules are read again then (an operator's deletion)."""
         return bool(self._rules)
+
+    @property
+    def settling(self) -> bool:
+        """An order check of a fresh rule is pending: the reconciler must wake for it on an unchanged
+        verdict."""
+        return self._settle_at is not None
 
     def apply(self, node: NodeView, verdict: Verdict, *, streak: int, flapping: bool) -> Verdict:
         """Write the rules the verdict asks for; return the verdict left for the node (per-GPU faults out)."""
@@ -360,6 +401,7 @@ class DeviceQuarantine:
         for uuid in list(self._overridden):
             if uuid not in wanted:
                 del self._overridden[uuid]  # the fault is gone: a new one makes a rule again
+        self._verify(node)
         self._publish()
         return result.node_verdict
 
@@ -419,6 +461,8 @@ class DeviceQuarantine:
             return
         self._rules[updated.name] = updated
         self._known[updated.name] = updated.faults
+        if "spec" in body:
+            self._blocking(updated)
         log.warning(
             "device.rule_updated",
             node=node.name,
@@ -470,6 +514,8 @@ class DeviceQuarantine:
             return
         self._rules[rule.name] = rule
         self._known[rule.name] = rule.faults
+        if not deferred:
+            self._blocking(rule)
         first = faults[0]
         log.warning(
             "device.tainted_soft" if deferred else "device.tainted",
@@ -507,6 +553,80 @@ class DeviceQuarantine:
             device=rule.device,
             uuid=rule.uuid,
             dry_run=s.dry_run,
+        )
+
+    def _blocking(self, rule: DeviceRule) -> None:
+        """A rule was just made blocking: the quarantine order is checked at the end of this apply and
+        again VERIFY_SETTLE seconds later (the other agents' writes of the same burst have landed by then)."""
+        if self._budget is None or rule.effect == NONE_EFFECT:
+            return
+        self._fresh.add(rule.name)
+        self._check_now = True
+
+    def _verify(self, node: NodeView) -> None:
+        """The order check of fresh rules when it is due: at once after the write, then once more after
+        VERIFY_SETTLE (a failed list tries again VERIFY_SETTLE later)."""
+        due = self._settle_at is not None and self._clock() >= self._settle_at
+        if not self._fresh or not (self._check_now or due):
+            if not self._fresh:
+                self._settle_at = None
+            return
+        first = self._check_now
+        self._check_now = False
+        if self._check_order(node) and not first:
+            self._fresh.clear()
+            self._settle_at = None
+            return
+        self._settle_at = self._clock() + VERIFY_SETTLE
+
+    def _check_order(self, node: NodeView) -> bool:
+        """Is a fresh rule of this node past the limit in the cluster's quarantine order? Steps it back to
+        effect None (deferred). False when the lists failed (checked again later)."""
+        assert self._budget is not None
+        try:
+            budget = self._budget()
+            if budget is None:
+                return True
+            nodes = list(self._order()) if self._order is not None else []
+            rules = self._source.all_rules()
+        except NodeUpdateError as exc:
+            log.warning("device.quarantine_order_failed", node=node.name, error=str(exc))
+            return False
+        past = rules_past_limit(nodes, rules, budget.limit)
+        for name in sorted(self._fresh):
+            rule = self._rules.get(name)
+            if rule is None or rule.deferred or rule.effect == NONE_EFFECT:
+                self._fresh.discard(name)  # recovered, deleted or deferred meanwhile
+            elif name in past:
+                self._step_back(node, rule, past[name], budget.limit)
+        return True
+
+    def _step_back(self, node: NodeView, rule: DeviceRule, ahead: Fraction, limit: int) -> None:
+        """A blocking rule past the budget (agents that faulted at the same instant all saw room) steps back
+        to the deferred state: effect None and gpuguard.io/quarantine-deferred, until a re-check has room."""
+        why = (
+            f"quarantine budget spent: {float(ahead):g} GPU nodes' worth quarantined before this rule, "
+            f"limit {limit} (--max-quarantined {self._settings.max_quarantined})"
+        )
+        body = {
+            "metadata": {"annotations": {ANN_DEFERRED: why}, "resourceVersion": rule.resource_version},
+            "spec": {"taint": {"key": TAINT_KEY, "value": rule.taint_value, "effect": NONE_EFFECT}},
+        }
+        updated = self._write(node, rule, lambda: self._source.patch(rule, body))
+        if updated is None:
+            return  # a conflict: the rules are read again, the settle re-check looks again
+        self._rules[updated.name] = updated
+        self._fresh.discard(updated.name)
+        self._budget_at = self._clock()  # the next room re-check waits --budget-recheck
+        log.warning(
+            "device.rule_yielded",
+            node=node.name,
+            rule=rule.name,
+            device=rule.device,
+            uuid=rule.uuid,
+            ahead=float(ahead),
+            limit=limit,
+            note="effect None until there is room",
         )
 
     def _room(self, node: NodeView, rule: DeviceRule | None) -> bool:

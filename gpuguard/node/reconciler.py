@@ -131,7 +131,9 @@ class NodeReconciler:
             flapping,
             bool(verdict.gpus),
         )
-        settling = self.budget is not None and self.budget.settling
+        settling = (self.budget is not None and self.budget.settling) or (
+            self.devices is not None and self.devices.settling
+        )
         with self._cond:
             if self._first_verdict_at is None:
                 self._first_verdict_at = self._clock()
