@@ -11,7 +11,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from gpuguard.config import Config, NodeSettings, PolicySettings
-from gpuguard.errors import ConfigError, PermanentApiError
+from gpuguard.errors import ConfigError, ConflictError, PermanentApiError
 from gpuguard.model import (
     ECC,
     GPU_LOST,
@@ -390,10 +390,12 @@ def node_verdict(node: str, *, xid_on: int) -> Verdict:
     return evaluate(Snapshot(gpus=gpus, xids=xids), previous=None, settings=PolicySettings())
 
 
-def test_agents_faulting_at_the_same_instant_keep_exactly_the_budgets_worth_of_rules_blocking() -> None:
-    """Budget 1 node; 7 GPUs of 8-GPU nodes held since yesterday: room for one GPU's share. Three agents
-    fault at the same instant and all see room (their lists raced the others' creates); after the order
-    check settles, exactly one rule blocks (the earliest by (since, name)) and the others are deferred."""
+def burst(
+    nodes: tuple[str, ...],
+) -> tuple[FakeDeviceSource, Clock, list[tuple[str, DeviceQuarantine, NodeReconciler]]]:
+    """Agents of `nodes` on one API server, budget 1 node, 7 GPUs of 8-GPU nodes held since yesterday
+    (room for one GPU's share): each faults on GPU 3 at the same instant, its list racing the others'
+    creates (all see room)."""
     shared = FakeDeviceSource()
     shared.other_rules = [
         DeviceRule(
@@ -408,7 +410,7 @@ def test_agents_faulting_at_the_same_instant_keep_exactly_the_budgets_worth_of_r
     shared.lagging = list(shared.other_rules)
     clock = Clock()
     agents = []
-    for node in ("gpu-node-c", "gpu-node-a", "gpu-node-b"):
+    for node in nodes:
         settings = NodeSettings(name=node, retry_max_wait=0.01)
         devices = DeviceQuarantine(
             shared.for_node(node, [nvidia_slice(node)]),
@@ -423,7 +425,14 @@ def test_agents_faulting_at_the_same_instant_keep_exactly_the_budgets_worth_of_r
     for node, devices, r in agents:
         devices._source.lagging = shared.lagging  # type: ignore[attr-defined]
         run(r, node_verdict(node, xid_on=3))
-    assert [d["spec"]["taint"]["effect"] for d in shared.store.values()] == ["NoSchedule"] * 3
+    assert [d["spec"]["taint"]["effect"] for d in shared.store.values()] == ["NoSchedule"] * len(nodes)
+    return shared, clock, agents
+
+
+def test_agents_faulting_at_the_same_instant_keep_exactly_the_budgets_worth_of_rules_blocking() -> None:
+    """Three agents fault at the same instant and all see room; after the order check settles, exactly one
+    rule blocks (the earliest by (since, name)) and the others are deferred."""
+    shared, clock, agents = burst(("gpu-node-c", "gpu-node-a", "gpu-node-b"))
     # The burst's writes have all landed; VERIFY_SETTLE later every agent checks the order again.
     for _, devices, _ in agents:
         devices._source.lagging = None  # type: ignore[attr-defined]
@@ -475,3 +484,20 @@ def test_the_order_check_names_only_rules_past_the_limit_never_a_node() -> None:
     assert past == {"r-late-b": Fraction(1)}
     # A node quarantined first takes the whole share: every rule after it is past the limit.
     assert set(rules_past_limit([(old, "a-node")], rules, 1)) == {"r-early", "r-late-a", "r-late-b"}
+
+
+def test_a_step_back_that_conflicts_is_tried_again_at_the_next_settle_check() -> None:
+    shared, clock, agents = burst(("gpu-node-a", "gpu-node-b"))
+    for _, devices, _ in agents:
+        devices._source.lagging = None  # type: ignore[attr-defined]
+    agents[1][1]._source.inject_error(ConflictError("changed by the controller"))  # type: ignore[attr-defined]
+    clock.t += VERIFY_SETTLE
+    for node, _, r in agents:
+        run(r, node_verdict(node, xid_on=3))
+    assert shared.store["gpuguard-gpu-node-b-gpu-3"]["spec"]["taint"]["effect"] == "NoSchedule"
+    assert agents[1][1].settling
+    clock.t += VERIFY_SETTLE
+    for node, _, r in agents:
+        run(r, node_verdict(node, xid_on=3))
+    effects = {d["metadata"]["name"]: d["spec"]["taint"]["effect"] for d in shared.store.values()}
+    assert effects == {"gpuguard-gpu-node-a-gpu-3": "NoSchedule", "gpuguard-gpu-node-b-gpu-3": "None"}

@@ -581,7 +581,8 @@ class DeviceQuarantine:
 
     def _check_order(self, node: NodeView) -> bool:
         """Is a fresh rule of this node past the limit in the cluster's quarantine order? Steps it back to
-        effect None (deferred). False when the lists failed (checked again later)."""
+        effect None (deferred). False when the lists failed or a step back did not land (checked again
+        later)."""
         assert self._budget is not None
         try:
             budget = self._budget()
@@ -593,15 +594,16 @@ class DeviceQuarantine:
             log.warning("device.quarantine_order_failed", node=node.name, error=str(exc))
             return False
         past = rules_past_limit(nodes, rules, budget.limit)
+        landed = True
         for name in sorted(self._fresh):
             rule = self._rules.get(name)
             if rule is None or rule.deferred or rule.effect == NONE_EFFECT:
                 self._fresh.discard(name)  # recovered, deleted or deferred meanwhile
             elif name in past:
-                self._step_back(node, rule, past[name], budget.limit)
-        return True
+                landed = self._step_back(node, rule, past[name], budget.limit) and landed
+        return landed
 
-    def _step_back(self, node: NodeView, rule: DeviceRule, ahead: Fraction, limit: int) -> None:
+    def _step_back(self, node: NodeView, rule: DeviceRule, ahead: Fraction, limit: int) -> bool:
         """A blocking rule past the budget (agents that faulted at the same instant all saw room) steps back
         to the deferred state: effect None and gpuguard.io/quarantine-deferred, until a re-check has room."""
         why = (
@@ -614,7 +616,7 @@ class DeviceQuarantine:
         }
         updated = self._write(node, rule, lambda: self._source.patch(rule, body))
         if updated is None:
-            return  # a conflict: the rules are read again, the settle re-check looks again
+            return False  # a conflict: the rules are read again, the settle re-check looks again
         self._rules[updated.name] = updated
         self._fresh.discard(updated.name)
         self._budget_at = self._clock()  # the next room re-check waits --budget-recheck
@@ -628,6 +630,7 @@ class DeviceQuarantine:
             limit=limit,
             note="effect None until there is room",
         )
+        return True
 
     def _room(self, node: NodeView, rule: DeviceRule | None) -> bool:
         """Whether one more GPU fits the budget: the fully quarantined nodes plus every rule's share (this

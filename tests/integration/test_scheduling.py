@@ -9,6 +9,7 @@ kube-controller-manager and kwok, all of the pinned version.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import time
@@ -21,6 +22,7 @@ import pytest
 import yaml
 
 from gpuguard import kubeapi
+from gpuguard.node.budget import VERIFY_SETTLE
 from gpuguard.node.devicewriters import quarantined_gpus
 from tests.dra import DRIVER, gpu_uuid, nvidia_slice
 from tests.integration.kube import (
@@ -400,3 +402,61 @@ def test_a_lost_gpu_on_a_dra_node_still_quarantines_the_node(
         assert device_rule(cluster, f"gpuguard-{node}-gpu-2") is None
     finally:
         agent.stop()
+
+
+def test_gpus_faulting_at_the_same_instant_past_the_budget_end_with_exactly_the_budgets_worth_blocking(
+    cluster: Admin, full_control_plane: Any, fakenvml: Path, tmp_path: Path
+) -> None:
+    """Three DRA nodes of one GPU each (a rule costs a whole node), a budget of one node over a pool of
+    their own: an Xid on every node at once. Each agent may see room before the others' rules land; the
+    order check steps back all but the earliest, and the state holds past the settled second check."""
+    pool = f"rules-{int(time.time() * 1000) % 10**8}"
+    args = ("--max-quarantined", "1", "--gpu-node-selector", f"gpuguard-test/pool={pool}")
+    custom: Any = kubernetes.client.CustomObjectsApi(cluster.api)
+    agents, rules = [], []
+    try:
+        for i in range(3):
+            node = make_gpu_node(cluster, gpus=1)
+            cluster.core.patch_node(node, {"metadata": {"labels": {"gpuguard-test/pool": pool}}})
+            cluster.set_boot_id(node, "boot-1")
+            custom.create_cluster_custom_object(DRA, "v1", "resourceslices", nvidia_slice(node, gpus=1))
+            ds_pod = eventually(lambda n=node: daemon_pod(cluster, n), 60, what="DaemonSet pod")  # type: ignore[misc]
+            state = tmp_path / f"gpus-{i}.state"
+            gpu = f"gpu 0 uuid={gpu_uuid(node, 0)}\n"
+            state.write_text(gpu)
+            (tmp_path / f"a{i}").mkdir()
+            kubeconfig = daemon_pod_kubeconfig(cluster, full_control_plane, ds_pod, tmp_path / f"a{i}")
+            agent = Agent(node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml, args=args).start()
+            agents.append((agent, state, gpu))
+            rules.append(f"gpuguard-{node}-gpu-0")
+        for agent, _, _ in agents:
+            eventually(agent.ready, 15, what="agent /readyz")
+        for _, state, gpu in agents:
+            state.write_text(gpu + "xid 0 79\n")
+
+        def effects() -> list[str]:
+            return [
+                ((device_rule(cluster, r) or {}).get("spec") or {}).get("taint", {}).get("effect", "")
+                for r in rules
+            ]
+
+        eventually(
+            lambda: sorted(effects()) == ["NoSchedule", "None", "None"], 30, what="one of three blocking"
+        )
+        time.sleep(VERIFY_SETTLE + 3)  # past every agent's second order check: nothing moves any more
+        assert sorted(effects()) == ["NoSchedule", "None", "None"]
+        docs = [device_rule(cluster, r) or {} for r in rules]
+        blocking = [d for d in docs if d["spec"]["taint"]["effect"] == "NoSchedule"]
+        order = sorted(
+            (d["metadata"]["annotations"]["gpuguard.io/since"], d["metadata"]["name"]) for d in docs
+        )
+        assert blocking[0]["metadata"]["name"] == order[0][1]  # the earliest keeps its place
+        for d in docs:
+            if d is not blocking[0]:
+                assert "gpuguard.io/quarantine-deferred" in d["metadata"]["annotations"]
+    finally:
+        for agent, _, _ in agents:
+            agent.stop()
+        for r in rules:
+            with contextlib.suppress(ApiException):
+                custom.delete_cluster_custom_object(DRA, "v1", "devicetaintrules", r)
