@@ -201,6 +201,11 @@ ENV_CASES: list[tuple[list[str], dict[str, str], set[str]]] = [
     (["--set", "apiServer.startupJitter=0"], {"GPUGUARD_STARTUP_JITTER": "0"}, set()),
     (["--set", "apiServer.qps=2.5"], {"GPUGUARD_API_QPS": "2.5"}, set()),
     (["--set", "apiServer.burst=40"], {"GPUGUARD_API_BURST": "40"}, set()),
+    (["--set", "quarantine.mode=node"], {"GPUGUARD_QUARANTINE": "node"}, set()),
+    (["--set", "quarantine.mode=gpu"], {"GPUGUARD_QUARANTINE": "gpu"}, set()),
+    (["--set", "quarantine.mode=null"], {}, {"GPUGUARD_QUARANTINE"}),
+    (["--set", "quarantine.draDriver=gpu.example.com"], {"GPUGUARD_DRA_DRIVER": "gpu.example.com"}, set()),
+    (["--set", "quarantine.draDriver=null"], {}, {"GPUGUARD_DRA_DRIVER"}),
     (
         ["--set", "taintEffect=NoExecute", "--set", "cordon=false", "--set", "interval=1"],
         {"GPUGUARD_TAINT_EFFECT": "NoExecute", "GPUGUARD_NO_CORDON": "true", "GPUGUARD_INTERVAL": "1"},
@@ -218,6 +223,7 @@ EVERY_SETTING = [
     *("--set", "gate.taintKey=startup-taint.cluster-autoscaler.kubernetes.io/gpuguard"),
     *("--set", "gate.removal=external"),
     *("--set", "apiServer.startupJitter=30", "--set", "apiServer.qps=2.5", "--set", "apiServer.burst=40"),
+    *("--set", "quarantine.mode=gpu", "--set", "quarantine.draDriver=gpu.example.com"),
 ]
 
 
@@ -253,6 +259,7 @@ def test_every_variable_the_chart_can_set_is_one_the_watch_command_reads(helm: H
             "GPUGUARD_GATE_REMOVAL",
         ),
         *("GPUGUARD_STARTUP_JITTER", "GPUGUARD_API_QPS", "GPUGUARD_API_BURST"),
+        *("GPUGUARD_QUARANTINE", "GPUGUARD_DRA_DRIVER"),
     }
     missing = ours - _watch_variables()
     assert not missing, f"not read by `gpuguard watch`: {sorted(missing)}"
@@ -294,6 +301,7 @@ def test_the_watch_command_accepts_what_the_chart_renders(
     values += ["--set", "recovery.enabled=false", "--set", "recovery.recoverAfter=4"]
     values += ["--set", "ignoredXids={13,43}", "--set", "fatalXids={43}", "--set", "eccThreshold=1"]
     values += ["--set", "metrics.port=9000", "--set", "budget.maxQuarantined=12.5%", "--set", "flapWindow=30"]
+    values += ["--set", "quarantine.mode=node", "--set", "quarantine.draDriver=gpu.example.com"]
     env = _env(helm.render(*values))
     for name, value in env.items():
         if isinstance(value, str):
@@ -308,6 +316,7 @@ def test_the_watch_command_accepts_what_the_chart_renders(
     assert ctx.params["listen"] == ":9000"
     assert (ctx.params["max_quarantined"], ctx.params["flap_window"]) == ("12.5%", 30.0)
     assert ctx.params["state_dir"] == "/var/lib/gpuguard"
+    assert (ctx.params["quarantine"], ctx.params["dra_driver"]) == ("node", "gpu.example.com")
 
 
 def test_the_agent_starts_with_every_setting_the_chart_renders(helm: Helm, tmp_path: Path) -> None:
@@ -450,6 +459,8 @@ def test_a_render_with_every_value_changed_matches_the_kubernetes_api_schema(hel
         (["--set", "admissionPolicy.enable=true"], "'enable' not allowed"),
         (["--set", "apiServer.startupJitter=-1"], "/apiServer/startupJitter"),
         (["--set", "flowControl.queuing.handSize=0"], "/flowControl/queuing/handSize"),
+        (["--set", "quarantine.mode=device"], "/quarantine/mode"),
+        (["--set", "quarantine.draDriver=GPU.nvidia.com"], "/quarantine/draDriver"),
     ],
     ids=[
         "a misspelt taint effect",
@@ -465,6 +476,8 @@ def test_a_render_with_every_value_changed_matches_the_kubernetes_api_schema(hel
         "a misspelt admission policy key",
         "a negative start-up jitter",
         "an empty hand",
+        "an unknown quarantine mode",
+        "a DRA driver that is no DNS subdomain",
     ],
 )
 def test_the_values_schema_rejects_a_mistake_before_anything_is_deployed(

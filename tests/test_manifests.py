@@ -388,6 +388,15 @@ def test_the_manifest_spells_out_the_agents_budget_flap_window_and_state_dir_def
     assert defaults["state_dir"] == env["GPUGUARD_STATE_DIR"]["value"]
 
 
+def test_the_manifest_spells_out_the_agents_per_gpu_quarantine_mode_and_dra_driver_defaults() -> None:
+    env = _env(_container())
+    assert env["GPUGUARD_QUARANTINE"]["value"] == "auto"
+    assert env["GPUGUARD_DRA_DRIVER"]["value"] == "gpu.nvidia.com"
+    defaults = {p.name: p.default for p in cli.commands["watch"].params}
+    assert defaults["quarantine"] == env["GPUGUARD_QUARANTINE"]["value"]
+    assert defaults["dra_driver"] == env["GPUGUARD_DRA_DRIVER"]["value"]
+
+
 def test_nvml_is_injected_by_the_container_toolkit_without_requesting_a_gpu() -> None:
     env = _env(_container())
     assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
