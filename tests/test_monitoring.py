@@ -95,6 +95,8 @@ def test_every_alert_has_a_unit_test() -> None:
         ),
         ("max by (node, dry_run) (gpuguard_node_quarantined)", "max by (node) (gpuguard_node_quarantined)"),
         ('code!~"200|409"', 'code!~"200"'),
+        ("(gpuguard_gpus_quarantined) > 0", "(gpuguard_gpus_quarantined) > 1"),
+        ("by (node, dry_run) (gpuguard_gpus_quarantined)", "by (node, pod) (gpuguard_gpus_quarantined)"),
     ],
 )
 def test_the_unit_tests_fail_when_a_rule_changes(
@@ -132,6 +134,7 @@ def test_every_series_the_rules_and_the_dashboard_use_is_one_gpuguard_exports() 
         "gpuguard_node_quarantine_deferred",
         "gpuguard_gpu_healthy",
         "gpuguard_gpu_xid_watched",
+        "gpuguard_gpus_quarantined",
     }
 
 
