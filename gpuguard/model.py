@@ -200,3 +200,7 @@ class AgentStatus:
     dry_run: bool
     last_check: datetime | None
     gpu_quarantines: tuple[GpuQuarantine, ...] = ()
+    # Where the API server serves DeviceTaintRules: "resource.k8s.io/v1", "resource.k8s.io/v1beta2", "none"
+    # (neither: faults of one GPU get the node taint), "unknown" (not listed yet); None: not looked for
+    # (--quarantine node, or a dry run without a cluster).
+    device_taint_api: str | None = None

@@ -16,7 +16,7 @@ import structlog
 from gpuguard import logs
 from gpuguard.config import Config
 from gpuguard.errors import ConfigError
-from gpuguard.model import GPU_MISSING, Fault, Verdict
+from gpuguard.model import GPU_MISSING, AgentStatus, Fault, Verdict
 from gpuguard.nvml.base import Backend
 from gpuguard.policy import evaluate
 
@@ -119,11 +119,12 @@ def watch(cfg: Config) -> bool:
     budget = QuarantineBudget(budget_source, cfg.node)
     # The start-up jitter (--startup-jitter): a fleet started at once reaches the API server spread out.
     delay = startup_delay(cfg, uptime=host_uptime())
-    devices = None
+    devices = device_source = None
     if cfg.node.quarantine != "node":
         node_name = cfg.node.name or ""
+        device_source = make_device_source(cfg.node, metrics)
         devices = DeviceQuarantine(
-            make_device_source(cfg.node, metrics),
+            device_source,
             cfg.node,
             budget=lambda: budget_source.budget(cfg.node.max_quarantined, exclude=node_name),
             order=budget_source.quarantine_order,
@@ -146,8 +147,14 @@ def watch(cfg: Config) -> bool:
         flap_window=cfg.node.flap_window,
         library_wait=None if cfg.backend != "nvml" or cfg.policy.allow_no_gpu else cfg.nvml_load_timeout,
     )
+
+    def status() -> AgentStatus:
+        # The agent's status plus what the device source found (which DeviceTaintRule API is served).
+        s = agent.status()
+        return s if device_source is None else replace(s, device_taint_api=device_source.api_version)
+
     try:
-        server = HealthServer(agent.status, host=cfg.server.host, port=cfg.server.port, registry=REGISTRY)
+        server = HealthServer(status, host=cfg.server.host, port=cfg.server.port, registry=REGISTRY)
     except OSError as exc:
         raise ConfigError(f"--listen {cfg.server.host}:{cfg.server.port}: {exc.strerror}") from None
     server.start()

@@ -87,6 +87,8 @@ def health_body(s: AgentStatus) -> dict[str, Any]:
             }
             for q in s.gpu_quarantines
         ],
+        # Where DeviceTaintRules are served (see AgentStatus.device_taint_api); "none": the node taint.
+        "device_taint_api": s.device_taint_api,
         "dry_run": s.dry_run,
         "last_check": s.last_check.astimezone(UTC).isoformat().replace("+00:00", "Z")
         if s.last_check

@@ -42,6 +42,7 @@ class State:
                 deferred=False,
             ),
         ),
+        device_taint_api="resource.k8s.io/v1",
     )
 
 
@@ -91,6 +92,7 @@ def test_healthz_has_exactly_the_documented_keys(server: HealthServer) -> None:
                 "deferred": False,
             }
         ],
+        "device_taint_api": "resource.k8s.io/v1",
         "dry_run": False,
         "last_check": "2026-12-02T12:00:01Z",
     }

@@ -26,6 +26,11 @@ _SLICES = f"{API}/resourceslices"
 # DeviceTaintRules are resource.k8s.io/v1 from Kubernetes 1.37; 1.36 serves them as v1beta2 (beta, off by
 # default: --runtime-config and the DRADeviceTaintRules gate). The first list finds which one is served.
 _RULE_VERSIONS = ("v1", "v1beta2")
+RULES_API_UNKNOWN = "unknown"
+"""`api_version` before the first list of rules."""
+RULES_API_NONE = "none"
+"""`api_version` when the last list found DeviceTaintRules in no version: per-GPU faults get the node
+taint."""
 
 
 class KubeDeviceSource:
@@ -40,14 +45,26 @@ class KubeDeviceSource:
         driver: str,
         timeout: float = 10.0,
         metrics: Metrics | None = None,
+        announce: bool = False,
     ) -> None:
+        """announce: log what the lists find (device.rules_api), for the agent; not for `gpuguard status`
+        and `uninstall`, whose stdout is their answer."""
         self._node = node
+        self._announce = announce
         self._api = api
         self._driver = driver
         self._timeout = timeout
         self._metrics = metrics
         self._rule_version = _RULE_VERSIONS[0]
         self._version_known = False
+        self._api_version = RULES_API_UNKNOWN
+
+    @property
+    def api_version(self) -> str:
+        """Where this API server serves DeviceTaintRules, as the first list found it: "resource.k8s.io/v1"
+        or "resource.k8s.io/v1beta2"; RULES_API_NONE (neither: every fault gets the node taint) or
+        RULES_API_UNKNOWN (not listed yet). /healthz reports it as device_taint_api."""
+        return self._api_version
 
     @property
     def _rules_path(self) -> str:
@@ -90,10 +107,38 @@ class KubeDeviceSource:
                     continue  # not served in this version
                 raise
             self._version_known = True
+            self._found(f"resource.k8s.io/{version}")
             return [DeviceRule.from_api(d) for d in doc.get("items") or []]
         # Served in no version: a create answers 404, and the node taint stands in (device.rule_rejected).
+        # The next list (the next read) asks both versions again: a cluster may turn the API on meanwhile.
         self._rule_version = _RULE_VERSIONS[0]
+        self._found(RULES_API_NONE)
         return []
+
+    def _found(self, api_version: str) -> None:
+        """One line when what the lists find changes (at the first list, as a rule, and never per list)."""
+        if api_version == self._api_version:
+            return
+        self._api_version = api_version
+        if not self._announce:
+            return
+        tried = [f"resource.k8s.io/{v}" for v in _RULE_VERSIONS]
+        if api_version == RULES_API_NONE:
+            log.warning(
+                "device.rules_api",
+                node=self._node or None,
+                api_version=None,
+                tried=tried,
+                note="DeviceTaintRules are not served: faults of one GPU get the node taint",
+            )
+            return
+        log.info(
+            "device.rules_api",
+            node=self._node or None,
+            api_version=api_version,
+            tried=tried[: tried.index(api_version) + 1],
+            note="faults of one GPU published in a ResourceSlice get a DeviceTaintRule",
+        )
 
     def create(self, body: Mapping[str, Any]) -> DeviceRule:
         name = body["metadata"]["name"]
@@ -172,13 +217,27 @@ class DryRunDeviceSource:
             log.warning("device.dry_run_without_slices", error=str(exc))
             return None
 
+    @property
+    def api_version(self) -> str | None:
+        """The real source's (None without a cluster: not looked for)."""
+        return self._real.api_version if self._real is not None else None
+
     def rules(self) -> list[DeviceRule]:
+        if self._real is not None and self._real.api_version == RULES_API_UNKNOWN:
+            # Which version the real server serves, if any, so the dry run decides as the agent would.
+            try:
+                self._real.rules()
+            except GpuguardError as exc:
+                log.warning("device.dry_run_without_rules_api", error=str(exc))
         return list(self._rules.values())
 
     def all_rules(self) -> list[DeviceRule]:
         return list(self._rules.values())
 
     def create(self, body: Mapping[str, Any]) -> DeviceRule:
+        if self._real is not None and self._real.api_version == RULES_API_NONE:
+            # What the server would answer (404): the dry run plans the node taint, as the agent would.
+            raise PermanentApiError("DeviceTaintRules are not served (dry run)", status=404)
         log.info("device.dry_run", action="create", rule=body["metadata"]["name"], body=dict(body))
         return self._keep(body)
 
@@ -224,6 +283,7 @@ def make_device_source(
             driver=settings.dra_driver,
             timeout=settings.api_timeout,
             metrics=metrics,
+            announce=True,
         )
     real = None
     if settings.name and (settings.kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST")):
@@ -233,6 +293,7 @@ def make_device_source(
                 api=load_api_client(settings.kubeconfig),
                 driver=settings.dra_driver,
                 timeout=3.0,
+                announce=True,
             )
         except GpuguardError as exc:
             log.warning("device.dry_run_without_cluster", error=str(exc))
