@@ -547,12 +547,16 @@ class ControlPlane:
         die_with_parent: bool = False,
         release: str = NEWEST,
         components: tuple[str, ...] = (),
+        runtime_config: str = "",
     ) -> None:
         """die_with_parent: have the kernel SIGKILL the servers when this process dies, so
         a test run killed hard (no teardown) leaves no server running (the work dir in /tmp
         stays). `up` must not use it: its servers outlive it. components: any of KNOWN_COMPONENTS,
-        started after kube-apiserver and stopped before it."""
+        started after kube-apiserver and stopped before it. runtime_config: kube-apiserver's
+        --runtime-config (API versions and resources served or not beyond the defaults), e.g. to
+        serve an API only in an older version as an older release would."""
         self.components = parse_components(",".join(components))
+        self.runtime_config = runtime_config
         self.state_dir = Path(state_dir)
         self.allow_build = allow_build
         self.ready_timeout = ready_timeout
@@ -1047,6 +1051,7 @@ current-context: gpuguard-test
             "--endpoint-reconciler-type=none",
             "--profiling=false",
             "--v=1",
+            *([f"--runtime-config={self.runtime_config}"] if self.runtime_config else []),
         ]
 
     def _component_args(self, name: str) -> list[str]:

@@ -46,7 +46,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
     if "oldest" in used:
         _build_before_tests(session, controlplane.OLDEST)
-    if not used & {"control_plane", "full_control_plane", "karpenter_control_plane"}:
+    planes = {"control_plane", "full_control_plane", "karpenter_control_plane"}
+    planes |= {"beta_only_plane", "no_rules_plane"}  # test_device_versions.py's own (--runtime-config)
+    if not used & planes:
         return
     if used & {"full_control_plane", "karpenter_control_plane"} and controlplane.kwok_cached() is None:
         try:
