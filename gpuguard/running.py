@@ -102,7 +102,7 @@ def watch(cfg: Config) -> bool:
     from gpuguard.agent import Agent  # noqa: PLC0415
     from gpuguard.metrics import Metrics  # noqa: PLC0415
     from gpuguard.node.budget import QuarantineBudget  # noqa: PLC0415
-    from gpuguard.node.devices import DeviceQuarantine  # noqa: PLC0415
+    from gpuguard.node.devicequarantine import DeviceQuarantine  # noqa: PLC0415
     from gpuguard.node.devicewriters import make_device_source  # noqa: PLC0415
     from gpuguard.node.fleet import watched  # noqa: PLC0415
     from gpuguard.node.reconciler import NodeReconciler  # noqa: PLC0415

@@ -28,15 +28,10 @@ from gpuguard.model import (
     recovery_reason,
 )
 from gpuguard.node.budget import VERIFY_SETTLE, Budget
-from gpuguard.node.devices import (
-    ANN_NODE_GPUS,
-    DeviceQuarantine,
-    DeviceRule,
-    per_gpu,
-    rule_name,
-    rules_past_limit,
-    slice_devices,
-)
+from gpuguard.node.deviceorder import rules_past_limit
+from gpuguard.node.devicequarantine import DeviceQuarantine
+from gpuguard.node.devices import ANN_NODE_GPUS, DeviceRule, per_gpu, rule_name
+from gpuguard.node.deviceslices import slice_devices
 from gpuguard.node.devicewriters import DryRunDeviceSource
 from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.view import TAINT_KEY, NodeView

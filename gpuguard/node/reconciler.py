@@ -23,7 +23,7 @@ from gpuguard.errors import ConflictError, NodeUpdateError, PermanentApiError, T
 from gpuguard.metrics import Metrics
 from gpuguard.model import GpuQuarantine, Verdict
 from gpuguard.node.budget import QuarantineBudget
-from gpuguard.node.devices import DeviceQuarantine
+from gpuguard.node.devicequarantine import DeviceQuarantine
 from gpuguard.node.plan import plan, plan_condition
 from gpuguard.node.view import EventSpec, NodeChange, NodeView, join_keys
 from gpuguard.node.writers import DRY_RUN_NODE, NodeWriter
