@@ -4,6 +4,7 @@ rules."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 from fractions import Fraction
 
@@ -34,7 +35,7 @@ from gpuguard.node.devices import ANN_NODE_GPUS, DeviceRule, per_gpu, rule_name
 from gpuguard.node.deviceslices import slice_devices
 from gpuguard.node.devicewriters import DryRunDeviceSource
 from gpuguard.node.reconciler import NodeReconciler
-from gpuguard.node.view import TAINT_KEY, NodeView
+from gpuguard.node.view import TAINT_KEY, NodeView, Taint
 from gpuguard.policy import evaluate
 from tests.dra import DRIVER, gpu_uuid, nvidia_slice
 from tests.fakes import FakeDeviceSource, FakeNodeWriter
@@ -496,3 +497,23 @@ def test_a_step_back_that_conflicts_is_tried_again_at_the_next_settle_check() ->
         run(r, node_verdict(node, xid_on=3))
     effects = {d["metadata"]["name"]: d["spec"]["taint"]["effect"] for d in shared.store.values()}
     assert effects == {"gpuguard-gpu-node-a-gpu-3": "NoSchedule", "gpuguard-gpu-node-b-gpu-3": "None"}
+
+
+def test_a_gated_node_whose_gpu_rule_the_budget_deferred_keeps_its_gate_until_the_rule_blocks() -> None:
+    """Defect 08 for rules: a never-verified node with a known fault is never schedulable. The GPU's rule is
+    deferred (effect None, the budget spent), so it blocks nothing: the gate stays; once the rule takes
+    effect the node's other GPUs are good and the gate lifts."""
+    gate = Taint(key=SETTINGS.gate_taint_key, effect="NoSchedule")
+    writer, source, r, clock = make(budget=Budget(quarantined=1, limit=1))
+    writer.node = replace(writer.node, taints=(gate,))
+    sick = verdict(ecc_on=0)
+    run(r, sick)
+    (doc,) = source.store.values()
+    assert doc["spec"]["taint"]["effect"] == "None"
+    assert gate in writer.node.taints
+    r.devices._budget = lambda: Budget(quarantined=0, limit=1)  # type: ignore[union-attr]
+    clock.t += SETTINGS.budget_recheck + SETTINGS.node_resync + 1
+    run(r, verdict(prev=sick, ecc_on=0))
+    (doc,) = source.store.values()
+    assert doc["spec"]["taint"]["effect"] == "NoSchedule"
+    assert gate not in writer.node.taints

@@ -134,6 +134,12 @@ class DeviceQuarantine:
         return bool(self._rules)
 
     @property
+    def gate_held(self) -> bool:
+        """A rule of this node blocks nothing (deferred by the budget, effect None) while its GPU is faulty:
+        the startup gate must stay (docs/design.md, the startup gate), as for a deferred node quarantine."""
+        return any(r.deferred or r.effect == NONE_EFFECT for r in self._rules.values())
+
+    @property
     def settling(self) -> bool:
         """An order check of a fresh rule is pending: the reconciler must wake for it on an unchanged
         verdict."""

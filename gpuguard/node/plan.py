@@ -48,8 +48,13 @@ def plan(
     settings: NodeSettings,
     now: datetime,
     flapping: bool = False,
+    gate_held: bool = False,
 ) -> NodeChange | None:
     """The change that brings `node` in line with `verdict`, or None. Pure.
+
+    `gate_held`: a GPU of this node is known faulty but its DeviceTaintRule blocks nothing (deferred by the
+    budget, effect None): the startup gate stays, as for a deferred node quarantine (a never-verified node
+    with a known fault is never schedulable).
 
     A fault plans the full quarantine ("taint", or "escalate" of a deferred one); the budget's gate may
     turn it into the deferred one. `flapping`: faults came back within --flap-window, so recovery waits.
@@ -72,7 +77,7 @@ def plan(
     # Ours: what gpuguard recorded, never a bare taint with our key (an operator's, kept as it is).
     owned = any(k in node.annotations for k in OUR_ANNOTATIONS) or LABEL_QUARANTINED in node.labels
     if not owned:
-        if lifts_gate(node, settings) and verdict.gpus:
+        if lifts_gate(node, settings) and verdict.gpus and not gate_held:
             # The startup gate: the first complete healthy check clears it. With --gate-removal external a
             # node-readiness controller lifts it from the GPUHealthy condition the reconciler writes.
             return NodeChange(
@@ -87,7 +92,7 @@ def plan(
         or not evidence_gone(node, verdict)
     ):
         return _tidy(node)
-    gate = lifts_gate(node, settings)
+    gate = lifts_gate(node, settings) and not gate_held
     removed = ({settings.gate_taint_key} if gate else set()) | ({TAINT_KEY} if ours is not None else set())
     return NodeChange(
         action="recover",

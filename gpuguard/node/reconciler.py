@@ -287,7 +287,13 @@ class NodeReconciler:
             if step_back is not None:
                 return step_back
         change = plan(
-            node, verdict, healthy_streak=streak, settings=self._settings, now=self._now(), flapping=flapping
+            node,
+            verdict,
+            healthy_streak=streak,
+            settings=self._settings,
+            now=self._now(),
+            flapping=flapping,
+            gate_held=self.devices is not None and self.devices.gate_held,
         )
         if self.budget is None:
             return change
