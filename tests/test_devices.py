@@ -517,3 +517,41 @@ def test_a_gated_node_whose_gpu_rule_the_budget_deferred_keeps_its_gate_until_th
     (doc,) = source.store.values()
     assert doc["spec"]["taint"]["effect"] == "NoSchedule"
     assert gate not in writer.node.taints
+
+
+def other_node_rules(node: str, count: int, *, since: str = "2026-12-03T00:00:00Z") -> list[DeviceRule]:
+    """`count` blocking rules of another 8-GPU node."""
+    return [
+        DeviceRule(
+            name=f"gpuguard-{node}-gpu-{i}",
+            pool=node,
+            device=f"gpu-{i}",
+            effect="NoSchedule",
+            annotations={ANN_NODE_GPUS: "8", "gpuguard.io/since": since},
+        )
+        for i in range(count)
+    ]
+
+
+def test_a_fully_quarantined_node_with_gpu_rules_counts_once_in_the_budget() -> None:
+    """Budget 2 nodes; another node is fully quarantined and also holds rules for all its 8 GPUs: one node
+    of the budget, not two (its node taint already covers its GPUs), so this node's GPU has room."""
+    _, source, r, _ = make(budget=Budget(quarantined=1, limit=2))
+    r.devices._order = lambda: [("2026-12-01T00:00:00Z", "other")]  # type: ignore[union-attr]
+    source.other_rules = other_node_rules("other", 8)
+    run(r, verdict(ecc_on=0))
+    assert [d["spec"]["taint"]["effect"] for d in source.store.values()] == ["NoSchedule"]
+
+
+def test_the_order_check_counts_a_fully_quarantined_nodes_rules_once() -> None:
+    nodes = [("2026-12-01T00:00:00Z", "other")]
+    ours = DeviceRule(
+        name="mine",
+        pool=NODE,
+        device="gpu-0",
+        effect="NoSchedule",
+        annotations={ANN_NODE_GPUS: "8", "gpuguard.io/since": "2026-12-03T00:00:01Z"},
+    )
+    assert rules_past_limit(nodes, [*other_node_rules("other", 8), ours], 2) == {}
+    # A rule of a node not fully quarantined still counts its share.
+    assert set(rules_past_limit(nodes, [*other_node_rules("third", 8), ours], 2)) == {"mine"}

@@ -19,14 +19,18 @@ def rules_past_limit(
     node (`nodes`: (since, name), a whole node each), the earlier gpuguard.io/since first, then the name.
     Returns the rules past `limit` with what comes before each. Pure; every agent reads the same rules and
     nodes, so every agent computes the same order, and the earliest keep their place. Only rules are ever
-    named: a node past the limit is the node budget's to step back (budget.plan_yield), never a rule's."""
+    named: a node past the limit is the node budget's to step back (budget.plan_yield), never a rule's. A
+    rule of a fully quarantined node is not in the order at all: the node's taint covers its GPUs, so the
+    node counts once."""
+    nodes = set(nodes)
+    covered = {name for _, name in nodes}
     entries: list[tuple[str, str, Fraction, bool]] = [
-        (since, name, Fraction(1), False) for since, name in set(nodes)
+        (since, name, Fraction(1), False) for since, name in nodes
     ]
     entries += [
         (r.annotations.get(ANN_SINCE, ""), r.name, r.share, True)
         for r in rules
-        if not r.deferred and r.effect != NONE_EFFECT
+        if not r.deferred and r.effect != NONE_EFFECT and r.pool not in covered
     ]
     past: dict[str, Fraction] = {}
     used = Fraction(0)
@@ -35,3 +39,10 @@ def rules_past_limit(
             past[name] = used
         used += share
     return past
+
+
+def rules_share(rules: Iterable[DeviceRule], *, covered: Iterable[str] = ()) -> Fraction:
+    """What the non-deferred rules cost the budget: the sum of their shares, but nothing for a rule of a node
+    in `covered` (fully quarantined: the node already counts as a whole, its GPUs with it). Exact."""
+    nodes = set(covered)
+    return sum((r.share for r in rules if not r.deferred and r.pool not in nodes), Fraction(0))

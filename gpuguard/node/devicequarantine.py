@@ -27,7 +27,7 @@ from gpuguard.config import NodeSettings
 from gpuguard.errors import ConflictError, NodeUpdateError, PermanentApiError
 from gpuguard.model import Fault, GpuQuarantine, Verdict
 from gpuguard.node.budget import VERIFY_SETTLE, Budget
-from gpuguard.node.deviceorder import rules_past_limit
+from gpuguard.node.deviceorder import rules_past_limit, rules_share
 from gpuguard.node.devices import (
     NONE_EFFECT,
     DeviceRule,
@@ -421,11 +421,14 @@ class DeviceQuarantine:
         budget = self._budget()
         if budget is None:
             return True
-        others = [
-            r for r in self._source.all_rules() if not r.deferred and r.name != (rule.name if rule else "")
-        ]
+        others = [r for r in self._source.all_rules() if r.name != (rule.name if rule else "")]
+        # The fully quarantined nodes' rules count nothing more (the node counts once): asked only where both
+        # exist, so a fleet without node quarantines adds no read here.
+        covered: list[str] = []
+        if budget.quarantined and others and self._order is not None:
+            covered = [name for _, name in self._order()]
         share = Fraction(1, max(self._node_gpus, 1))
-        used = Fraction(budget.quarantined) + sum((r.share for r in others), Fraction(0))
+        used = Fraction(budget.quarantined) + rules_share(others, covered=covered)
         room = used + share <= budget.limit
         if not room:
             log.warning(
