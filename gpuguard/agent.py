@@ -71,6 +71,8 @@ class Agent:
         self._verdict: Verdict | None = None
         self._last_evaluation: tuple[Snapshot, Verdict | None, Verdict] | None = None
         self._streak = 0
+        # Each GPU's own healthy streak (by UUID): a GPU's rule recovers on its own evidence, not the node's.
+        self._gpu_streaks: dict[str, int] = {}
         self._started = clock()
         self._last_check: float | None = None
         self._last_check_wall: datetime | None = None
@@ -127,6 +129,9 @@ class Agent:
         previous = self._verdict
         verdict = self._evaluate(snapshot, previous or self._restored)
         self._streak = self._streak + 1 if verdict.healthy else 0
+        self._gpu_streaks = {
+            g.uuid: self._gpu_streaks.get(g.uuid, 0) + 1 if g.healthy else 0 for g in verdict.gpus if g.uuid
+        }
         if verdict is not previous or verdict.ignored_xids:
             # The very verdict as before (the remembered evaluation) has no transition to log.
             self._log_transitions(previous, verdict)
@@ -138,7 +143,7 @@ class Agent:
         self._last_check = now
         self._last_check_wall = self._wall()
         self.checks += 1
-        self._reconciler.submit(verdict, self._streak, flapping=flapping)
+        self._reconciler.submit(verdict, self._streak, flapping=flapping, gpu_streaks=self._gpu_streaks)
         if self._metrics is not None:
             self._metrics.observe_check(verdict, duration=now - t0, wall=self._last_check_wall.timestamp())
             node = self._reconciler.status

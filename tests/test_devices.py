@@ -11,6 +11,7 @@ from fractions import Fraction
 import pytest
 from structlog.testing import capture_logs
 
+from gpuguard.agent import Agent
 from gpuguard.config import Config, NodeSettings, PolicySettings
 from gpuguard.errors import ConfigError, ConflictError, PermanentApiError
 from gpuguard.model import (
@@ -36,6 +37,7 @@ from gpuguard.node.deviceslices import slice_devices
 from gpuguard.node.devicewriters import DryRunDeviceSource
 from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.view import TAINT_KEY, NodeView, Taint
+from gpuguard.nvml.mock import MockBackend, parse_scenario
 from gpuguard.policy import evaluate
 from tests.dra import DRIVER, gpu_uuid, nvidia_slice
 from tests.fakes import FakeDeviceSource, FakeNodeWriter
@@ -555,3 +557,32 @@ def test_the_order_check_counts_a_fully_quarantined_nodes_rules_once() -> None:
     assert rules_past_limit(nodes, [*other_node_rules("other", 8), ours], 2) == {}
     # A rule of a node not fully quarantined still counts its share.
     assert set(rules_past_limit(nodes, [*other_node_rules("third", 8), ours], 2)) == {"mine"}
+
+
+def test_a_recovered_gpu_loses_its_rule_while_another_gpu_of_the_node_stays_bad() -> None:
+    """Recovery of a rule follows its GPU's own healthy streak, not the node's: GPU 0's ECC count reads 0
+    again for --recover-after checks while GPU 1's stays; the node is never healthy, GPU 0's rule goes."""
+    scenario = parse_scenario(
+        f"devices:\n  - {{index: 0, uuid: {UUIDS[0]}}}\n  - {{index: 1, uuid: {UUIDS[1]}}}\n"
+        "events:\n"
+        "  - {at: 1.0, gpu: 0, ecc_uncorrected: 3}\n"
+        "  - {at: 1.0, gpu: 1, ecc_uncorrected: 3}\n"
+        "  - {at: 3.0, gpu: 0, ecc_uncorrected: 0}\n"
+    )
+    clock = Clock()
+    backend = MockBackend(scenario, clock=clock, start_timer=False)
+    backend.open(lambda: None)
+    _, source, r, _ = make(slices=[nvidia_slice(NODE, gpus=2, uuids=UUIDS[:2])])
+    agent = Agent(
+        backend=backend, reconciler=r, policy=PolicySettings(), interval=1.0, node_name=NODE, clock=clock
+    )
+    for t in (1.0, 2.0, 3.0):
+        clock.t = t
+        agent.check_once()
+        r.reconcile_now()
+    assert sorted(source.store) == [f"gpuguard-{NODE}-gpu-0", f"gpuguard-{NODE}-gpu-1"]
+    clock.t = 4.0  # GPU 0 healthy for 2 checks (--recover-after 2); the node never was
+    agent.check_once()
+    r.reconcile_now()
+    assert sorted(source.store) == [f"gpuguard-{NODE}-gpu-1"]
+    assert [g.device for g in r.status.gpus] == ["gpu-1"]

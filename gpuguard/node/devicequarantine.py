@@ -145,8 +145,18 @@ class DeviceQuarantine:
         verdict."""
         return self._settle_at is not None
 
-    def apply(self, node: NodeView, verdict: Verdict, *, streak: int, flapping: bool) -> Verdict:
-        """Write the rules the verdict asks for; return the verdict left for the node (per-GPU faults out)."""
+    def apply(
+        self,
+        node: NodeView,
+        verdict: Verdict,
+        *,
+        streak: int,
+        flapping: bool,
+        gpu_streaks: Mapping[str, int] | None = None,
+    ) -> Verdict:
+        """Write the rules the verdict asks for; return the verdict left for the node (per-GPU faults out).
+        A rule recovers on its GPU's own healthy streak (`gpu_streaks`, by UUID), or the node's (`streak`,
+        never longer than any GPU's) where none is given."""
         if self.mode == "node":
             return verdict
         wanted = {g.uuid for g in verdict.gpus if any(per_gpu(f) for f in g.faults)}
@@ -174,7 +184,8 @@ class DeviceQuarantine:
         faulty = set(result.by_gpu)
         for uuid, rule in by_uuid.items():
             if uuid not in faulty and uuid not in wanted:
-                self._release(node, rule, verdict, streak=streak, flapping=flapping)
+                own = streak if gpu_streaks is None else max(streak, gpu_streaks.get(uuid, 0))
+                self._release(node, rule, verdict, streak=own, flapping=flapping)
         for uuid in list(self._overridden):
             if uuid not in wanted:
                 del self._overridden[uuid]  # the fault is gone: a new one makes a rule again
@@ -310,7 +321,7 @@ class DeviceQuarantine:
     def _release(
         self, node: NodeView, rule: DeviceRule, verdict: Verdict, *, streak: int, flapping: bool
     ) -> None:
-        """Recovery under the node taint's evidence rules: --recover-after healthy checks of the node, not
+        """Recovery under the node taint's evidence rules: --recover-after healthy checks of the GPU, not
         flapping, and every recorded fault proven gone by the reading or by a reboot (a new bootID)."""
         s = self._settings
         if not s.recover or streak < s.recover_after or flapping:

@@ -10,7 +10,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -86,7 +86,7 @@ class NodeReconciler:
         self._retry_deadline = retry_deadline
         self._max_conflicts = max_conflicts
         self._cond = threading.Condition()
-        self._latest: tuple[Verdict, int, bool] | None = None
+        self._latest: tuple[Verdict, int, bool, Mapping[str, int] | None] | None = None
         # The decision-relevant summary of the last verdict reconciled without error (see submit()).
         self._settled: tuple[object, ...] | None = None
         self._pending_sig: tuple[object, ...] | None = None
@@ -119,8 +119,17 @@ class NodeReconciler:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def submit(self, verdict: Verdict, healthy_streak: int, *, flapping: bool = False) -> None:
+    def submit(
+        self,
+        verdict: Verdict,
+        healthy_streak: int,
+        *,
+        flapping: bool = False,
+        gpu_streaks: Mapping[str, int] | None = None,
+    ) -> None:
         """Hand over the newest verdict (latest wins: an old one is never applied after a newer one).
+        `gpu_streaks`: each GPU's own healthy streak by UUID (a GPU's rule recovers on it); None: the
+        node's streak for every GPU (never longer than any GPU's own).
 
         A verdict that cannot change any decision (same faults, a streak past --recover-after, the node
         cached and not deferred) does not wake the writer thread: an idle agent costs next to nothing."""
@@ -128,6 +137,7 @@ class NodeReconciler:
             frozenset(f.key for f in verdict.faults),
             verdict.healthy,
             min(healthy_streak, self._settings.recover_after),
+            tuple(sorted((u, min(n, self._settings.recover_after)) for u, n in (gpu_streaks or {}).items())),
             flapping,
             bool(verdict.gpus),
         )
@@ -137,7 +147,7 @@ class NodeReconciler:
         with self._cond:
             if self._first_verdict_at is None:
                 self._first_verdict_at = self._clock()
-            self._latest = (verdict, healthy_streak, flapping)
+            self._latest = (verdict, healthy_streak, flapping, gpu_streaks)
             node = self._node
             if (
                 sig == self._settled
@@ -232,7 +242,7 @@ class NodeReconciler:
             latest = self._latest
         if latest is None:
             return
-        verdict, streak, flapping = latest
+        verdict, streak, flapping, gpu_streaks = latest
         node = self._node
         if node is None or self._resync_due(node):
             node = self._read()
@@ -241,7 +251,9 @@ class NodeReconciler:
         full = verdict
         if self.devices is not None:
             # Per-GPU faults become DeviceTaintRules; the node is planned for what is left (docs/design.md).
-            verdict = self.devices.apply(node, verdict, streak=streak, flapping=flapping)
+            verdict = self.devices.apply(
+                node, verdict, streak=streak, flapping=flapping, gpu_streaks=gpu_streaks
+            )
         for attempt in range(self._max_conflicts):
             change = self._plan(node, verdict, streak, flapping)
             if change is None:
