@@ -45,6 +45,7 @@ from tests.fakes import FakeDeviceSource, FakeNodeWriter
 NODE = "gpu-node-1"
 SETTINGS = NodeSettings(name=NODE, retry_max_wait=0.01, recover_after=2)
 UUIDS = [gpu_uuid(NODE, i) for i in range(8)]
+NOW = datetime(2026, 12, 3, 1, tzinfo=UTC)
 
 
 class Clock:
@@ -478,10 +479,10 @@ def test_the_order_check_names_only_rules_past_the_limit_never_a_node() -> None:
         )
     ]
     # Limit 1: r-early (1/2) and r-late-a (1/2) fit; a node quarantined later and r-late-b do not.
-    past = rules_past_limit([("2026-12-04T00:00:00Z", "node-x")], rules, 1)
+    past = rules_past_limit([("2026-12-04T00:00:00Z", "node-x")], rules, 1, now=NOW)
     assert past == {"r-late-b": Fraction(1)}
     # A node quarantined first takes the whole share: every rule after it is past the limit.
-    assert set(rules_past_limit([(old, "a-node")], rules, 1)) == {"r-early", "r-late-a", "r-late-b"}
+    assert set(rules_past_limit([(old, "a-node")], rules, 1, now=NOW)) == {"r-early", "r-late-a", "r-late-b"}
 
 
 def test_a_step_back_that_conflicts_is_tried_again_at_the_next_settle_check() -> None:
@@ -554,9 +555,9 @@ def test_the_order_check_counts_a_fully_quarantined_nodes_rules_once() -> None:
         effect="NoSchedule",
         annotations={ANN_NODE_GPUS: "8", "gpuguard.io/since": "2026-12-03T00:00:01Z"},
     )
-    assert rules_past_limit(nodes, [*other_node_rules("other", 8), ours], 2) == {}
+    assert rules_past_limit(nodes, [*other_node_rules("other", 8), ours], 2, now=NOW) == {}
     # A rule of a node not fully quarantined still counts its share.
-    assert set(rules_past_limit(nodes, [*other_node_rules("third", 8), ours], 2)) == {"mine"}
+    assert set(rules_past_limit(nodes, [*other_node_rules("third", 8), ours], 2, now=NOW)) == {"mine"}
 
 
 def test_a_recovered_gpu_loses_its_rule_while_another_gpu_of_the_node_stays_bad() -> None:
@@ -586,3 +587,49 @@ def test_a_recovered_gpu_loses_its_rule_while_another_gpu_of_the_node_stays_bad(
     r.reconcile_now()
     assert sorted(source.store) == [f"gpuguard-{NODE}-gpu-1"]
     assert [g.device for g in r.status.gpus] == ["gpu-1"]
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        "0000-01-01T00:00:00Z",  # before the rule was created
+        "2026-12-02T23:00:00Z",  # an hour before it was created
+        "2026-12-03T00:00:00.5Z",  # not gpuguard's form
+        "yesterday",
+        "2026-13-45T99:00:00Z",  # the form, but no time
+        "2026-12-03T03:00:00Z",  # ahead of now by more than the skew
+    ],
+)
+def test_a_rule_with_a_forged_or_malformed_since_is_ranked_last_in_the_order_check(forged: str) -> None:
+    """Validated as a node's claim is (budget.quarantine_entry): gpuguard's RFC 3339 form, not ahead of now
+    and not earlier than the rule's creation by more than the skew (the API server sets creationTimestamp,
+    nobody can forge it). An invalid claim still counts its share (it cannot escape the limit) but comes
+    after every valid one, so it cannot push an honest rule past the limit."""
+
+    def rule(name: str, since: str, created: str) -> DeviceRule:
+        return DeviceRule(
+            name=name,
+            pool=name,
+            device="gpu-0",
+            effect="NoSchedule",
+            created=created,
+            annotations={ANN_NODE_GPUS: "1", "gpuguard.io/since": since},
+        )
+
+    honest = rule("honest", "2026-12-03T00:00:00Z", "2026-12-03T00:00:01Z")  # one second's latency
+    forger = rule("forger", forged, "2026-12-03T00:00:05Z")
+    assert set(rules_past_limit([], [honest, forger], 1, now=NOW)) == {"forger"}
+
+
+def test_a_rules_reason_is_clean_text_and_its_boot_id_record_compares_as_the_nodes_does() -> None:
+    rule = DeviceRule(
+        name="r",
+        pool=NODE,
+        device="gpu-0",
+        effect="NoSchedule",
+        annotations={"gpuguard.io/reason": "ecc\x1b[31m" + "x" * 5000, "gpuguard.io/boot-id": "boot-1"},
+    )
+    assert "\x1b" not in rule.reason and len(rule.reason.encode()) <= 1024
+    assert not rule.from_earlier_boot("boot-1")
+    assert not rule.from_earlier_boot("")  # the node's bootID unknown: nothing proven
+    assert rule.from_earlier_boot("boot-2")

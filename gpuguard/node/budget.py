@@ -117,6 +117,19 @@ def quarantine_entry(meta: Mapping[str, Any], *, now: datetime) -> tuple[str, st
     if labels.get(LABEL_QUARANTINED) != "true":
         return "not labelled quarantined=true"
     since = (meta.get("annotations") or {}).get(ANN_SINCE)
+    when = since_time(since, now=now)
+    if isinstance(when, str):
+        return when
+    created = api_time(meta.get("creationTimestamp"))
+    if created is not None and when < created:
+        return f"{ANN_SINCE} {since} lies before the node was created ({meta.get('creationTimestamp')})"
+    return (str(since), str(meta["name"]))
+
+
+def since_time(since: object, *, now: datetime) -> datetime | str:
+    """A gpuguard.io/since claim as a time, or why it is not one: gpuguard's own form (RFC 3339 UTC, whole
+    seconds), a valid time, not ahead of `now` by more than SINCE_SKEW. Pure; shared by the nodes' claims
+    and the DeviceTaintRules' (`deviceorder`)."""
     if not isinstance(since, str) or not _SINCE.fullmatch(since):
         return f"{ANN_SINCE} is not an RFC 3339 UTC time: {since!r:.80}"
     try:
@@ -125,13 +138,10 @@ def quarantine_entry(meta: Mapping[str, Any], *, now: datetime) -> tuple[str, st
         return f"{ANN_SINCE} is not a valid time: {since!r}"
     if when > now + SINCE_SKEW:
         return f"{ANN_SINCE} {since} lies in the future"
-    created = _time(meta.get("creationTimestamp"))
-    if created is not None and when < created:
-        return f"{ANN_SINCE} {since} lies before the node was created ({meta.get('creationTimestamp')})"
-    return (since, str(meta["name"]))
+    return when
 
 
-def _time(value: object) -> datetime | None:
+def api_time(value: object) -> datetime | None:
     """The API server's own timestamps (creationTimestamp): RFC 3339, second precision, UTC."""
     if not isinstance(value, str):
         return None

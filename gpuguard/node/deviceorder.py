@@ -6,14 +6,32 @@ quarantined node is checked, and a rule of this node past the limit steps back (
 from __future__ import annotations
 
 from collections.abc import Iterable
+from datetime import datetime
 from fractions import Fraction
 
+from gpuguard.node.budget import SINCE_SKEW, api_time, since_time
 from gpuguard.node.devices import NONE_EFFECT, DeviceRule
 from gpuguard.node.view import ANN_SINCE
 
 
+def rule_since(rule: DeviceRule, *, now: datetime) -> str | None:
+    """The rule's gpuguard.io/since as it may rank in the order, or None when the claim is not valid. As a
+    node's claim (`budget.quarantine_entry`): gpuguard's form, not ahead of `now` by more than SINCE_SKEW,
+    and, where the API server's creationTimestamp is known, within SINCE_SKEW of it (gpuguard writes since
+    in the create itself, so an honest one is the creation time give or take the request and the clocks'
+    skew; an agent's stolen token could otherwise rank its own rule first with an early since)."""
+    since = rule.annotations.get(ANN_SINCE)
+    when = since_time(since, now=now)
+    if isinstance(when, str) or since is None:
+        return None
+    created = api_time(rule.created)
+    if created is not None and abs(when - created) > SINCE_SKEW:
+        return None
+    return since
+
+
 def rules_past_limit(
-    nodes: Iterable[tuple[str, str]], rules: Iterable[DeviceRule], limit: int
+    nodes: Iterable[tuple[str, str]], rules: Iterable[DeviceRule], limit: int, *, now: datetime
 ) -> dict[str, Fraction]:
     """The quarantine order of rules: every blocking rule of gpuguard (its share) and every fully quarantined
     node (`nodes`: (since, name), a whole node each), the earlier gpuguard.io/since first, then the name.
@@ -21,20 +39,21 @@ def rules_past_limit(
     nodes, so every agent computes the same order, and the earliest keep their place. Only rules are ever
     named: a node past the limit is the node budget's to step back (budget.plan_yield), never a rule's. A
     rule of a fully quarantined node is not in the order at all: the node's taint covers its GPUs, so the
-    node counts once."""
+    node counts once. A rule whose since is not valid (`rule_since`) still counts its share, after every
+    valid claim: it can neither escape the limit nor push an honest rule past it."""
     nodes = set(nodes)
     covered = {name for _, name in nodes}
-    entries: list[tuple[str, str, Fraction, bool]] = [
-        (since, name, Fraction(1), False) for since, name in nodes
+    entries: list[tuple[bool, str, str, Fraction, bool]] = [
+        (False, since, name, Fraction(1), False) for since, name in nodes
     ]
-    entries += [
-        (r.annotations.get(ANN_SINCE, ""), r.name, r.share, True)
-        for r in rules
-        if not r.deferred and r.effect != NONE_EFFECT and r.pool not in covered
-    ]
+    for r in rules:
+        if r.deferred or r.effect == NONE_EFFECT or r.pool in covered:
+            continue
+        since = rule_since(r, now=now)
+        entries.append((since is None, since or "", r.name, r.share, True))
     past: dict[str, Fraction] = {}
     used = Fraction(0)
-    for _, name, share, is_rule in sorted(entries, key=lambda e: (e[0], e[1])):
+    for _, _, name, share, is_rule in sorted(entries, key=lambda e: (e[0], e[1], e[2])):
         if is_rule and used + share > limit:
             past[name] = used
         used += share

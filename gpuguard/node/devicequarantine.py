@@ -228,7 +228,7 @@ class DeviceQuarantine:
                 return  # an operator deleted the rule for these very faults
             self._create(node, dev, faults)
             return
-        from_earlier_boot = rule.annotations.get(ANN_BOOT_ID, "") not in ("", node.boot_id)
+        from_earlier_boot = rule.from_earlier_boot(node.boot_id)
         recorded = frozenset() if from_earlier_boot else rule.faults
         body: dict[str, Any] = {}
         annotations: dict[str, str | None] = {}
@@ -327,7 +327,7 @@ class DeviceQuarantine:
         if not s.recover or streak < s.recover_after or flapping:
             return
         gone = all(cleared_without_reboot(k, verdict.reset_cleared) for k in rule.faults)
-        rebooted = rule.annotations.get(ANN_BOOT_ID, "") not in ("", node.boot_id) and bool(node.boot_id)
+        rebooted = rule.from_earlier_boot(node.boot_id)
         if not (gone or rebooted):
             return
         if not self._write(node, rule, lambda: _deleted(self._source, rule)):
@@ -381,7 +381,7 @@ class DeviceQuarantine:
         except NodeUpdateError as exc:
             log.warning("device.quarantine_order_failed", node=node.name, error=str(exc))
             return False
-        past = rules_past_limit(nodes, rules, budget.limit)
+        past = rules_past_limit(nodes, rules, budget.limit, now=self._now())
         landed = True
         for name in sorted(self._fresh):
             rule = self._rules.get(name)
@@ -457,7 +457,7 @@ class DeviceQuarantine:
                 uuid=r.uuid,
                 device=r.device,
                 rule=r.name,
-                reason=r.annotations.get(ANN_REASON, ""),
+                reason=r.reason,
                 effect=r.effect,
                 deferred=r.deferred,
             )

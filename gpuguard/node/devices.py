@@ -93,6 +93,8 @@ class DeviceRule:
     uid: str = ""
     resource_version: str = ""
     annotations: Mapping[str, str] = field(default_factory=dict)
+    # metadata.creationTimestamp: set by the API server, so a rule's since can be checked against it.
+    created: str = ""
 
     @classmethod
     def from_api(cls, doc: Mapping[str, Any]) -> DeviceRule:
@@ -108,6 +110,7 @@ class DeviceRule:
             uid=str(meta.get("uid", "")),
             resource_version=str(meta.get("resourceVersion", "")),
             annotations=dict(meta.get("annotations") or {}),
+            created=str(meta.get("creationTimestamp") or ""),
         )
 
     @property
@@ -118,6 +121,17 @@ class DeviceRule:
     def faults(self) -> frozenset[str]:
         raw = self.annotations.get(ANN_FAULTS, "")
         return frozenset(validation.fault_key(k) for k in raw.split(",") if k)
+
+    @property
+    def reason(self) -> str:
+        """The record's reason, safe to show (/healthz, `gpuguard status`), whatever the annotation holds."""
+        return validation.clean_text(self.annotations.get(ANN_REASON, ""))
+
+    def from_earlier_boot(self, boot_id: str) -> bool:
+        """The rule's record was written in an earlier boot than the node's current one (`boot_id`); as
+        `NodeView.record_from_earlier_boot`: both known and different, else nothing is proven."""
+        recorded = self.annotations.get(ANN_BOOT_ID, "")
+        return bool(recorded) and bool(boot_id) and recorded != boot_id
 
     @property
     def deferred(self) -> bool:
