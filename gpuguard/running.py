@@ -119,6 +119,9 @@ def watch(cfg: Config) -> bool:
     budget = QuarantineBudget(budget_source, cfg.node)
     # The start-up jitter (--startup-jitter): a fleet started at once reaches the API server spread out.
     delay = startup_delay(cfg, uptime=host_uptime())
+    state = None
+    if cfg.state_dir and not cfg.node.dry_run:
+        state = StateStore(cfg.state_dir, boot_id=read_boot_id(cfg.boot_id_file), backend=cfg.backend)
     devices = device_source = None
     if cfg.node.quarantine != "node":
         node_name = cfg.node.name or ""
@@ -128,13 +131,11 @@ def watch(cfg: Config) -> bool:
             cfg.node,
             budget=lambda: budget_source.budget(cfg.node.max_quarantined, exclude=node_name),
             order=budget_source.quarantine_order,
+            memory=state,
         )
     reconciler = NodeReconciler(
         writer, cfg.node, budget=budget, devices=devices, metrics=metrics, start_delay=delay
     )
-    state = None
-    if cfg.state_dir and not cfg.node.dry_run:
-        state = StateStore(cfg.state_dir, boot_id=read_boot_id(cfg.boot_id_file), backend=cfg.backend)
     agent = Agent(
         backend=backend,
         reconciler=reconciler,

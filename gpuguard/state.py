@@ -5,6 +5,10 @@ The driver delivers an Xid once and never replays it to a restarted process; wit
 killed between the Xid and its write would forget the fault. The file is keyed by the host's boot ID: after a
 reboot the faults' evidence is gone by definition, so a file from another boot is discarded.
 
+The same file keeps the per-GPU quarantine's memory of its DeviceTaintRules (`RuleMemory`): the rules
+gpuguard made and the ones an operator deleted, so that a rule deleted by hand is not made again for the same
+fault after the agent restarts (the API server keeps no trace of a deleted rule).
+
 Written atomically (temp file, rename), versioned, and tolerant: a corrupt or foreign file is logged and moved
 aside; an unwritable directory gives a warning and gpuguard runs on without durability.
 
@@ -23,7 +27,10 @@ import contextlib
 import json
 import os
 import tempfile
+import threading
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +45,18 @@ KIND = "gpuguard-state"
 FILE_NAME = "state.json"
 HOST_BOOT_ID = "/proc/sys/kernel/random/boot_id"
 MAX_BYTES = 1 << 20
+# At most this many rules remembered: a node has at most a few dozen GPUs.
+MAX_RULES = 1024
+
+
+@dataclass(frozen=True)
+class RuleMemory:
+    """The per-GPU quarantine's memory (`node.devicequarantine`): `known`, the rules gpuguard made or found
+    (rule name -> (GPU UUID, fault keys)); `overridden`, the GPUs whose rule an operator deleted (UUID -> the
+    fault keys it was deleted for: not made again for those)."""
+
+    known: Mapping[str, tuple[str, frozenset[str]]] = field(default_factory=dict)
+    overridden: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
 
 def read_boot_id(path: str = HOST_BOOT_ID) -> str:
@@ -58,6 +77,10 @@ class StateStore:
         self._boot_id = boot_id
         self._backend = backend
         self._last: tuple[Fault, ...] | None = None
+        self._rules = RuleMemory()
+        self._loaded = False
+        # The agent's thread saves faults, the reconciler's thread the rules: one file, written whole.
+        self._lock = threading.RLock()
         self._disabled = self._dir is None or not boot_id
         if self._dir is not None and not boot_id:
             log.warning(
@@ -72,6 +95,29 @@ class StateStore:
 
     def load(self) -> tuple[Fault, ...]:
         """The sticky faults recorded during this boot (empty after a reboot or on any problem)."""
+        with self._lock:
+            self._loaded = True
+            return self._load()
+
+    def load_rules(self) -> RuleMemory:
+        """The per-GPU quarantine's memory recorded in this boot (empty after a reboot or on any problem)."""
+        with self._lock:
+            if not self._loaded:
+                self._loaded = True
+                self._load()
+            return self._rules
+
+    def save_rules(self, rules: RuleMemory) -> None:
+        """Write the file if the rules' memory changed. Never raises."""
+        with self._lock:
+            if self._disabled or rules == self._rules:
+                return
+            if not self._loaded:
+                self.load_rules()  # keep the file's faults
+            if self._write(self._last or (), rules):
+                self._rules = rules
+
+    def _load(self) -> tuple[Fault, ...]:
         path = self.path
         if path is None or self._disabled or not path.exists():
             return ()
@@ -94,14 +140,22 @@ class StateStore:
             )
             return ()
         self._last = faults
+        self._rules = _parse_rules(doc.get("device_rules"), path)
         if faults:
             log.warning("state.restored", path=str(path), faults=[f.key for f in faults])
         return faults
 
     def save(self, faults: tuple[Fault, ...]) -> None:
         """Write the file if the faults changed since the last write. Never raises."""
-        if self._disabled or faults == self._last:
-            return
+        with self._lock:
+            if self._disabled or faults == self._last:
+                return
+            if not self._loaded:
+                self.load_rules()  # keep the file's rules
+            if self._write(faults, self._rules):
+                self._last = faults
+
+    def _write(self, faults: tuple[Fault, ...], rules: RuleMemory) -> bool:
         assert self._dir is not None
         doc = {
             "kind": KIND,
@@ -113,6 +167,15 @@ class StateStore:
                 {"reason": f.reason, "detail": f.detail, "uuid": f.uuid, "gpu_index": f.gpu_index}
                 for f in faults
             ],
+            "device_rules": {
+                "known": [
+                    {"rule": name, "uuid": uuid, "faults": sorted(keys)}
+                    for name, (uuid, keys) in sorted(rules.known.items())
+                ],
+                "overridden": [
+                    {"uuid": uuid, "faults": sorted(keys)} for uuid, keys in sorted(rules.overridden.items())
+                ],
+            },
         }
         try:
             self._dir.mkdir(parents=True, exist_ok=True)
@@ -133,8 +196,8 @@ class StateStore:
                 error=str(exc),
                 note="running without durable fault state",
             )
-            return
-        self._last = faults
+            return False
+        return True
 
     def _move_aside(self, path: Path, why: str) -> None:
         aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
@@ -161,3 +224,33 @@ def _parse(doc: Any) -> tuple[Fault, ...]:
             raise TypeError("fault gpu_index must be an integer")
         faults.append(Fault(reason=f["reason"][:64], detail=f["detail"][:512], uuid=uuid, gpu_index=index))
     return tuple(faults)
+
+
+def _parse_rules(part: Any, path: Path) -> RuleMemory:
+    """The file's rules memory; a part that is missing (a file of an older gpuguard) or malformed is no
+    memory, logged: never a reason to lose the file's faults."""
+    if part is None:
+        return RuleMemory()
+    try:
+        known = {_text(r["rule"]): (_text(r["uuid"]), _keys(r["faults"])) for r in _bounded(part["known"])}
+        overridden = {_text(r["uuid"]): _keys(r["faults"]) for r in _bounded(part["overridden"])}
+    except (TypeError, KeyError, ValueError) as exc:
+        log.warning("state.device_rules_ignored", path=str(path), error=f"{type(exc).__name__}: {exc}"[:300])
+        return RuleMemory()
+    return RuleMemory(known=known, overridden=overridden)
+
+
+def _bounded(items: Any) -> list[Any]:
+    if not isinstance(items, list) or len(items) > MAX_RULES:
+        raise ValueError(f"expected a list of at most {MAX_RULES}")
+    return items
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > 512:
+        raise TypeError("expected a string of at most 512 characters")
+    return value
+
+
+def _keys(values: Any) -> frozenset[str]:
+    return frozenset(_text(v) for v in _bounded(values))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import UTC, datetime
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 from structlog.testing import capture_logs
@@ -39,6 +40,7 @@ from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.view import TAINT_KEY, NodeView, Taint
 from gpuguard.nvml.mock import MockBackend, parse_scenario
 from gpuguard.policy import evaluate
+from gpuguard.state import StateStore
 from tests.dra import DRIVER, gpu_uuid, nvidia_slice
 from tests.fakes import FakeDeviceSource, FakeNodeWriter
 
@@ -76,9 +78,16 @@ def make(
     slices: list[dict[str, object]] | None = None,
     settings: NodeSettings = SETTINGS,
     budget: Budget | None = None,
+    *,
+    memory: StateStore | None = None,
+    restart_of: tuple[FakeNodeWriter, FakeDeviceSource] | None = None,
 ) -> tuple[FakeNodeWriter, FakeDeviceSource, NodeReconciler, Clock]:
-    writer = FakeNodeWriter(NodeView(name=NODE, resource_version="1", boot_id="boot-1"))
-    source = FakeDeviceSource([nvidia_slice(NODE)] if slices is None else slices)
+    """`restart_of`: a new agent process on the same node and API server as an earlier one."""
+    if restart_of is None:
+        writer = FakeNodeWriter(NodeView(name=NODE, resource_version="1", boot_id="boot-1"))
+        source = FakeDeviceSource([nvidia_slice(NODE)] if slices is None else slices)
+    else:
+        writer, source = restart_of
     clock = Clock()
     devices = DeviceQuarantine(
         source,
@@ -86,8 +95,18 @@ def make(
         budget=(lambda: budget) if budget is not None else None,
         now=lambda: datetime(2026, 12, 3, tzinfo=UTC),
         clock=clock,
+        memory=memory,
     )
     return writer, source, NodeReconciler(writer, settings, devices=devices, clock=clock), clock
+
+
+def ecc_on_3_after(previous: Verdict) -> Verdict:
+    """A second fault on GPU 3 (ECC), judged after `previous` (whose Xid stays)."""
+    return evaluate(
+        Snapshot(gpus=tuple(reading(i, ecc_uncorrected=4 if i == 3 else 0) for i in range(8))),
+        previous=previous,
+        settings=PolicySettings(),
+    )
 
 
 def run(r: NodeReconciler, v: Verdict, streak: int = 0) -> None:
@@ -195,11 +214,7 @@ def test_a_rule_an_operator_deleted_is_not_recreated_for_the_same_fault_but_a_ne
     r.submit(verdict(prev=first), 0)
     r.reconcile_now()
     assert source.store == {} and writer.node.our_taint is None
-    second = evaluate(
-        Snapshot(gpus=tuple(reading(i, ecc_uncorrected=4 if i == 3 else 0) for i in range(8))),
-        previous=first,
-        settings=PolicySettings(),
-    )
+    second = ecc_on_3_after(first)
     run(r, second)
     (doc,) = source.store.values()
     assert doc["metadata"]["annotations"]["gpuguard.io/faults"] == f"ecc/{UUIDS[3]},xid-79/{UUIDS[3]}"
@@ -209,11 +224,7 @@ def test_a_second_fault_on_the_same_gpu_is_added_to_the_rules_record() -> None:
     _, source, r, _ = make()
     first = verdict(xid_on=3)
     run(r, first)
-    both = evaluate(
-        Snapshot(gpus=tuple(reading(i, ecc_uncorrected=4 if i == 3 else 0) for i in range(8))),
-        previous=first,
-        settings=PolicySettings(),
-    )
+    both = ecc_on_3_after(first)
     run(r, both)
     (doc,) = source.store.values()
     assert doc["metadata"]["annotations"]["gpuguard.io/faults"] == f"ecc/{UUIDS[3]},xid-79/{UUIDS[3]}"
@@ -371,11 +382,7 @@ def test_a_rule_changed_by_someone_else_is_read_again_not_fought_over() -> None:
     run(r, first)
     name = f"gpuguard-{NODE}-gpu-3"
     source.store[name]["metadata"]["resourceVersion"] = "99"  # another writer's change
-    both = evaluate(
-        Snapshot(gpus=tuple(reading(i, ecc_uncorrected=4 if i == 3 else 0) for i in range(8))),
-        previous=first,
-        settings=PolicySettings(),
-    )
+    both = ecc_on_3_after(first)
     run(r, both)  # 409: no crash, the rules are read again at the next reconcile
     run(r, both)
     assert source.store[name]["metadata"]["annotations"]["gpuguard.io/faults"] == (
@@ -633,3 +640,57 @@ def test_a_rules_reason_is_clean_text_and_its_boot_id_record_compares_as_the_nod
     assert not rule.from_earlier_boot("boot-1")
     assert not rule.from_earlier_boot("")  # the node's bootID unknown: nothing proven
     assert rule.from_earlier_boot("boot-2")
+
+
+@pytest.mark.parametrize("noticed", [True, False], ids=["noticed-before", "deleted-while-down"])
+def test_a_rule_an_operator_deleted_is_not_recreated_after_the_agent_restarts(
+    tmp_path: Path, noticed: bool
+) -> None:
+    """The memory of rules made and deleted by hand is in the agent's durable state: a new process of the
+    same boot neither makes the rule again (whether the old process saw the deletion or the operator deleted
+    it while the agent was down) nor forgets a new fault."""
+    rule = f"gpuguard-{NODE}-gpu-3"
+    writer, source, r, clock = make(memory=StateStore(tmp_path, boot_id="host-boot-1"))
+    first = verdict(xid_on=3)
+    run(r, first)
+    assert rule in source.store
+    source.operator_delete(rule)
+    if noticed:
+        clock.t += SETTINGS.node_resync + 1
+        run(r, verdict(prev=first))
+    # A new process of the same boot: the Xid restored from the same state file.
+    _, _, again, _ = make(memory=StateStore(tmp_path, boot_id="host-boot-1"), restart_of=(writer, source))
+    restored = verdict(xid_on=3)
+    run(again, restored)
+    assert source.store == {} and writer.node.our_taint is None
+    # A new fault on that GPU makes it again.
+    second = ecc_on_3_after(restored)
+    run(again, second)
+    assert list(source.store) == [rule]
+
+
+class Crash(BaseException):
+    """The process dies here (SIGKILL): nothing after it runs."""
+
+
+def test_a_rule_recovered_just_before_a_crash_is_not_taken_for_an_operators_deletion(tmp_path: Path) -> None:
+    """The rule is forgotten before its delete is sent: an agent killed the instant its delete landed never
+    holds the same fault back after the restart as "deleted by an operator" (a fault without quarantine)."""
+    writer, source, r, _ = make(memory=StateStore(tmp_path, boot_id="host-boot-1"))
+    sick = verdict(ecc_on=3)
+    run(r, sick)
+    healthy = verdict(prev=sick)
+    run(r, healthy, streak=1)
+    delete = source.delete
+
+    def delete_then_die(rule: DeviceRule) -> None:
+        delete(rule)
+        raise Crash
+
+    source.delete = delete_then_die  # type: ignore[method-assign]
+    with pytest.raises(Crash):
+        run(r, healthy, streak=2)
+    assert source.store == {}
+    _, _, again, _ = make(memory=StateStore(tmp_path, boot_id="host-boot-1"), restart_of=(writer, source))
+    run(again, verdict(ecc_on=3))
+    assert list(source.store) == [f"gpuguard-{NODE}-gpu-3"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard.model import Fault
-from gpuguard.state import FILE_NAME, StateStore
+from gpuguard.state import FILE_NAME, RuleMemory, StateStore
 
 XID = Fault("xid-79", "GPU has fallen off the bus (GPU 1, GPU-b)", uuid="GPU-b", gpu_index=1)
 LOST = Fault("gpu-lost", "GPU is lost (GPU 0, GPU-a)", uuid="GPU-a", gpu_index=0)
@@ -103,3 +103,58 @@ def test_a_fault_saved_just_before_a_sigkill_is_restored(tmp_path: Path) -> None
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=False)
     assert proc.returncode == -9
     assert [f.key for f in StateStore(tmp_path, boot_id="b").load()] == [XID.key]
+
+
+RULES = RuleMemory(
+    known={"gpuguard-n-gpu-1": ("GPU-b", frozenset({"xid-79/GPU-b"}))},
+    overridden={"GPU-c": frozenset({"ecc/GPU-c"})},
+)
+
+
+def test_the_rules_memory_and_the_faults_share_the_file_and_neither_write_loses_the_other(
+    tmp_path: Path,
+) -> None:
+    """The agent's thread saves the faults, the reconciler's the rules' memory: each write keeps the other."""
+    first = StateStore(tmp_path, boot_id="boot-1")
+    first.save((XID,))
+    first.save_rules(RULES)
+    first.save((XID, LOST))
+    again = StateStore(tmp_path, boot_id="boot-1")
+    assert again.load_rules() == RULES
+    assert again.load() == (XID, LOST)
+    # A process whose first write is the rules' memory keeps the faults already in the file.
+    third = StateStore(tmp_path, boot_id="boot-1")
+    third.save_rules(RuleMemory())
+    assert StateStore(tmp_path, boot_id="boot-1").load() == (XID, LOST)
+
+
+def test_the_rules_memory_of_a_previous_boot_is_discarded(tmp_path: Path) -> None:
+    StateStore(tmp_path, boot_id="boot-1").save_rules(RULES)
+    assert StateStore(tmp_path, boot_id="boot-2").load_rules() == RuleMemory()
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"known": "x", "overridden": []},
+        {"known": [{"rule": 1, "uuid": "u", "faults": []}], "overridden": []},
+        {"known": [], "overridden": [{"uuid": "u", "faults": ["k"] * 2000}]},
+        {"known": []},
+    ],
+)
+def test_a_malformed_rules_memory_is_ignored_and_the_faults_kept(tmp_path: Path, part: object) -> None:
+    StateStore(tmp_path, boot_id="b").save((XID,))
+    doc = json.loads((tmp_path / FILE_NAME).read_text())
+    doc["device_rules"] = part
+    (tmp_path / FILE_NAME).write_text(json.dumps(doc))
+    store = StateStore(tmp_path, boot_id="b")
+    assert store.load() == (XID,) and store.load_rules() == RuleMemory()
+
+
+def test_a_state_file_of_an_older_gpuguard_without_rules_loads(tmp_path: Path) -> None:
+    StateStore(tmp_path, boot_id="b").save((XID,))
+    doc = json.loads((tmp_path / FILE_NAME).read_text())
+    del doc["device_rules"]
+    (tmp_path / FILE_NAME).write_text(json.dumps(doc))
+    store = StateStore(tmp_path, boot_id="b")
+    assert store.load() == (XID,) and store.load_rules() == RuleMemory()

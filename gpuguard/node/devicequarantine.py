@@ -50,6 +50,7 @@ from gpuguard.node.view import (
     rfc3339,
 )
 from gpuguard.policy import cleared_without_reboot
+from gpuguard.state import RuleMemory
 
 log = structlog.get_logger("gpuguard.node.devices")
 T = TypeVar("T")
@@ -77,6 +78,16 @@ class DeviceSource(Protocol):
         """Delete with the rule's uid and resourceVersion as preconditions."""
 
 
+class RuleMemoryStore(Protocol):
+    """Where the rules' memory outlives the process (`state.StateStore`)."""
+
+    def load_rules(self) -> RuleMemory:
+        """The memory recorded in this boot (empty when none)."""
+
+    def save_rules(self, rules: RuleMemory) -> None:
+        """Record it (written only when changed; never raises)."""
+
+
 class DeviceQuarantine:
     """The per-GPU quarantine across reconciles. `apply` runs in the reconciler's thread before the node is
     planned: it writes the rules and returns the verdict left for the node taint.
@@ -96,7 +107,10 @@ class DeviceQuarantine:
         order: Callable[[], Iterable[tuple[str, str]]] | None = None,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
         clock: Callable[[], float] = time.monotonic,
+        memory: RuleMemoryStore | None = None,
     ) -> None:
+        """memory: where the rules gpuguard made and those an operator deleted outlive the process (the
+        agent's `state.StateStore`); None: in memory only (a dry run, no --state-dir)."""
         self._source = source
         self._settings = settings
         self._budget = budget
@@ -109,10 +123,13 @@ class DeviceQuarantine:
         self._read_at = -math.inf
         self._slices_at = -math.inf
         self._budget_at = -math.inf
-        # Rules gpuguard made or found (name -> fault keys): one that is gone at the next read was deleted by
-        # an operator, and is not made again for the same faults (a new fault makes it again).
-        self._known: dict[str, frozenset[str]] = {}
-        self._overridden: dict[str, frozenset[str]] = {}
+        # Rules gpuguard made or found (name -> (UUID, fault keys)): one that is gone at the next read was
+        # deleted by an operator, and is not made again for the same faults (a new fault makes it again).
+        # Kept in `memory` at every change, so that a restarted agent knows them too (docs/reliability.md).
+        self._memory = memory
+        remembered = memory.load_rules() if memory is not None else RuleMemory()
+        self._known: dict[str, tuple[str, frozenset[str]]] = dict(remembered.known)
+        self._overridden: dict[str, frozenset[str]] = dict(remembered.overridden)
         # UUIDs whose rule the API server refused (403, 404 API not served): the node taint stands in.
         self._held: set[str] = set()
         self._read_error = ""
@@ -189,6 +206,7 @@ class DeviceQuarantine:
         for uuid in list(self._overridden):
             if uuid not in wanted:
                 del self._overridden[uuid]  # the fault is gone: a new one makes a rule again
+        self._remember()
         self._verify(node)
         self._publish()
         return result.node_verdict
@@ -209,15 +227,28 @@ class DeviceQuarantine:
         self._read_error = ""
         self._devices = slice_devices(docs or [], driver=self._settings.dra_driver, node=node.name)
         self._node_gpus = len(self._devices)
-        for name, keys in self._known.items():
+        for name, (uuid, keys) in self._known.items():
             if name not in rules:
                 log.warning(
-                    "device.rule_removed_by_operator", node=node.name, rule=name, faults=join_keys(keys)
+                    "device.rule_removed_by_operator",
+                    node=node.name,
+                    rule=name,
+                    uuid=uuid,
+                    faults=join_keys(keys),
                 )
-                uuid = next((r.uuid for r in self._rules.values() if r.name == name), "")
                 self._overridden[uuid] = keys
-        self._known = {n: r.faults for n, r in rules.items()}
+        self._known = {n: (r.uuid, r.faults) for n, r in rules.items()}
         self._rules = rules
+        self._remember()
+
+    def _remember(self) -> None:
+        """The rules made and those deleted by an operator, into the durable memory (written only when they
+        changed). A rule is remembered after its create answered, and forgotten before its delete is sent:
+        a crash between the two never turns a rule into one "deleted by an operator" (that would leave a
+        fault without a quarantine); the worst case, a rule deleted by hand during that crash, is made again
+        (docs/reliability.md)."""
+        if self._memory is not None:
+            self._memory.save_rules(RuleMemory(known=dict(self._known), overridden=dict(self._overridden)))
 
     def _hold(
         self, node: NodeView, dev: SliceDevice, faults: tuple[Fault, ...], rule: DeviceRule | None
@@ -248,7 +279,8 @@ class DeviceQuarantine:
         if updated is None:
             return
         self._rules[updated.name] = updated
-        self._known[updated.name] = updated.faults
+        self._known[updated.name] = (updated.uuid, updated.faults)
+        self._remember()
         if "spec" in body:
             self._blocking(updated)
         log.warning(
@@ -301,7 +333,8 @@ class DeviceQuarantine:
             )
             return
         self._rules[rule.name] = rule
-        self._known[rule.name] = rule.faults
+        self._known[rule.name] = (rule.uuid, rule.faults)
+        self._remember()
         if not deferred:
             self._blocking(rule)
         first = faults[0]
@@ -330,10 +363,11 @@ class DeviceQuarantine:
         rebooted = rule.from_earlier_boot(node.boot_id)
         if not (gone or rebooted):
             return
+        self._known.pop(rule.name, None)  # before the delete: see _remember
+        self._remember()
         if not self._write(node, rule, lambda: _deleted(self._source, rule)):
             return
         self._rules.pop(rule.name, None)
-        self._known.pop(rule.name, None)
         log.info(
             "device.recovered",
             node=node.name,

@@ -404,6 +404,48 @@ def test_a_lost_gpu_on_a_dra_node_still_quarantines_the_node(
         agent.stop()
 
 
+@pytest.mark.parametrize("noticed", [True, False], ids=["noticed-before-the-crash", "deleted-while-down"])
+def test_a_rule_an_operator_deleted_is_not_recreated_after_the_agent_is_killed_and_restarted(
+    cluster: Admin, full_control_plane: Any, fakenvml: Path, tmp_path: Path, noticed: bool
+) -> None:
+    """The memory of a rule deleted by hand lives in the agent's durable state (--state-dir), not only in
+    the process: killed (SIGKILL) and started again in the same boot, with the Xid restored from that state
+    (the driver does not deliver it again), the agent does not make the rule again."""
+    node, ds_pod, gpus = dra_node(cluster)
+    state = tmp_path / "gpus.state"
+    state.write_text(gpus)
+    kubeconfig = daemon_pod_kubeconfig(cluster, full_control_plane, ds_pod, tmp_path)
+    args = ("--max-quarantined", "100%", "--node-resync", "1")
+    rule = f"gpuguard-{node}-gpu-3"
+    custom: Any = kubernetes.client.CustomObjectsApi(cluster.api)
+    agent = Agent(node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml, args=args).start()
+    try:
+        eventually(agent.ready, 15, what="agent /readyz")
+        state.write_text(gpus + "xid 3 79\n")
+        eventually(lambda: device_rule(cluster, rule), 15, interval=0.02, what="the DeviceTaintRule")
+        if noticed:
+            custom.delete_cluster_custom_object(DRA, "v1", "devicetaintrules", rule)
+            eventually(
+                lambda: agent.events("device.rule_removed_by_operator"), 15, what="the deletion noticed"
+            )
+    finally:
+        agent.kill()
+    if not noticed:
+        custom.delete_cluster_custom_object(DRA, "v1", "devicetaintrules", rule)
+    state.write_text(gpus)  # the driver does not deliver the Xid to the new process
+    agent = Agent(node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml, args=args).start()
+    try:
+        eventually(agent.ready, 15, what="the restarted agent's /readyz")
+        assert agent.events("state.restored"), "the Xid is restored from the durable state"
+        time.sleep(3)  # three --node-resync periods: the rules read again each time
+        assert device_rule(cluster, rule) is None
+        assert not agent.events("device.tainted") and cluster.our_taint(node) is None
+        if not noticed:
+            assert agent.events("device.rule_removed_by_operator")
+    finally:
+        agent.stop()
+
+
 def test_gpus_faulting_at_the_same_instant_past_the_budget_end_with_exactly_the_budgets_worth_blocking(
     cluster: Admin, full_control_plane: Any, fakenvml: Path, tmp_path: Path
 ) -> None:
