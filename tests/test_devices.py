@@ -694,3 +694,33 @@ def test_a_rule_recovered_just_before_a_crash_is_not_taken_for_an_operators_dele
     _, _, again, _ = make(memory=StateStore(tmp_path, boot_id="host-boot-1"), restart_of=(writer, source))
     run(again, verdict(ecc_on=3))
     assert list(source.store) == [f"gpuguard-{NODE}-gpu-3"]
+
+
+def test_slices_published_after_the_agent_started_are_read_after_the_write_of_a_fault_that_found_none() -> (
+    None
+):
+    """A DRA driver that starts after the agent: the first per-GPU fault finds no device and gets the node
+    taint at once (no request added before it); the slices are read again after that write, so the next
+    fault gets a rule. A healthy node reads nothing meanwhile."""
+    writer, source, r, clock = make(slices=[])
+    run(r, verdict())
+    source.slice_items = [nvidia_slice(NODE)]  # the driver publishes the node's GPUs
+    clock.t += 3600.0
+    before = len(source.calls)
+    run(r, verdict(), streak=5)
+    assert source.calls[before:] == [], "a healthy node costs no request"
+    slices = source.slices
+    writes_at_read: list[int] = []
+
+    def recording() -> list[dict[str, object]] | None:
+        writes_at_read.append(writer.writes)
+        return slices()
+
+    source.slices = recording  # type: ignore[method-assign]
+    first = verdict(xid_on=3)
+    run(r, first)
+    assert writer.node.our_taint is not None and writer.node.our_taint.value == "xid-79"
+    assert writes_at_read == [1], "the slices are read once, after the node's taint was written"
+    run(r, verdict(xid_on=5, prev=first))
+    assert sorted(source.store) == [f"gpuguard-{NODE}-gpu-3", f"gpuguard-{NODE}-gpu-5"]
+    assert writes_at_read == [1]

@@ -24,7 +24,7 @@ import structlog
 
 from gpuguard import validation
 from gpuguard.config import NodeSettings
-from gpuguard.errors import ConflictError, NodeUpdateError, PermanentApiError
+from gpuguard.errors import ConflictError, GpuguardError, NodeUpdateError, PermanentApiError
 from gpuguard.model import Fault, GpuQuarantine, Verdict
 from gpuguard.node.budget import VERIFY_SETTLE, Budget
 from gpuguard.node.deviceorder import rules_past_limit, rules_share
@@ -93,9 +93,9 @@ class DeviceQuarantine:
     planned: it writes the rules and returns the verdict left for the node taint.
 
     Reads: the node's slices and rules at the first call (the agent's first reconcile), then again every
-    --node-resync seconds while a rule is held, and at once when a fault names a GPU the node's slices did
-    not list. A node without slices at the first read makes no request in a fault's path (its faults get
-    the node taint, as on a device-plugin cluster), and a healthy node without rules costs nothing.
+    --node-resync seconds while a rule is held. A fault on a GPU the slices do not list gets the node taint
+    with no request before it, and the slices are read again after that write (`refresh`); a healthy node
+    without rules costs nothing.
     """
 
     def __init__(
@@ -121,7 +121,6 @@ class DeviceQuarantine:
         self._node_gpus = 0
         self._rules: dict[str, DeviceRule] = {}
         self._read_at = -math.inf
-        self._slices_at = -math.inf
         self._budget_at = -math.inf
         # Rules gpuguard made or found (name -> (UUID, fault keys)): one that is gone at the next read was
         # deleted by an operator, and is not made again for the same faults (a new fault makes it again).
@@ -132,6 +131,10 @@ class DeviceQuarantine:
         self._overridden: dict[str, frozenset[str]] = dict(remembered.overridden)
         # UUIDs whose rule the API server refused (403, 404 API not served): the node taint stands in.
         self._held: set[str] = set()
+        # Faulty GPUs the slices did not list: to read the slices for after the node write, and read for.
+        self._refresh_for: set[str] = set()
+        self._refreshed_for: set[str] = set()
+        self._node_name = settings.name or ""
         self._read_error = ""
         # Rules made blocking since the last settled order check, whether the check runs at this apply,
         # and the monotonic time of the second check (VERIFY_SETTLE after the last blocking write).
@@ -180,14 +183,13 @@ class DeviceQuarantine:
         due = self._clock() - self._read_at >= self._settings.node_resync
         if self._read_at == -math.inf or (due and self._rules):
             self._read(node)
-        elif (
-            self._devices
-            and wanted - set(self._devices) - self._held
-            and self._clock() - self._slices_at >= 1.0
-        ):
-            # A DRA node, and a fault on a GPU its slices did not list: they may have changed since. A node
-            # without slices (device-plugin clusters) makes no request here: the fault's path stays as fast.
-            self._read(node)
+        # A fault on a GPU the slices did not list: the node taint now, and the slices read again after this
+        # reconcile's node write (`refresh`), once per fault: a DRA driver that started after the agent, or
+        # a GPU published since. Never a request before the taint, and none on a healthy node.
+        missing = wanted - set(self._devices) - self._held
+        self._refreshed_for &= missing
+        self._refresh_for = missing - self._refreshed_for
+        self._node_name = node.name
         result = split(verdict, self._devices, mode=self.mode, held=frozenset(self._held))
         if self.mode == "gpu":
             for uuid in wanted - set(result.by_gpu):
@@ -212,7 +214,7 @@ class DeviceQuarantine:
         return result.node_verdict
 
     def _read(self, node: NodeView) -> None:
-        self._slices_at = self._read_at = self._clock()
+        self._read_at = self._clock()
         try:
             docs = self._source.slices()
             rules = {r.name: r for r in self._source.rules()}
@@ -240,6 +242,32 @@ class DeviceQuarantine:
         self._known = {n: (r.uuid, r.faults) for n, r in rules.items()}
         self._rules = rules
         self._remember()
+
+    def refresh(self) -> None:
+        """After the reconcile's node write (the reconciler calls it): where a fault found no device, read the
+        node's slices again, so that the next fault on a GPU published since gets its rule. A failed read
+        is a warning (the node taint stands; the next new fault tries again)."""
+        if not self._refresh_for:
+            return
+        self._refreshed_for |= self._refresh_for
+        self._refresh_for = set()
+        try:
+            docs = self._source.slices()
+        except PermanentApiError as exc:
+            if self._read_error != str(exc):  # the same refusal as the first read's: said already
+                log.error("device.read_rejected", node=self._node_name, error=str(exc), note="node taint")
+            self._read_error = str(exc)
+            return
+        except GpuguardError as exc:
+            log.warning("device.slices_refresh_failed", node=self._node_name, error=str(exc))
+            return
+        self._read_error = ""
+        devices = slice_devices(docs or [], driver=self._settings.dra_driver, node=self._node_name)
+        if len(devices) != len(self._devices):
+            log.info(
+                "device.slices_changed", node=self._node_name, gpus=len(devices), before=len(self._devices)
+            )
+        self._devices, self._node_gpus = devices, len(devices)
 
     def _remember(self) -> None:
         """The rules made and those deleted by an operator, into the durable memory (written only when they

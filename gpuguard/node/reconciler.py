@@ -190,6 +190,8 @@ class NodeReconciler:
         try:
             retrying(self._reconcile_once)
             settled = not self._blocked
+            if self.devices is not None:
+                self.devices.refresh()  # after the node write: nothing added before the taint
             if self._api_down:
                 self._api_down = False
                 log.info("api.available", node=self._name)

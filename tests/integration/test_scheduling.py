@@ -285,15 +285,21 @@ def device_rule(admin: Admin, name: str) -> dict[str, Any] | None:
         raise
 
 
-def dra_node(admin: Admin) -> tuple[str, dict[str, Any], str]:
-    """A kwok GPU node (bootID boot-1) whose 8 GPUs NVIDIA's DRA driver publishes, its DaemonSet pod, and the
-    fake NVML state of those GPUs (the same UUIDs)."""
+def dra_node(admin: Admin, *, published: bool = True) -> tuple[str, dict[str, Any], str]:
+    """A kwok GPU node (bootID boot-1) whose 8 GPUs NVIDIA's DRA driver publishes (`published` False: not
+    yet, `publish` later), its DaemonSet pod, and the fake NVML state of those GPUs (the same UUIDs)."""
     node = make_gpu_node(admin)
     admin.set_boot_id(node, "boot-1")
-    custom: Any = kubernetes.client.CustomObjectsApi(admin.api)
-    custom.create_cluster_custom_object(DRA, "v1", "resourceslices", nvidia_slice(node))
+    if published:
+        publish(admin, node)
     ds_pod = eventually(lambda: daemon_pod(admin, node), 60, what="DaemonSet pod on the node")
     return node, ds_pod, "".join(f"gpu {i} uuid={gpu_uuid(node, i)}\n" for i in range(8))
+
+
+def publish(admin: Admin, node: str) -> None:
+    """NVIDIA's DRA driver's kubelet plugin publishes the node's GPUs."""
+    custom: Any = kubernetes.client.CustomObjectsApi(admin.api)
+    custom.create_cluster_custom_object(DRA, "v1", "resourceslices", nvidia_slice(node))
 
 
 def unschedulable(admin: Admin, pod: str) -> bool:
@@ -442,6 +448,35 @@ def test_a_rule_an_operator_deleted_is_not_recreated_after_the_agent_is_killed_a
         assert not agent.events("device.tainted") and cluster.our_taint(node) is None
         if not noticed:
             assert agent.events("device.rule_removed_by_operator")
+    finally:
+        agent.stop()
+
+
+def test_slices_a_dra_driver_publishes_after_the_agent_started_are_used_from_the_next_fault(
+    cluster: Admin, full_control_plane: Any, fakenvml: Path, tmp_path: Path
+) -> None:
+    """The DRA driver starts after the agent (its slices are not there at the agent's first read): the first
+    GPU fault gets the node taint at once (never no quarantine), the agent reads the slices again after
+    that write, and the next GPU fault gets its DeviceTaintRule, without an agent restart."""
+    node, ds_pod, gpus = dra_node(cluster, published=False)
+    state = tmp_path / "gpus.state"
+    state.write_text(gpus)
+    kubeconfig = daemon_pod_kubeconfig(cluster, full_control_plane, ds_pod, tmp_path)
+    args = ("--max-quarantined", "100%")
+    agent = Agent(node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml, args=args).start()
+    try:
+        eventually(agent.ready, 15, what="agent /readyz")
+        publish(cluster, node)
+        state.write_text(gpus + "xid 3 79\n")
+        taint = eventually(lambda: cluster.our_taint(node), 15, what="the node taint (no device known)")
+        assert taint["value"] == "xid-79"
+        # The refresh follows the taint's write on the same thread: the next fault is reconciled after it.
+        state.write_text(gpus + "xid 3 79\nxid 5 79\n")
+        rule = eventually(
+            lambda: device_rule(cluster, f"gpuguard-{node}-gpu-5"), 15, what="GPU 5's DeviceTaintRule"
+        )
+        assert rule["spec"]["deviceSelector"]["device"] == "gpu-5"
+        assert [e["gpus"] for e in agent.events("device.slices_changed")] == [8]
     finally:
         agent.stop()
 
