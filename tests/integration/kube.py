@@ -287,6 +287,70 @@ def daemon_pod(admin: Admin, node: str) -> dict[str, Any] | None:
     return None
 
 
+# -- admission policies: one preamble for test_admission and test_device_admission ---------------------------
+
+
+def policy_denial(policy: str) -> str:
+    """How the API server begins a refusal by the ValidatingAdmissionPolicy `policy` (and its binding of
+    the same name): asserting it means a 403 from RBAC cannot pass for the policy's."""
+    return f"ValidatingAdmissionPolicy '{policy}' with binding '{policy}' denied request: "
+
+
+def api_message(exc: Any) -> str:
+    """The message of an ApiException's Status body (the body itself where it is not one)."""
+    try:
+        return str(json.loads(exc.body or "")["message"])
+    except (TypeError, ValueError, KeyError):
+        return str(exc.body)
+
+
+def refused_by(policy: str, call: Callable[[], Any]) -> str:
+    """Run a write that `policy` must refuse; return the policy's own message (after its prefix)."""
+    try:
+        call()
+    except kubernetes.client.exceptions.ApiException as exc:
+        text = api_message(exc)
+        assert exc.status == 403, text
+        assert policy_denial(policy) in text, text
+        return text.split(policy_denial(policy), 1)[1]
+    raise AssertionError(f"{policy} did not refuse the write")
+
+
+def enforced_admin(
+    admin_api: kubernetes.client.ApiClient, *, policy: str, probe: Callable[[Admin], Callable[[], Any]]
+) -> Admin:
+    """deploy/ applied (the DaemonSet, RBAC, the admission policies) and `policy` enforced: policies and
+    bindings reach the admission plugin through informers a moment after creation, so this waits until the
+    dry-run write `probe(admin)` returns is denied by `policy` itself."""
+    admin = Admin(admin_api)
+    created = admin.apply_deploy_manifests()
+    assert {f"ValidatingAdmissionPolicy/{policy}", f"ValidatingAdmissionPolicyBinding/{policy}"} <= set(
+        created
+    )
+    write = probe(admin)
+
+    def denied() -> bool:
+        try:
+            write()
+        except kubernetes.client.exceptions.ApiException as exc:
+            return exc.status == 403 and policy_denial(policy) in api_message(exc)
+        return False
+
+    started = time.monotonic()
+    eventually(denied, 30, interval=0.1, what=f"{policy} to be enforced")
+    print(f"{policy} enforced {time.monotonic() - started:.2f}s after the manifests were applied")
+    return admin
+
+
+def unique_node(admin: Admin, prefix: str, **kw: Any) -> str:
+    """A node with a name no earlier run of the same cluster used (GPUGUARD_KUBECONFIG_REUSE=1)."""
+    name = f"{prefix}-{next(_node_names)}-{int(time.time() * 1000) % 100000}"
+    admin.make_node(name, **kw)
+    return name
+
+
+_node_names = itertools.count()
+
 GPUS_OK = "gpu 0 uuid=GPU-it-0\ngpu 1 uuid=GPU-it-1\n"
 
 

@@ -28,9 +28,14 @@ from tests.integration.kube import (
     TAINT_KEY,
     Admin,
     Agent,
+    api_message,
+    enforced_admin,
     eventually,
+    policy_denial,
+    refused_by,
     token_client,
     token_kubeconfig,
+    unique_node,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -38,7 +43,7 @@ pytestmark = pytest.mark.timeout(180)
 POLICY = "gpuguard-own-node-only"
 POLICY_FILE = DEPLOY / "admission-policy.yaml"
 AGENT_USER = f"system:serviceaccount:{NAMESPACE}:{SERVICE_ACCOUNT}"
-DENIED_BY_POLICY = f"ValidatingAdmissionPolicy '{POLICY}' with binding '{POLICY}' denied request: "
+DENIED_BY_POLICY = policy_denial(POLICY)
 MERGE = {"_content_type": "application/merge-patch+json"}
 FOREIGN = {"key": "example.com/maintenance", "value": "planned", "effect": "NoSchedule"}
 CORDONED = {"gpuguard.io/cordoned": "true"}
@@ -52,13 +57,14 @@ ApiException = kubernetes.client.exceptions.ApiException
 
 @pytest.fixture(scope="module")
 def admin(admin_api: kubernetes.client.ApiClient, control_plane: Any) -> Admin:
-    a = Admin(admin_api)
-    created = a.apply_deploy_manifests()
-    assert {f"ValidatingAdmissionPolicy/{POLICY}", f"ValidatingAdmissionPolicyBinding/{POLICY}"} <= set(
-        created
-    )
+    def probe(a: Admin) -> Callable[[], Any]:
+        here, there = new_node(a), new_node(a)
+        core = agent_core(a, control_plane, here)
+        annotation = {"metadata": {"annotations": {"gpuguard.io/probe": "1"}}}
+        return lambda: core.patch_node(there, annotation, dry_run="All", **MERGE)
+
+    a = enforced_admin(admin_api, policy=POLICY, probe=probe)
     _assert_live_policy_is_the_file(admin_api)
-    _wait_until_enforced(a, control_plane)
     return a
 
 
@@ -75,29 +81,8 @@ def _assert_live_policy_is_the_file(api: kubernetes.client.ApiClient) -> None:
         assert live[key] == wanted["spec"][key], f"the live policy's {key} is stale: delete it and rerun"
 
 
-def _wait_until_enforced(admin: Admin, control_plane: Any) -> None:
-    """Policies and bindings reach the admission plugin through informers, a moment after creation."""
-    here, there = new_node(admin), new_node(admin)
-    core = agent_core(admin, control_plane, here)
-
-    def probe() -> bool:
-        try:
-            core.patch_node(
-                there, {"metadata": {"annotations": {"gpuguard.io/probe": "1"}}}, dry_run="All", **MERGE
-            )
-        except ApiException as exc:
-            return exc.status == 403 and DENIED_BY_POLICY in _message(exc)
-        return False
-
-    started = time.monotonic()
-    eventually(probe, 30, interval=0.1, what="the admission policy to be enforced")
-    print(f"policy enforced {time.monotonic() - started:.2f}s after the manifests were applied")
-
-
 def new_node(admin: Admin, **kw: Any) -> str:
-    name = f"adm-{next(_names)}-{int(time.time() * 1000) % 100000}"
-    admin.make_node(name, **kw)
-    return name
+    return unique_node(admin, "adm", **kw)
 
 
 def agent_core(admin: Admin, control_plane: Any, node: str) -> Any:
@@ -108,21 +93,9 @@ def agent_core(admin: Admin, control_plane: Any, node: str) -> Any:
     return kubernetes.client.CoreV1Api(client)
 
 
-def _message(exc: ApiException) -> str:
-    try:
-        return str(json.loads(exc.body or "")["message"])
-    except (TypeError, ValueError, KeyError):
-        return str(exc.body)
-
-
 def refused(call: Callable[[], Any]) -> str:
     """Run a write that the policy must refuse; return the policy's own message."""
-    with pytest.raises(ApiException) as err:
-        call()
-    message = _message(err.value)
-    assert err.value.status == 403, message
-    assert DENIED_BY_POLICY in message, message
-    return message.split(DENIED_BY_POLICY, 1)[1]
+    return refused_by(POLICY, call)
 
 
 def named(message: str, prefix: str) -> set[str]:
@@ -551,7 +524,7 @@ def test_the_agent_cannot_rewrite_managed_fields_through_node_status(
     try:
         core.patch_node_status(node, body, **MERGE)
     except ApiException as exc:
-        assert exc.status == 403 and MANAGED in _message(exc), _message(exc)
+        assert exc.status == 403 and MANAGED in api_message(exc), api_message(exc)
     # Either refused, or the API server kept metadata as it was (a status write changes no metadata).
     after = managed_fields(admin, node)
     assert [e for e in after if e["manager"] != "gpuguard"] == before

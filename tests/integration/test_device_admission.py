@@ -7,9 +7,8 @@ refusal is asserted by the policy's own message, so a 403 from RBAC cannot pass 
 from __future__ import annotations
 
 import itertools
-import json
 import subprocess
-import time
+from collections.abc import Callable
 from typing import Any
 
 import controlplane
@@ -18,42 +17,38 @@ import pytest
 
 from gpuguard import kubeapi
 from gpuguard.cleanup import clean_rules
-from tests.integration.kube import TAINT_KEY, Admin, eventually, token_client
+from tests.integration.kube import (
+    TAINT_KEY,
+    Admin,
+    enforced_admin,
+    refused_by,
+    token_client,
+    unique_node,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
 POLICY = "gpuguard-own-devices-only"
-DENIED = f"ValidatingAdmissionPolicy '{POLICY}' with binding '{POLICY}' denied request: "
 GROUP, VERSION, PLURAL = "resource.k8s.io", "v1", "devicetaintrules"
 DRIVER = "gpu.nvidia.com"
 MERGE = {"_content_type": "application/merge-patch+json"}
 _names = itertools.count()
-ApiException = kubernetes.client.exceptions.ApiException
 
 
 @pytest.fixture(scope="module")
 def admin(admin_api: kubernetes.client.ApiClient, control_plane: Any) -> Admin:
-    a = Admin(admin_api)
-    created = a.apply_deploy_manifests()
-    assert f"ValidatingAdmissionPolicy/{POLICY}" in created
-    here, there = new_node(a), new_node(a)
-    api = agent_api(a, control_plane, here)
+    def probe(a: Admin) -> Callable[[], Any]:
+        here, there = new_node(a), new_node(a)
+        api = agent_api(a, control_plane, here)
+        return lambda: api.create_cluster_custom_object(
+            GROUP, VERSION, PLURAL, rule(there, "gpu-0"), dry_run="All"
+        )
 
-    def probe() -> bool:
-        try:
-            api.create_cluster_custom_object(GROUP, VERSION, PLURAL, rule(there, "gpu-0"), dry_run="All")
-        except ApiException as exc:
-            return exc.status == 403 and DENIED in message(exc)
-        return False
-
-    eventually(probe, 30, interval=0.1, what="the device admission policy to be enforced")
-    return a
+    return enforced_admin(admin_api, policy=POLICY, probe=probe)
 
 
 def new_node(admin: Admin) -> str:
-    name = f"dadm-{next(_names)}-{int(time.time() * 1000) % 100000}"
-    admin.make_node(name)
-    return name
+    return unique_node(admin, "dadm")
 
 
 def agent_api(admin: Admin, control_plane: Any, node: str) -> Any:
@@ -89,20 +84,8 @@ def rule(
     }
 
 
-def message(exc: ApiException) -> str:
-    try:
-        return str(json.loads(exc.body or "")["message"])
-    except (TypeError, ValueError, KeyError):
-        return str(exc.body)
-
-
-def refused(call: Any) -> str:
-    with pytest.raises(ApiException) as err:
-        call()
-    text = message(err.value)
-    assert err.value.status == 403, text
-    assert DENIED in text, text
-    return text.split(DENIED, 1)[1]
+def refused(call: Callable[[], Any]) -> str:
+    return refused_by(POLICY, call)
 
 
 def custom(admin: Admin) -> Any:
