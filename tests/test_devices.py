@@ -240,7 +240,7 @@ def test_past_the_budget_the_rule_has_effect_none_and_escalates_when_there_is_ro
     assert doc["spec"]["taint"]["effect"] == "None"
     assert "gpuguard.io/quarantine-deferred" in doc["metadata"]["annotations"]
     # The budget frees up (the other node recovered): at the next re-check the rule takes effect.
-    r.devices._budget = lambda: Budget(quarantined=0, limit=1)  # type: ignore[union-attr]
+    r.devices._budgets._budget = lambda: Budget(quarantined=0, limit=1)  # type: ignore[union-attr]
     clock.t += SETTINGS.budget_recheck + 1
     run(r, verdict(prev=sick, ecc_on=0))
     (doc,) = source.store.values()
@@ -521,7 +521,7 @@ def test_a_gated_node_whose_gpu_rule_the_budget_deferred_keeps_its_gate_until_th
     (doc,) = source.store.values()
     assert doc["spec"]["taint"]["effect"] == "None"
     assert gate in writer.node.taints
-    r.devices._budget = lambda: Budget(quarantined=0, limit=1)  # type: ignore[union-attr]
+    r.devices._budgets._budget = lambda: Budget(quarantined=0, limit=1)  # type: ignore[union-attr]
     clock.t += SETTINGS.budget_recheck + SETTINGS.node_resync + 1
     run(r, verdict(prev=sick, ecc_on=0))
     (doc,) = source.store.values()
@@ -547,7 +547,7 @@ def test_a_fully_quarantined_node_with_gpu_rules_counts_once_in_the_budget() -> 
     """Budget 2 nodes; another node is fully quarantined and also holds rules for all its 8 GPUs: one node
     of the budget, not two (its node taint already covers its GPUs), so this node's GPU has room."""
     _, source, r, _ = make(budget=Budget(quarantined=1, limit=2))
-    r.devices._order = lambda: [("2026-12-01T00:00:00Z", "other")]  # type: ignore[union-attr]
+    r.devices._budgets._order = lambda: [("2026-12-01T00:00:00Z", "other")]  # type: ignore[union-attr]
     source.other_rules = other_node_rules("other", 8)
     run(r, verdict(ecc_on=0))
     assert [d["spec"]["taint"]["effect"] for d in source.store.values()] == ["NoSchedule"]

@@ -8,9 +8,9 @@ condition and Events on its own node). One idea per module, each layer importing
   turns a full quarantine into the deferred one, and the budget's state across reconciles. Reads the fleet
   through its own narrow `BudgetSource`, never through a writer.
 - `writers`: the API server (`KubeNodeWriter`) and the dry run (`DryRunNodeWriter`); `make_writer` picks.
-- `deviceslices`, `devices`, `deviceorder`, `devicequarantine`: the per-GPU quarantine (DeviceTaintRules):
-  the node's published GPUs, the pure split and rule, the budget's order of rules, the state across
-  reconciles; `devicewriters` its API server and dry-run sources.
+- `deviceslices`, `devices`, `deviceorder`, `devicebudget`, `devicequarantine`: the per-GPU quarantine
+  (DeviceTaintRules): the node's published GPUs, the pure split and rule, the budget's order of rules, the
+  room and order check, the state across reconciles; `devicewriters` its API server and dry-run sources.
 - `fleet`: the budget's inputs kept in memory off the fault's path (a watch of the quarantined nodes and a
   background GPU-node count), so that a fault costs only its own writes; the writer's lists as fallback.
 - `reconciler`: the thread that applies the newest verdict: retries, 409 re-plans, the condition, Events.

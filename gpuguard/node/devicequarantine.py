@@ -1,14 +1,7 @@
-"""`DeviceQuarantine`: the per-GPU quarantine's state across reconciles (the slices and rules last read, the
-rules an operator deleted, the budget's answer, the order check of fresh rules), through its own seam
-`DeviceSource` (the API server or a dry run, `devicewriters`).
-
-The budget counts GPUs as well as nodes (docs/design.md): a rule costs 1/G of a node's share (G: the GPUs
-the node publishes, recorded on the rule), and the sum of all rules plus the fully quarantined nodes must stay
-within --max-quarantined; past it the rule is written with effect None (informational: the API server's
-status says what would be evicted) until there is room. Agents that fault at the same instant all see room:
-after a rule is made blocking, the quarantine order of rules and fully quarantined nodes
-(`deviceorder.rules_past_limit`) is checked at once and again VERIFY_SETTLE seconds later, and a rule of this
-node past the limit steps back to effect None.
+"""`DeviceQuarantine`: the per-GPU quarantine's state across reconciles (the slices and rules last read,
+their writes, the memory of the rules an operator deleted, the slices' refresh after a fault that found no
+device), through its own seam `DeviceSource` (the API server or a dry run, `devicewriters`). The budget's
+side (room for one more GPU, the order check of fresh rules) is `devicebudget.RuleBudget`'s.
 """
 
 from __future__ import annotations
@@ -17,20 +10,20 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
-from fractions import Fraction
 from typing import Any, Protocol, TypeVar
 
 import structlog
 
 from gpuguard import validation
 from gpuguard.config import NodeSettings
-from gpuguard.errors import ConflictError, GpuguardError, NodeUpdateError, PermanentApiError
+from gpuguard.errors import ConflictError, GpuguardError, PermanentApiError
 from gpuguard.model import Fault, GpuQuarantine, Verdict
-from gpuguard.node.budget import VERIFY_SETTLE, Budget
-from gpuguard.node.deviceorder import rules_past_limit, rules_share
+from gpuguard.node.budget import Budget
+from gpuguard.node.devicebudget import RuleBudget
 from gpuguard.node.devices import (
     NONE_EFFECT,
     DeviceRule,
+    DeviceSource,
     device_effect,
     per_gpu,
     rule_body,
@@ -54,28 +47,6 @@ from gpuguard.state import RuleMemory
 
 log = structlog.get_logger("gpuguard.node.devices")
 T = TypeVar("T")
-
-
-class DeviceSource(Protocol):
-    """The API server's ResourceSlices and DeviceTaintRules for one node (`devicewriters`)."""
-
-    def slices(self) -> list[dict[str, Any]] | None:
-        """The node's ResourceSlices of the driver; None where the API server does not serve them."""
-
-    def rules(self) -> list[DeviceRule]:
-        """gpuguard's rules for this node (label selector)."""
-
-    def all_rules(self) -> list[DeviceRule]:
-        """gpuguard's rules of every node: the budget's count."""
-
-    def create(self, body: Mapping[str, Any]) -> DeviceRule:
-        """Create; ConflictError when a rule of that name exists."""
-
-    def patch(self, rule: DeviceRule, body: Mapping[str, Any]) -> DeviceRule:
-        """Merge patch with the rule's resourceVersion; ConflictError when it moved on."""
-
-    def delete(self, rule: DeviceRule) -> None:
-        """Delete with the rule's uid and resourceVersion as preconditions."""
 
 
 class RuleMemoryStore(Protocol):
@@ -113,15 +84,15 @@ class DeviceQuarantine:
         agent's `state.StateStore`); None: in memory only (a dry run, no --state-dir)."""
         self._source = source
         self._settings = settings
-        self._budget = budget
-        self._order = order
+        self._budgets = RuleBudget(
+            settings, all_rules=source.all_rules, budget=budget, order=order, now=now, clock=clock
+        )
         self._now = now
         self._clock = clock
         self._devices: dict[str, SliceDevice] = {}
         self._node_gpus = 0
         self._rules: dict[str, DeviceRule] = {}
         self._read_at = -math.inf
-        self._budget_at = -math.inf
         # Rules gpuguard made or found (name -> (UUID, fault keys)): one that is gone at the next read was
         # deleted by an operator, and is not made again for the same faults (a new fault makes it again).
         # Kept in `memory` at every change, so that a restarted agent knows them too (docs/reliability.md).
@@ -136,11 +107,6 @@ class DeviceQuarantine:
         self._refreshed_for: set[str] = set()
         self._node_name = settings.name or ""
         self._read_error = ""
-        # Rules made blocking since the last settled order check, whether the check runs at this apply,
-        # and the monotonic time of the second check (VERIFY_SETTLE after the last blocking write).
-        self._fresh: set[str] = set()
-        self._check_now = False
-        self._settle_at: float | None = None
         self.quarantined: tuple[GpuQuarantine, ...] = ()
 
     @property
@@ -163,7 +129,7 @@ class DeviceQuarantine:
     def settling(self) -> bool:
         """An order check of a fresh rule is pending: the reconciler must wake for it on an unchanged
         verdict."""
-        return self._settle_at is not None
+        return self._budgets.settling
 
     def apply(
         self,
@@ -209,7 +175,12 @@ class DeviceQuarantine:
             if uuid not in wanted:
                 del self._overridden[uuid]  # the fault is gone: a new one makes a rule again
         self._remember()
-        self._verify(node)
+
+        def patch(rule: DeviceRule, body: Mapping[str, Any]) -> DeviceRule | None:
+            return self._write(node, rule, lambda: self._source.patch(rule, body))
+
+        for stepped in self._budgets.verify(node, self._rules, patch):
+            self._rules[stepped.name] = stepped
         self._publish()
         return result.node_verdict
 
@@ -297,7 +268,7 @@ class DeviceQuarantine:
             if from_earlier_boot:
                 annotations[ANN_BOOT_ID] = node.boot_id
         effect = device_effect(self._settings.taint_effect)
-        if rule.deferred and self._room(node, rule):
+        if rule.deferred and self._budgets.room(node, rule, node_gpus=self._node_gpus):
             annotations[ANN_DEFERRED] = None
             body["spec"] = {"taint": {"key": TAINT_KEY, "value": taint_value(faults), "effect": effect}}
         if not annotations and not body:
@@ -310,7 +281,7 @@ class DeviceQuarantine:
         self._known[updated.name] = (updated.uuid, updated.faults)
         self._remember()
         if "spec" in body:
-            self._blocking(updated)
+            self._budgets.blocking(updated)
         log.warning(
             "device.rule_updated",
             node=node.name,
@@ -334,7 +305,7 @@ class DeviceQuarantine:
 
     def _create(self, node: NodeView, dev: SliceDevice, faults: tuple[Fault, ...]) -> None:
         try:
-            deferred = not self._room(node, None)
+            deferred = not self._budgets.room(node, None, node_gpus=self._node_gpus)
         except PermanentApiError as exc:
             self._held.add(dev.uuid)
             log.error(
@@ -364,7 +335,7 @@ class DeviceQuarantine:
         self._known[rule.name] = (rule.uuid, rule.faults)
         self._remember()
         if not deferred:
-            self._blocking(rule)
+            self._budgets.blocking(rule)
         first = faults[0]
         log.warning(
             "device.tainted_soft" if deferred else "device.tainted",
@@ -404,114 +375,6 @@ class DeviceQuarantine:
             uuid=rule.uuid,
             dry_run=s.dry_run,
         )
-
-    def _blocking(self, rule: DeviceRule) -> None:
-        """A rule was just made blocking: the quarantine order is checked at the end of this apply and
-        again VERIFY_SETTLE seconds later (the other agents' writes of the same burst have landed by then)."""
-        if self._budget is None or rule.effect == NONE_EFFECT:
-            return
-        self._fresh.add(rule.name)
-        self._check_now = True
-
-    def _verify(self, node: NodeView) -> None:
-        """The order check of fresh rules when it is due: at once after the write, then once more after
-        VERIFY_SETTLE (a failed list tries again VERIFY_SETTLE later)."""
-        due = self._settle_at is not None and self._clock() >= self._settle_at
-        if not self._fresh or not (self._check_now or due):
-            if not self._fresh:
-                self._settle_at = None
-            return
-        first = self._check_now
-        self._check_now = False
-        if self._check_order(node) and not first:
-            self._fresh.clear()
-            self._settle_at = None
-            return
-        self._settle_at = self._clock() + VERIFY_SETTLE
-
-    def _check_order(self, node: NodeView) -> bool:
-        """Is a fresh rule of this node past the limit in the cluster's quarantine order? Steps it back to
-        effect None (deferred). False when the lists failed or a step back did not land (checked again
-        later)."""
-        assert self._budget is not None
-        try:
-            budget = self._budget()
-            if budget is None:
-                return True
-            nodes = list(self._order()) if self._order is not None else []
-            rules = self._source.all_rules()
-        except NodeUpdateError as exc:
-            log.warning("device.quarantine_order_failed", node=node.name, error=str(exc))
-            return False
-        past = rules_past_limit(nodes, rules, budget.limit, now=self._now())
-        landed = True
-        for name in sorted(self._fresh):
-            rule = self._rules.get(name)
-            if rule is None or rule.deferred or rule.effect == NONE_EFFECT:
-                self._fresh.discard(name)  # recovered, deleted or deferred meanwhile
-            elif name in past:
-                landed = self._step_back(node, rule, past[name], budget.limit) and landed
-        return landed
-
-    def _step_back(self, node: NodeView, rule: DeviceRule, ahead: Fraction, limit: int) -> bool:
-        """A blocking rule past the budget (agents that faulted at the same instant all saw room) steps back
-        to the deferred state: effect None and gpuguard.io/quarantine-deferred, until a re-check has room."""
-        why = (
-            f"quarantine budget spent: {float(ahead):g} GPU nodes' worth quarantined before this rule, "
-            f"limit {limit} (--max-quarantined {self._settings.max_quarantined})"
-        )
-        body = {
-            "metadata": {"annotations": {ANN_DEFERRED: why}, "resourceVersion": rule.resource_version},
-            "spec": {"taint": {"key": TAINT_KEY, "value": rule.taint_value, "effect": NONE_EFFECT}},
-        }
-        updated = self._write(node, rule, lambda: self._source.patch(rule, body))
-        if updated is None:
-            return False  # a conflict: the rules are read again, the settle re-check looks again
-        self._rules[updated.name] = updated
-        self._fresh.discard(updated.name)
-        self._budget_at = self._clock()  # the next room re-check waits --budget-recheck
-        log.warning(
-            "device.rule_yielded",
-            node=node.name,
-            rule=rule.name,
-            device=rule.device,
-            uuid=rule.uuid,
-            ahead=float(ahead),
-            limit=limit,
-            note="effect None until there is room",
-        )
-        return True
-
-    def _room(self, node: NodeView, rule: DeviceRule | None) -> bool:
-        """Whether one more GPU fits the budget: the fully quarantined nodes plus every rule's share (this
-        one's included), at most --max-quarantined. Re-checked at most every --budget-recheck seconds for a
-        deferred rule. No budget source (a dry run): always room."""
-        if self._budget is None:
-            return True
-        if rule is not None and self._clock() - self._budget_at < self._settings.budget_recheck:
-            return False
-        self._budget_at = self._clock()
-        budget = self._budget()
-        if budget is None:
-            return True
-        others = [r for r in self._source.all_rules() if r.name != (rule.name if rule else "")]
-        # The fully quarantined nodes' rules count nothing more (the node counts once): asked only where both
-        # exist, so a fleet without node quarantines adds no read here.
-        covered: list[str] = []
-        if budget.quarantined and others and self._order is not None:
-            covered = [name for _, name in self._order()]
-        share = Fraction(1, max(self._node_gpus, 1))
-        used = Fraction(budget.quarantined) + rules_share(others, covered=covered)
-        room = used + share <= budget.limit
-        if not room:
-            log.warning(
-                "device.budget_spent",
-                node=node.name,
-                quarantined=float(used),
-                limit=budget.limit,
-                note="rule with effect None until there is room",
-            )
-        return room
 
     def _publish(self) -> None:
         self.quarantined = tuple(

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
-from typing import Any
+from typing import Any, Protocol
 
 from gpuguard import validation
 from gpuguard.errors import ConfigError
@@ -215,3 +215,25 @@ def split(verdict: Verdict, devices: Mapping[str, SliceDevice], *, mode: str, he
             by_gpu[g.uuid] = moved
         gpus.append(replace(g, faults=tuple(f for f in g.faults if f not in moved)) if moved else g)
     return Split(node_verdict=replace(verdict, gpus=tuple(gpus)), by_gpu=by_gpu)
+
+
+class DeviceSource(Protocol):
+    """The API server's ResourceSlices and DeviceTaintRules for one node (`devicewriters`)."""
+
+    def slices(self) -> list[dict[str, Any]] | None:
+        """The node's ResourceSlices of the driver; None where the API server does not serve them."""
+
+    def rules(self) -> list[DeviceRule]:
+        """gpuguard's rules for this node (label selector)."""
+
+    def all_rules(self) -> list[DeviceRule]:
+        """gpuguard's rules of every node: the budget's count."""
+
+    def create(self, body: Mapping[str, Any]) -> DeviceRule:
+        """Create; ConflictError when a rule of that name exists."""
+
+    def patch(self, rule: DeviceRule, body: Mapping[str, Any]) -> DeviceRule:
+        """Merge patch with the rule's resourceVersion; ConflictError when it moved on."""
+
+    def delete(self, rule: DeviceRule) -> None:
+        """Delete with the rule's uid and resourceVersion as preconditions."""
