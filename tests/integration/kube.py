@@ -324,9 +324,8 @@ def enforced_admin(
     dry-run write `probe(admin)` returns is denied by `policy` itself."""
     admin = Admin(admin_api)
     created = admin.apply_deploy_manifests()
-    assert {f"ValidatingAdmissionPolicy/{policy}", f"ValidatingAdmissionPolicyBinding/{policy}"} <= set(
-        created
-    )
+    wanted = {"DaemonSet/gpuguard", f"ValidatingAdmissionPolicy/{policy}"}
+    assert wanted | {f"ValidatingAdmissionPolicyBinding/{policy}"} <= set(created), created
     write = probe(admin)
 
     def denied() -> bool:

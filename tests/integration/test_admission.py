@@ -57,15 +57,21 @@ ApiException = kubernetes.client.exceptions.ApiException
 
 @pytest.fixture(scope="module")
 def admin(admin_api: kubernetes.client.ApiClient, control_plane: Any) -> Admin:
+    a = enforced_admin(admin_api, policy=POLICY, probe=other_node_probe(control_plane))
+    _assert_live_policy_is_the_file(admin_api)
+    return a
+
+
+def other_node_probe(control_plane: Any) -> Callable[[Admin], Callable[[], Any]]:
+    """The write the policy refuses once enforced: an agent's dry-run patch of another node."""
+
     def probe(a: Admin) -> Callable[[], Any]:
         here, there = new_node(a), new_node(a)
         core = agent_core(a, control_plane, here)
         annotation = {"metadata": {"annotations": {"gpuguard.io/probe": "1"}}}
         return lambda: core.patch_node(there, annotation, dry_run="All", **MERGE)
 
-    a = enforced_admin(admin_api, policy=POLICY, probe=probe)
-    _assert_live_policy_is_the_file(admin_api)
-    return a
+    return probe
 
 
 def _assert_live_policy_is_the_file(api: kubernetes.client.ApiClient) -> None:

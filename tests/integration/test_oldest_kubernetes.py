@@ -19,8 +19,8 @@ import kubernetes
 import pytest
 
 from tests.helmtool import ROOT, build_helm
-from tests.integration.kube import GPUS_OK, Admin, agent_as_node, eventually
-from tests.integration.test_admission import _wait_until_enforced
+from tests.integration.kube import GPUS_OK, Admin, agent_as_node, enforced_admin, eventually
+from tests.integration.test_admission import POLICY, other_node_probe
 
 pytestmark = pytest.mark.timeout(300)
 _names = itertools.count()
@@ -44,13 +44,7 @@ def oldest_admin(oldest: Any) -> Iterator[Admin]:
         config_file=str(oldest.kubeconfig_path)
     )
     with closing(api):
-        a = Admin(api)
-        created = a.apply_deploy_manifests()
-        assert (
-            "DaemonSet/gpuguard" in created and "ValidatingAdmissionPolicy/gpuguard-own-node-only" in created
-        )
-        _wait_until_enforced(a, oldest)
-        yield a
+        yield enforced_admin(api, policy=POLICY, probe=other_node_probe(oldest))
 
 
 def test_the_oldest_control_plane_is_the_pinned_oldest_supported_release(oldest: Any) -> None:
