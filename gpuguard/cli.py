@@ -269,6 +269,13 @@ def cli() -> None:
     help="Seconds over which the first GPU-node count (a percentage budget) falls after start.",
 )
 @_opt(
+    "--slice-refresh",
+    type=float,
+    default=600.0,
+    hidden=True,
+    help="Seconds: a GPU fault that finds no device re-reads the slices if the last read is older.",
+)
+@_opt(
     "--node-resync",
     type=float,
     default=30.0,
@@ -480,6 +487,7 @@ def _config(kw: dict[str, Any], *, watch: bool) -> Config:
         node_resync=kw["node_resync"],
         budget_recheck=kw["budget_recheck"],
         budget_count_spread=kw["budget_count_spread"],
+        slice_refresh=kw["slice_refresh"],
         flap_window=kw["flap_window"],
         startup_jitter=kw["startup_jitter"],
         api_qps=kw["api_qps"],

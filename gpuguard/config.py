@@ -85,6 +85,11 @@ class NodeSettings:
     after its start: a fleet that starts at once lists the fleet once per agent, so 5,000 agents spread
     5,000 lists over this long (docs/design.md has the cost). Until then a fault whose room the budget
     cannot prove without the count lists in its path, as before issue 15."""
+    slice_refresh: float = 600.0
+    """Seconds: a GPU fault that finds no device in the slices read them again after its node taint, when
+    the last read is older than this (a DRA driver that started after the agent). At most one request per
+    this long and none on a healthy node, so that a fault's transition keeps costing its three requests
+    (docs/design.md)."""
     flap_window: float = 600.0
     """Seconds: a fault that comes back within this long of the previous one keeps the node quarantined
     until the GPUs stay healthy for this long (one write per episode, not one per flip)."""
@@ -212,6 +217,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("--startup-jitter must be between 0 and 3600 seconds")
     if not 0 <= n.budget_count_spread <= 86400:
         raise ConfigError("--budget-count-spread must be between 0 and 86400 seconds")
+    if not 0 <= n.slice_refresh <= 86400:
+        raise ConfigError("--slice-refresh must be between 0 and 86400 seconds")
     if n.recover_after < 1:
         raise ConfigError("--recover-after must be >= 1")
     if not _BUDGET.match(n.max_quarantined) or (

@@ -724,3 +724,14 @@ def test_slices_published_after_the_agent_started_are_read_after_the_write_of_a_
     run(r, verdict(xid_on=5, prev=first))
     assert sorted(source.store) == [f"gpuguard-{NODE}-gpu-3", f"gpuguard-{NODE}-gpu-5"]
     assert writes_at_read == [1]
+
+
+def test_a_fault_soon_after_the_last_slices_read_reads_no_slices_again() -> None:
+    """--slice-refresh (600 s): a fault's transition keeps its three requests; a node whose slices were read
+    a moment ago does not read them again for a fault that finds no device."""
+    writer, source, r, clock = make(slices=[])
+    run(r, verdict())
+    clock.t += 10.0
+    before = len(source.calls)
+    run(r, verdict(xid_on=3))
+    assert writer.node.our_taint is not None and source.calls[before:] == []

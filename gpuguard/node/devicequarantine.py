@@ -104,6 +104,7 @@ class DeviceQuarantine:
         self._held: set[str] = set()
         # Faulty GPUs the slices did not list: to read the slices for after the node write, and read for.
         self._refresh_for: set[str] = set()
+        self._slices_at = -math.inf
         self._refreshed_for: set[str] = set()
         self._node_name = settings.name or ""
         self._read_error = ""
@@ -150,11 +151,13 @@ class DeviceQuarantine:
         if self._read_at == -math.inf or (due and self._rules):
             self._read(node)
         # A fault on a GPU the slices did not list: the node taint now, and the slices read again after this
-        # reconcile's node write (`refresh`), once per fault: a DRA driver that started after the agent, or
-        # a GPU published since. Never a request before the taint, and none on a healthy node.
+        # reconcile's node write (`refresh`), once per fault and at most every --slice-refresh seconds: a
+        # DRA driver that started after the agent, or a GPU published since. Never a request before the
+        # taint, none on a healthy node, and a fault's transition keeps its three requests.
         missing = wanted - set(self._devices) - self._held
         self._refreshed_for &= missing
-        self._refresh_for = missing - self._refreshed_for
+        stale = self._clock() - self._slices_at >= self._settings.slice_refresh
+        self._refresh_for = (missing - self._refreshed_for) if stale else set()
         self._node_name = node.name
         result = split(verdict, self._devices, mode=self.mode, held=frozenset(self._held))
         if self.mode == "gpu":
@@ -185,7 +188,7 @@ class DeviceQuarantine:
         return result.node_verdict
 
     def _read(self, node: NodeView) -> None:
-        self._read_at = self._clock()
+        self._slices_at = self._read_at = self._clock()
         try:
             docs = self._source.slices()
             rules = {r.name: r for r in self._source.rules()}
@@ -222,6 +225,7 @@ class DeviceQuarantine:
             return
         self._refreshed_for |= self._refresh_for
         self._refresh_for = set()
+        self._slices_at = self._clock()
         try:
             docs = self._source.slices()
         except PermanentApiError as exc:

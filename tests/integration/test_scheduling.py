@@ -462,8 +462,10 @@ def test_slices_a_dra_driver_publishes_after_the_agent_started_are_used_from_the
     state = tmp_path / "gpus.state"
     state.write_text(gpus)
     kubeconfig = daemon_pod_kubeconfig(cluster, full_control_plane, ds_pod, tmp_path)
-    args = ("--max-quarantined", "100%")
+    # --slice-refresh 0: the fault comes seconds after the agent's first read (600 s by default).
+    args = ("--max-quarantined", "100%", "--slice-refresh", "0")
     agent = Agent(node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml, args=args).start()
+    custom: Any = kubernetes.client.CustomObjectsApi(cluster.api)
     try:
         eventually(agent.ready, 15, what="agent /readyz")
         publish(cluster, node)
@@ -479,6 +481,10 @@ def test_slices_a_dra_driver_publishes_after_the_agent_started_are_used_from_the
         assert [e["gpus"] for e in agent.events("device.slices_changed")] == [8]
     finally:
         agent.stop()
+        # Blocking rules count in every agent's budget: none left for the next tests.
+        for name in (f"gpuguard-{node}-gpu-3", f"gpuguard-{node}-gpu-5"):
+            with contextlib.suppress(ApiException):
+                custom.delete_cluster_custom_object(DRA, "v1", "devicetaintrules", name)
 
 
 def test_gpus_faulting_at_the_same_instant_past_the_budget_end_with_exactly_the_budgets_worth_blocking(
