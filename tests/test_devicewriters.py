@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 from gpuguard.config import NodeSettings, PolicySettings
 from gpuguard.errors import PermanentApiError
 from gpuguard.model import GpuReading, Snapshot, Verdict, XidEvent
-from gpuguard.node.devices import DeviceQuarantine
+from gpuguard.node.devicequarantine import DeviceQuarantine
 from gpuguard.node.devicewriters import (
     RULES_API_NONE,
     RULES_API_UNKNOWN,

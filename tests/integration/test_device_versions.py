@@ -26,8 +26,8 @@ import kubernetes
 import pytest
 
 from tests.dra import DRIVER, gpu_uuid, nvidia_slice
-from tests.integration.kube import Admin, agent_as_node, eventually, token_client
-from tests.integration.test_device_admission import DENIED, message, rule
+from tests.integration.kube import Admin, agent_as_node, api_message, eventually, policy_denial, token_client
+from tests.integration.test_device_admission import POLICY, rule
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -164,7 +164,8 @@ def test_the_device_admission_policy_holds_for_v1beta2_rules(beta_only_plane: An
         try:
             custom.create_cluster_custom_object(GROUP, "v1beta2", "devicetaintrules", foreign, dry_run="All")
         except ApiException as exc:
-            return message(exc) if exc.status == 403 and DENIED in message(exc) else None
+            text = api_message(exc)
+            return text if exc.status == 403 and policy_denial(POLICY) in text else None
         raise AssertionError("a rule for another node's pool was admitted")
 
     text = eventually(denied, 30, interval=0.1, what="the policy's refusal")
