@@ -147,9 +147,11 @@ class Agent:
         if self._metrics is not None:
             self._metrics.observe_check(verdict, duration=now - t0, wall=self._last_check_wall.timestamp())
             node = self._reconciler.status
-            self._metrics.quarantined.set(1 if node.tainted and not node.deferred else 0)
-            self._metrics.quarantine_deferred.set(1 if node.deferred else 0)
-            self._metrics.gpus_quarantined.set(sum(1 for g in node.gpus if not g.deferred))
+            self._metrics.observe_node(
+                1 if node.tainted and not node.deferred else 0,
+                1 if node.deferred else 0,
+                sum(1 for g in node.gpus if not g.deferred),
+            )
         return verdict
 
     def _evaluate(self, snapshot: Snapshot, basis: Verdict | None) -> Verdict:
@@ -157,9 +159,15 @@ class Agent:
         snapshot judged against an equal previous verdict gives the same verdict again. On a steady node that
         skips the evaluation at every poll (a fifth of an idle check's CPU, docs/performance.md)."""
         last = self._last_evaluation
-        if last is not None and snapshot == last[0] and basis == last[1]:
-            return last[2]
+        if last is not None:
+            if snapshot is last[0] and basis is last[1]:
+                return last[2]  # the backend's very snapshot again (nothing read differently): no compare
+            if snapshot == last[0] and basis == last[1]:
+                return last[2]
         verdict = evaluate(snapshot, previous=basis, settings=self._policy)
+        if verdict == basis:
+            # The same judgement as before: keep the one object, so the next check's memo matches by identity.
+            verdict = basis
         self._last_evaluation = (snapshot, basis, verdict)
         return verdict
 

@@ -103,10 +103,35 @@ class Metrics:
         self.build = Info("gpuguard_build", "gpuguard build information.", registry=registry)
         self.build.info({"version": __version__})
         self._gpu_values: dict[tuple[str, str], tuple[int, int, int | None]] = {}
+        self._observed: Verdict | None = None
+        self._node_values: tuple[int, int, int] | None = None
 
     def observe_check(self, verdict: Verdict, *, duration: float, wall: float) -> None:
         self.check_duration.observe(duration)
         self.last_check.set(wall)
+        if verdict is not self._observed:
+            self._observe_gpus(verdict)
+        if verdict.ignored_xids or verdict.fatal_xids:
+            for x, ignored in [(x, "true") for x in verdict.ignored_xids] + [
+                (x, "false") for x in verdict.fatal_xids
+            ]:
+                gpu = "" if x.gpu_index is None else str(x.gpu_index)
+                self.xids.labels(gpu, x.uuid or "", str(x.code), ignored).inc()
+
+    def observe_node(self, quarantined: int, deferred: int, gpus_quarantined: int) -> None:
+        """The node's quarantine gauges, set when they change (only this method sets them)."""
+        values = (quarantined, deferred, gpus_quarantined)
+        if values == self._node_values:
+            return
+        self._node_values = values
+        self.quarantined.set(values[0])
+        self.quarantine_deferred.set(values[1])
+        self.gpus_quarantined.set(values[2])
+
+    def _observe_gpus(self, verdict: Verdict) -> None:
+        # The same verdict object as at the last check (the agent's remembered evaluation) has the same
+        # per-GPU values: nothing to look at.
+        self._observed = verdict
         for g in verdict.gpus:
             labels = (str(g.index), g.uuid)
             values = (1 if g.healthy else 0, 1 if g.xid_watched else 0, g.ecc_uncorrected)
@@ -119,8 +144,3 @@ class Metrics:
             self.xid_watched.labels(*labels).set(values[1])
             if g.ecc_uncorrected is not None:
                 self.ecc.labels(*labels).set(g.ecc_uncorrected)
-        for x, ignored in [(x, "true") for x in verdict.ignored_xids] + [
-            (x, "false") for x in verdict.fatal_xids
-        ]:
-            gpu = "" if x.gpu_index is None else str(x.gpu_index)
-            self.xids.labels(gpu, x.uuid or "", str(x.code), ignored).inc()

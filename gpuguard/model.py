@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import cached_property
 
 # Taint values (and the first word of every reason string) are label values: these are the fixed ones,
 # Xid faults are "xid-<code>".
@@ -164,8 +165,9 @@ class Verdict:
     unreadable_streaks: tuple[tuple[str, int], ...] = ()
     unidentified_streaks: tuple[tuple[int, int], ...] = ()
 
-    @property
+    @cached_property
     def faults(self) -> tuple[Fault, ...]:
+        # Computed once per verdict (frozen: it cannot change); the loop asks for it several times a check.
         return self.node_faults + tuple(f for g in self.gpus for f in g.faults)
 
     @property

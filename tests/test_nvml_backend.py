@@ -591,3 +591,57 @@ print(json.dumps({"wait_ms": b._events._wait_ms, "watched": snap.gpus[0].xid_wat
     assert out["wait_ms"] == 1000 and out["watched"] and out["threads"] == 1
     assert out["took"] < 2.0
     assert "another thread waits on" not in r.stderr
+
+
+_STEADY = r"""
+import json, sys, time
+from pathlib import Path
+from gpuguard.nvml.real import NvmlBackend
+state = Path(sys.argv[1])
+b = NvmlBackend()
+b.open(lambda: None)
+first = b.snapshot(); second = b.snapshot()
+out = {"steady_same_snapshot": second is first}
+state.write_text(state.read_text().replace("uuid=GPU-1 ecc=0", "uuid=GPU-1 ecc=1"))
+changed = b.snapshot()
+out["changed_new_snapshot"] = changed is not first
+out["unchanged_gpu_same_reading"] = changed.gpus[0] is first.gpus[0]
+out["changed_gpu_reads"] = [changed.gpus[1] is first.gpus[1], changed.gpus[1].ecc_uncorrected]
+with state.open("a") as f:
+    f.write("xid 0 79\n")
+deadline = time.monotonic() + 5
+with_xid = b.snapshot()
+while not with_xid.xids and time.monotonic() < deadline:
+    time.sleep(0.02)
+    with_xid = b.snapshot()
+after = b.snapshot()
+out["xid_once"] = [len(with_xid.xids), with_xid is changed, len(after.xids), after is with_xid]
+b.close()
+print(json.dumps(out))
+"""
+
+
+def test_a_steady_gpu_is_read_every_pass_into_the_same_objects_and_a_change_or_an_xid_into_new_ones(
+    fakenvml: Path, tmp_path: Path
+) -> None:
+    """An idle check allocates no readings: the snapshot of a pass where every GPU read the same values and no
+    Xid came is the previous one (the agent's remembered evaluation then matches by identity); any change,
+    on any GPU, or an Xid gives a new one, and an Xid is handed over once."""
+    s = state_file(tmp_path, "gpu 0 uuid=GPU-0 ecc=0\ngpu 1 uuid=GPU-1 ecc=0\n")
+    r = subprocess.run(
+        [sys.executable, "-c", _STEADY, str(s)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env(fakenvml, s),
+        cwd=ROOT,
+        check=True,
+    )
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {
+        "steady_same_snapshot": True,
+        "changed_new_snapshot": True,
+        "unchanged_gpu_same_reading": True,
+        "changed_gpu_reads": [False, 1],
+        "xid_once": [1, False, 0, False],
+    }

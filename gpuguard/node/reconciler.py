@@ -87,6 +87,7 @@ class NodeReconciler:
         self._max_conflicts = max_conflicts
         self._cond = threading.Condition()
         self._latest: tuple[Verdict, int, bool, Mapping[str, int] | None] | None = None
+        self._fault_keys: tuple[Verdict, frozenset[str]] | None = None
         # The decision-relevant summary of the last verdict reconciled without error (see submit()).
         self._settled: tuple[object, ...] | None = None
         self._pending_sig: tuple[object, ...] | None = None
@@ -133,8 +134,12 @@ class NodeReconciler:
 
         A verdict that cannot change any decision (same faults, a streak past --recover-after, the node
         cached and not deferred) does not wake the writer thread: an idle agent costs next to nothing."""
+        keys = self._fault_keys
+        if keys is None or keys[0] is not verdict:
+            # Once per verdict object: the agent hands over its remembered verdict at every steady check.
+            keys = self._fault_keys = (verdict, frozenset(f.key for f in verdict.faults))
         sig = (
-            frozenset(f.key for f in verdict.faults),
+            keys[1],
             verdict.healthy,
             min(healthy_streak, self._settings.recover_after),
             tuple(sorted((u, min(n, self._settings.recover_after)) for u, n in (gpu_streaks or {}).items())),

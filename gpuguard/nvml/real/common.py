@@ -4,10 +4,12 @@ bookkeeping (`Device`) and the retry backoff."""
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pynvml
+
+from gpuguard.model import GpuReading
 
 # NVML error code -> name without the NVML_ERROR_ prefix, e.g. 15 -> "GPU_IS_LOST".
 ERROR_NAMES: dict[int, str] = {
@@ -78,3 +80,5 @@ class Device:
     unsupported: bool = False
     register_failures: int = 0
     register_retry_at: float = 0.0
+    # The last pass's reading and what it was built from (readings.read reuses it while nothing differs).
+    last_reading: tuple[tuple[Any, ...], GpuReading] | None = field(default=None, compare=False, repr=False)

@@ -18,9 +18,6 @@ from gpuguard.nvml.real.common import (
     text,
 )
 
-# A lost GPU answers nothing: only its identity and the fact that it is lost.
-_LOST: dict[str, Any] = {"ecc_uncorrected": None, "remap_failure": None, "remap_pending": None, "lost": True}
-
 
 def describe(index: int, handle: Any, uuid: str) -> Device:
     name = _optional(lambda: text(pynvml.nvmlDeviceGetName(handle)), "")
@@ -35,25 +32,16 @@ def describe(index: int, handle: Any, uuid: str) -> Device:
     return Device(index, handle, uuid, name, pci, ecc_supported)
 
 
-def read(d: Device, *, watched: bool, watch_note: str) -> GpuReading:
-    def reading(**fields: Any) -> GpuReading:
-        # One GpuReading per GPU and check, built once (this runs every --interval on every GPU).
-        return GpuReading(
-            index=d.index,
-            uuid=d.uuid,
-            name=d.name,
-            pci_bus_id=d.pci_bus_id,
-            ecc_supported=d.ecc_supported,
-            xid_watched=watched,
-            xid_watch_note=watch_note,
-            **fields,
-        )
-
+def read(d: Device, watched: bool, watch_note: str) -> GpuReading:
+    """This pass's reading of one GPU: every query asked again. The GpuReading object is the one of the
+    previous pass when every value is the same (a steady GPU allocates nothing, and the snapshot and the
+    remembered evaluation compare by identity first)."""
     if d.lost_at_enumeration:
-        return reading(**_LOST)
+        return _reading(d, watched, watch_note, _LOST_VALUES)
     if d.enumeration_error:
-        failed = (f"uuid:{d.enumeration_error}",)
-        return reading(ecc_uncorrected=None, transient_errors=failed, unreadable=True)
+        return _reading(
+            d, watched, watch_note, (None, None, None, None, (f"uuid:{d.enumeration_error}",), True)
+        )
     ecc: int | None = None
     remap_failure: bool | None = None
     remap_pending: bool | None = None
@@ -70,7 +58,7 @@ def read(d: Device, *, watched: bool, watch_note: str) -> GpuReading:
             answered += 1
     except pynvml.NVMLError as exc:
         if is_lost(exc):
-            return reading(**_LOST)
+            return _reading(d, watched, watch_note, _LOST_VALUES)
         errors.append(f"ecc:{error_name(exc)}")
     try:
         if d.remap_supported:
@@ -79,7 +67,7 @@ def read(d: Device, *, watched: bool, watch_note: str) -> GpuReading:
             answered += 1
     except pynvml.NVMLError as exc:
         if is_lost(exc):
-            return reading(**_LOST)
+            return _reading(d, watched, watch_note, _LOST_VALUES)
         if not_supported(exc):
             d.remap_supported = False  # pre-Ampere, some vGPU and MIG set-ups: not applicable
         else:
@@ -95,7 +83,7 @@ def read(d: Device, *, watched: bool, watch_note: str) -> GpuReading:
                 answered += 1
         except pynvml.NVMLError as exc:
             if is_lost(exc):
-                return reading(**_LOST)
+                return _reading(d, watched, watch_note, _LOST_VALUES)
             if not_supported(exc):
                 d.recovery_supported = False
             else:
@@ -107,16 +95,44 @@ def read(d: Device, *, watched: bool, watch_note: str) -> GpuReading:
             answered += 1
         except pynvml.NVMLError as exc:
             if is_lost(exc):
-                return reading(**_LOST)
+                return _reading(d, watched, watch_note, _LOST_VALUES)
             errors.append(f"probe:{error_name(exc)}")
-    return reading(
+    values = (ecc, remap_failure, remap_pending, action, tuple(errors), not answered and bool(errors))
+    return _reading(d, watched, watch_note, values)
+
+
+# (ecc_uncorrected, remap_failure, remap_pending, recovery_action, transient_errors, unreadable); a lost GPU
+# answers nothing: only its identity and the fact that it is lost.
+_Values = tuple[int | None, bool | None, bool | None, int | None, tuple[str, ...], bool]
+_LOST_VALUES: _Values = (None, None, None, None, (), False)
+
+
+def _reading(d: Device, watched: bool, watch_note: str, values: _Values) -> GpuReading:
+    """The GpuReading of these values: the previous pass's object when nothing differs, else a new one."""
+    lost = values is _LOST_VALUES
+    key = (d.index, d.ecc_supported, watched, watch_note, lost, values)
+    last = d.last_reading
+    if last is not None and last[0] == key:
+        return last[1]
+    ecc, remap_failure, remap_pending, action, errors, unreadable = values
+    reading = GpuReading(
+        index=d.index,
+        uuid=d.uuid,
+        name=d.name,
+        pci_bus_id=d.pci_bus_id,
+        ecc_supported=d.ecc_supported,
+        xid_watched=watched,
+        xid_watch_note=watch_note,
         ecc_uncorrected=ecc,
         remap_failure=remap_failure,
         remap_pending=remap_pending,
         recovery_action=action,
-        transient_errors=tuple(errors),
-        unreadable=not answered and bool(errors),
+        transient_errors=errors,
+        unreadable=unreadable,
+        lost=lost,
     )
+    d.last_reading = (key, reading)
+    return reading
 
 
 def _recovery_action(handle: Any) -> tuple[int | None, str]:
