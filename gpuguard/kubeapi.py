@@ -12,8 +12,9 @@ Errors are mapped here, where the codes are known, into gpuguard's own (`gpuguar
 error page) are a `TransientApiError` (with Retry-After); any other status >= 400 a `PermanentApiError`.
 Callers never translate library exceptions again.
 
-Each client also holds a client-side rate limit (`RateLimiter`, client-go's token bucket; a read costs two
-tokens, a patch none: `_COST`): a fault's few requests fit in its burst and wait for nothing, while an
+Each client also holds a client-side rate limit (`RateLimiter`, client-go's token bucket; a request takes one
+token, and a caller that reserves a later request's token says so: `request(tokens=...)`, the node writer's
+read-modify-write): a fault's few requests fit in its burst and wait for nothing, while an
 agent whose loop goes wrong (a conflict storm, a retry bug) is held to a few requests a second instead of
 hammering the API server once per agent of a 5,000-node fleet.
 """
@@ -27,6 +28,7 @@ import ipaddress
 import json
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -39,6 +41,7 @@ from urllib.request import getproxies
 
 import urllib3
 import yaml
+from urllib3.connection import HTTPConnection
 from urllib3.exceptions import HTTPError
 
 from gpuguard.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
@@ -58,11 +61,21 @@ _OWN_CLUSTER_KEYS = frozenset(
     }
 )
 _MAX_MESSAGE = 300
-# Tokens of the client-side rate limit per request: a read pays for itself and for the one write that may
-# follow it, so a read-modify-write never waits between its read and its write (a wait there would let a
-# busy writer's change land in between, and a 409 loop would never end); every fast loop of the reconciler
-# (a 409 re-read, a retry) goes through a read. A write on its own comes at most once per check.
-_COST = {"GET": 2.0, "PATCH": 0.0}
+
+
+def _keepalive() -> list[tuple[int, int, int]]:
+    """TCP keepalive on every connection to the API server: the budget's watch (node/fleet.py) is held for
+    up to an hour, and a connection that a NAT or load balancer dropped in silence would otherwise be
+    noticed only at its end. Probes after 60 s of silence, 3 of them 20 s apart: found dead within about
+    two minutes, by the kernel (no request, no wake-up of ours)."""
+    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    for name, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 20), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):  # Linux; elsewhere the system's keepalive timing
+            options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    return options
+
+
+SOCKET_OPTIONS = [*HTTPConnection.default_socket_options, *_keepalive()]
 
 
 @dataclass(frozen=True)
@@ -150,7 +163,13 @@ class Client:
             if creds.tls_server_name:
                 tls["server_hostname"] = creds.tls_server_name
         # maxsize 4: the writer thread, the budget's watch and count (node/fleet.py), `gpuguard status`.
-        pool: dict[str, Any] = {"num_pools": 1, "maxsize": 4, "retries": False, **tls}
+        pool: dict[str, Any] = {
+            "num_pools": 1,
+            "maxsize": 4,
+            "retries": False,
+            "socket_options": SOCKET_OPTIONS,
+            **tls,
+        }
         self._pool: urllib3.PoolManager = (
             urllib3.ProxyManager(creds.proxy, **pool) if creds.proxy else urllib3.PoolManager(**pool)
         )
@@ -166,9 +185,13 @@ class Client:
         accept: str = "application/json",
         timeout: float = 10.0,
         what: str = "",
+        tokens: float = 1.0,
     ) -> Any:
         """One request; the decoded JSON answer. `what` ("read node n") starts every error's message.
-        ConflictError, TransientApiError or PermanentApiError (see the module's docstring) otherwise."""
+        ConflictError, TransientApiError or PermanentApiError (see the module's docstring) otherwise.
+        `tokens`: what it takes from the rate limiter, 1 a request; a caller that reserved a request's
+        token earlier (node/writers.py: a read-modify-write) says so explicitly (2 for the read, 0 for the
+        write)."""
         what = what or f"{method} {path}"
         headers = {"Accept": accept, "User-Agent": self._user_agent}
         auth = self._authorization()
@@ -180,7 +203,7 @@ class Client:
             headers["Content-Type"] = content_type
         url = self._server + path + (f"?{urlencode(query)}" if query else "")
         if self.rate_limiter is not None:
-            self.rate_limiter.acquire(_COST.get(method, 1.0))
+            self.rate_limiter.acquire(tokens)
         try:
             resp = self._pool.request(
                 method, url, body=data, headers=headers, timeout=urllib3.Timeout(total=timeout), retries=False

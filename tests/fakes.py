@@ -23,6 +23,7 @@ class FakeNodeWriter:
     def __init__(self, node: NodeView) -> None:
         self.node = node
         self.reads = 0
+        self.reserved_reads = 0  # reads that reserved the next write's rate-limit token
         self.patches: list[NodeChange] = []
         self.events: list[EventSpec] = []
         self._read_errors: deque[NodeUpdateError] = deque()
@@ -47,9 +48,10 @@ class FakeNodeWriter:
             fields["resource_version"] = str(int(self.node.resource_version) + 1)
             self.node = NodeView(**fields)
 
-    def read(self) -> NodeView:
+    def read(self, *, reserve_write: bool = False) -> NodeView:
         with self._lock:
             self.reads += 1
+            self.reserved_reads += reserve_write
             if self._read_errors:
                 raise self._read_errors.popleft()
             return self.node

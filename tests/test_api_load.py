@@ -20,11 +20,13 @@ from gpuguard.errors import ConfigError
 from gpuguard.model import GpuReading, Snapshot
 from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.view import NodeView
+from gpuguard.node.writers import KubeNodeWriter
 from gpuguard.policy import evaluate
 from tests.fakes import FakeNodeWriter
 from tests.test_kubeapi import NODE, Recorder, server  # noqa: F401 - the fixture
 
 SETTINGS = NodeSettings(name="gpu-1", retry_max_wait=0.01)
+CONDITION = {"type": "GPUHealthy", "status": "True", "reason": "GPUsHealthy", "message": "ok"}
 HEALTHY = evaluate(
     Snapshot(gpus=(GpuReading(index=0, uuid="GPU-0"),)), previous=None, settings=PolicySettings()
 )
@@ -188,18 +190,43 @@ def test_qps_zero_is_no_limit() -> None:
     assert [limiter.acquire() for _ in range(100)] == [0.0] * 100 and not t.slept
 
 
-def test_a_read_pays_for_itself_and_the_write_after_it(server: str) -> None:  # noqa: F811
+def test_a_read_that_reserves_its_write_pays_for_both_and_the_write_waits_for_nothing(
+    server: str,  # noqa: F811
+) -> None:
     t = FakeTime()
     limiter = kubeapi.RateLimiter(2, 2, clock=t.clock, sleep=t.sleep)
     client = kubeapi.Client(kubeapi.Credentials(server=server), user_agent="t", rate_limiter=limiter)
+    writer = KubeNodeWriter("gpu-1", api=client)
     Recorder.replies = [(200, {}, json.dumps(NODE).encode())] * 5
-    client.request("GET", "/api/v1/nodes/gpu-1")
-    client.request("PATCH", "/api/v1/nodes/gpu-1", body={})
-    client.request("GET", "/api/v1/nodes/gpu-1")  # the bucket is empty: waits for 2 tokens at 2/s
-    client.request("PATCH", "/api/v1/nodes/gpu-1", body={})  # never between its read and its write
+    node = writer.read(reserve_write=True)
+    writer.set_condition(node, CONDITION)
+    node = writer.read(reserve_write=True)  # the bucket is empty: waits for 2 tokens at 2/s
+    writer.set_condition(node, CONDITION)  # never between its read and its write
     client.request("POST", "/api/v1/namespaces/default/events", body={})
     assert len(Recorder.seen) == 5
     assert t.slept == pytest.approx([1.0, 0.5])
+
+
+def test_a_write_without_a_reserving_read_pays_its_own_token(server: str) -> None:  # noqa: F811
+    """Before, the bucket itself charged a read two tokens and any patch none, whoever sent it: a patch
+    loop with no read in it was never held to the rate."""
+    t = FakeTime()
+    limiter = kubeapi.RateLimiter(2, 2, clock=t.clock, sleep=t.sleep)
+    client = kubeapi.Client(kubeapi.Credentials(server=server), user_agent="t", rate_limiter=limiter)
+    writer = KubeNodeWriter("gpu-1", api=client)
+    Recorder.replies = [(200, {}, json.dumps(NODE).encode())] * 5
+    node = writer.read()  # 1 token: reserves nothing
+    for _ in range(3):
+        node = writer.set_condition(node, CONDITION)
+    client.request("GET", "/api/v1/nodes/gpu-1")  # any request: one token
+    assert t.slept == pytest.approx([0.5, 0.5, 0.5])
+
+
+def test_the_reconcilers_reads_reserve_the_write_after_them(started: list[NodeReconciler]) -> None:
+    writer, r = start(started, 0)
+    r.submit(SICK, 0)
+    assert r.wait_idle(5)
+    assert writer.reads >= 1 and writer.reserved_reads == writer.reads
 
 
 def test_defect_a_rate_limited_conflict_loop_keeps_its_read_and_write_together() -> None:
@@ -208,10 +235,10 @@ def test_defect_a_rate_limited_conflict_loop_keeps_its_read_and_write_together()
     t = FakeTime()
     limiter = kubeapi.RateLimiter(5, 4, clock=t.clock, sleep=t.sleep)
     gaps = []
-    for _ in range(10):  # read, then patch: ten rounds of a conflict loop
-        limiter.acquire(kubeapi._COST["GET"])
+    for _ in range(10):  # read (reserving its write), then patch: ten rounds of a conflict loop
+        limiter.acquire(2.0)
         read_at = t.now
-        limiter.acquire(kubeapi._COST["PATCH"])
+        limiter.acquire(0.0)
         gaps.append(t.now - read_at)
     assert gaps == [0.0] * 10
     assert sum(t.slept) == pytest.approx((20 - 4) / 5)  # the loop as a whole is still held to the rate

@@ -3,6 +3,9 @@ the budget's lists as before. Its watch against a real API server: tests/integra
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from typing import Any
+
 from gpuguard import kubeapi
 from gpuguard.node.budget import Budget
 from gpuguard.node.fleet import WatchedBudget
@@ -20,3 +23,38 @@ def test_until_the_watch_is_established_the_budget_and_the_order_are_listed_by_t
     assert fleet.budget("10%", exclude="gpu-1") == Budget(quarantined=3, limit=3, gpu_nodes=30)
     assert fleet.quarantine_order() == [("2026-01-01T00:00:00Z", "gpu-0")]
     assert (fallback.budget_lists, fallback.order_lists) == (1, 1)
+
+
+class _ServerEndsEachWatch(kubeapi.Client):
+    """An API server whose watches end at once (as at their timeoutSeconds), with nothing quarantined."""
+
+    def __init__(self, watches: int) -> None:
+        super().__init__(kubeapi.Credentials(server="https://127.0.0.1:9"), user_agent="test")
+        self.fleet: WatchedBudget | None = None
+        self.lists = 0
+        self.watches: list[tuple[int, float]] = []
+        self._stop_after = watches
+
+    def request(self, method: str, path: str, **kw: Any) -> Any:
+        self.lists += 1
+        return {"metadata": {"resourceVersion": "5"}, "items": []}
+
+    def watch(self, path: str, *, query: Mapping[str, str], idle: float = 0, **kw: Any) -> Iterator[Any]:
+        self.watches.append((int(query["timeoutSeconds"]), idle))
+        if len(self.watches) >= self._stop_after and self.fleet is not None:
+            self.fleet.stop()
+        return iter(())
+
+
+def test_the_budget_watch_lasts_about_an_hour_and_resumes_without_listing_again() -> None:
+    """Before, the server ended it every 5 minutes: 12 requests an hour on a healthy node."""
+    api = _ServerEndsEachWatch(watches=20)
+    fallback = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1"))
+    fleet = WatchedBudget("gpu-1", "10%", api=api, fallback=fallback, gpu_node_selector="")
+    api.fleet = fleet
+    fleet._watch_loop()
+    assert api.lists == 1  # listed once; every next watch resumes from the last resourceVersion
+    seconds = [s for s, _ in api.watches]
+    assert all(48 * 60 <= s <= 3600 for s in seconds)
+    assert len(set(seconds)) > 1  # drawn per watch: a fleet started together does not re-watch together
+    assert all(idle > s for s, idle in api.watches)  # a silent watch is not cut short by the client

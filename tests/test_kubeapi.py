@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+import urllib3.util.connection
 import yaml
 
 from gpuguard import kubeapi
@@ -354,3 +356,23 @@ def test_an_event_goes_to_the_event_namespace_with_its_message_bounded(server: s
 def test_a_server_that_is_not_a_url_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="not an http"):
         kubeapi.Client(kubeapi.Credentials(server="10.0.0.1:6443"), user_agent="t")
+
+
+def test_connections_to_the_api_server_probe_a_silent_peer_with_tcp_keepalive(
+    server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The budget's watch is held for up to an hour: a connection dropped in silence must not go unseen."""
+    opened: list[tuple[int, int]] = []
+    create = urllib3.util.connection.create_connection
+
+    def recording(*args: Any, **kw: Any) -> socket.socket:
+        sock = create(*args, **kw)
+        keepalive = sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+        opened.append((keepalive, sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)))
+        return sock
+
+    monkeypatch.setattr(urllib3.util.connection, "create_connection", recording)
+    client = kubeapi.Client(kubeapi.Credentials(server=server), user_agent="t")
+    Recorder.replies = [(200, {}, json.dumps(NODE).encode())]
+    client.request("GET", "/api/v1/nodes/n")
+    assert opened == [(1, 60)]  # probes after a minute of silence

@@ -4,9 +4,10 @@
   gpuguard.io/quarantined=true (PartialObjectMetadata: no specs, no statuses). Only those few nodes match the
   selector, so the watch is silent while the fleet is healthy and carries one small event per quarantine;
 - the number of GPU nodes, for a percentage budget only: a metadata list of the GPU nodes in the background,
-  the first at a random moment of the agent's first minute (--budget-count-spread), then every
-  COUNT_REFRESH seconds or one second per GPU node, whichever is longer (so the fleet as a whole lists about
-  once a second at most, whatever its size: a list's cost grows with the fleet, and so do the agents).
+  the first at a random moment of the agent's first minute (--budget-count-spread), then about every
+  COUNT_REFRESH seconds (an hour, jittered) or one second per GPU node, whichever is longer (so the fleet as
+  a whole lists about once a second at most, whatever its size: a list's cost grows with the fleet, and so
+  do the agents).
 
 `WatchedBudget` answers the `BudgetSource` seam from memory. Until the watch is established, or while it
 is broken, it asks its fallback (`writers.KubeNodeWriter`: the lists in the path, as before), so it is never
@@ -37,13 +38,17 @@ log = structlog.get_logger("gpuguard.node.fleet")
 
 _METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 _METADATA = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
-# The server ends each watch after this long and the agent resumes from the last resourceVersion: one
-# cheap request per agent every 5 minutes (17 a second at 5,000 agents), served from the watch cache.
-WATCH_SECONDS = 300
-# The GPU-node count: refreshed at least this often apart, and one second per GPU node when the fleet is
-# larger (see the module's docstring). A fleet changes size by autoscaling: a limit computed from a count
-# minutes old is off by the nodes that joined or left since, times the percentage.
-COUNT_REFRESH = 600.0
+# The server ends each watch after timeoutSeconds, drawn per watch between these (the API server takes any
+# value, docs/design.md): the agent resumes from the last resourceVersion, one cheap request per agent
+# about once an hour (1.5 a second at 5,000 agents), served from the watch cache, spread over the hour by the
+# draw. A connection that died silently meanwhile (a NAT or load balancer dropped it) is found by TCP
+# keepalive (gpuguard.kubeapi) within about two minutes, not at the end of the hour.
+WATCH_SECONDS = (2880, 3600)
+# The GPU-node count: refreshed once an hour (x 0.8-1.2, so agents started together drift apart), or one
+# second per GPU node when the fleet is larger (see the module's docstring). A fleet changes size by
+# autoscaling: a limit computed from a count up to an hour old is off by the nodes that joined or left since,
+# times the percentage.
+COUNT_REFRESH = 3600.0
 COUNT_SECONDS_PER_NODE = 1.0
 # After a failed list or watch: waits from 1 s doubling to 60 s, so that a restarted API server is not met
 # by every agent at once.
@@ -192,19 +197,20 @@ class WatchedBudget:
     def _watch(self, rv: str, *, announce: bool) -> str | None:
         """One watch from `rv` until the server ends it; the last resourceVersion seen (None: list again).
         `announce`: log fleet.watching once it is established (at start, and after a broken watch)."""
+        seconds = random.randint(*WATCH_SECONDS)  # noqa: S311 - spreads the fleet's re-watches, not crypto
         query = {
             "watch": "1",
             "labelSelector": self._selector,
             "resourceVersion": rv,
             "allowWatchBookmarks": "true",
-            "timeoutSeconds": str(WATCH_SECONDS),
+            "timeoutSeconds": str(seconds),
         }
         events = self._api.watch(
             "/api/v1/nodes",
             query=query,
             accept=_METADATA,
             timeout=self._timeout,
-            idle=WATCH_SECONDS + 30,
+            idle=seconds + 30,
             what="watch quarantined nodes",
         )
         with self._lock:

@@ -326,7 +326,9 @@ class NodeReconciler:
 
     def _read(self) -> NodeView:
         try:
-            node = self._writer.read()
+            # Every read here is the basis of a plan and its write (a 409 re-read, a resync, the first
+            # read): it reserves the write's token of a client-side rate limit.
+            node = self._writer.read(reserve_write=True)
         except TransientApiError:
             self._node = None
             raise

@@ -44,7 +44,10 @@ EVENT_NAMESPACE = "default"
 class NodeWriter(Protocol):
     """One node's reads and writes (the budget's fleet-wide reads are `budget.BudgetSource`)."""
 
-    def read(self) -> NodeView: ...
+    def read(self, *, reserve_write: bool = False) -> NodeView:
+        """The node now. `reserve_write`: the read is the basis of a write that follows at once (the
+        reconciler's read-modify-write): a client-side rate limit takes that write's token with the read,
+        so the write never waits between them."""
 
     def patch(self, node: NodeView, change: NodeChange) -> NodeView:
         """Apply `change` planned against `node`; ConflictError if the node has moved on."""
@@ -65,7 +68,7 @@ class DryRunNodeWriter:
     def __init__(self, initial: NodeView) -> None:
         self._node = initial
 
-    def read(self) -> NodeView:
+    def read(self, *, reserve_write: bool = False) -> NodeView:
         return self._node
 
     def patch(self, node: NodeView, change: NodeChange) -> NodeView:
@@ -116,6 +119,7 @@ class KubeNodeWriter:
         self._event_namespace = event_namespace
         self._metrics = metrics
         self._others = others or OtherNodes()
+        self._write_reserved = False
 
     @property
     def api(self) -> kubeapi.Client:
@@ -126,10 +130,26 @@ class KubeNodeWriter:
         """How other nodes' claims are validated (and each ignored one logged once)."""
         return self._others
 
-    def read(self) -> NodeView:
+    def read(self, *, reserve_write: bool = False) -> NodeView:
+        # A read that reserves its write pays that write's token now (a rate-limited 409 loop would
+        # otherwise wait between its read and its write, and a busy writer's change land in between every
+        # time); the reservation lasts until the next write or the next read.
+        self._write_reserved = False
         with self._counted("get"):
-            doc = self._api.request("GET", self._path, timeout=self._timeout, what=f"read node {self._name}")
+            doc = self._api.request(
+                "GET",
+                self._path,
+                timeout=self._timeout,
+                what=f"read node {self._name}",
+                tokens=2.0 if reserve_write else 1.0,
+            )
+        self._write_reserved = reserve_write
         return NodeView.from_api(doc)
+
+    def _write_tokens(self) -> float:
+        """The rate limiter's tokens for a write to the node: none when the read before it reserved one."""
+        reserved, self._write_reserved = self._write_reserved, False
+        return 0.0 if reserved else 1.0
 
     def patch(self, node: NodeView, change: NodeChange) -> NodeView:
         body = _checked_patch(node, change)
@@ -141,6 +161,7 @@ class KubeNodeWriter:
                 content_type="application/merge-patch+json",
                 timeout=self._timeout,
                 what=f"patch node {self._name}",
+                tokens=self._write_tokens(),
             )
         return NodeView.from_api(doc)
 
@@ -209,6 +230,7 @@ class KubeNodeWriter:
                 content_type="application/strategic-merge-patch+json",  # conditions merge by type
                 timeout=self._timeout,
                 what=f"patch node {self._name} status",
+                tokens=self._write_tokens(),
             )
         return NodeView.from_api(doc)
 
