@@ -632,12 +632,22 @@ class IdleWindow:
         state = cl.tmp / "idle.state"
         state.write_text(gpu_lines(GPUS))
         self.node = node
-        self.agent = cl.agent(node, cl.agent_kubeconfig(node), state, interval=3.0)
+        # --budget-count-spread 0: the budget's first GPU-node count at start, with the rest of the start-up
+        # (spread over the first minute it would land in the window as if it were steady state).
         self.audit_start = cl.cp.audit_line_count()
-        self.agent.wait_ready(READY_TIMEOUT)
-        self.startup_requests = describe_requests(
-            e for e in cl.audit(self.audit_start) if audit_node(e) == node
+        self.agent = cl.agent(
+            node, cl.agent_kubeconfig(node), state, interval=3.0, args=("--budget-count-spread", "0")
         )
+        self.agent.wait_ready(READY_TIMEOUT)
+        # The start-up is over when the budget has listed the quarantined nodes and counted the GPU nodes
+        # (two lists; none with an unlimited budget): wait up to 10 s for them.
+        deadline = time.monotonic() + 10
+        while True:
+            started = [e for e in cl.audit(self.audit_start) if audit_node(e) == node]
+            if sum(1 for e in started if e.get("verb") == "list") >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        self.startup_requests = describe_requests(started)
         self.since = cl.cp.audit_line_count()
         self.wall0 = time.time()
         self.t0 = time.monotonic()
@@ -697,6 +707,7 @@ class IdleWindow:
             "rss_mb": rss,
             "hwm_mb": hwm,
             "agent_requests": len(agent_events),
+            "agent_detail": describe_requests(agent_events),
             "agent_requests_per_hour": len(agent_events) * 3600 / window,
             "agent_startup_requests": self.startup_requests,
             "fleet_requests": len(fleet_events),

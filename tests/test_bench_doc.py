@@ -1,0 +1,69 @@
+"""bench/run.py's docs/performance.md: every section from one run, the fleet's markdown pasted (or a visible
+"not run" row), and the sections other commands measure kept verbatim between their markers. The bench
+itself needs a control plane and 13 minutes (`make bench`); this tests how its parts are put together."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench import run
+
+EARLIER = """# gpuguard performance
+
+old figures, replaced
+
+<!-- kept: fleet -->
+## The fleet at 5,000 nodes (`make fleet-bench`)
+
+measured by hand at 09:17
+<!-- /kept: fleet -->
+
+<!-- kept: e2e -->
+## The burst scale-out, end to end (`make e2e`)
+
+| gpuguard | 0 |
+<!-- /kept: e2e -->
+
+## How each figure is measured
+"""
+
+STUB_MD = "| 5,000 nodes start at once, shipped | 5000/5000, HTTP 429: 0 | all reconcile, 0 x 429 | met |\n"
+
+
+def test_the_sections_other_commands_measure_are_found_verbatim_by_name() -> None:
+    kept = run.kept_sections(EARLIER)
+    assert list(kept) == ["fleet", "e2e"]
+    assert kept["e2e"] == "## The burst scale-out, end to end (`make e2e`)\n\n| gpuguard | 0 |"
+    assert run.kept_sections(run.wrap("e2e", kept["e2e"])) == {"e2e": kept["e2e"]}
+
+
+def test_the_fleets_markdown_is_pasted_and_kept_for_the_next_run() -> None:
+    fleet = {"nodes": 5000, "rc": 0, "seconds": 1500.0, "markdown": STUB_MD}
+    row, text = run.fleet_section(fleet, run.kept_sections(EARLIER), {"mean": 3.0, "max": 9.0})
+    assert row[3] == "met" and "1500 s" in row[1]
+    assert STUB_MD.strip() in text and "measured by hand" not in text
+    assert run.kept_sections(text)["fleet"].startswith("## The fleet at 5000 nodes")
+
+
+def test_fleet_nodes_0_is_a_visible_not_run_row_and_the_earlier_section_is_kept_under_a_note() -> None:
+    row, text = run.fleet_section({"nodes": 0}, run.kept_sections(EARLIER), None)
+    assert row[1] == "not run (FLEET_NODES=0)" and row[3] == "not run"
+    assert text.startswith("Not run by this `make bench` (FLEET_NODES=0)")
+    assert "measured by hand at 09:17" in run.kept_sections(text)["fleet"]
+
+
+def test_a_fleet_bench_that_fails_is_missed_not_silently_dropped() -> None:
+    row, text = run.fleet_section({"nodes": 5000, "rc": 2, "seconds": 1.0, "markdown": None}, {}, None)
+    assert row[3] == "MISSED" and "exited 2" in row[1] and "no build/fleet-bench.md" in row[1]
+    assert "failed" in text
+
+
+def test_a_missed_goal_in_the_fleets_markdown_is_missed_in_the_goals_table() -> None:
+    fleet: dict[str, Any] = {
+        "nodes": 5000,
+        "rc": 0,
+        "seconds": 9.0,
+        "markdown": STUB_MD + "| x | y | z | MISSED |",
+    }
+    row, _ = run.fleet_section(fleet, {}, None)
+    assert row[3] == "MISSED"
