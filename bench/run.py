@@ -673,7 +673,8 @@ def main() -> int:
     elapsed = time.monotonic() - started
     raw["load"] = load.stop()
     if args.json:  # first: the document can be made again from it (`document`) if anything below fails
-        args.json.write_text(json.dumps({**raw, "elapsed_s": elapsed, "nvml_cpu": cpu}, indent=1, default=str))
+        dump = {**raw, "elapsed_s": elapsed, "nvml_cpu": cpu}
+        args.json.write_text(json.dumps(dump, indent=1, default=str))
     rows = k8s_rows(raw) + nvml
     table = ["| measurement | result | goal | |", "|---|---|---|---|"]
     table += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
