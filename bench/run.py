@@ -511,9 +511,10 @@ def fleet_section(
         f'"The fleet at {nodes} nodes" below'
     )
     body = (
-        f"## The fleet at {nodes} nodes (`bench/fleet_scale.py`, run by this `make bench`)\n\n"
-        f"`python -m bench.fleet_scale --nodes {nodes}` ({fleet['seconds']:.0f} s; the machine's 1-minute "
-        f"load average mean / max {load_text(load)}), its markdown pasted as written:\n\n{md}"
+        f"## The fleet at {nodes:,} nodes (`make fleet-bench`)\n\n"
+        f"Run by this `make bench`: `python -m bench.fleet_scale --nodes {nodes}` ({fleet['seconds']:.0f} s; "
+        f"the machine's 1-minute load average mean / max {load_text(load)}), its markdown pasted as written:"
+        f"\n\n{md}"
     )
     return (what, result, FLEET_GOAL, mark), wrap("fleet", body)
 

@@ -42,7 +42,7 @@ def test_the_fleets_markdown_is_pasted_and_kept_for_the_next_run() -> None:
     row, text = run.fleet_section(fleet, run.kept_sections(EARLIER), {"mean": 3.0, "max": 9.0})
     assert row[3] == "met" and "1500 s" in row[1]
     assert STUB_MD.strip() in text and "measured by hand" not in text
-    assert run.kept_sections(text)["fleet"].startswith("## The fleet at 5000 nodes")
+    assert run.kept_sections(text)["fleet"].startswith("## The fleet at 5,000 nodes (`make fleet-bench`)")
 
 
 def test_fleet_nodes_0_is_a_visible_not_run_row_and_the_earlier_section_is_kept_under_a_note() -> None:
