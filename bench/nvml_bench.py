@@ -306,16 +306,32 @@ class IdleFloor:
         }
 
 
+class IdleVsFloor:
+    """A dry-run agent (no API server: nothing but its own checks) and the floor, idle side by side from now
+    until finish(). `make bench` runs it beside its other phases; `idle_vs_floor` on its own."""
+
+    def __init__(self, gpus: int = 8, interval: float = 3.0) -> None:
+        self._dir = tempfile.TemporaryDirectory()
+        state = Path(self._dir.name) / "nvml.state"
+        state.write_text(gpu_lines(gpus))
+        self._agent = agent(state, "--interval", str(interval))
+        p, _ = self._agent.__enter__()
+        time.sleep(interval)  # past the start-up
+        self.floor = IdleFloor(p.pid, gpus=gpus, interval=interval)
+
+    def finish(self) -> dict[str, Any]:
+        try:
+            return self.floor.finish()
+        finally:
+            self._agent.__exit__(None, None, None)
+            self._dir.cleanup()
+
+
 def idle_vs_floor(seconds: float = 600.0, gpus: int = 8, interval: float = 3.0) -> dict[str, Any]:
     """A dry-run agent (no API server) and the floor, idle side by side for `seconds`."""
-    with tempfile.TemporaryDirectory() as d:
-        state = Path(d) / "nvml.state"
-        state.write_text(gpu_lines(gpus))
-        with agent(state, "--interval", str(interval)) as (p, _):
-            time.sleep(interval)  # past the start-up
-            floor = IdleFloor(p.pid, gpus=gpus, interval=interval)
-            time.sleep(seconds)
-            return floor.finish()
+    pair = IdleVsFloor(gpus, interval)
+    time.sleep(seconds)
+    return pair.finish()
 
 
 if __name__ == "__main__":

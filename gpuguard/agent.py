@@ -207,7 +207,8 @@ class Agent:
                 self._episodes.append(now)
             self._last_unhealthy = now
         self._was_healthy = verdict.healthy
-        self._episodes = [t for t in self._episodes if now - t <= self._flap_window]
+        if self._episodes and now - self._episodes[0] > self._flap_window:
+            self._episodes = [t for t in self._episodes if now - t <= self._flap_window]
         return len(self._episodes) >= 2 and now - self._last_unhealthy < self._flap_window
 
     def _safe_check(self) -> None:
