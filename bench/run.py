@@ -593,7 +593,7 @@ def goals_table(raw: dict[str, Any], fleet_row: Row) -> str:
             f"{idle['agent_requests']} in the window ({requests_text(idle.get('agent_detail', {}))}); by "
             f"design about {design:.1f} an hour (the budget's watch resumed every 48-60 min, the GPU-node "
             "count about hourly)",
-            "0 before the budget's watch (issue 15); 12/h with its first version",
+            "0 before the budget's watch; 12/h with its first version (5-min watch, 10-min count)",
             "0 after start-up",
             verdict(idle["agent_requests"] == 0 and design == 0),
             load_text(loads.get("idle window")),
