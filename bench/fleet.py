@@ -1,12 +1,26 @@
-"""The fleet simulation of `make bench`: many gpuguard node writers against one real API server.
+"""The fleet simulation of `make bench` and `make fleet-bench`: many gpuguard agents against one real API
+server, cheap enough that 5,000 of them run on two cores beside the API server.
 
-Each simulated node has what a real agent has on the API side: its own `NodeReconciler` (with its own thread)
-over its own `KubeNodeWriter`, whose client comes from its own `load_api_client` call on a kubeconfig with the
-node's own Pod-bound ServiceAccount token (deploy/admission-policy.yaml lets a token write only its node). The
-GPU side is not simulated per node: verdicts are built once with `policy.evaluate` and submitted the way the
-agent's loop submits them. Reconcilers are spread over a few worker processes (`python -m bench.fleet worker
-...`), driven by `Fleet` through JSON lines on stdin/stdout; at a given CLOCK_MONOTONIC instant (shared by all
-processes on Linux) every worker submits at once.
+What is real, per simulated node: its own `NodeReconciler` (the product's code: plan, budget gate, writes,
+409 re-plans, tenacity retries, the order check) over its own `KubeNodeWriter`, whose client comes from its
+own `load_api_client` call on a kubeconfig with the node's own Pod-bound ServiceAccount token (its own
+keep-alive connection, its own client-side rate limiter; deploy/admission-policy.yaml lets a token write only
+its node); its own start-up delay drawn from --startup-jitter; and its first GPU-node count (the metadata
+list of node/fleet.py's `WatchedBudget._count`, with its token, at a moment drawn from --budget-count-spread).
+
+What is simulated:
+- no thread per node: the reconciles run on a bounded pool of threads per process ("pool", 32), each node's
+  at its start instant from a timer heap (a node is reconciled by one thread at a time); the reconciler's
+  own start-up hold is replaced by that instant (a verdict with a fault is not held, as in the agent);
+- the budget's watch: one real `WatchedBudget` per process (its watch, its count, its fallback) is the
+  `BudgetSource` of all its reconcilers; the other agents' watches are held open by the caller
+  (bench/budget_cost.py's `HeldWatches`: one TLS connection each, the agents' selector and Accept header,
+  read and dropped), so the API server carries one watch per node as with N agents;
+- the counts' answers are read and dropped, not decoded (the API server's work is the same);
+- the GPU side: verdicts are built once with `policy.evaluate` and submitted the way the agent's loop
+  submits them. Worker processes (`python -m bench.fleet worker ...`) are driven by `Fleet` through JSON
+  lines on stdin/stdout; at a given CLOCK_MONOTONIC instant (shared by all processes on Linux) every worker
+  submits at once.
 
 The workers count the reconcilers' own log events (conflicts, retries, deferred or rejected writes) and drop
 the log lines; the requests themselves are counted from the API server's audit log by the caller.
@@ -23,6 +37,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,6 +58,7 @@ COUNTED = (
     "node.fault_added",
     "node.recovered",
 )
+_METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 
 
 # -- worker (its own process) ------------------------------------------------------------------------------
@@ -87,15 +103,23 @@ def _verdicts(gpus: int = 8) -> dict[str, Any]:
 
 
 class Worker:
-    """options (all optional): "jitter" (seconds: each reconciler's start delay is drawn from 0..jitter, as
-    `gpuguard watch --startup-jitter` draws it), "qps" and "burst" (the client-side rate limit, as
-    --api-qps/--api-burst; qps 0 or absent: none), "max_quarantined" (--max-quarantined)."""
+    """N simulated agents in one process, without a thread per agent (see the module's docstring).
+
+    options (all optional): "jitter" (seconds: each agent's first request waits a delay drawn from
+    0..jitter after its first verdict, as `gpuguard watch --startup-jitter` draws it; a verdict with a fault
+    does not wait), "qps" and "burst" (the client-side rate limit, as --api-qps/--api-burst; qps 0 or
+    absent: none), "max_quarantined" (--max-quarantined), "count_spread" (each agent's first GPU-node count
+    at a moment drawn from 0..count_spread after its start, as --budget-count-spread; default the agent's;
+    negative: no counts), "pool" (threads that run the reconciles, default 32), "watch" (false: the budget
+    is listed by each writer in the path, as before issue 15; default: one WatchedBudget per process),
+    "counted" (true: the agents have made their first count, as every agent has an hour after its start:
+    no first counts, and the process's WatchedBudget counts at once)."""
 
     def __init__(self, names: list[tuple[str, str]], options: dict[str, Any] | None = None) -> None:
-        import inspect
         import random
 
         import structlog
+        import urllib3
 
         from gpuguard.config import NodeSettings
         from gpuguard.node.budget import QuarantineBudget
@@ -108,26 +132,53 @@ class Worker:
         self.verdicts = _verdicts()
         started = time.monotonic()
         self.reconcilers: dict[str, Any] = {}
+        self.apis: dict[str, Any] = {}
+        self.delays: dict[str, float] = {}
         self.limiters: list[Any] = []
         qps, burst = float(opts.get("qps") or 0), int(opts.get("burst") or 1)
         jitter = float(opts.get("jitter") or 0)
-        # An older checkout (make bench compares against main) has neither setting.
-        has_delay = "start_delay" in inspect.signature(NodeReconciler).parameters
+        spec = str(opts.get("max_quarantined", "10%"))
+        base = NodeSettings()
+        counted = bool(opts.get("counted", False))
+        self.count_spread = -1.0 if counted else float(opts.get("count_spread", base.budget_count_spread))
+        self.selector = base.gpu_node_selector
+        self.source: Any = None
         for name, kubeconfig in names:
             api = load_api_client(kubeconfig, rate_limit=(qps, burst)) if qps else load_api_client(kubeconfig)
             if getattr(api, "rate_limiter", None) is not None:
                 self.limiters.append(api.rate_limiter)
+            self.apis[name] = api
             writer = KubeNodeWriter(name, api=api, timeout=10.0)
-            settings = NodeSettings(name=name, max_quarantined=str(opts.get("max_quarantined", "10%")))
-            budget = QuarantineBudget(writer, settings)
-            extra: dict[str, Any] = {"start_delay": random.uniform(0, jitter)} if has_delay else {}
-            self.reconcilers[name] = NodeReconciler(writer, settings, budget=budget, **extra)
-        # Threads started now, not at the instant (thousands of thread starts would spread the instant over
-        # seconds): a reconciler's start-up delay counts from its first verdict, as an agent's first check
-        # comes right after its start.
-        for r in self.reconcilers.values():
-            r.start()
+            settings = NodeSettings(name=name, max_quarantined=spec)
+            if self.source is None:
+                first = (
+                    NodeSettings(name=name, max_quarantined=spec, budget_count_spread=0)
+                    if counted
+                    else settings
+                )
+                self.source = self._shared_source(name, writer, first, bool(opts.get("watch", True)))
+            budget = QuarantineBudget(self.source or writer, settings)
+            self.reconcilers[name] = NodeReconciler(writer, settings, budget=budget)
+            self.delays[name] = random.uniform(0, jitter)
         self.created_s = time.monotonic() - started
+        # The counts' connections: one keep-alive pool per process, each request with its node's token.
+        ca = next(iter(self.apis.values())).creds.ca_file if self.apis else None
+        self._count_pool = urllib3.PoolManager(
+            num_pools=1, maxsize=8, retries=False, cert_reqs="CERT_REQUIRED", ca_certs=ca
+        )
+        self._start_at: dict[str, float] = {}
+        self._counts_due = 0
+        self.counts = Counter[str]()
+        self._started: set[str] = set()
+        self._running: set[str] = set()
+        self._lock = threading.Lock()
+        self._heap: list[tuple[float, int, str, str]] = []
+        self._seq = 0
+        self._timer_wake = threading.Condition(self._lock)
+        self._closed = False
+        self._exec = ThreadPoolExecutor(int(opts.get("pool") or 32), thread_name_prefix="fleet-reconcile")
+        self._timer = threading.Thread(target=self._timer_loop, name="fleet-timer", daemon=True)
+        self._timer.start()
         self._loop_stop = threading.Event()
         self._loop: threading.Thread | None = None
         self._streak = 0
@@ -135,21 +186,147 @@ class Worker:
         self.loop_cpu = 0.0
         self._loop_cpu0 = 0.0
 
+    def _shared_source(self, name: str, writer: Any, settings: Any, watch: bool) -> Any:
+        """The process's one WatchedBudget (real: its watch, its count, its fallback), shared by its
+        reconcilers; None where there is none (watch off, a "100%" budget, or a checkout before it)."""
+        if not watch:
+            return None
+        try:
+            from gpuguard.node.fleet import watched
+        except ImportError:
+            return None
+        source = watched(settings, writer)
+        if source is not None:
+            source.start()
+        return source
+
+    # -- scheduling ------------------------------------------------------------------------------------
+
+    def _at(self, when: float, name: str, kind: str) -> None:
+        import heapq
+
+        with self._lock:
+            self._seq += 1
+            heapq.heappush(self._heap, (when, self._seq, name, kind))
+            self._timer_wake.notify()
+
+    def _timer_loop(self) -> None:
+        import heapq
+
+        while True:
+            with self._lock:
+                while not self._closed and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    wait = self._heap[0][0] - time.monotonic() if self._heap else None
+                    self._timer_wake.wait(wait)
+                if self._closed:
+                    return
+                _, _, name, kind = heapq.heappop(self._heap)
+            self._exec.submit(self._count if kind == "count" else self._reconcile, name)
+
+    def _reconcile(self, name: str) -> None:
+        """The reconciler's own reconcile, until no verdict is pending; one pool thread per node at a time."""
+        r = self.reconcilers[name]
+        with self._lock:
+            if name in self._running:
+                return  # the thread that holds it loops until nothing is pending
+            self._running.add(name)
+        try:
+            while True:
+                while not r.wait_idle(0):
+                    try:
+                        r.reconcile_now()
+                    except Exception:
+                        self.counts["reconcile_failed"] += 1
+                        break
+                with self._lock:
+                    if r.wait_idle(0) or self._closed:
+                        self._running.discard(name)
+                        return
+        finally:
+            with self._lock:
+                self._running.discard(name)
+
+    def _count(self, name: str) -> None:
+        """The agent's first GPU-node count (node/fleet.py's `_count`): the same metadata list with the
+        node's token and the agent's user agent, through its rate limiter; the answer is read and dropped
+        (decoding thousands of them would starve this process; the API server's work is the same)."""
+        from gpuguard.node.writers import USER_AGENT
+
+        api = self.apis[name]
+        if api.rate_limiter is not None:
+            api.rate_limiter.acquire(2.0)
+        creds = api.creds
+        token = creds.token or (Path(creds.token_file).read_text().strip() if creds.token_file else "")
+        query = f"?labelSelector={self.selector}" if self.selector else ""
+        try:
+            resp = self._count_pool.request(
+                "GET",
+                creds.server.rstrip("/") + "/api/v1/nodes" + query,
+                headers={
+                    "Accept": _METADATA_LIST,
+                    "User-Agent": USER_AGENT,
+                    "Authorization": f"Bearer {token}",
+                },
+                timeout=30.0,
+                preload_content=False,
+            )
+            for _ in resp.stream(1 << 16):
+                pass
+            resp.release_conn()
+            self.counts[f"count {resp.status}"] += 1
+        except Exception as exc:
+            self.counts[f"count {type(exc).__name__}"] += 1
+        finally:
+            with self._lock:
+                self._counts_due -= 1
+                self._timer_wake.notify_all()
+
+    def drain(self, timeout: float) -> dict[str, Any]:
+        """Wait until every scheduled first count has been made (the start's whole load on the server)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._counts_due > 0 and (left := deadline - time.monotonic()) > 0:
+                self._timer_wake.wait(min(left, 1.0))
+            left_over = self._counts_due
+        return {"event": "drained", "at": time.monotonic(), "counts_left": left_over}
+
+    def _hand(self, name: str, verdict: Any, streak: int) -> None:
+        """A verdict to a node, as the agent's check loop hands it over: the first one starts the agent
+        (its start-up delay; a fault ends the delay at once), and its first count is scheduled."""
+        import random
+
+        r = self.reconcilers[name]
+        r.submit(verdict, streak)
+        now = time.monotonic()
+        if name not in self._started:
+            self._started.add(name)
+            self._start_at[name] = now + self.delays[name]
+            if self.count_spread >= 0 and self.source is not None:
+                with self._lock:
+                    self._counts_due += 1
+                self._at(now + random.uniform(0, self.count_spread), name, "count")
+        if r.wait_idle(0):
+            return  # nothing to do: the verdict cannot change a decision
+        # The reconciler's start-up hold: until its delay is over, unless the verdict has a fault.
+        self._at(now if verdict.faults else max(now, self._start_at[name]), name, "reconcile")
+
+    # -- commands --------------------------------------------------------------------------------------
+
     def submit(
         self, verdict: str, names: Iterable[str] | None, at: float | None, streak: int
     ) -> dict[str, Any]:
-        targets = (
-            [self.reconcilers[n] for n in names] if names is not None else list(self.reconcilers.values())
-        )
+        chosen = list(names) if names is not None else list(self.reconcilers)
+        targets = [self.reconcilers[n] for n in chosen]
         v = self.verdicts[verdict]
         if at is not None:
             while (left := at - time.monotonic()) > 0:
                 time.sleep(min(left, 0.05) if left > 0.002 else 0)
         t0 = time.monotonic()
-        for r in targets:
-            r.submit(v, streak)
+        for n in chosen:
+            self._hand(n, v, streak)
         submitted = time.monotonic()
-        not_idle = sum(1 for r in targets if not r.wait_idle(120.0))
+        deadline = submitted + 600.0
+        not_idle = sum(1 for r in targets if not r.wait_idle(max(0.0, deadline - time.monotonic())))
         return {
             "event": "done",
             "n": len(targets),
@@ -163,21 +340,21 @@ class Worker:
         }
 
     def start_loop(self, period: float, streak: int | None = None) -> None:
-        """Submit a healthy verdict to every reconciler once per `period`, spread evenly over the period, as
-        the agents' check loops would (each submit is a healthy check; the streak grows). Resumable."""
+        """Submit a healthy verdict to every node once per `period`, spread evenly over the period, as the
+        agents' check loops would (each submit is a healthy check; the streak grows). Resumable."""
         if streak is not None:
             self._streak = streak
         self._loop_stop.clear()
         self._loop_cpu0 = time.process_time()
 
         def run() -> None:
-            rs = list(self.reconcilers.values())
-            gap = period / max(1, len(rs))
+            names = list(self.reconcilers)
+            gap = period / max(1, len(names))
             nxt = time.monotonic()
             while not self._loop_stop.is_set():
                 self._streak += 1
-                for r in rs:
-                    r.submit(self.verdicts["healthy"], self._streak)
+                for n in names:
+                    self._hand(n, self.verdicts["healthy"], self._streak)
                     nxt += gap
                     if self._loop_stop.wait(max(0.0, nxt - time.monotonic())):
                         return
@@ -198,13 +375,20 @@ class Worker:
         return {
             "event": "stats",
             "counts": {k: self.counter.counts.get(k, 0) for k in COUNTED},
+            "simulator": dict(self.counts),
             "errors": dict(self.counter.samples),
         }
 
     def close(self) -> None:
         self._loop_stop.set()
+        with self._lock:
+            self._closed = True
+            self._timer_wake.notify_all()
         for r in self.reconcilers.values():
-            r.stop(0.1)
+            r.stop(0.0)
+        if self.source is not None:
+            self.source.stop()
+        self._exec.shutdown(wait=False, cancel_futures=True)
 
 
 def worker_main(names_file: str, options: str = "{}") -> int:
@@ -227,6 +411,8 @@ def worker_main(names_file: str, options: str = "{}") -> int:
             _say(out, w.stop_loop())
         elif op == "stats":
             _say(out, w.stats())
+        elif op == "drain":
+            _say(out, w.drain(float(cmd.get("timeout", 300))))
         elif op == "exit":
             break
     w.close()
@@ -320,15 +506,23 @@ class Fleet:
             self._send(p, {"cmd": "stop-loop"})
         return self._collect("loop_stopped", 30)
 
+    def drain(self, timeout: float = 300.0) -> list[dict[str, Any]]:
+        """Wait until every worker has made the first counts it scheduled."""
+        for p in self.procs:
+            self._send(p, {"cmd": "drain", "timeout": timeout})
+        return self._collect("drained", timeout + 30)
+
     def stats(self) -> dict[str, Any]:
         for p in self.procs:
             self._send(p, {"cmd": "stats"})
         total: Counter[str] = Counter()
+        simulator: Counter[str] = Counter()
         errors: dict[str, str] = {}
         for a in self._collect("stats", 30):
             total.update(a["counts"])
+            simulator.update(a.get("simulator", {}))
             errors.update(a["errors"])
-        return {"counts": dict(total), "errors": errors}
+        return {"counts": dict(total), "simulator": dict(simulator), "errors": errors}
 
     def stop(self) -> None:
         for p in self.procs:

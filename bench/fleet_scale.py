@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.budget_cost import HeldWatches, budget_cost_phase  # noqa: E402
 from bench.cluster import (  # noqa: E402
     FLEET_LABEL,
     TAINT_KEY,
@@ -67,7 +68,7 @@ CONDITION = "GPUHealthy"
 # gpuguard did before issue 15: no schema of its own (the built-in "service-accounts" -> workload-low), no
 # jitter, no client-side limit. "shipped" is what deploy/daemonset.yaml and the agent's defaults ship.
 CONFIGS: dict[str, tuple[bool, dict[str, Any]]] = {
-    "none": (False, {}),
+    "none": (False, {"watch": False}),
     "flowschema": (True, {}),
     "jitter": (False, {"jitter": NodeSettings.startup_jitter}),
     "shipped": (
@@ -178,6 +179,11 @@ def start_phase(
     at = time.monotonic() + 1.0
     done = fleet.submit("healthy", at=at, streak=1)
     reconciled_s = max(d["idle_at"] for d in done) - at
+    # The agents' first GPU-node counts: waited for when they fall within a few minutes (each is a list of
+    # the whole fleet); with the shipped spread (an hour) only those in the phase are made.
+    spread = float(options.get("count_spread", NodeSettings.budget_count_spread))
+    drained = fleet.drain(600 if spread <= 300 else 0)
+    counted_s = max(d["at"] for d in drained) - at
     usage = sampler.stop()
     stats = fleet.stats()
     time.sleep(1.0)
@@ -206,7 +212,10 @@ def start_phase(
         "matching_after": len(matching(cl, names)),
         "nodes_written_more_than_once": sum(1 for n in node_writes.values() if n > 1),
         "client_rate_limited_s": round(sum(d["rate_limited_s"] for d in done), 2),
+        "first_counts_done_s": round(counted_s, 2),
+        "counts_left": sum(d["counts_left"] for d in drained),
         "reconciler_log": {k: v for k, v in stats["counts"].items() if v},
+        "simulator": stats.get("simulator", {}),
         **usage,
     }
     progress(
@@ -277,10 +286,33 @@ def burst_phase(
     return result
 
 
-def run(nodes: int, processes: int, configs: list[str], out: Path | None) -> dict[str, Any]:
+def run(
+    nodes: int,
+    processes: int,
+    configs: list[str],
+    out: Path | None,
+    *,
+    watch_cost: bool = False,
+    markdown: Path | None = None,
+) -> dict[str, Any]:
     t_begin = time.monotonic()
-    results: dict[str, Any] = {"nodes": nodes, "processes": processes, "configs": {}, "cpus": os.cpu_count()}
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    results: dict[str, Any] = {
+        "nodes": nodes,
+        "processes": processes,
+        "configs": {},
+        "cpus": os.cpu_count(),
+        "started": started,
+    }
     cl = Cluster()
+    held: HeldWatches | None = None
+
+    def save() -> None:
+        if out is not None:
+            out.write_text(json.dumps(results, indent=2))
+        if markdown is not None:
+            markdown.write_text(render_markdown(results))
+
     try:
         cl.start()
         results["kube_version"] = cl.version
@@ -290,6 +322,24 @@ def run(nodes: int, processes: int, configs: list[str], out: Path | None) -> dic
         kubeconfigs = cl.agent_kubeconfigs(names)
         results["setup_s"] = round(time.monotonic() - t0, 1)
         progress(f"fleet: {nodes} nodes, Pods and Pod-bound tokens in {results['setup_s']} s")
+        if watch_cost:
+            # The API server's cost of N agents' budget watches, 0 against N held (bench/budget_cost.py).
+            results["watch_cost"] = budget_cost_phase(cl, names, steps=(0, nodes))
+            save()
+        # Every agent's budget watch, held for the whole run: each worker process holds one real one
+        # (its WatchedBudget), these the rest (bench/fleet.py's docstring).
+        pid = apiserver_pid(cl)
+        rss0, cpu0, w0 = proc_status_mb(pid, "VmRSS"), proc_cpu_seconds(pid), time.monotonic()
+        held = HeldWatches(cl, cl.admin.agent_token(names[0]))
+        held.grow(max(0, nodes - processes))
+        results["held_watches"] = {
+            "held": held.held,
+            "open_s": round(time.monotonic() - w0, 1),
+            "apiserver_cpu_s": round(proc_cpu_seconds(pid) - cpu0, 2),
+            "apiserver_rss_before_mb": round(rss0, 1),
+            "apiserver_rss_after_mb": round(proc_status_mb(pid, "VmRSS"), 1),
+        }
+        progress(f"fleet: {held.held} budget watches held: {results['held_watches']}")
         fleet: Fleet | None = None
         for name in configs:
             schema, options = CONFIGS[name]
@@ -299,19 +349,15 @@ def run(nodes: int, processes: int, configs: list[str], out: Path | None) -> dic
                 cl, kubeconfigs, processes=processes, options=options, label=f"{name} start"
             )
             first.stop()
+            results["configs"][name] = {"flowschema": schema, "options": options, "start": start}
+            save()
             fleet, restart = start_phase(
                 cl, kubeconfigs, processes=processes, options=options, label=f"{name} restart"
             )
-            results["configs"][name] = {
-                "flowschema": schema,
-                "options": options,
-                "start": start,
-                "restart": restart,
-            }
+            results["configs"][name]["restart"] = restart
             if name != configs[-1]:
                 fleet.stop()
-            if out is not None:
-                out.write_text(json.dumps(results, indent=2))
+            save()
         assert fleet is not None
         # A new fleet with the burst's budget (the option is read when the workers start).
         fleet.stop()
@@ -320,18 +366,125 @@ def run(nodes: int, processes: int, configs: list[str], out: Path | None) -> dic
             cl,
             kubeconfigs,
             processes=processes,
-            options={**options, "max_quarantined": "5%"},
+            options={**options, "max_quarantined": "5%", "counted": True},
             label=f"{configs[-1]} restart (budget 5%)",
         )
         results["burst"] = burst_phase(cl, fleet, names, fraction=0.1, budget_percent=5)
+        results["burst"]["config"] = configs[-1]
+        held.grow(held.held)
+        results["held_watches"]["held_at_end"] = held.held
         fleet.stop()
     finally:
+        if held is not None:
+            held.close()
         cl.close()
-    results["wall_s"] = round(time.monotonic() - t_begin, 1)
-    if out is not None:
-        out.write_text(json.dumps(results, indent=2))
+        results["wall_s"] = round(time.monotonic() - t_begin, 1)
+        save()
     progress(f"fleet bench: {results['wall_s']} s in all")
     return results
+
+
+def _yes(ok: bool) -> str:
+    return "met" if ok else "**MISSED**"
+
+
+def render_markdown(r: dict[str, Any]) -> str:
+    """A self-contained section for docs/performance.md: each figure beside its goal, met or MISSED, the
+    machine's load, the duration, and what is real and what is simulated."""
+    n = r["nodes"]
+    lines = [
+        f"## The fleet at {n:,} nodes (`make fleet-bench`, {r.get('started', '?')})",
+        "",
+        f"`python -m bench.fleet_scale --nodes {n}`: one throwaway control plane (Kubernetes "
+        f"{r.get('kube_version', '?')}, etcd + kube-apiserver, deploy/*.yaml applied) on this machine "
+        f"({r.get('cpus', '?')} CPUs), {n:,} GPU Node objects each with its own Pod and Pod-bound token "
+        f"(set up in {r.get('setup_s', '?')} s), the simulated agents in {r['processes']} worker "
+        f"processes at nice 19. The whole bench took {r.get('wall_s', '?')} s. The load average is the "
+        "machine's, shared with other sessions' work.",
+        "",
+        "Real: per node the product's `NodeReconciler` and `KubeNodeWriter` with its own client, token, "
+        "connection and client-side rate limiter, its start-up delay drawn from `--startup-jitter`, its "
+        "first GPU-node count (the metadata list) drawn from `--budget-count-spread`; one budget watch per "
+        "node on the API server. Simulated: the reconciles run on 32 threads per worker process at each "
+        "node's start instant (no thread per node); one real `WatchedBudget` per process serves its nodes' "
+        "budgets, the other nodes' watches are held open by a raw TLS reader (one connection each, the "
+        "agents' selector and Accept header, one token for all); count answers are read and dropped, not "
+        "decoded; the GPU side is a verdict handed over, not NVML (bench/fleet.py).",
+        "",
+        "| measurement | result | goal | |",
+        "|---|---|---|---|",
+    ]
+    held = r.get("held_watches")
+    if held:
+        lines.append(
+            f"| budget watches held | {held['held']:,} (+{r['processes']} of the workers), opened in "
+            f"{held['open_s']} s; API server RSS {held['apiserver_rss_before_mb']} -> "
+            f"{held['apiserver_rss_after_mb']} MB | one per node | |"
+        )
+    for name, c in r.get("configs", {}).items():
+        opts = c.get("options", {})
+        how = (
+            f"FlowSchema {'on' if c.get('flowschema') else 'off'}, jitter {opts.get('jitter', 0):g} s, "
+            f"client limit {opts.get('qps', 0):g}/s burst {opts.get('burst', '-')}"
+        )
+        for phase in ("start", "restart"):
+            p = c.get(phase)
+            if not p:
+                continue
+            shipped = name == "shipped"
+            ok = (
+                p["reconciled"] == p["nodes"]
+                and p["http_429"] == 0
+                and p["redundant_writes"] == 0
+                and p["not_idle"] == 0
+            )
+            counts = sum(v for k, v in p.get("simulator", {}).items() if k.startswith("count"))
+            result = (
+                f"{p['reconciled']:,}/{p['nodes']:,} reconciled in {p['all_reconciled_s']} s; HTTP 429: "
+                f"{p['http_429']}; node writes {p['node_writes']:,} (to a node that already matched: "
+                f"{p['redundant_writes']}); first GPU-node counts made in the phase: {counts:,}; requests "
+                f"{_requests(p['requests'])}; API server {p['apiserver_cpu_s']} CPU-s "
+                f"({p['apiserver_cores']} cores) in {p['wall_s']} s, peak RSS "
+                f"{p['apiserver_peak_rss_mb']} MB; "
+                f"load mean {p['load1_mean']}, max {p['load1_max']}"
+            )
+            goal = "all reconcile, 0 x 429, 0 redundant writes" if shipped else "reference"
+            lines.append(f"| {name} {phase} ({how}) | {result} | {goal} | {_yes(ok) if shipped else ''} |")
+    b = r.get("burst")
+    if b:
+        exact = b["hard_tainted"] == b["limit"] and b["untainted"] == 0
+        lines.append(
+            f"| burst: {b['faulty']} of {n:,} fault at one instant, budget {b['budget']} (limit "
+            f"{b['limit']}), {b.get('config', '')} | all tainted: "
+            f"{b['faulty'] - b['untainted']}/{b['faulty']}; full {b['hard_tainted']}, soft "
+            f"{b['soft_tainted']}; last taint visible {b['last_taint_visible_s']} s "
+            f"(first {b['first_taint_visible_s']} s); HTTP 429: {b['http_429']}; API server "
+            f"{b['apiserver_cpu_s']} CPU-s ({b['apiserver_cores']} cores), peak RSS "
+            f"{b['apiserver_peak_rss_mb']} MB; load mean {b['load1_mean']}, max {b['load1_max']} | all "
+            f"tainted, full = limit, 0 x 429 | {_yes(exact and b['http_429'] == 0)} |"
+        )
+    wc = r.get("watch_cost")
+    if wc and len(wc.get("rows", [])) >= 2:
+        a0, a1 = wc["rows"][0], wc["rows"][-1]
+        dw = max(1, a1["watches"] - a0["watches"])
+        lines.append(
+            f"| API server with 0 / {a1['watches']:,} watches held: RSS | {a0['rss_mb']:.0f} / "
+            f"{a1['rss_mb']:.0f} MB ({(a1['rss_mb'] - a0['rss_mb']) * 1024 / dw:.0f} KB a watch); Go heap "
+            f"{a0['heap_inuse_mb']:.0f} / {a1['heap_inuse_mb']:.0f} MB | measured | |"
+        )
+        lines.append(
+            f"| idle CPU / under {a1['status_events_per_s']:.0f} node status updates a second / under "
+            f"{a1['quarantine_events_per_s']:.0f} quarantine label changes a second | "
+            f"{a0['idle_cores']:.3f} / {a0['status_cores']:.3f} / {a0['quarantine_cores']:.3f} cores with 0 "
+            f"watches; {a1['idle_cores']:.3f} / {a1['status_cores']:.3f} / {a1['quarantine_cores']:.3f} with "
+            f"{a1['watches']:,} | measured | |"
+        )
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _requests(requests: dict[str, int]) -> str:
+    return ", ".join(f"{k} x{v}" for k, v in requests.items()) or "none"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,19 +493,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--processes", type=int, default=8)
     ap.add_argument("--configs", default="none,shipped", help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--markdown", type=Path, default=None, help="a markdown section for docs/performance.md")
+    ap.add_argument(
+        "--watch-cost",
+        action="store_true",
+        help="first measure the API server's cost of 0 and N held budget watches (bench/budget_cost.py)",
+    )
     ap.add_argument(
         "--jitter", type=float, default=None, help="the start-up jitter of the configurations that have one"
     )
+    ap.add_argument("--render", type=Path, default=None, help="only write --markdown from this --out file")
     args = ap.parse_args(argv)
+    if args.render is not None:
+        if args.markdown is None:
+            ap.error("--render needs --markdown")
+        args.markdown.write_text(render_markdown(json.loads(args.render.read_text())))
+        return 0
     if args.jitter is not None:
         for _, options in CONFIGS.values():
             if "jitter" in options:
                 options["jitter"] = args.jitter
     configs = [c for c in args.configs.split(",") if c]
     unknown = set(configs) - set(CONFIGS)
-    if unknown:
+    if unknown or not configs:
         ap.error(f"unknown configurations: {sorted(unknown)}")
-    run(args.nodes, args.processes, configs, args.out)
+    run(args.nodes, args.processes, configs, args.out, watch_cost=args.watch_cost, markdown=args.markdown)
     return 0
 
 
