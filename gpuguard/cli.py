@@ -264,7 +264,7 @@ def cli() -> None:
 @_opt(
     "--budget-count-spread",
     type=float,
-    default=60.0,
+    default=3600.0,
     hidden=True,
     help="Seconds over which the first GPU-node count (a percentage budget) falls after start.",
 )

@@ -80,11 +80,14 @@ class NodeSettings:
     this long. A node gpuguard holds nothing on is never re-read (a healthy fleet costs no requests)."""
     budget_recheck: float = 60.0
     """Seconds between budget lists while a quarantine is deferred: one cheap request a minute at most."""
-    budget_count_spread: float = 60.0
+    budget_count_spread: float = 3600.0
     """Seconds over which an agent's first count of the GPU nodes (a percentage budget) falls at random
-    after its start: a fleet that starts at once lists the fleet once per agent, so 5,000 agents spread
-    5,000 lists over this long (docs/design.md has the cost). Until then a fault whose room the budget
-    cannot prove without the count lists in its path, as before issue 15."""
+    after its start: a fleet that starts at once lists the fleet once per agent, so N agents spread N lists
+    of N nodes over this long. An hour: 5,000 agents list about 1.4 times a second, near the steady rate
+    (one a second fleet-wide); a minute (the old default) put 83 lists of 5,000 nodes a second on the API
+    server at every fleet-wide start (docs/performance.md, "The fleet at 5,000 nodes"). Until then the
+    budget proves room without the count where it can (always with nothing quarantined), and a fault whose
+    room it cannot prove lists in its path, as before issue 15."""
     slice_refresh: float = 600.0
     """Seconds: a GPU fault that finds no device in the slices read them again after its node taint, when
     the last read is older than this (a DRA driver that started after the agent). At most one request per

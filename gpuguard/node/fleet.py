@@ -4,7 +4,7 @@
   gpuguard.io/quarantined=true (PartialObjectMetadata: no specs, no statuses). Only those few nodes match the
   selector, so the watch is silent while the fleet is healthy and carries one small event per quarantine;
 - the number of GPU nodes, for a percentage budget only: a metadata list of the GPU nodes in the background,
-  the first at a random moment of the agent's first minute (--budget-count-spread), then about every
+  the first at a random moment of the agent's first hour (--budget-count-spread), then about every
   COUNT_REFRESH seconds (an hour, jittered) or one second per GPU node, whichever is longer (so the fleet as
   a whole lists about once a second at most, whatever its size: a list's cost grows with the fleet, and so
   do the agents).
@@ -104,7 +104,7 @@ class WatchedBudget:
         if not spec.endswith("%"):
             return Budget(quarantined=quarantined, limit=int(spec))
         if total is None:
-            # Not counted yet (the agent's first minute). The GPU nodes are at least the quarantined ones
+            # Not counted yet (the agent's first hour). The GPU nodes are at least the quarantined ones
             # and this one, so the limit is at least that share of them: room proven without a list
             # (always in a fleet with nothing quarantined). Otherwise the fallback's list, as before.
             floor = budget_limit(spec, quarantined + 1)
