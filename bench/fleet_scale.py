@@ -228,6 +228,26 @@ def start_phase(
     return fleet, result
 
 
+SETTLE_TIMEOUT = 600.0
+
+
+def _quarantines(cl: Cluster, faulty: set[str]) -> tuple[int, int, int]:
+    """(fully quarantined, soft-tainted, untainted) among the faulty nodes, from one admin list."""
+    listed = json.loads(cl.core.list_node(label_selector=f"{FLEET_LABEL}=true", _preload_content=False).data)
+    hard = soft = untainted = 0
+    for n in listed["items"]:
+        if n["metadata"]["name"] not in faulty:
+            continue
+        ours = [t for t in n["spec"].get("taints") or [] if t["key"] == TAINT_KEY]
+        if not ours:
+            untainted += 1
+        elif ours[0]["effect"] == "PreferNoSchedule":
+            soft += 1
+        else:
+            hard += 1
+    return hard, soft, untainted
+
+
 def burst_phase(
     cl: Cluster, fleet: Fleet, names: list[str], *, fraction: float, budget_percent: float
 ) -> dict[str, Any]:
@@ -239,25 +259,25 @@ def burst_phase(
     sampler = ServerSampler(apiserver_pid(cl))
     at = time.monotonic() + 1.0
     done = fleet.submit("ecc", names=faulty, at=at, streak=0)
-    seen = watch.wait_all(faulty, tainted, after=at, timeout=300)
+    seen = watch.wait_all(faulty, tainted, after=at, timeout=600)
     last_taint_s = max(seen.values()) - at
-    # The order check runs right after each full quarantine and again 10 s later: let it settle.
-    time.sleep(12.0)
-    fleet.submit("ecc", names=faulty, streak=0)  # nothing may be pending
+    # The order check runs right after each full quarantine, 10 s later, and at every check while the
+    # budget's watch delivers changes: the faulty agents' loops hand over their verdict every 3 s (as
+    # --interval 3), until the full quarantines are down to the limit and stay there for two rounds.
+    held_rounds, rounds = 0, 0
+    hard, soft, untainted = _quarantines(cl, set(faulty))
+    while time.monotonic() - at < SETTLE_TIMEOUT:
+        time.sleep(3.0)
+        fleet.submit("ecc", names=faulty, streak=0)
+        rounds += 1
+        hard, soft, untainted = _quarantines(cl, set(faulty))
+        held_rounds = held_rounds + 1 if hard <= limit and rounds >= 5 else 0
+        if held_rounds >= 2:
+            break
+    settled_s = time.monotonic() - at
     usage = sampler.stop()
     events = [e for e in cl.audit(since, start=wall0) if audit_node(e) in set(faulty)]
     listed = json.loads(cl.core.list_node(label_selector=f"{FLEET_LABEL}=true", _preload_content=False).data)
-    hard = soft = untainted = 0
-    for n in listed["items"]:
-        if n["metadata"]["name"] not in set(faulty):
-            continue
-        ours = [t for t in n["spec"].get("taints") or [] if t["key"] == TAINT_KEY]
-        if not ours:
-            untainted += 1
-        elif ours[0]["effect"] == "PreferNoSchedule":
-            soft += 1
-        else:
-            hard += 1
     labels = Counter(
         n["metadata"].get("labels", {}).get("gpuguard.io/quarantined", "") for n in listed["items"]
     )
@@ -266,6 +286,8 @@ def burst_phase(
         "budget": f"{budget_percent:g}%",
         "limit": limit,
         "last_taint_visible_s": round(last_taint_s, 2),
+        "settled_s": round(settled_s, 1),
+        "settle_rounds": rounds,
         "first_taint_visible_s": round(min(seen.values()) - at, 2),
         "submit_spread_ms": round(max(d["submit_spread_s"] for d in done) * 1000, 1),
         "hard_tainted": hard,
@@ -457,7 +479,8 @@ def render_markdown(r: dict[str, Any]) -> str:
             f"| burst: {b['faulty']} of {n:,} fault at one instant, budget {b['budget']} (limit "
             f"{b['limit']}), {b.get('config', '')} | all tainted: "
             f"{b['faulty'] - b['untainted']}/{b['faulty']}; full {b['hard_tainted']}, soft "
-            f"{b['soft_tainted']}; last taint visible {b['last_taint_visible_s']} s "
+            f"{b['soft_tainted']}; last taint visible {b['last_taint_visible_s']} s, order settled at "
+            f"{b.get('settled_s', '?')} s "
             f"(first {b['first_taint_visible_s']} s); HTTP 429: {b['http_429']}; API server "
             f"{b['apiserver_cpu_s']} CPU-s ({b['apiserver_cores']} cores), peak RSS "
             f"{b['apiserver_peak_rss_mb']} MB; load mean {b['load1_mean']}, max {b['load1_max']} | all "
