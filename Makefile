@@ -110,8 +110,8 @@ bench: install fakenvml testenv
 	mkdir -p build
 	FLEET_NODES=$(FLEET_NODES) $(BIN)/python bench/run.py --json build/bench.json
 
-# The fleet at Kubernetes' limit (bench/fleet_scale.py): NODES (5000) agents start at once without and with
-# the FlowSchema, start-up jitter and rate limit, then 10% of them fault at once; docs/performance.md "The
+# The fleet at Kubernetes' limit (bench/fleet_scale.py): NODES (5000) agents start at once with the shipped
+# FlowSchema, start-up jitter and rate limit, then 10% of them fault at once; docs/performance.md "The
 # fleet at 5,000 nodes", with the API server's cost of the agents' budget watches (--watch-cost). Results in
 # build/fleet-bench.json and, as a section for docs/performance.md, build/fleet-bench.md. About 30 minutes at
 # 5,000 nodes on the 2-core machine.
