@@ -13,8 +13,9 @@ second fleet-wide). The alternative it replaced: one metadata list of every GPU 
 - the lists: the API server's CPU and wall time of one metadata list of the whole GPU fleet.
 
 `python -m bench.budget_cost` runs it on its own control plane (about 3 minutes); bench/run.py calls
-`budget_cost_phase` on the bench's cluster. Extrapolated to 5,000 agents in `extrapolate`, linearly in the
-number of watches and of events (the API server's watch cache does one filter per watcher per event).
+`budget_cost_phase` on the bench's cluster, and `python -m bench.fleet_scale --watch-cost` with as many
+watches as nodes (5,000 measured, docs/design.md). Extrapolated to 5,000 agents in `extrapolate`, linearly
+in the number of watches and of events (the API server's watch cache does one filter per watcher per event).
 """
 
 from __future__ import annotations
