@@ -58,3 +58,20 @@ def test_the_budget_watch_lasts_about_an_hour_and_resumes_without_listing_again(
     assert all(48 * 60 <= s <= 3600 for s in seconds)
     assert len(set(seconds)) > 1  # drawn per watch: a fleet started together does not re-watch together
     assert all(idle > s for s, idle in api.watches)  # a silent watch is not cut short by the client
+
+
+def test_a_fleet_of_5000_agents_starting_at_once_lists_the_gpu_nodes_no_faster_than_its_steady_rate() -> None:
+    """Every agent's first count is a list of the whole GPU fleet: spread over a minute (the old default),
+    5,000 agents put 83 lists of 5,000 nodes a second on the API server (90 ms of its CPU each, measured in
+    docs/design.md). The default spread keeps them near the steady rate (one list a second fleet-wide)."""
+    import click
+
+    from gpuguard.cli import watch
+    from gpuguard.config import NodeSettings
+    from gpuguard.node.fleet import COUNT_SECONDS_PER_NODE
+
+    spread = NodeSettings().budget_count_spread
+    assert 5000 / spread <= 2 / COUNT_SECONDS_PER_NODE
+    assert isinstance(watch, click.Command)
+    option = next(p for p in watch.params if p.name == "budget_count_spread")
+    assert option.default == spread
