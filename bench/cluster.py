@@ -150,11 +150,20 @@ class NodeWatch:
     """
 
     def __init__(
-        self, api: Any, *, field_selector: str | None = None, label_selector: str | None = None
+        self,
+        api: Any,
+        *,
+        field_selector: str | None = None,
+        label_selector: str | None = None,
+        lister: Callable[..., Any] | None = None,
+        value: Callable[[dict[str, Any]], str | None] | None = None,
     ) -> None:
+        """`lister` and `value`: another kind than nodes (list_node and the taint's value by default), e.g.
+        DeviceTaintRules (RuleWatch); a deleted object's value is None."""
         import kubernetes
 
-        self._core = cast(Any, kubernetes.client.CoreV1Api(api))
+        self._list = lister or cast(Any, kubernetes.client.CoreV1Api(api)).list_node
+        self._value = value or self.taint_value
         self._selectors = {
             k: v
             for k, v in (("field_selector", field_selector), ("label_selector", label_selector))
@@ -166,7 +175,7 @@ class NodeWatch:
         self.objects: dict[str, dict[str, Any]] = {}
         self._stop = threading.Event()
         self._resp: Any = None
-        listed = json.loads(self._core.list_node(_preload_content=False, **self._selectors).data)
+        listed = json.loads(self._list(_preload_content=False, **self._selectors).data)
         for item in listed["items"]:
             self._record(0.0, item)
         self._rv = str(listed["metadata"]["resourceVersion"])
@@ -180,9 +189,9 @@ class NodeWatch:
                 return str(t.get("value", ""))
         return None
 
-    def _record(self, t: float, node: dict[str, Any]) -> None:
+    def _record(self, t: float, node: dict[str, Any], *, deleted: bool = False) -> None:
         name = str(node["metadata"]["name"])
-        value = self.taint_value(node)
+        value = None if deleted else self._value(node)
         with self._cond:
             self.objects[name] = node
             if name not in self.current or self.current[name] != value:
@@ -197,7 +206,7 @@ class NodeWatch:
 
         while not self._stop.is_set():
             try:
-                self._resp = self._core.list_node(
+                self._resp = self._list(
                     watch=True,
                     resource_version=self._rv,
                     allow_watch_bookmarks=True,
@@ -214,8 +223,8 @@ class NodeWatch:
                     rv = (obj.get("metadata") or {}).get("resourceVersion")
                     if rv:
                         self._rv = str(rv)
-                    if ev.get("type") in ("ADDED", "MODIFIED"):
-                        self._record(t, obj)
+                    if ev.get("type") in ("ADDED", "MODIFIED", "DELETED"):
+                        self._record(t, obj, deleted=ev.get("type") == "DELETED")
             except Exception as exc:
                 if self._stop.is_set():
                     return
@@ -281,6 +290,22 @@ class NodeWatch:
                         f"node {name}: current taint {self.current.get(name)!r} after {timeout}s"
                     )
                 self._cond.wait(left)
+
+
+def rule_watch(api: Any, *, label_selector: str = "app.kubernetes.io/managed-by=gpuguard") -> NodeWatch:
+    """A watch on DeviceTaintRules (resource.k8s.io/v1, admin) instead of nodes: a rule's value is the device
+    its selector names, None while it does not exist (`tainted`: the rule is there)."""
+    import kubernetes
+
+    custom = cast(Any, kubernetes.client.CustomObjectsApi(api))
+
+    def lister(**kw: Any) -> Any:
+        return custom.list_cluster_custom_object("resource.k8s.io", "v1", "devicetaintrules", **kw)
+
+    def device(rule: dict[str, Any]) -> str | None:
+        return str(((rule.get("spec") or {}).get("deviceSelector") or {}).get("device", ""))
+
+    return NodeWatch(api, label_selector=label_selector, lister=lister, value=device)
 
 
 def untainted(v: str | None) -> bool:
@@ -481,8 +506,8 @@ class Cluster:
         with ThreadPoolExecutor(16) as pool:
             return dict(zip(nodes, pool.map(self.agent_kubeconfig, nodes), strict=True))
 
-    def watch(self, **selectors: str) -> NodeWatch:
-        w = NodeWatch(self.api, **selectors)
+    def watch(self, *, field_selector: str | None = None, label_selector: str | None = None) -> NodeWatch:
+        w = NodeWatch(self.api, field_selector=field_selector, label_selector=label_selector)
         self.on_close(w.close)
         return w
 
