@@ -50,6 +50,7 @@ from bench.cluster import (  # noqa: E402
     proc_cpu_seconds,
     proc_status_mb,
     progress,
+    rule_watch,
     server_times,
     summary,
     tainted,
@@ -290,6 +291,75 @@ def latency_phase(
             for k, v in per_kind.items()
         },
     }
+
+
+def device_phase(cl: Cluster, *, rounds: int = 25, lanes: int = 1, interval: float = 3.0) -> dict[str, Any]:
+    """Xid -> DeviceTaintRule visible: `lanes` nodes whose 8 GPUs NVIDIA's DRA driver publishes (a
+    ResourceSlice, driver gpu.nvidia.com, pool = the node, `uuid` = the fake NVML GPUs'), agents with the
+    default --quarantine auto. Each round reboots the nodes (a new bootID, fresh --state-dir and fake NVML
+    state: the new agent deletes the last round's rule, as recovery), then one Xid on GPU 3 per node, one node
+    after the other, timed until an admin watch on DeviceTaintRules delivers gpuguard's rule for gpu-3."""
+    import kubernetes
+
+    from tests.dra import gpu_uuid, nvidia_slice
+
+    work = cl.tmp / "device"
+    work.mkdir()
+    nodes = [f"lat-dev-{i}" for i in range(lanes)]
+    cl.make_nodes(nodes)
+    custom: Any = kubernetes.client.CustomObjectsApi(cl.api)
+    for n in nodes:  # the GPUs' uuid attributes are the fake NVML GPUs' UUIDs (gpu_uuid)
+        custom.create_cluster_custom_object("resource.k8s.io", "v1", "resourceslices", nvidia_slice(n, GPUS))
+    kubeconfigs = cl.agent_kubeconfigs(nodes)
+    node_watches = {n: cl.watch(field_selector=f"metadata.name={n}") for n in nodes}
+    rules = rule_watch(cl.api)
+    cl.on_close(rules.close)
+    lat: list[float] = []
+    args = ("--recover-after", "1", "--budget-count-spread", "0", "--quarantine", "auto")
+
+    def reboot(r: int) -> list[AgentProc]:
+        """A new bootID, healthy fake NVML state, new agents (a fresh --state-dir each): the last round's
+        rule is deleted by the new agent's recovery; both seen before it returns."""
+        agents = []
+        for n in nodes:
+            cl.admin.set_boot_id(n, f"boot-{r}")
+            state = work / f"{n}.state"
+            state.write_text("".join(f"gpu {i} uuid={gpu_uuid(n, i)}\n" for i in range(GPUS)))
+            agents.append(cl.agent(n, kubeconfigs[n], state, interval=interval, args=args))
+        for a in agents:
+            a.wait_ready(READY_TIMEOUT)
+        for n in nodes:
+            rules.wait_current(f"gpuguard-{n}-gpu-3", absent, 15)
+            node_watches[n].wait_current(n, untainted, 15)
+        return agents
+
+    progress(f"latency: Xid -> DeviceTaintRule, {rounds} rounds x {lanes} nodes")
+    for r in range(rounds):
+        agents = reboot(r + 1)
+        time.sleep(1.0)
+        for n, agent in zip(nodes, agents, strict=True):
+            time.sleep(random.uniform(0.05, 0.3))
+            t0 = time.monotonic()
+            with (work / f"{n}.state").open("a") as f:
+                f.write("xid 3 79\n")
+            try:
+                lat.append(rules.wait_change(f"gpuguard-{n}-gpu-3", tainted, after=t0, timeout=10) - t0)
+            except TimeoutError as exc:
+                raise TimeoutError(f"{exc}; the agent's last lines: {agent.lines[-8:]}") from exc
+            if tainted(node_watches[n].current.get(n)):
+                raise RuntimeError(f"{n}: the node was tainted for a fault of one published GPU")
+        time.sleep(0.5)
+        for a in agents:
+            a.stop()
+    for a in reboot(rounds + 1):  # the last round's rules go as every round's did
+        a.stop()
+    progress(f"latency: Xid -> DeviceTaintRule {summary(lat)}")
+    return {"nodes": lanes, **summary(lat)}
+
+
+def absent(v: str | None) -> bool:
+    """No such DeviceTaintRule: deleted (None) or never seen by the watch."""
+    return v is None or v == "<absent>"
 
 
 class BarePatcher:

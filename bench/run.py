@@ -161,6 +161,65 @@ def requests_text_str(d: dict[str, str]) -> str:
     return "; ".join(f"{k} {v}" for k, v in d.items()) or "none"
 
 
+def device_goal(lat: dict[str, Any]) -> tuple[str, str]:
+    """Xid -> DeviceTaintRule's goal and verdict: as fast as Xid -> taint (the ECC row's pattern)."""
+    d, x = lat["device"], lat["xid"]
+    return "p99 <= 1.5x Xid -> taint's", verdict(d["p99_ms"] <= max(100.0, x["p99_ms"] * 1.5))
+
+
+def _device_rows(lat: dict[str, Any]) -> list[Row]:
+    d = lat.get("device")
+    if not d:
+        return []
+    goal, mark = device_goal(lat)
+    return [
+        (
+            f"Xid -> DeviceTaintRule visible (watch), gpuguard, --quarantine auto, --interval 3, 8 GPUs "
+            f"in a ResourceSlice of gpu.nvidia.com, {d['nodes']} node{'s' if d['nodes'] != 1 else ''} "
+            f"(n={d['n']})",
+            pcts(d),
+            goal,
+            mark,
+        )
+    ]
+
+
+def _device_goal_rows(lat: dict[str, Any], load: str) -> list[tuple[str, str, str, str, str, str]]:
+    d = lat.get("device")
+    if not d:
+        return []
+    return [
+        (
+            f"Xid -> DeviceTaintRule visible ({d['nodes']} node, n={d['n']})",
+            f"p50 {d['p50_ms']:.1f} ms, p99 {d['p99_ms']:.1f} ms",
+            f"Xid -> taint p99 {lat['xid']['p99_ms']:.1f} ms",
+            *device_goal(lat),
+            load,
+        )
+    ]
+
+
+def _device_method(lat: dict[str, Any]) -> list[str]:
+    d = lat.get("device")
+    if not d:
+        return []
+    return [
+        _para(
+            f"Xid -> DeviceTaintRule: {d['n']} samples on {d['nodes']} node(s) whose 8 GPUs a "
+            "ResourceSlice publishes as",
+            "NVIDIA's DRA driver does (driver gpu.nvidia.com, pool = the node, `uuid` = the fake NVML "
+            "GPUs'), the agent",
+            "with the default --quarantine auto, rounds of new agents after a reboot as for the Xid rows "
+            "(the new agent",
+            "deletes the last round's rule: recovery), then an Xid on GPU 3, timed until an admin watch on "
+            "DeviceTaintRules",
+            "(resource.k8s.io/v1, label app.kubernetes.io/managed-by=gpuguard) delivers the rule for gpu-3; "
+            "the node stays untainted.",
+            bullet=True,
+        )
+    ]
+
+
 def _latency_rows(lat: dict[str, Any]) -> list[Row]:
     x, e, bx, be = lat["xid"], lat["ecc"], lat["baseline_xid"], lat["baseline_ecc"]
     fl = lat["floor"]
@@ -198,6 +257,7 @@ def _latency_rows(lat: dict[str, Any]) -> list[Row]:
             "p99 <= 1.5x Xid -> taint's (both NVML events since issue 16)",
             verdict(e["p99_ms"] <= max(100.0, x["p99_ms"] * 1.5)),
         ),
+        *_device_rows(lat),
         (
             f"ECC -> taint visible (watch), seed baseline, 3 s poll (n={be['n']})",
             pcts(be, 0),
@@ -559,6 +619,7 @@ def goals_table(raw: dict[str, Any], fleet_row: Row) -> str:
             verdict(e["p99_ms"] <= max(100.0, x["p99_ms"] * 1.5)),
             load_text(loads.get("latency")),
         ),
+        *_device_goal_rows(lat, load_text(loads.get("latency"))),
         (
             f"API requests per fault transition (audit log, n={xt['n']} Xid + {et['n']} ECC)",
             f"Xid: max {xt['max']}, mean {xt['mean']:.1f}; ECC: max {et['max']}, mean {et['mean']:.1f}",
@@ -650,6 +711,9 @@ def main() -> int:
             raw["latency"] = k8s_bench.latency_phase(
                 cl, rounds=2 if q else 5, lanes=3 if q else 10, quiet=window.quiet
             )
+            window.quiet(True)
+            raw["latency"]["device"] = k8s_bench.device_phase(cl, rounds=5 if q else 25, lanes=1)
+            window.quiet(False)
         # Wall-clock figures of milliseconds: without the fleet's verdict loop.
         window.quiet(True)
         bench_cluster.progress("start-up runs")
@@ -781,6 +845,7 @@ def document(  # noqa: PLR0917 - one call site, every part named there
             f"the {lat['lanes']} nodes in parallel, while the seed baseline's lanes run.",
             bullet=True,
         ),
+        *_device_method(lat),
         _para(
             "Seed baseline: `bench/baseline.py` does what the seed design does: a 3 s pynvml poll on the "
             "same",

@@ -67,3 +67,39 @@ def test_a_missed_goal_in_the_fleets_markdown_is_missed_in_the_goals_table() -> 
     }
     row, _ = run.fleet_section(fleet, {}, None)
     assert row[3] == "MISSED"
+
+
+def _lat(device_p99: float | None) -> dict[str, Any]:
+    stats = {"n": 50, "p50_ms": 20.0, "p95_ms": 60.0, "p99_ms": 80.0, "max_ms": 90.0}
+    lat: dict[str, Any] = {k: dict(stats) for k in ("xid", "floor", "ecc", "baseline_xid", "baseline_ecc")}
+    lat["xid"]["p99_ms"] = 200.0
+    if device_p99 is not None:
+        lat["device"] = {**stats, "nodes": 1, "n": 25, "p99_ms": device_p99}
+    return lat
+
+
+def test_xid_to_device_taint_rule_is_a_row_beside_xid_to_taint_held_to_1_5x_its_p99() -> None:
+    rows = run._latency_rows(_lat(300.0))
+    titles = [r[0] for r in rows]
+    device = next(r for r in rows if r[0].startswith("Xid -> DeviceTaintRule visible (watch)"))
+    assert (
+        titles.index(device[0]) == titles.index(next(t for t in titles if t.startswith("ECC -> taint"))) + 1
+    )
+    assert "(n=25)" in device[0] and device[1] == "p50 20.0 ms, p95 60.0 ms, p99 300.0 ms"
+    assert device[2] == "p99 <= 1.5x Xid -> taint's" and device[3] == "met"
+    goal = run._device_goal_rows(_lat(300.1), "load")
+    assert goal == [
+        (
+            "Xid -> DeviceTaintRule visible (1 node, n=25)",
+            "p50 20.0 ms, p99 300.1 ms",
+            "Xid -> taint p99 200.0 ms",
+            "p99 <= 1.5x Xid -> taint's",
+            "MISSED",
+            "load",
+        )
+    ]
+
+
+def test_a_run_without_the_device_phase_renders_the_old_rows_unchanged() -> None:
+    assert run._device_goal_rows(_lat(None), "load") == []
+    assert len(run._latency_rows(_lat(None))) == len(run._latency_rows(_lat(1.0))) - 1
