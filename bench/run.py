@@ -162,9 +162,9 @@ def requests_text_str(d: dict[str, str]) -> str:
 
 
 def device_goal(lat: dict[str, Any]) -> tuple[str, str]:
-    """Xid -> DeviceTaintRule's goal and verdict: as fast as Xid -> taint (the ECC row's pattern)."""
-    d, x = lat["device"], lat["xid"]
-    return "p99 <= 1.5x Xid -> taint's", verdict(d["p99_ms"] <= max(100.0, x["p99_ms"] * 1.5))
+    """Xid -> DeviceTaintRule's goal and verdict: the node taint's goal (issue 15: p99 < 50 ms), no floor of
+    its own; Xid -> taint of the same run stands beside it in the goals table."""
+    return "p99 < 50 ms, as Xid -> taint", verdict(lat["device"]["p99_ms"] < 50.0)
 
 
 def _device_rows(lat: dict[str, Any]) -> list[Row]:
@@ -254,7 +254,7 @@ def _latency_rows(lat: dict[str, Any]) -> list[Row]:
         (
             f"ECC -> taint visible (watch), gpuguard, --interval 3, 8 GPUs (n={e['n']})",
             pcts(e, 0),
-            "p99 <= 1.5x Xid -> taint's (both NVML events since issue 16)",
+            "p99 <= 1.5x Xid -> taint's or < 100 ms (both NVML events since issue 16)",
             verdict(e["p99_ms"] <= max(100.0, x["p99_ms"] * 1.5)),
         ),
         *_device_rows(lat),
@@ -615,7 +615,7 @@ def goals_table(raw: dict[str, Any], fleet_row: Row) -> str:
             f"ECC -> taint visible (n={e['n']})",
             f"p50 {e['p50_ms']:.1f} ms, p99 {e['p99_ms']:.1f} ms",
             f"Xid -> taint p99 {x['p99_ms']:.1f} ms",
-            "p99 <= 1.5x Xid -> taint's",
+            "p99 <= 1.5x Xid -> taint's or < 100 ms",
             verdict(e["p99_ms"] <= max(100.0, x["p99_ms"] * 1.5)),
             load_text(loads.get("latency")),
         ),
