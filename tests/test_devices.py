@@ -248,19 +248,27 @@ def test_past_the_budget_the_rule_has_effect_none_and_escalates_when_there_is_ro
     assert "gpuguard.io/quarantine-deferred" not in doc["metadata"]["annotations"]
 
 
+def other_node_rules(
+    node: str, count: int, *, since: str | None = "2026-12-03T00:00:00Z"
+) -> list[DeviceRule]:
+    """`count` blocking rules of another 8-GPU node (since None: rules without a since record)."""
+    since_ann = {} if since is None else {"gpuguard.io/since": since}
+    return [
+        DeviceRule(
+            name=f"gpuguard-{node}-gpu-{i}",
+            pool=node,
+            device=f"gpu-{i}",
+            effect="NoSchedule",
+            annotations={ANN_NODE_GPUS: "8", **since_ann},
+        )
+        for i in range(count)
+    ]
+
+
 def test_a_gpu_costs_its_share_of_a_node_in_the_budget() -> None:
     """Budget 1 node; 7 GPUs of 8-GPU nodes are held elsewhere (7/8): one more GPU fits, a second does not."""
     _, source, r, _ = make(budget=Budget(quarantined=0, limit=1))
-    source.other_rules = [
-        DeviceRule(
-            name=f"r{i}",
-            pool="other",
-            device=f"gpu-{i}",
-            effect="NoSchedule",
-            annotations={ANN_NODE_GPUS: "8"},
-        )
-        for i in range(7)
-    ]
+    source.other_rules = other_node_rules("other", 7, since=None)
     first = verdict(ecc_on=0)
     run(r, first)
     assert [d["spec"]["taint"]["effect"] for d in source.store.values()] == ["NoSchedule"]
@@ -403,16 +411,7 @@ def burst(
     (room for one GPU's share): each faults on GPU 3 at the same instant, its list racing the others'
     creates (all see room)."""
     shared = FakeDeviceSource()
-    shared.other_rules = [
-        DeviceRule(
-            name=f"gpuguard-old-gpu-{i}",
-            pool="old",
-            device=f"gpu-{i}",
-            effect="NoSchedule",
-            annotations={ANN_NODE_GPUS: "8", "gpuguard.io/since": "2026-12-02T00:00:00Z"},
-        )
-        for i in range(7)
-    ]
+    shared.other_rules = other_node_rules("old", 7, since="2026-12-02T00:00:00Z")
     shared.lagging = list(shared.other_rules)
     clock = Clock()
     agents = []
@@ -527,20 +526,6 @@ def test_a_gated_node_whose_gpu_rule_the_budget_deferred_keeps_its_gate_until_th
     (doc,) = source.store.values()
     assert doc["spec"]["taint"]["effect"] == "NoSchedule"
     assert gate not in writer.node.taints
-
-
-def other_node_rules(node: str, count: int, *, since: str = "2026-12-03T00:00:00Z") -> list[DeviceRule]:
-    """`count` blocking rules of another 8-GPU node."""
-    return [
-        DeviceRule(
-            name=f"gpuguard-{node}-gpu-{i}",
-            pool=node,
-            device=f"gpu-{i}",
-            effect="NoSchedule",
-            annotations={ANN_NODE_GPUS: "8", "gpuguard.io/since": since},
-        )
-        for i in range(count)
-    ]
 
 
 def test_a_fully_quarantined_node_with_gpu_rules_counts_once_in_the_budget() -> None:
