@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,24 @@ def test_the_file_is_versioned_and_written_atomically(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / FILE_NAME).read_text())
     assert doc["kind"] == "gpuguard-state" and doc["version"] == 1 and doc["boot_id"] == "b"
     assert [p.name for p in tmp_path.iterdir()] == [FILE_NAME]  # no temp file left behind
+
+
+def test_a_temp_file_left_by_a_killed_write_and_a_removed_directory_do_not_stop_the_next_write(
+    tmp_path: Path,
+) -> None:
+    """The write's temp file is the process's own (.state-<pid>.tmp, made anew by each write): one left behind
+    by a write that was killed half-way is overwritten; a state directory removed meanwhile is made again."""
+    d = tmp_path / "state"
+    s = StateStore(d, boot_id="b")
+    s.save((XID,))
+    (d / f".state-{os.getpid()}.tmp").write_text("x" * 10_000)  # a torn write of this process's last life
+    s.save(())
+    assert StateStore(d, boot_id="b").load() == ()
+    assert sorted(p.name for p in d.iterdir()) == [FILE_NAME]
+    assert (d / FILE_NAME).stat().st_mode & 0o777 == 0o600
+    shutil.rmtree(d)
+    s.save((XID,))
+    assert StateStore(d, boot_id="b").load() == (XID,)
 
 
 def test_an_unchanged_state_is_not_rewritten(tmp_path: Path) -> None:
