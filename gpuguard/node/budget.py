@@ -53,7 +53,7 @@ VERIFY_SETTLE = 10.0
 # clocks drift apart by seconds (NTP), not by minutes.
 SINCE_SKEW = timedelta(minutes=5)
 # The one form gpuguard writes (view.rfc3339): one form, so that comparing the strings compares the times.
-_SINCE = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z")
+_SINCE = re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})Z")
 
 
 @dataclass(frozen=True)
@@ -132,9 +132,8 @@ def since_time(since: object, *, now: datetime) -> datetime | str:
     and the DeviceTaintRules' (`deviceorder`)."""
     if not isinstance(since, str) or not _SINCE.fullmatch(since):
         return f"{ANN_SINCE} is not an RFC 3339 UTC time: {since!r:.80}"
-    try:
-        when = datetime.strptime(since, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
-    except ValueError:
+    when = _utc_seconds(since)
+    if when is None:
         return f"{ANN_SINCE} is not a valid time: {since!r}"
     if when > now + SINCE_SKEW:
         return f"{ANN_SINCE} {since} lies in the future"
@@ -143,10 +142,19 @@ def since_time(since: object, *, now: datetime) -> datetime | str:
 
 def api_time(value: object) -> datetime | None:
     """The API server's own timestamps (creationTimestamp): RFC 3339, second precision, UTC."""
-    if not isinstance(value, str):
+    return _utc_seconds(value) if isinstance(value, str) else None
+
+
+def _utc_seconds(value: str) -> datetime | None:
+    """YYYY-MM-DDTHH:MM:SSZ as an aware UTC time; None if it is not one (a malformed or impossible date).
+    Not datetime.strptime: its first call in a process builds the locale's regular expressions (about 1.5
+    ms), and the first call here is in a fault's path, before its taint (docs/performance.md)."""
+    m = _SINCE.fullmatch(value)
+    if m is None:
         return None
     try:
-        return datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+        year, month, day, hour, minute, second = (int(g) for g in m.groups())
+        return datetime(year, month, day, hour, minute, second, tzinfo=UTC)
     except ValueError:
         return None
 
