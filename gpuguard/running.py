@@ -3,6 +3,7 @@ server from one `Config`, and runs them. The CLI parses flags into the Config an
 
 from __future__ import annotations
 
+import gc
 import random
 import signal
 import threading
@@ -171,6 +172,11 @@ def watch(cfg: Config) -> bool:
         signal.signal(signal.SIGINT, _stop)
     if fleet is not None:
         fleet.start()
+    # Everything made so far lives as long as the process: out of the collector's sight, so that a full
+    # collection in a fault's path walks only what came after (14 ms for the ~37,000 objects of start-up
+    # at the last measure, docs/performance.md).
+    gc.collect()
+    gc.freeze()
     try:
         agent.run(run_for=cfg.run_for)
     finally:
