@@ -572,6 +572,8 @@ def fleet_section(
         return (what, result, FLEET_GOAL, mark), f"## The fleet\n\n{why}; no earlier run to show."
     md = str(fleet["markdown"]).strip()
     mark = "MISSED" if "MISSED" in md else "met"
+    # Its headings one level down: a subsection of this section, not a second section of the same name.
+    md = "\n".join(f"#{line}" if line.startswith("#") else line for line in md.splitlines())
     result = (
         f"measured in this run ({fleet['seconds']:.0f} s; load {load_text(load)}): the section "
         f'"The fleet at {nodes} nodes" below'

@@ -27,7 +27,10 @@ measured by hand at 09:17
 ## How each figure is measured
 """
 
-STUB_MD = "| 5,000 nodes start at once, shipped | 5000/5000, HTTP 429: 0 | all reconcile, 0 x 429 | met |\n"
+STUB_MD = (
+    "## The fleet at 5,000 nodes (`make fleet-bench`, 2026-12-03 13:24 UTC)\n\n"
+    "| 5,000 nodes start at once, shipped | 5000/5000, HTTP 429: 0 | all reconcile, 0 x 429 | met |\n"
+)
 
 
 def test_the_sections_other_commands_measure_are_found_verbatim_by_name() -> None:
@@ -41,8 +44,13 @@ def test_the_fleets_markdown_is_pasted_and_kept_for_the_next_run() -> None:
     fleet = {"nodes": 5000, "rc": 0, "seconds": 1500.0, "markdown": STUB_MD}
     row, text = run.fleet_section(fleet, run.kept_sections(EARLIER), {"mean": 3.0, "max": 9.0})
     assert row[3] == "met" and "1500 s" in row[1]
-    assert STUB_MD.strip() in text and "measured by hand" not in text
+    assert STUB_MD.splitlines()[-1] in text and "measured by hand" not in text
     assert run.kept_sections(text)["fleet"].startswith("## The fleet at 5,000 nodes (`make fleet-bench`)")
+    # Its own heading one level down: one section of that name, with the run's heading under it.
+    assert [line for line in text.splitlines() if line.startswith("#")] == [
+        "## The fleet at 5,000 nodes (`make fleet-bench`)",
+        "### The fleet at 5,000 nodes (`make fleet-bench`, 2026-12-03 13:24 UTC)",
+    ]
 
 
 def test_fleet_nodes_0_is_a_visible_not_run_row_and_the_earlier_section_is_kept_under_a_note() -> None:
