@@ -125,6 +125,42 @@ def test_a_node_without_the_quarantined_label_does_not_count() -> None:
 # -- the attack, through the writer --------------------------------------------------------------------------
 
 
+def test_a_valid_claim_is_validated_once_per_item_and_an_ignored_one_again_at_every_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watched budget hands over the same item objects until the watch replaces one: a fault's budget
+    check validates only what changed. A claim ahead of the clock is not remembered: it counts once the
+    clock has caught up with it."""
+    import gpuguard.node.budget as budget_module
+
+    calls: list[str] = []
+    real = budget_module.quarantine_entry
+
+    def counting(meta: Any, *, now: datetime) -> Any:
+        calls.append(str(meta.get("name")))
+        return real(meta, now=now)
+
+    monkeypatch.setattr(budget_module, "quarantine_entry", counting)
+    clock = [NOW]
+    others = OtherNodes(clock=lambda: clock[0])
+    ahead = (NOW + SINCE_SKEW * 2).strftime("%Y-%m-%dT%H:%M:%SZ")
+    items = [node("a", "2026-05-31T10:00:00Z"), node("b", "2026-05-31T11:00:00Z"), node("c", ahead)]
+    assert others.quarantined(items) == [("2026-05-31T10:00:00Z", "a"), ("2026-05-31T11:00:00Z", "b")]
+    assert calls == ["a", "b", "c"]
+    calls.clear()
+    items[1] = node("b", "2026-05-31T09:00:00Z")  # the watch delivered a change: a new object
+    assert others.quarantined(items) == [("2026-05-31T10:00:00Z", "a"), ("2026-05-31T09:00:00Z", "b")]
+    assert calls == ["b", "c"]
+    calls.clear()
+    clock[0] = NOW + SINCE_SKEW * 3
+    assert others.quarantined(items)[-1] == (ahead, "c")
+    assert calls == ["c"]
+    calls.clear()
+    assert others.quarantined(items[:1]) == [("2026-05-31T10:00:00Z", "a")]  # b and c left the list
+    assert others.quarantined([dict(items[1])]) == [("2026-05-31T09:00:00Z", "b")]  # equal but new: again
+    assert calls == ["b"]
+
+
 def test_a_node_claiming_since_year_zero_does_not_rank_first_in_the_quarantine_order(api_server: str) -> None:
     """The reported attack: since=0000-01-01T00:00:00Z put the forger ahead of every real quarantine for ever,
     so a node that faulted within the budget found itself past the limit and yielded."""

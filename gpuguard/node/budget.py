@@ -166,14 +166,28 @@ class OtherNodes:
     def __init__(self, *, clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
         self._clock = clock
         self._logged: set[tuple[str, str]] = set()
+        # The claims found valid, by the very item they were read from (the watch replaces an item whole on
+        # every change, a list makes new ones): a fault's budget check validates only what changed since the
+        # last check, not every quarantined node again (2.8 ms at 500 of them). A valid claim stays valid:
+        # only its "not ahead of now" part depends on the clock, and the clock moves forward.
+        self._valid: dict[int, tuple[Mapping[str, Any], tuple[str, str]]] = {}
 
     def quarantined(self, items: Iterable[Mapping[str, Any]]) -> list[tuple[str, str]]:
-        now = self._clock()
+        now: datetime | None = None
         out = []
+        valid: dict[int, tuple[Mapping[str, Any], tuple[str, str]]] = {}
+        known = self._valid
         for item in items:
+            hit = known.get(id(item))
+            if hit is not None and hit[0] is item:  # the item itself (kept alive here), not a reused id
+                valid[id(item)] = hit
+                out.append(hit[1])
+                continue
             meta = item.get("metadata") or {}
+            now = now or self._clock()
             entry = quarantine_entry(meta, now=now)
             if isinstance(entry, tuple):
+                valid[id(item)] = (item, entry)
                 out.append(entry)
                 continue
             if LABEL_QUARANTINED not in (meta.get("labels") or {}):
@@ -182,6 +196,7 @@ class OtherNodes:
             if (name, entry) not in self._logged:
                 self._logged.add((name, entry))
                 log.warning("node.claim_ignored", other_node=name, reason=validation.clean_text(entry))
+        self._valid = valid  # only the items of this call: nothing kept for a node that left the list
         return out
 
 
