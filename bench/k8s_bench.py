@@ -26,6 +26,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -149,11 +150,18 @@ def latency_phase(
     progress(f"latency: gpuguard Xid and the floor (a bare patch), {xid_rounds} rounds x {lanes} nodes")
     xid_lat: list[float] = []
     floor_lat: list[float] = []
+    # Each Xid sample split at the agent's judgement: its gpu.unhealthy log line (written by the check loop
+    # before the state file and the hand-over to the writer thread; structlog's UTC timestamp, the same clock
+    # as time.time() here). Before it: the fake library's event, the wake-up, the snapshot, the policy;
+    # after it: the state file, the reconcile, the patch and the watch (what the floor does, and more).
+    judged: list[float] = []
+    to_taint: list[float] = []
     quiet(True)
     for r in range(xid_rounds):
         agents, started = start_round(xid_nodes, r)
         time.sleep(1.0)
         injected: dict[str, float] = {}
+        seen: dict[str, float] = {}  # node -> wall time the watch delivered the taint
         for n, fn in zip(xid_nodes, floor_nodes, strict=True):
             time.sleep(random.uniform(0.05, 0.3))
             # The node's other taints as the watch last delivered them: a merge patch replaces the list whole
@@ -173,7 +181,14 @@ def latency_phase(
             t0 = time.monotonic()
             with (work / f"{n}.state").open("a") as f:
                 f.write(f"xid {r % GPUS} 79\n")
-            xid_lat.append(watches[n].wait_change(n, tainted, after=t0, timeout=10) - t0)
+            lat = watches[n].wait_change(n, tainted, after=t0, timeout=10) - t0
+            xid_lat.append(lat)
+            seen[n] = injected[n] + lat
+        for a in agents:
+            at = _judged_at(a)
+            if at is not None:
+                judged.append(at - injected[a.node])
+                to_taint.append(seen[a.node] - at)
         end_round("Xid -> taint", xid_nodes, agents, r=r, started=started, injected=injected)
     quiet(False)
     progress(
@@ -278,6 +293,8 @@ def latency_phase(
         "lanes": lanes,
         "gpu_nodes": cl.gpu_nodes(),
         "xid": summary(xid_lat),
+        "xid_judged": summary(judged) if judged else None,
+        "xid_judged_to_taint": summary(to_taint) if to_taint else None,
         "floor": summary(floor_lat),
         "ecc": summary(results["gpuguard-ecc"]),
         "baseline_xid": summary(results["baseline-xid"]),
@@ -358,6 +375,15 @@ def device_phase(cl: Cluster, *, rounds: int = 25, lanes: int = 1, interval: flo
         a.stop()
     progress(f"latency: Xid -> DeviceTaintRule {summary(lat)}")
     return {"nodes": lanes, **summary(lat)}
+
+
+def _judged_at(agent: AgentProc) -> float | None:
+    """The wall time of the agent's first gpu.unhealthy line (its check loop's judgement of the Xid)."""
+    for line in agent.events("gpu.unhealthy"):
+        stamp = line.get("timestamp")
+        if isinstance(stamp, str):
+            return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    return None
 
 
 def absent(v: str | None) -> bool:

@@ -245,6 +245,7 @@ def _latency_rows(lat: dict[str, Any]) -> list[Row]:
             "<= 2x",
             verdict(x["p50_ms"] <= 2 * fl["p50_ms"] and x["p99_ms"] <= 2 * fl["p99_ms"]),
         ),
+        *_split_rows(lat),
         (
             f"Xid -> taint visible (watch), seed baseline, 3 s poll (n={bx['n']})",
             pcts(bx, 0),
@@ -295,6 +296,25 @@ def _floor_rows(fl: dict[str, Any]) -> list[Row]:
             "reference",
             "",
         ),
+    ]
+
+
+def _split_rows(lat: dict[str, Any]) -> list[Row]:
+    """gpuguard's Xid -> taint split at the agent's judgement (its gpu.unhealthy log line)."""
+    judged, rest, fl = lat.get("xid_judged"), lat.get("xid_judged_to_taint"), lat["floor"]
+    if not judged or not rest:
+        return []
+    return [
+        (
+            f"gpuguard Xid -> taint split at the agent's judgement (its gpu.unhealthy line, n={judged['n']}):"
+            " before it the fake library's event, the wake-up, the snapshot and the policy; after it the "
+            "state file, the hand-over to the writer thread, the plan, the patch (its body larger than the "
+            "floor's) and the watch",
+            f"Xid -> judged: {pcts(judged)}; judged -> taint visible: {pcts(rest)} (the floor: "
+            f"p50 {fl['p50_ms']:.1f} ms, p99 {fl['p99_ms']:.1f} ms)",
+            "reference",
+            "",
+        )
     ]
 
 
