@@ -173,8 +173,8 @@ def watch(cfg: Config) -> bool:
     if fleet is not None:
         fleet.start()
     # Everything made so far lives as long as the process: out of the collector's sight, so that a full
-    # collection in a fault's path walks only what came after (14 ms for the ~37,000 objects of start-up
-    # at the last measure, docs/performance.md).
+    # collection in a fault's path walks only what came after, not the tens of thousands of objects of the
+    # imports and the start-up.
     gc.collect()
     gc.freeze()
     try:

@@ -192,9 +192,8 @@ class StateStore:
 
     def _replace(self, data: bytes) -> None:
         """The file's new content, atomically: a temp file of this process, then a rename over the old one.
-        Plain system calls, no fsync (see the module's docstring), in a fault's path before the taint: 0.24 ms
-        p50 on the bench machine, where tempfile.mkstemp, a mkdir at every write and a chunked json.dump took
-        0.31 ms."""
+        Plain system calls, no fsync (see the module's docstring): it runs in a fault's path before the taint,
+        so no tempfile.mkstemp (a random name), no mkdir at every write, one write() of the whole text."""
         assert self._dir is not None
         tmp = self._dir / f".state-{os.getpid()}.tmp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
