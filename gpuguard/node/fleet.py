@@ -192,7 +192,15 @@ class WatchedBudget:
         with self._lock:
             self._items = items
             self._generation += 1
+        self._validate()
         return str(doc["metadata"]["resourceVersion"])
+
+    def _validate(self) -> None:
+        """Validate the claims now, on this thread: `OtherNodes` remembers the valid ones by item, so the
+        budget check in a fault's path finds them validated (only what changed since costs anything)."""
+        with self._lock:
+            items = list(self._items.values())
+        self._others.quarantined(items)
 
     def _watch(self, rv: str, *, announce: bool) -> str | None:
         """One watch from `rv` until the server ends it; the last resourceVersion seen (None: list again).
@@ -238,6 +246,7 @@ class WatchedBudget:
                 else:
                     self._items[name] = obj
                 self._generation += 1
+            self._validate()
             if self._stop.is_set():
                 break
         return rv

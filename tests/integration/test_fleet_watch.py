@@ -4,6 +4,7 @@ count comes from one list. Nothing here is a request in the fault's path."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 from gpuguard import kubeapi
+from gpuguard.node import budget as budget_module
 from gpuguard.node.budget import Budget
 from gpuguard.node.fleet import WatchedBudget
 from gpuguard.node.writers import KubeNodeWriter
@@ -41,8 +43,16 @@ def quarantine(admin: Admin, name: str, *, label: str | None, since: str) -> Non
 
 
 def test_another_agents_quarantine_reaches_the_budget_by_watch_and_leaves_it_on_a_step_back(
-    admin: Admin, control_plane: Any
+    admin: Admin, control_plane: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    validated: list[tuple[str, str]] = []  # (thread, node) of every claim validation
+    real_entry = budget_module.quarantine_entry
+
+    def entry(meta: Any, *, now: Any) -> Any:
+        validated.append((threading.current_thread().name, str(meta.get("name"))))
+        return real_entry(meta, now=now)
+
+    monkeypatch.setattr(budget_module, "quarantine_entry", entry)
     pool = f"fleet-{uuid.uuid4().hex[:8]}"
     labels = {**GPU_NODE_LABELS, "gpuguard-test/pool": pool}
     me, other, third = (f"{pool}-{i}" for i in range(3))
@@ -77,7 +87,11 @@ def test_another_agents_quarantine_reaches_the_budget_by_watch_and_leaves_it_on_
         print(f"another node's quarantine in memory after {(time.monotonic() - t0) * 1000:.0f} ms")
         assert fleet.quarantine_order() == [(now, other)]
         assert fleet.changes() != before
+        # The claim was validated on the watch's thread as it arrived, not in a fault's budget check.
+        assert ("gpuguard-budget-watch", other) in validated
+        validated.clear()
         budget = fleet.budget("50%", exclude=me)
+        assert validated == []
         assert budget is not None and (budget.quarantined, budget.limit, budget.gpu_nodes) == (1, 2, 3)
         assert fleet.budget("1", exclude=me) is not None and not fleet.budget("1", exclude=me).has_room  # type: ignore[union-attr]
         # A forged claim (a since before the node existed) is ignored, as in the lists.
