@@ -853,6 +853,10 @@ def document(  # noqa: PLR0917 - one call site, every part named there
             "injecting and the fleet's verdict loop paused. The agents run with `--budget-count-spread 0`:",
             "they count the GPU nodes at start, as every agent has them after its first minute (the",
             "default 10% budget is in force; the budget comes from memory, a watch and that count).",
+            "Each sample is also split at the agent's judgement: the timestamp of its `gpu.unhealthy` log",
+            "line (structlog, UTC, the same clock as the bench's), written by the check loop after the",
+            "snapshot and the policy and before the fault file, the hand-over to the writer thread and the",
+            "patch.",
             bullet=True,
         ),
         _para(
