@@ -151,6 +151,7 @@ class Agent:
                 1 if node.tainted and not node.deferred else 0,
                 1 if node.deferred else 0,
                 sum(1 for g in node.gpus if not g.deferred),
+                sum(1 for g in node.gpus if g.deferred),
             )
         return verdict
 

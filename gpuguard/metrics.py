@@ -75,7 +75,15 @@ class Metrics:
             ["dry_run"],
             registry=registry,
         )
+        self._gpus_deferred = Gauge(
+            "gpuguard_gpus_quarantine_deferred",
+            "Faulty GPUs of this node whose DeviceTaintRule the quarantine budget deferred: they stay in "
+            'service (dry_run="true": would).',
+            ["dry_run"],
+            registry=registry,
+        )
         self.gpus_quarantined = self._gpus_quarantined.labels(self._dry_run)
+        self.gpus_deferred = self._gpus_deferred.labels(self._dry_run)
         self.quarantined = self._quarantined.labels(self._dry_run)
         self.quarantine_deferred = self._quarantine_deferred.labels(self._dry_run)
         self.check_duration = Histogram(
@@ -104,7 +112,7 @@ class Metrics:
         self.build.info({"version": __version__})
         self._gpu_values: dict[tuple[str, str], tuple[int, int, int | None]] = {}
         self._observed: Verdict | None = None
-        self._node_values: tuple[int, int, int] | None = None
+        self._node_values: tuple[int, int, int, int] | None = None
 
     def observe_check(self, verdict: Verdict, *, duration: float, wall: float) -> None:
         self.check_duration.observe(duration)
@@ -118,15 +126,18 @@ class Metrics:
                 gpu = "" if x.gpu_index is None else str(x.gpu_index)
                 self.xids.labels(gpu, x.uuid or "", str(x.code), ignored).inc()
 
-    def observe_node(self, quarantined: int, deferred: int, gpus_quarantined: int) -> None:
+    def observe_node(
+        self, quarantined: int, deferred: int, gpus_quarantined: int, gpus_deferred: int = 0
+    ) -> None:
         """The node's quarantine gauges, set when they change (only this method sets them)."""
-        values = (quarantined, deferred, gpus_quarantined)
+        values = (quarantined, deferred, gpus_quarantined, gpus_deferred)
         if values == self._node_values:
             return
         self._node_values = values
         self.quarantined.set(values[0])
         self.quarantine_deferred.set(values[1])
         self.gpus_quarantined.set(values[2])
+        self.gpus_deferred.set(values[3])
 
     def _observe_gpus(self, verdict: Verdict) -> None:
         # The same verdict object as at the last check (the agent's remembered evaluation) has the same

@@ -10,11 +10,13 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
 from gpuguard.agent import Agent
 from gpuguard.config import Config, NodeSettings, PolicySettings
 from gpuguard.errors import ConfigError, ConflictError, PermanentApiError
+from gpuguard.metrics import Metrics
 from gpuguard.model import (
     ECC,
     GPU_LOST,
@@ -506,6 +508,49 @@ def test_a_step_back_that_conflicts_is_tried_again_at_the_next_settle_check() ->
         run(r, node_verdict(node, xid_on=3))
     effects = {d["metadata"]["name"]: d["spec"]["taint"]["effect"] for d in shared.store.values()}
     assert effects == {"gpuguard-gpu-node-a-gpu-3": "NoSchedule", "gpuguard-gpu-node-b-gpu-3": "None"}
+
+
+def test_a_deferred_gpu_rule_is_exported_for_its_alert_and_a_blocking_one_is_not_counted_there() -> None:
+    """gpuguard_gpus_quarantine_deferred (alert GpuguardGPUQuarantineBudgetSpent): a faulty GPU that stays
+    in service because the budget deferred its rule; once the rule blocks, gpuguard_gpus_quarantined."""
+    scenario = parse_scenario(
+        f"devices:\n  - {{index: 0, uuid: {UUIDS[0]}}}\n  - {{index: 1, uuid: {UUIDS[1]}}}\n"
+        "events:\n  - {at: 1.0, gpu: 0, ecc_uncorrected: 3}\n"
+    )
+    _, _, r, clock = make(
+        slices=[nvidia_slice(NODE, gpus=2, uuids=UUIDS[:2])], budget=Budget(quarantined=1, limit=1)
+    )
+    backend = MockBackend(scenario, clock=clock, start_timer=False)
+    backend.open(lambda: None)
+    registry = CollectorRegistry()
+    agent = Agent(
+        backend=backend,
+        reconciler=r,
+        policy=PolicySettings(),
+        interval=1.0,
+        node_name=NODE,
+        clock=clock,
+        metrics=Metrics(registry),
+    )
+
+    def gauges() -> tuple[float | None, float | None]:
+        labels = {"dry_run": "false"}
+        return (
+            registry.get_sample_value("gpuguard_gpus_quarantine_deferred", labels),
+            registry.get_sample_value("gpuguard_gpus_quarantined", labels),
+        )
+
+    clock.t = 1.0
+    agent.check_once()
+    r.reconcile_now()
+    agent.check_once()  # the gauges follow the reconciled status at the next check
+    assert gauges() == (1.0, 0.0)
+    r.devices._budgets._budget = lambda: Budget(quarantined=0, limit=1)  # type: ignore[union-attr]
+    clock.t += SETTINGS.budget_recheck + 1
+    agent.check_once()
+    r.reconcile_now()
+    agent.check_once()
+    assert gauges() == (0.0, 1.0)
 
 
 def test_a_gated_node_whose_gpu_rule_the_budget_deferred_keeps_its_gate_until_the_rule_blocks() -> None:

@@ -97,6 +97,7 @@ def test_every_alert_has_a_unit_test() -> None:
         ('code!~"200|409"', 'code!~"200"'),
         ("(gpuguard_gpus_quarantined) > 0", "(gpuguard_gpus_quarantined) > 1"),
         ("by (node, dry_run) (gpuguard_gpus_quarantined)", "by (node, pod) (gpuguard_gpus_quarantined)"),
+        ("(gpuguard_gpus_quarantine_deferred) > 0", "(gpuguard_gpus_quarantine_deferred) > 2"),
     ],
 )
 def test_the_unit_tests_fail_when_a_rule_changes(
@@ -135,6 +136,7 @@ def test_every_series_the_rules_and_the_dashboard_use_is_one_gpuguard_exports() 
         "gpuguard_gpu_healthy",
         "gpuguard_gpu_xid_watched",
         "gpuguard_gpus_quarantined",
+        "gpuguard_gpus_quarantine_deferred",
     }
 
 
