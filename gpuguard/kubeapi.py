@@ -77,6 +77,13 @@ def _keepalive() -> list[tuple[int, int, int]]:
 
 SOCKET_OPTIONS = [*HTTPConnection.default_socket_options, *_keepalive()]
 
+# gpuguard's watches (node/fleet.py, node/devicewatch.py): the server ends each after timeoutSeconds, drawn
+# per watch between these (the API server takes any value, docs/design.md): the agent resumes from the last
+# resourceVersion, one cheap request per watch about once an hour (1.5 a second at 5,000 agents), served from
+# the watch cache, spread over the hour by the draw. A connection that died silently meanwhile (a NAT or load
+# balancer dropped it) is found by TCP keepalive (above) within about two minutes, not at the end of the hour.
+WATCH_SECONDS = (2880, 3600)
+
 
 @dataclass(frozen=True)
 class Credentials:

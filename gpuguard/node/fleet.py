@@ -38,12 +38,6 @@ log = structlog.get_logger("gpuguard.node.fleet")
 
 _METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 _METADATA = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
-# The server ends each watch after timeoutSeconds, drawn per watch between these (the API server takes any
-# value, docs/design.md): the agent resumes from the last resourceVersion, one cheap request per agent
-# about once an hour (1.5 a second at 5,000 agents), served from the watch cache, spread over the hour by the
-# draw. A connection that died silently meanwhile (a NAT or load balancer dropped it) is found by TCP
-# keepalive (gpuguard.kubeapi) within about two minutes, not at the end of the hour.
-WATCH_SECONDS = (2880, 3600)
 # The GPU-node count: refreshed once an hour (x 0.8-1.2, so agents started together drift apart), or one
 # second per GPU node when the fleet is larger (see the module's docstring). A fleet changes size by
 # autoscaling: a limit computed from a count up to an hour old is off by the nodes that joined or left since,
@@ -205,7 +199,7 @@ class WatchedBudget:
     def _watch(self, rv: str, *, announce: bool) -> str | None:
         """One watch from `rv` until the server ends it; the last resourceVersion seen (None: list again).
         `announce`: log fleet.watching once it is established (at start, and after a broken watch)."""
-        seconds = random.randint(*WATCH_SECONDS)  # noqa: S311 - spreads the fleet's re-watches, not crypto
+        seconds = random.randint(*kubeapi.WATCH_SECONDS)  # noqa: S311 - spreads the fleet's re-watches, not crypto
         query = {
             "watch": "1",
             "labelSelector": self._selector,
