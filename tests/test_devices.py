@@ -436,6 +436,24 @@ def burst(
     return shared, clock, agents
 
 
+def test_the_node_counts_as_reconciled_for_readyz_only_once_its_first_reconcile_is_over() -> None:
+    """/readyz (NodeStatus.reconciled): not at the first read of the node, while the device reads, the
+    writes and the condition of the first reconcile are still to come (a rollout would count the node ready
+    too early, and a fault right after /readyz met the first reconcile's requests)."""
+    writer, source, r, _ = make()
+    seen: list[bool] = []
+    slices = source.slices
+
+    def reading_slices() -> list[dict[str, object]] | None:
+        seen.append(r.status.reconciled)
+        return slices()
+
+    source.slices = reading_slices  # type: ignore[method-assign]
+    run(r, verdict())
+    assert seen == [False] and r.status.reconciled
+    assert writer.conditions  # the first reconcile wrote the condition before it counted
+
+
 def test_agents_faulting_at_the_same_instant_keep_exactly_the_budgets_worth_of_rules_blocking() -> None:
     """Three agents fault at the same instant and all see room; after the order check settles, exactly one
     rule blocks (the earliest by (since, name)) and the others are deferred."""
