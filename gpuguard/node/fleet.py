@@ -23,7 +23,6 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import structlog
 
@@ -31,6 +30,7 @@ from gpuguard import kubeapi
 from gpuguard.config import NodeSettings
 from gpuguard.errors import NodeUpdateError
 from gpuguard.node.budget import Budget, BudgetSource, OtherNodes, budget_limit
+from gpuguard.node.listwatch import ListWatch
 from gpuguard.node.view import LABEL_QUARANTINED
 from gpuguard.node.writers import DryRunNodeWriter, KubeNodeWriter
 
@@ -38,6 +38,7 @@ log = structlog.get_logger("gpuguard.node.fleet")
 
 _METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 _METADATA = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+_NODES = "/api/v1/nodes"
 # The GPU-node count: refreshed once an hour (x 0.8-1.2, so agents started together drift apart), or one
 # second per GPU node when the fleet is larger (see the module's docstring). A fleet changes size by
 # autoscaling: a limit computed from a count up to an hour old is off by the nodes that joined or left since,
@@ -76,9 +77,15 @@ class WatchedBudget:
         self._timeout = timeout
         self._clock = clock
         self._lock = threading.Lock()
-        self._items: dict[str, dict[str, Any]] = {}
-        self._synced = False
-        self._generation = 0
+        self._watched = ListWatch(
+            api,
+            selector=self._selector,
+            what="quarantined nodes",
+            accept=(_METADATA_LIST, _METADATA),
+            timeout=timeout,
+            changed=self._validate,
+        )
+        self._count_changes = 0  # moves when the GPU-node count changes (`changes()`)
         # The GPU nodes (this node counted), and when they were counted; None before the first count.
         self._total: tuple[int, float] | None = None
         self._first_count = first_count
@@ -90,8 +97,9 @@ class WatchedBudget:
 
     def budget(self, spec: str, *, exclude: str) -> Budget | None:
         """From memory; from the fallback's list while the watch is not synced or nothing is counted yet."""
+        synced = self._watched.synced
         with self._lock:
-            synced, total = self._synced, self._total
+            total = self._total
         if not synced:
             return self._fallback.budget(spec, exclude=exclude)
         quarantined = sum(1 for _, name in self.quarantine_order() if name != exclude)
@@ -112,9 +120,7 @@ class WatchedBudget:
 
     def quarantine_order(self) -> list[tuple[str, str]]:
         """(since, name) of the fully quarantined GPU nodes, each claim validated (`OtherNodes`)."""
-        with self._lock:
-            synced = self._synced
-            items = list(self._items.values())
+        synced, items = self._watched.snapshot()
         if not synced:
             return self._fallback.quarantine_order()
         return self._others.quarantined(items)
@@ -122,14 +128,13 @@ class WatchedBudget:
     def changes(self) -> int:
         """Moves with every change the watch delivers (and every re-list): the order is checked again."""
         with self._lock:
-            return self._generation
+            return self._watched.generation + self._count_changes
 
     # -- the threads -------------------------------------------------------------------------------------
 
     @property
     def synced(self) -> bool:
-        with self._lock:
-            return self._synced
+        return self._watched.synced
 
     @property
     def gpu_nodes(self) -> int | None:
@@ -157,13 +162,14 @@ class WatchedBudget:
         while not self._stop.is_set():
             try:
                 if rv is None:
-                    rv = self._list()
-                rv = self._watch(rv, announce=announce or broken)
+                    rv = self._watched.list(_NODES)
+                rv = self._watched.watch(
+                    _NODES, rv, stop=self._stop, established=self._established(announce or broken)
+                )
                 backoff = 1.0
                 broken = announce = False
             except NodeUpdateError as exc:
-                with self._lock:
-                    self._synced = False  # the fallback's lists until the watch is back
+                self._watched.broken()  # the fallback's lists until the watch is back
                 if not broken:
                     broken = True
                     log.warning(
@@ -173,77 +179,25 @@ class WatchedBudget:
                 self._stop.wait(random.uniform(0.5, 1.0) * backoff)  # noqa: S311 - jitter, not crypto
                 backoff = min(backoff * 2, _BACKOFF_MAX)
 
-    def _list(self) -> str:
-        doc = self._api.request(
-            "GET",
-            "/api/v1/nodes",
-            query={"labelSelector": self._selector},
-            accept=_METADATA_LIST,
-            timeout=self._timeout,
-            what="list quarantined nodes",
-        )
-        items = {str(i["metadata"]["name"]): i for i in doc.get("items") or []}
-        with self._lock:
-            self._items = items
-            self._generation += 1
-        self._validate()
-        return str(doc["metadata"]["resourceVersion"])
+    def _established(self, announce: bool) -> Callable[[], None]:
+        """`fleet.watching` once a watch is established at start, and after a broken one."""
+
+        def say() -> None:
+            if announce:
+                log.info(
+                    "fleet.watching",
+                    node=self._node,
+                    selector=self._selector,
+                    quarantined=self._watched.count(),
+                )
+
+        return say
 
     def _validate(self) -> None:
-        """Validate the claims now, on this thread: `OtherNodes` remembers the valid ones by item, so the
-        budget check in a fault's path finds them validated (only what changed since costs anything)."""
-        with self._lock:
-            items = list(self._items.values())
+        """Validate the claims now, on the watch's thread: `OtherNodes` remembers the valid ones by item, so
+        the budget check in a fault's path finds them validated (only what changed since costs anything)."""
+        _, items = self._watched.snapshot()
         self._others.quarantined(items)
-
-    def _watch(self, rv: str, *, announce: bool) -> str | None:
-        """One watch from `rv` until the server ends it; the last resourceVersion seen (None: list again).
-        `announce`: log fleet.watching once it is established (at start, and after a broken watch)."""
-        seconds = random.randint(*kubeapi.WATCH_SECONDS)  # noqa: S311 - spreads the fleet's re-watches, not crypto
-        query = {
-            "watch": "1",
-            "labelSelector": self._selector,
-            "resourceVersion": rv,
-            "allowWatchBookmarks": "true",
-            "timeoutSeconds": str(seconds),
-        }
-        events = self._api.watch(
-            "/api/v1/nodes",
-            query=query,
-            accept=_METADATA,
-            timeout=self._timeout,
-            idle=seconds + 30,
-            what="watch quarantined nodes",
-        )
-        with self._lock:
-            self._synced = True
-            quarantined = len(self._items)
-        if announce:
-            log.info("fleet.watching", node=self._node, selector=self._selector, quarantined=quarantined)
-        for event in events:
-            kind, obj = event.get("type"), event.get("object") or {}
-            if kind == "ERROR":
-                code = obj.get("code")
-                if code == 410:
-                    return None  # too old: the watch cache moved on, list again
-                raise NodeUpdateError(
-                    f"watch quarantined nodes: {obj.get('message', obj)!s:.300}", status=code
-                )
-            meta = obj.get("metadata") or {}
-            rv = str(meta.get("resourceVersion") or rv)
-            if kind == "BOOKMARK":
-                continue
-            name = str(meta.get("name", ""))
-            with self._lock:
-                if kind == "DELETED":
-                    self._items.pop(name, None)
-                else:
-                    self._items[name] = obj
-                self._generation += 1
-            self._validate()
-            if self._stop.is_set():
-                break
-        return rv
 
     def _count_loop(self) -> None:
         delay = random.uniform(0, self._first_count)  # noqa: S311 - spread over the fleet's start, not crypto
@@ -281,7 +235,7 @@ class WatchedBudget:
             changed = self._total is None or self._total[0] != total
             self._total = (total, self._clock())
             if changed:
-                self._generation += 1
+                self._count_changes += 1
         if changed:
             log.info("fleet.gpu_nodes_counted", node=self._node, gpu_nodes=total)
 

@@ -1,0 +1,136 @@
+"""One collection of the API server kept in memory, the way gpuguard's budget reads the fleet: a list, then a
+watch from its resourceVersion (with bookmarks, for `kubeapi.WATCH_SECONDS`), resumed from the last
+resourceVersion when the server ends it, listed again after 410 Gone. `fleet.WatchedBudget` keeps the
+quarantined nodes in one, `devicewatch.WatchedRules` gpuguard's DeviceTaintRules; each runs its own thread
+around `list` and `watch` (when to start, how to back off, what to log).
+
+Items are kept by name, as the API server sent them (each event replaces an item whole, so an item object
+never changes: callers may remember what they derived from one by identity).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from gpuguard import kubeapi
+from gpuguard.errors import NodeUpdateError
+
+
+class ListWatch:
+    """`selector`: the label selector of both; `accept`: the list's and the watch's Accept headers (a
+    metadata-only view, or full objects); `what`: the errors' prefix ("quarantined nodes");
+    `changed`: called on this thread after every list and every change a watch delivers."""
+
+    def __init__(
+        self,
+        api: kubeapi.Client,
+        *,
+        selector: str,
+        what: str,
+        accept: tuple[str, str] = ("application/json", "application/json"),
+        timeout: float = 10.0,
+        changed: Callable[[], None] | None = None,
+    ) -> None:
+        self._api = api
+        self._selector = selector
+        self._what = what
+        self._accept = accept
+        self._timeout = timeout
+        self._changed = changed or (lambda: None)
+        self._lock = threading.Lock()
+        self._items: dict[str, dict[str, Any]] = {}
+        self._synced = False
+        self._generation = 0
+
+    def snapshot(self) -> tuple[bool, list[dict[str, Any]]]:
+        """Whether a watch is established (else the items may be stale or empty), and the items."""
+        with self._lock:
+            return self._synced, list(self._items.values())
+
+    @property
+    def synced(self) -> bool:
+        with self._lock:
+            return self._synced
+
+    @property
+    def generation(self) -> int:
+        """Moves with every list and every change a watch delivers."""
+        with self._lock:
+            return self._generation
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+    def broken(self) -> None:
+        """The watch failed: not synced until the next one is established."""
+        with self._lock:
+            self._synced = False
+
+    def list(self, path: str) -> str:
+        """List the collection; its resourceVersion, to watch from."""
+        doc = self._api.request(
+            "GET",
+            path,
+            query={"labelSelector": self._selector},
+            accept=self._accept[0],
+            timeout=self._timeout,
+            what=f"list {self._what}",
+        )
+        items = {str(i["metadata"]["name"]): i for i in doc.get("items") or []}
+        with self._lock:
+            self._items = items
+            self._generation += 1
+        self._changed()
+        return str(doc["metadata"]["resourceVersion"])
+
+    def watch(
+        self, path: str, rv: str, *, stop: threading.Event, established: Callable[[], None] = lambda: None
+    ) -> str | None:
+        """One watch from `rv` until the server ends it (or `stop` is set at an event); the last
+        resourceVersion seen, or None when it is too old (410: list again). `established`: called once the
+        server has accepted the watch. NodeUpdateError when it fails."""
+        seconds = random.randint(*kubeapi.WATCH_SECONDS)  # noqa: S311 - spreads the fleet's re-watches
+        query = {
+            "watch": "1",
+            "labelSelector": self._selector,
+            "resourceVersion": rv,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(seconds),
+        }
+        events = self._api.watch(
+            path,
+            query=query,
+            accept=self._accept[1],
+            timeout=self._timeout,
+            idle=seconds + 30,
+            what=f"watch {self._what}",
+        )
+        with self._lock:
+            self._synced = True
+        established()
+        for event in events:
+            kind, obj = event.get("type"), event.get("object") or {}
+            if kind == "ERROR":
+                code = obj.get("code")
+                if code == 410:
+                    return None  # too old: the watch cache moved on, list again
+                raise NodeUpdateError(f"watch {self._what}: {obj.get('message', obj)!s:.300}", status=code)
+            meta = obj.get("metadata") or {}
+            rv = str(meta.get("resourceVersion") or rv)
+            if kind == "BOOKMARK":
+                continue
+            name = str(meta.get("name", ""))
+            with self._lock:
+                if kind == "DELETED":
+                    self._items.pop(name, None)
+                else:
+                    self._items[name] = obj
+                self._generation += 1
+            self._changed()
+            if stop.is_set():
+                break
+        return rv
