@@ -5,7 +5,8 @@
   and the clock stops when a watch on the node (admin, fieldSelector metadata.name=<node>) delivers the
   taint. The seed-design baseline (bench/baseline.py) is measured the same way in the same run.
 - API load: the API server's audit log (user agent gpuguard/<version>), attributed per node.
-- Cost on a healthy node: CPU (utime + stime from /proc) and RSS of one agent over a window after /readyz.
+- Cost on a healthy node: CPU (utime + stime from /proc) and RSS of one agent over a window after its
+  start-up requests.
 - Fleet: bench/fleet.py (1,000 reconcilers + writers, a fault burst, a concurrent foreign writer).
 - Start-up: process start to /readyz 200; import time of gpuguard.cli.
 

@@ -334,7 +334,8 @@ def _healthy_rows(idle: dict[str, Any]) -> list[Row]:
             verdict(idle["agent_requests"] == 0 and design == 0),
         ),
         (
-            f"CPU on a healthy node, 8 GPUs, --interval 3, real API server, {minutes:.0f} min after /readyz",
+            f"CPU on a healthy node, 8 GPUs, --interval 3, real API server, {minutes:.0f} min after its "
+            "start-up",
             f"{idle['cpu_s_per_hour']:.2f} CPU-s/h ({idle['cpu_s']:.2f} s in {idle['window_s']:.0f} s; "
             f"per thread: {threads} s)",
             "< 2 CPU-s/h",
@@ -904,10 +905,11 @@ def document(  # noqa: PLR0917 - one call site, every part named there
             bullet=True,
         ),
         _para(
-            f"Healthy node: one agent, 8 GPUs, `--interval 3`, for {idle['window_s']:.0f} s from its first",
-            "`/readyz` 200. CPU = utime + stime of `/proc/<pid>/stat` over the window x 3600 / window (per",
-            "thread from `/proc/<pid>/task/*/stat`, in creation order: check loop, HTTP server,",
-            "the budget's watch, the budget's GPU-node count, NVML event thread, node reconciler); RSS =",
+            f"Healthy node: one agent, 8 GPUs, `--interval 3`, for {idle['window_s']:.0f} s once its",
+            "start-up requests are over. CPU = utime + stime of `/proc/<pid>/stat` over the window x 3600 /",
+            "window (per thread from `/proc/<pid>/task/*/stat`, in creation order: check loop, HTTP server,",
+            "the budget's watch, the budget's GPU-node count, the rules' watch (asleep: the node has no DRA",
+            "slices), NVML event thread, node reconciler); RSS =",
             "VmRSS at the end; requests per hour = requests in the window x 3600 / window. The agent counts",
             "the GPU nodes at start (`--budget-count-spread 0`), so the window opens after its start-up",
             "requests. The latency runs overlap the window: every quarantine of their nodes reaches this",

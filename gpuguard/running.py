@@ -104,7 +104,8 @@ def watch(cfg: Config) -> bool:
     from gpuguard.metrics import Metrics  # noqa: PLC0415
     from gpuguard.node.budget import QuarantineBudget  # noqa: PLC0415
     from gpuguard.node.devicequarantine import DeviceQuarantine  # noqa: PLC0415
-    from gpuguard.node.devicewriters import make_device_source  # noqa: PLC0415
+    from gpuguard.node.devicewatch import WatchedRules  # noqa: PLC0415
+    from gpuguard.node.devicewriters import KubeDeviceSource, make_device_source  # noqa: PLC0415
     from gpuguard.node.fleet import watched  # noqa: PLC0415
     from gpuguard.node.reconciler import NodeReconciler  # noqa: PLC0415
     from gpuguard.node.writers import make_writer  # noqa: PLC0415
@@ -123,17 +124,29 @@ def watch(cfg: Config) -> bool:
     state = None
     if cfg.state_dir and not cfg.node.dry_run:
         state = StateStore(cfg.state_dir, boot_id=read_boot_id(cfg.boot_id_file), backend=cfg.backend)
-    devices = device_source = None
+    devices = device_source = rules_watch = None
     if cfg.node.quarantine != "node":
         node_name = cfg.node.name or ""
         device_source = make_device_source(cfg.node, metrics)
+        if isinstance(device_source, KubeDeviceSource) and cfg.node.max_quarantined != "100%":
+            # Every gpuguard rule for the budget, from memory: no list in the fault's path.
+            rules_watch = WatchedRules(
+                node_name,
+                api=device_source.api,
+                fallback=device_source.all_rules,
+                path=lambda: device_source.rules_path,
+                timeout=cfg.node.api_timeout,
+            )
         devices = DeviceQuarantine(
             device_source,
             cfg.node,
             budget=lambda: budget_source.budget(cfg.node.max_quarantined, exclude=node_name),
             order=budget_source.quarantine_order,
             memory=state,
+            all_rules=rules_watch.all_rules if rules_watch is not None else None,
         )
+        if rules_watch is not None:
+            devices.on_devices = rules_watch.found
     reconciler = NodeReconciler(
         writer, cfg.node, budget=budget, devices=devices, metrics=metrics, start_delay=delay
     )
@@ -172,6 +185,8 @@ def watch(cfg: Config) -> bool:
         signal.signal(signal.SIGINT, _stop)
     if fleet is not None:
         fleet.start()
+    if rules_watch is not None:
+        rules_watch.start()
     # Everything made so far lives as long as the process: out of the collector's sight, so that a full
     # collection in a fault's path walks only what came after, not the tens of thousands of objects of the
     # imports and the start-up.
@@ -182,5 +197,7 @@ def watch(cfg: Config) -> bool:
     finally:
         if fleet is not None:
             fleet.stop()
+        if rules_watch is not None:
+            rules_watch.stop()
         server.stop()
     return agent.no_library

@@ -454,6 +454,38 @@ def test_the_node_counts_as_reconciled_for_readyz_only_once_its_first_reconcile_
     assert writer.conditions  # the first reconcile wrote the condition before it counted
 
 
+def test_the_order_check_ranks_this_nodes_new_rule_even_before_the_rules_watch_delivered_it() -> None:
+    """The budget's rules come from a watch (node/devicewatch.py): right after the create it may hold the
+    other agents' rules of the same burst and not yet this node's own. The order check takes this node's
+    rules as its own writes answered, so the new rule is ranked at once: here one node's worth of rules
+    came first (the budget, 1 node), and the new rule steps back in the same reconcile."""
+    source = FakeDeviceSource([nvidia_slice(NODE)])
+    earlier = other_node_rules("other", 8, since="2026-12-02T00:00:00Z")
+    answers = [[], earlier]  # room (before the create): nothing yet; the order check: the other node's 8
+
+    def watched() -> list[DeviceRule]:
+        return list(answers.pop(0) if answers else earlier)
+
+    clock = Clock()
+    devices = DeviceQuarantine(
+        source,
+        SETTINGS,
+        budget=lambda: Budget(quarantined=0, limit=1),
+        order=lambda: [],
+        now=lambda: datetime(2026, 12, 3, tzinfo=UTC),
+        clock=clock,
+        all_rules=watched,
+    )
+    writer = FakeNodeWriter(NodeView(name=NODE, resource_version="1", boot_id="boot-1"))
+    r = NodeReconciler(writer, SETTINGS, devices=devices, clock=clock)
+    with capture_logs() as logs:
+        run(r, verdict(ecc_on=0))
+    (doc,) = source.store.values()
+    assert doc["spec"]["taint"]["effect"] == "None"
+    assert [e["event"] for e in logs if e["event"].startswith("device.")][-1] == "device.rule_yielded"
+    assert "all_rules" not in source.calls  # never the source's list: the watch's memory only
+
+
 def test_agents_faulting_at_the_same_instant_keep_exactly_the_budgets_worth_of_rules_blocking() -> None:
     """Three agents fault at the same instant and all see room; after the order check settles, exactly one
     rule blocks (the earliest by (since, name)) and the others are deferred."""

@@ -284,7 +284,10 @@ def test_the_cluster_role_grants_exactly_nodes_node_status_and_the_per_gpu_quara
         # The per-GPU quarantine: which GPUs the node's ResourceSlices publish, and one DeviceTaintRule per
         # faulty GPU (deploy/admission-policy-devices.yaml limits each agent to its own node's rules).
         ("resource.k8s.io", "resourceslices", "list"),
-        *(("resource.k8s.io", "devicetaintrules", v) for v in ("get", "list", "create", "patch", "delete")),
+        *(
+            ("resource.k8s.io", "devicetaintrules", v)
+            for v in ("get", "list", "watch", "create", "patch", "delete")
+        ),
     }
 
 

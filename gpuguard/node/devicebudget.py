@@ -20,7 +20,7 @@ from gpuguard.config import NodeSettings
 from gpuguard.errors import NodeUpdateError
 from gpuguard.node.budget import VERIFY_SETTLE, Budget
 from gpuguard.node.deviceorder import rules_past_limit, rules_share
-from gpuguard.node.devices import NONE_EFFECT, DeviceRule
+from gpuguard.node.devices import NONE_EFFECT, DeviceRule, rule_name
 from gpuguard.node.view import ANN_DEFERRED, TAINT_KEY, NodeView
 
 log = structlog.get_logger("gpuguard.node.devices")
@@ -101,7 +101,10 @@ class RuleBudget:
             if budget is None:
                 return True, []
             nodes = list(self._order()) if self._order is not None else []
-            everyone = self._all_rules()
+            # This node's rules as its own writes answered, not as the fleet's watch last delivered them (its
+            # new rule may not be there yet, a deleted one still): rule names are the node's and the device's.
+            others = [r for r in self._all_rules() if r.name != rule_name(node.name, r.device)]
+            everyone = others + list(rules.values())
         except NodeUpdateError as exc:
             log.warning("device.quarantine_order_failed", node=node.name, error=str(exc))
             return False, []

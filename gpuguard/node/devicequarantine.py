@@ -79,18 +79,29 @@ class DeviceQuarantine:
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
         clock: Callable[[], float] = time.monotonic,
         memory: RuleMemoryStore | None = None,
+        all_rules: Callable[[], list[DeviceRule]] | None = None,
     ) -> None:
         """memory: where the rules gpuguard made and those an operator deleted outlive the process (the
-        agent's `state.StateStore`); None: in memory only (a dry run, no --state-dir)."""
+        agent's `state.StateStore`); None: in memory only (a dry run, no --state-dir). all_rules: every
+        gpuguard rule for the budget (the agent's `devicewatch.WatchedRules`, from memory); None: the
+        source's list."""
         self._source = source
         self._settings = settings
         self._budgets = RuleBudget(
-            settings, all_rules=source.all_rules, budget=budget, order=order, now=now, clock=clock
+            settings,
+            all_rules=all_rules or source.all_rules,
+            budget=budget,
+            order=order,
+            now=now,
+            clock=clock,
         )
         self._now = now
         self._clock = clock
         self._devices: dict[str, SliceDevice] = {}
         self._node_gpus = 0
+        # Called whenever a read finds GPUs of this node in the slices (rules may be made from now on): the
+        # agent's devicewatch.WatchedRules starts its watch then. A node without them never watches rules.
+        self.on_devices: Callable[[], None] | None = None
         self._rules: dict[str, DeviceRule] = {}
         self._read_at = -math.inf
         # Rules gpuguard made or found (name -> (UUID, fault keys)): one that is gone at the next read was
@@ -203,6 +214,7 @@ class DeviceQuarantine:
         self._read_error = ""
         self._devices = slice_devices(docs or [], driver=self._settings.dra_driver, node=node.name)
         self._node_gpus = len(self._devices)
+        self._found_devices()
         for name, (uuid, keys) in self._known.items():
             if name not in rules:
                 log.warning(
@@ -243,6 +255,11 @@ class DeviceQuarantine:
                 "device.slices_changed", node=self._node_name, gpus=len(devices), before=len(self._devices)
             )
         self._devices, self._node_gpus = devices, len(devices)
+        self._found_devices()
+
+    def _found_devices(self) -> None:
+        if self._devices and self.on_devices is not None:
+            self.on_devices()
 
     def _remember(self) -> None:
         """The rules made and those deleted by an operator, into the durable memory (written only when they

@@ -67,6 +67,16 @@ class KubeDeviceSource:
         return self._api_version
 
     @property
+    def api(self) -> kubeapi.Client:
+        return self._api
+
+    @property
+    def rules_path(self) -> str | None:
+        """The rules' collection path once a list found the version served; None before, or where none is
+        (devicewatch.WatchedRules watches it)."""
+        return self._rules_path if self._version_known else None
+
+    @property
     def _rules_path(self) -> str:
         return f"/apis/resource.k8s.io/{self._rule_version}/devicetaintrules"
 

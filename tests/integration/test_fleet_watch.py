@@ -9,13 +9,18 @@ import time
 import uuid
 from typing import Any
 
+import kubernetes
 import pytest
 
 from gpuguard import kubeapi
 from gpuguard.node import budget as budget_module
 from gpuguard.node.budget import Budget
+from gpuguard.node.devices import DeviceRule
+from gpuguard.node.devicewatch import WatchedRules
+from gpuguard.node.devicewriters import KubeDeviceSource
 from gpuguard.node.fleet import WatchedBudget
 from gpuguard.node.writers import KubeNodeWriter
+from tests.dra import DRIVER
 from tests.integration.fixtures import admin  # noqa: F401
 from tests.integration.kube import GPU_NODE_LABELS, TAINT_KEY, Admin, eventually
 
@@ -104,3 +109,52 @@ def test_another_agents_quarantine_reaches_the_budget_by_watch_and_leaves_it_on_
         eventually(lambda: fleet.quarantine_order() == [] or None, 5, what="the step back")
     finally:
         fleet.stop()
+
+
+def test_every_gpuguard_rule_reaches_the_budget_by_watch_and_leaves_it_when_deleted(
+    admin: Admin, control_plane: Any
+) -> None:
+    """node/devicewatch.py: the per-GPU quarantine's budget reads gpuguard's DeviceTaintRules of every node
+    from memory once the source has found where they are served; before that, and never else, it lists."""
+    api = kubeapi.load(str(control_plane.kubeconfig_path), user_agent="gpuguard-test/rules")
+    source = KubeDeviceSource(f"rw-{uuid.uuid4().hex[:8]}", api=api, driver=DRIVER)
+    listed: list[int] = []
+
+    def fallback() -> list[DeviceRule]:
+        listed.append(1)
+        return source.all_rules()
+
+    watched = WatchedRules("me", api=api, fallback=fallback, path=lambda: source.rules_path)
+    watched.start()
+    try:
+        assert watched.all_rules() is not None and listed == [1]  # not synced: the source's list
+        time.sleep(0.5)
+        assert not watched.synced  # no watch before the node's slices were found to publish GPUs
+        watched.found()  # DeviceQuarantine.on_devices, after its first read of the slices and rules
+        eventually(lambda: watched.synced or None, 10, what="the rules' watch")
+        other = f"rw-other-{uuid.uuid4().hex[:8]}"
+        name = f"gpuguard-{other}-gpu-2"
+        body = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "DeviceTaintRule",
+            "metadata": {
+                "name": name,
+                "labels": {"gpuguard.io/node": other, "app.kubernetes.io/managed-by": "gpuguard"},
+                "annotations": {"gpuguard.io/since": rfc3339(time.time())},
+            },
+            "spec": {
+                "deviceSelector": {"driver": DRIVER, "pool": other, "device": "gpu-2"},
+                "taint": {"key": TAINT_KEY, "value": "xid-79", "effect": "NoSchedule"},
+            },
+        }
+        custom: Any = kubernetes.client.CustomObjectsApi(admin.api)
+        custom.create_cluster_custom_object("resource.k8s.io", "v1", "devicetaintrules", body)
+        found = eventually(
+            lambda: [r for r in watched.all_rules() if r.name == name] or None, 5, what="the new rule"
+        )
+        assert (found[0].pool, found[0].device, found[0].effect) == (other, "gpu-2", "NoSchedule")
+        custom.delete_cluster_custom_object("resource.k8s.io", "v1", "devicetaintrules", name)
+        eventually(lambda: all(r.name != name for r in watched.all_rules()) or None, 5, what="the deletion")
+        assert listed == [1]  # from memory since the watch was established
+    finally:
+        watched.stop()

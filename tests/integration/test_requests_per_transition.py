@@ -8,10 +8,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
+import kubernetes
 import pytest
 
+from tests.dra import gpu_uuid, nvidia_slice
 from tests.integration.fixtures import USER_AGENT, admin, start_agent  # noqa: F401
 from tests.integration.kube import GPU_NODE_LABELS, GPUS_OK, Admin, eventually
 
@@ -43,17 +46,7 @@ def transition(
     state.write_text(content)
     eventually(lambda: (admin.our_taint(node) is not None) == tainted or None, 10, what="the taint")
     want = "False" if tainted else "True"
-    eventually(
-        lambda: (
-            any(
-                c["type"] == "GPUHealthy" and c["status"] == want
-                for c in admin.node(node)["status"].get("conditions") or []
-            )
-            or None
-        ),
-        10,
-        what="the condition",
-    )
+    wait_condition(admin, node, want)
     eventually(
         lambda: sum(requests_since(control_plane, since).values()) >= 3 or None,
         10,
@@ -63,6 +56,20 @@ def transition(
     got = requests_since(control_plane, since)
     print(f"{reason}: {dict(got)}")  # a failed comparison shows the whole count
     return got
+
+
+def wait_condition(admin: Admin, node: str, status: str) -> None:
+    eventually(
+        lambda: (
+            any(
+                c["type"] == "GPUHealthy" and c["status"] == status
+                for c in admin.node(node)["status"].get("conditions") or []
+            )
+            or None
+        ),
+        10,
+        what=f"the condition GPUHealthy={status}",
+    )
 
 
 def watching(agent: Any) -> bool:
@@ -126,3 +133,57 @@ def test_before_the_first_count_a_fault_with_nothing_quarantined_needs_no_list(
         == THE_THREE
     )
     assert not any(line.get("event") == "fleet.gpu_nodes_counted" for line in agent.lines)
+
+
+def test_a_gpu_fault_held_by_a_device_taint_rule_and_its_recovery_cost_two_requests_each(
+    admin: Admin, control_plane: Any, start_agent: Any, tmp_path: Path
+) -> None:
+    """The per-GPU quarantine (issue 17) under the same bound: the rule (create, or delete on recovery) in
+    place of the node patch, and the condition; no Event (the node's Events are about the node taint), and
+    no list: the budget's rules come from a watch (node/devicewatch.py). A count budget in force (the
+    rule's share). Before the watch: a list before the create, one after it and one 10 s later."""
+    node = f"requests-dra-{uuid.uuid4().hex[:8]}"
+    admin.make_node(node)
+    custom: Any = kubernetes.client.CustomObjectsApi(admin.api)
+    custom.create_cluster_custom_object("resource.k8s.io", "v1", "resourceslices", nvidia_slice(node))
+    ok = "".join(f"gpu {i} uuid={gpu_uuid(node, i)}\n" for i in range(8))
+    state = tmp_path / "gpus.state"
+    state.write_text(ok)
+    agent, _, _ = start_agent(node=node, state=state, args=("--max-quarantined", "1000"))
+    eventually(lambda: watching(agent) or None, 10, what="the budget's watch")
+    eventually(
+        lambda: any(line.get("event") == "device.watching" for line in agent.lines) or None,
+        10,
+        what="the rules' watch",
+    )
+    rule = f"gpuguard-{node}-gpu-1"
+
+    def rule_there() -> bool:
+        return any(i["metadata"]["name"] == rule for i in rules(custom, node))
+
+    def step(content: str, *, there: bool, want: str, reason: str) -> None:
+        since = control_plane.audit_line_count()
+        state.write_text(content)
+        eventually(lambda: rule_there() == there or None, 10, what=f"the rule, {reason}")
+        wait_condition(admin, node, want)
+        eventually(
+            lambda: sum(requests_since(control_plane, since).values()) >= 2 or None,
+            10,
+            what="the rule's and the condition's requests",
+        )
+        time.sleep(1.0)  # an order check that listed would come now
+        got = requests_since(control_plane, since)
+        print(f"{reason}: {dict(got)}")
+        rule_verb = "create devicetaintrules" if there else "delete devicetaintrules"
+        assert got == Counter({rule_verb: 1, "patch nodes/status": 1}), reason
+        assert admin.our_taint(node) is None
+
+    step(ok.replace("-1\n", "-1 ecc=2\n"), there=True, want="False", reason="GPUUnhealthy")
+    step(ok, there=False, want="True", reason="GPURecovered")
+
+
+def rules(custom: Any, node: str) -> list[dict[str, Any]]:
+    resp = custom.list_cluster_custom_object(
+        "resource.k8s.io", "v1", "devicetaintrules", label_selector=f"gpuguard.io/node={node}"
+    )
+    return list(resp.get("items") or [])

@@ -1,0 +1,130 @@
+"""gpuguard's DeviceTaintRules of every node kept in memory off the fault's path, as `fleet.WatchedBudget`
+keeps the quarantined nodes (`listwatch.ListWatch`: a list, then a watch resumed from its resourceVersion).
+
+The per-GPU quarantine's budget reads every gpuguard rule: whether one more GPU fits
+(`devicebudget.RuleBudget.room`, before the create) and the order checks after it. Listed, that was a list
+before the rule (in the fault's path), one right after it and one 10 s later; from this watch it is none.
+Until the watch is established, and while it is broken, the source's list answers (never blind). The rules
+are few (one per faulty GPU), so the watch carries one small event per rule written or deleted. It starts only
+on a node whose slices publish GPUs (no rule can be made elsewhere), on the version its source found served.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from gpuguard import kubeapi
+from gpuguard.errors import NodeUpdateError
+from gpuguard.node.devices import LABEL_MANAGED_BY, LABEL_NODE, MANAGED_BY, DeviceRule
+from gpuguard.node.listwatch import ListWatch
+
+log = structlog.get_logger("gpuguard.node.devices")
+
+SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_NODE}"
+_BACKOFF_MAX = 60.0
+
+
+class WatchedRules:
+    """`all_rules()` from memory once the watch is established; `fallback` (the source's list) before.
+    `path`: the rules' collection path once the source has found which version the API server serves, None
+    before (or where none is served: nothing to watch, the fallback answers)."""
+
+    def __init__(
+        self,
+        node: str,
+        *,
+        api: kubeapi.Client,
+        fallback: Callable[[], list[DeviceRule]],
+        path: Callable[[], str | None],
+        timeout: float = 10.0,
+    ) -> None:
+        self._node = node
+        self._fallback = fallback
+        self._path = path
+        self._watched = ListWatch(api, selector=SELECTOR, what="device taint rules", timeout=timeout)
+        # Each item converted once: an event replaces an item whole.
+        self._rules: dict[str, tuple[dict[str, Any], DeviceRule]] = {}
+        self._stop = threading.Event()
+        self._found = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def all_rules(self) -> list[DeviceRule]:
+        synced, items = self._watched.snapshot()
+        if not synced:
+            return self._fallback()
+        out, known = [], self._rules
+        fresh: dict[str, tuple[dict[str, Any], DeviceRule]] = {}
+        for item in items:
+            name = str(item["metadata"]["name"])
+            hit = known.get(name)
+            rule = hit[1] if hit is not None and hit[0] is item else DeviceRule.from_api(item)
+            fresh[name] = (item, rule)
+            out.append(rule)
+        self._rules = fresh
+        return out
+
+    @property
+    def synced(self) -> bool:
+        return self._watched.synced
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="gpuguard-rules-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ends the thread at its next event or wait (a daemon thread: never blocks exit)."""
+        self._stop.set()
+        self._found.set()
+
+    def found(self) -> None:
+        """This node publishes GPUs in its ResourceSlices, read with its rules (the agent's first reconcile;
+        `DeviceQuarantine.on_devices`): the watch starts, on the version that read found served."""
+        self._found.set()
+
+    def _loop(self) -> None:
+        backoff = 1.0
+        rv: str | None = None
+        broken, announce = False, True
+        while not self._stop.is_set():
+            if not self._found.is_set():
+                # No GPUs of this node in the slices yet: nothing to watch, no request and no wake-up of
+                # ours until a read finds them (or stop()).
+                self._found.wait()
+                continue
+            path = self._path()
+            if path is None:
+                # The read found no version serving the rules: wait for the next read that finds GPUs.
+                self._found.clear()
+                continue
+            try:
+                if rv is None:
+                    rv = self._watched.list(path)
+                rv = self._watched.watch(
+                    path, rv, stop=self._stop, established=self._established(announce or broken)
+                )
+                backoff = 1.0
+                broken = announce = False
+            except NodeUpdateError as exc:
+                self._watched.broken()  # the source's lists until the watch is back
+                if not broken:
+                    broken = True
+                    log.warning(
+                        "device.watch_broken", node=self._node, error=str(exc), note="rules listed per fault"
+                    )
+                rv = None if exc.status in (404, 410) else rv
+                if exc.status == 404:
+                    self._found.clear()  # not served (any more) in this version: wait for the next read
+                self._stop.wait(random.uniform(0.5, 1.0) * backoff)  # noqa: S311 - jitter, not crypto
+                backoff = min(backoff * 2, _BACKOFF_MAX)
+
+    def _established(self, announce: bool) -> Callable[[], None]:
+        def say() -> None:
+            if announce:
+                log.info("device.watching", node=self._node, rules=self._watched.count())
+
+        return say
