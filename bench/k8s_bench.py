@@ -337,6 +337,8 @@ def device_phase(cl: Cluster, *, rounds: int = 25, lanes: int = 1, interval: flo
     cl.on_close(rules.close)
     lat: list[float] = []
     args = ("--recover-after", "1", "--budget-count-spread", "0", "--quarantine", "auto")
+    since = cl.cp.audit_line_count()
+    windows: list[tuple[str, float, float]] = []  # node, wall time of the Xid, wall time its agent stopped
 
     def reboot(r: int) -> list[AgentProc]:
         """A new bootID, healthy fake NVML state, new agents (a fresh --state-dir each): the last round's
@@ -358,8 +360,10 @@ def device_phase(cl: Cluster, *, rounds: int = 25, lanes: int = 1, interval: flo
     for r in range(rounds):
         agents = reboot(r + 1)
         time.sleep(1.0)
+        injected: dict[str, float] = {}
         for n, agent in zip(nodes, agents, strict=True):
             time.sleep(random.uniform(0.05, 0.3))
+            injected[n] = time.time()
             t0 = time.monotonic()
             with (work / f"{n}.state").open("a") as f:
                 f.write("xid 3 79\n")
@@ -369,13 +373,28 @@ def device_phase(cl: Cluster, *, rounds: int = 25, lanes: int = 1, interval: flo
                 raise TimeoutError(f"{exc}; the agent's last lines: {agent.lines[-8:]}") from exc
             if tainted(node_watches[n].current.get(n)):
                 raise RuntimeError(f"{n}: the node was tainted for a fault of one published GPU")
-        time.sleep(0.5)
+        time.sleep(1.0)  # the condition after the rule; an order check that listed would come now
         for a in agents:
             a.stop()
+        windows += [(n, injected[n], time.time()) for n in nodes]
     for a in reboot(rounds + 1):  # the last round's rules go as every round's did
         a.stop()
     progress(f"latency: Xid -> DeviceTaintRule {summary(lat)}")
-    return {"nodes": lanes, **summary(lat)}
+    # Requests per transition, as for the node taint: the agent's requests from the Xid until it stopped.
+    events = cl.audit(since)
+    counts: list[int] = []
+    detail: Counter[str] = Counter()
+    for n, start, end in windows:
+        inside = [e for e in events if audit_node(e) == n and start <= audit_time(e) < end]
+        counts.append(len(inside))
+        detail.update(describe_requests(inside))
+    requests = {
+        "n": len(counts),
+        "max": max(counts),
+        "mean": statistics.fmean(counts),
+        "requests": dict(detail),
+    }
+    return {"nodes": lanes, **summary(lat), "transitions": requests}
 
 
 def _judged_at(agent: AgentProc) -> float | None:

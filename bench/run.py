@@ -180,6 +180,22 @@ def _device_rows(lat: dict[str, Any]) -> list[Row]:
             pcts(d),
             goal,
             mark,
+        ),
+        *_device_request_rows(d),
+    ]
+
+
+def _device_request_rows(d: dict[str, Any]) -> list[Row]:
+    t = d.get("transitions")
+    if not t:
+        return []
+    return [
+        (
+            f"API requests per fault transition, Xid -> DeviceTaintRule (audit log, n={t['n']}; from the Xid "
+            "until the agent stopped 1 s after the rule)",
+            f"max {t['max']}, mean {t['mean']:.1f}: {requests_text(t['requests'])}",
+            "<= 3 (the rule, the condition; the node's Events are about its taint)",
+            verdict(t["max"] <= 3),
         )
     ]
 
@@ -622,6 +638,7 @@ def goals_table(raw: dict[str, Any], fleet_row: Row) -> str:
     x, floor, e = lat["xid"], lat["floor"], lat["ecc"]
     tr = lat["transitions"]
     xt, et = tr["Xid -> taint"], tr["ECC -> taint"]
+    dt = (lat.get("device") or {}).get("transitions")
     design = WATCH_REQUESTS_PER_HOUR + COUNT_REQUESTS_PER_HOUR
     rows = [
         (
@@ -650,11 +667,13 @@ def goals_table(raw: dict[str, Any], fleet_row: Row) -> str:
         ),
         *_device_goal_rows(lat, load_text(loads.get("latency"))),
         (
-            f"API requests per fault transition (audit log, n={xt['n']} Xid + {et['n']} ECC)",
-            f"Xid: max {xt['max']}, mean {xt['mean']:.1f}; ECC: max {et['max']}, mean {et['mean']:.1f}",
-            "3: the node patch, the condition, the Event",
+            f"API requests per fault transition (audit log, n={xt['n']} Xid + {et['n']} ECC"
+            + (f" + {dt['n']} Xid -> DeviceTaintRule)" if dt else ")"),
+            f"Xid: max {xt['max']}, mean {xt['mean']:.1f}; ECC: max {et['max']}, mean {et['mean']:.1f}"
+            + (f"; Xid -> DeviceTaintRule: max {dt['max']}, mean {dt['mean']:.1f}" if dt else ""),
+            "3: the node patch, the condition, the Event (a GPU's rule: the rule, the condition)",
             "<= 3",
-            verdict(xt["max"] <= 3 and et["max"] <= 3),
+            verdict(xt["max"] <= 3 and et["max"] <= 3 and (not dt or dt["max"] <= 3)),
             load_text(loads.get("latency")),
         ),
         (
