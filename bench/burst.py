@@ -247,7 +247,10 @@ class Scenario:
             with self._lock:
                 self.stack.callback(agent.close)
             if node in self.joiners:
-                self.first_check[node] = agent.wait_ready(60)
+                # Its first check as the agent reports it (/readyz comes later: after the first reconcile,
+                # which lifts the gate).
+                self.first_check[node] = agent.wait_first_check(60)
+                agent.wait_ready(60)
         else:
             seed = BaselineProc(node=node, kubeconfig=kubeconfig, state=state, log=self.work / f"{node}.log")
             with self._lock:

@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,24 @@ class WatchProcess:
                 raise AssertionError(f"the agent was not ready after {timeout}s: {self.lines[-10:]}")
             time.sleep(poll)
         return time.monotonic()
+
+    def wait_first_check(self, timeout: float = 60.0, poll: float = 0.002) -> float:
+        """The monotonic instant of the agent's first complete check, as /healthz reports its time
+        (`last_check`, wall clock), polled from when the agent listens (before its loop starts)."""
+        deadline = time.monotonic() + timeout
+        self.wait_listening(timeout)
+        while True:
+            try:
+                stamp = self.healthz()[1].get("last_check")
+            except (urllib.error.URLError, OSError, ValueError):
+                stamp = None
+            if stamp:
+                wall = datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+                return time.monotonic() - (time.time() - wall)
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no check after {timeout}s: {self.lines[-10:]}")
+            time.sleep(poll)
 
     def _check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
