@@ -86,12 +86,13 @@ def latency_phase(
     work.mkdir()
     xid_nodes = [f"lat-xid-{i}" for i in range(lanes)]
     floor_nodes = [f"lat-floor-{i}" for i in range(lanes)]
+    full_nodes = [f"lat-full-{i}" for i in range(lanes)]
     ecc_nodes = [f"lat-ecc-{i}" for i in range(lanes)]
     base_ecc_nodes = [f"base-ecc-{i}" for i in range(lanes)]
     base_xid_nodes = [f"base-xid-{i}" for i in range(lanes)]
-    every = xid_nodes + ecc_nodes + base_ecc_nodes + base_xid_nodes + floor_nodes
+    every = xid_nodes + ecc_nodes + base_ecc_nodes + base_xid_nodes + floor_nodes + full_nodes
     cl.make_nodes(every)
-    floor = BarePatcher(cl, {n: cl.admin.agent_token(n) for n in floor_nodes})
+    floor = BarePatcher(cl, {n: cl.admin.agent_token(n) for n in floor_nodes + full_nodes})
     cl.on_close(floor.close)
     kubeconfigs = cl.agent_kubeconfigs(every)
     watches = {n: cl.watch(field_selector=f"metadata.name={n}") for n in every}
@@ -151,6 +152,7 @@ def latency_phase(
     progress(f"latency: gpuguard Xid and the floor (a bare patch), {xid_rounds} rounds x {lanes} nodes")
     xid_lat: list[float] = []
     floor_lat: list[float] = []
+    full_lat: list[float] = []
     # Each Xid sample split at the agent's judgement: its gpu.unhealthy log line (written by the check loop
     # before the state file and the hand-over to the writer thread; structlog's UTC timestamp, the same clock
     # as time.time() here). Before it: the fake library's event, the wake-up, the snapshot, the policy;
@@ -163,20 +165,21 @@ def latency_phase(
         time.sleep(1.0)
         injected: dict[str, float] = {}
         seen: dict[str, float] = {}  # node -> wall time the watch delivered the taint
-        for n, fn in zip(xid_nodes, floor_nodes, strict=True):
-            time.sleep(random.uniform(0.05, 0.3))
-            # The node's other taints as the watch last delivered them: a merge patch replaces the list whole
-            # (as gpuguard's does), and the admission policy lets the agent's token change only its own.
-            others = [
-                t
-                for t in (watches[fn].objects[fn].get("spec") or {}).get("taints") or []
-                if t.get("key") != TAINT_KEY
-            ]
-            t0 = time.monotonic()
-            floor.taint(fn, others)
-            floor_lat.append(watches[fn].wait_change(fn, tainted, after=t0, timeout=10) - t0)
-            floor.untaint(fn, others)
-            watches[fn].wait_current(fn, untainted, 10)
+        for n, fn, gn in zip(xid_nodes, floor_nodes, full_nodes, strict=True):
+            for node, full, out in ((fn, False, floor_lat), (gn, True, full_lat)):
+                time.sleep(random.uniform(0.05, 0.3))
+                # The node's other taints as the watch last delivered them: a merge patch replaces the list
+                # whole (as gpuguard's does), and the admission policy lets the token change only its own.
+                others = [
+                    t
+                    for t in (watches[node].objects[node].get("spec") or {}).get("taints") or []
+                    if t.get("key") != TAINT_KEY
+                ]
+                t0 = time.monotonic()
+                floor.taint(node, others, full=full)
+                out.append(watches[node].wait_change(node, tainted, after=t0, timeout=10) - t0)
+                floor.untaint(node, others, full=full)
+                watches[node].wait_current(node, untainted, 10)
             time.sleep(random.uniform(0.05, 0.3))
             injected[n] = time.time()
             t0 = time.monotonic()
@@ -297,6 +300,7 @@ def latency_phase(
         "xid_judged": summary(judged) if judged else None,
         "xid_judged_to_taint": summary(to_taint) if to_taint else None,
         "floor": summary(floor_lat),
+        "floor_full": summary(full_lat),
         "ecc": summary(results["gpuguard-ecc"]),
         "baseline_xid": summary(results["baseline-xid"]),
         "baseline_ecc": summary(results["baseline-ecc"]),
@@ -427,8 +431,8 @@ class BarePatcher:
         )
         self._tokens = tokens  # each node's own Pod-bound token, as each node's agent has
 
-    def _patch(self, node: str, taints: list[dict[str, str]]) -> None:
-        body = json.dumps({"spec": {"taints": taints}})
+    def _patch(self, node: str, doc: dict[str, Any]) -> None:
+        body = json.dumps(doc)
         self._conn.request(
             "PATCH",
             # fieldManager gpuguard: the admission policy lets the agents' token add no other manager's entry.
@@ -446,11 +450,53 @@ class BarePatcher:
         if resp.status != 200:
             raise RuntimeError(f"floor patch {node}: HTTP {resp.status}: {data[:300]!r}")
 
-    def taint(self, node: str, others: list[dict[str, str]]) -> None:
-        self._patch(node, [*others, {"key": TAINT_KEY, "value": "xid-79", "effect": "NoSchedule"}])
+    def taint(self, node: str, others: list[dict[str, str]], *, full: bool = False) -> None:
+        """`full`: gpuguard's whole body, not the taint alone: the label gpuguard.io/quarantined=true (which
+        the other agents' budget watches select, so the write is sent to each of them), the annotations
+        and the cordon."""
+        taints = [*others, {"key": TAINT_KEY, "value": "xid-79", "effect": "NoSchedule"}]
+        if not full:
+            self._patch(node, {"spec": {"taints": taints}})
+            return
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self._patch(
+            node,
+            {
+                "metadata": {
+                    "labels": {"gpuguard.io/quarantined": "true"},
+                    "annotations": {
+                        "gpuguard.io/reason": "xid-79: GPU has fallen off the bus (GPU 0, GPU-bench-000)",
+                        "gpuguard.io/since": since,
+                        "gpuguard.io/boot-id": "boot-0",
+                        "gpuguard.io/faults": "xid-79/GPU-bench-000",
+                        "gpuguard.io/cordoned": "true",
+                    },
+                },
+                "spec": {"taints": taints, "unschedulable": True},
+            },
+        )
 
-    def untaint(self, node: str, others: list[dict[str, str]]) -> None:
-        self._patch(node, others)
+    def untaint(self, node: str, others: list[dict[str, str]], *, full: bool = False) -> None:
+        if not full:
+            self._patch(node, {"spec": {"taints": others}})
+            return
+        keys = (
+            "gpuguard.io/reason",
+            "gpuguard.io/since",
+            "gpuguard.io/boot-id",
+            "gpuguard.io/faults",
+            "gpuguard.io/cordoned",
+        )
+        self._patch(
+            node,
+            {
+                "metadata": {
+                    "labels": {"gpuguard.io/quarantined": None},
+                    "annotations": dict.fromkeys(keys),
+                },
+                "spec": {"taints": others, "unschedulable": None},
+            },
+        )
 
     def close(self) -> None:
         self._conn.close()
