@@ -11,7 +11,6 @@ on a node whose slices publish GPUs (no rule can be made elsewhere), on the vers
 
 from __future__ import annotations
 
-import random
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +25,6 @@ from gpuguard.node.listwatch import ListWatch
 log = structlog.get_logger("gpuguard.node.devices")
 
 SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_NODE}"
-_BACKOFF_MAX = 60.0
 
 
 class WatchedRules:
@@ -87,44 +85,15 @@ class WatchedRules:
         self._found.set()
 
     def _loop(self) -> None:
-        backoff = 1.0
-        rv: str | None = None
-        broken, announce = False, True
-        while not self._stop.is_set():
-            if not self._found.is_set():
-                # No GPUs of this node in the slices yet: nothing to watch, no request and no wake-up of
-                # ours until a read finds them (or stop()).
-                self._found.wait()
-                continue
-            path = self._path()
-            if path is None:
-                # The read found no version serving the rules: wait for the next read that finds GPUs.
-                self._found.clear()
-                continue
-            try:
-                if rv is None:
-                    rv = self._watched.list(path)
-                rv = self._watched.watch(
-                    path, rv, stop=self._stop, established=self._established(announce or broken)
-                )
-                backoff = 1.0
-                broken = announce = False
-            except NodeUpdateError as exc:
-                self._watched.broken()  # the source's lists until the watch is back
-                if not broken:
-                    broken = True
-                    log.warning(
-                        "device.watch_broken", node=self._node, error=str(exc), note="rules listed per fault"
-                    )
-                rv = None if exc.status in (404, 410) else rv
-                if exc.status == 404:
-                    self._found.clear()  # not served (any more) in this version: wait for the next read
-                self._stop.wait(random.uniform(0.5, 1.0) * backoff)  # noqa: S311 - jitter, not crypto
-                backoff = min(backoff * 2, _BACKOFF_MAX)
+        # Gated by `found`: no GPUs of this node in the slices yet, or no version serving the rules, is
+        # nothing to watch (no request, no wake-up of ours) until a read finds them (or stop()).
+        self._watched.run(
+            self._path, stop=self._stop, watching=self._watching, broken=self._broken, gate=self._found
+        )
 
-    def _established(self, announce: bool) -> Callable[[], None]:
-        def say() -> None:
-            if announce:
-                log.info("device.watching", node=self._node, rules=self._watched.count())
+    def _watching(self) -> None:
+        log.info("device.watching", node=self._node, rules=self._watched.count())
 
-        return say
+    def _broken(self, exc: NodeUpdateError) -> None:
+        # The source's lists until the watch is back (ListWatch.run).
+        log.warning("device.watch_broken", node=self._node, error=str(exc), note="rules listed per fault")

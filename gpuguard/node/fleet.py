@@ -45,9 +45,6 @@ _NODES = "/api/v1/nodes"
 # times the percentage.
 COUNT_REFRESH = 3600.0
 COUNT_SECONDS_PER_NODE = 1.0
-# After a failed list or watch: waits from 1 s doubling to 60 s, so that a restarted API server is not met
-# by every agent at once.
-_BACKOFF_MAX = 60.0
 
 
 class WatchedBudget:
@@ -156,42 +153,17 @@ class WatchedBudget:
         self._wake.set()
 
     def _watch_loop(self) -> None:
-        backoff = 1.0
-        rv: str | None = None
-        broken, announce = False, True
-        while not self._stop.is_set():
-            try:
-                if rv is None:
-                    rv = self._watched.list(_NODES)
-                rv = self._watched.watch(
-                    _NODES, rv, stop=self._stop, established=self._established(announce or broken)
-                )
-                backoff = 1.0
-                broken = announce = False
-            except NodeUpdateError as exc:
-                self._watched.broken()  # the fallback's lists until the watch is back
-                if not broken:
-                    broken = True
-                    log.warning(
-                        "fleet.watch_broken", node=self._node, error=str(exc), note="budget listed per fault"
-                    )
-                rv = None if exc.status == 410 else rv
-                self._stop.wait(random.uniform(0.5, 1.0) * backoff)  # noqa: S311 - jitter, not crypto
-                backoff = min(backoff * 2, _BACKOFF_MAX)
+        self._watched.run(lambda: _NODES, stop=self._stop, watching=self._watching, broken=self._broken)
 
-    def _established(self, announce: bool) -> Callable[[], None]:
+    def _watching(self) -> None:
         """`fleet.watching` once a watch is established at start, and after a broken one."""
+        log.info(
+            "fleet.watching", node=self._node, selector=self._selector, quarantined=self._watched.count()
+        )
 
-        def say() -> None:
-            if announce:
-                log.info(
-                    "fleet.watching",
-                    node=self._node,
-                    selector=self._selector,
-                    quarantined=self._watched.count(),
-                )
-
-        return say
+    def _broken(self, exc: NodeUpdateError) -> None:
+        # The fallback's lists until the watch is back (ListWatch.run).
+        log.warning("fleet.watch_broken", node=self._node, error=str(exc), note="budget listed per fault")
 
     def _validate(self) -> None:
         """Validate the claims now, on the watch's thread: `OtherNodes` remembers the valid ones by item, so

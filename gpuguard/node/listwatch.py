@@ -1,8 +1,8 @@
 """One collection of the API server kept in memory, the way gpuguard's budget reads the fleet: a list, then a
 watch from its resourceVersion (with bookmarks, for `kubeapi.WATCH_SECONDS`), resumed from the last
-resourceVersion when the server ends it, listed again after 410 Gone. `fleet.WatchedBudget` keeps the
-quarantined nodes in one, `devicewatch.WatchedRules` gpuguard's DeviceTaintRules; each runs its own thread
-around `list` and `watch` (when to start, how to back off, what to log).
+resourceVersion when the server ends it, listed again after 410 Gone, with a backoff after a failure
+(`run`, a thread's body). `fleet.WatchedBudget` keeps the quarantined nodes in one, `devicewatch.WatchedRules`
+gpuguard's DeviceTaintRules; each says what to log and, for the rules, when there is something to watch.
 
 Items are kept by name, as the API server sent them (each event replaces an item whole, so an item object
 never changes: callers may remember what they derived from one by identity).
@@ -17,6 +17,10 @@ from typing import Any
 
 from gpuguard import kubeapi
 from gpuguard.errors import NodeUpdateError
+
+# After a failed list or watch: waits from 1 s doubling to 60 s (jittered), so that a restarted API server is
+# not met by every agent at once.
+_BACKOFF_MAX = 60.0
 
 
 class ListWatch:
@@ -134,3 +138,56 @@ class ListWatch:
             if stop.is_set():
                 break
         return rv
+
+    def run(
+        self,
+        path: Callable[[], str | None],
+        *,
+        stop: threading.Event,
+        watching: Callable[[], None],
+        broken: Callable[[NodeUpdateError], None],
+        gate: threading.Event | None = None,
+    ) -> None:
+        """A thread's body until `stop` is set: list, then watch and resume from the last resourceVersion,
+        listing again after 410. After a failure the collection is not synced (callers answer from their
+        lists meanwhile) and the next try waits the backoff. `watching`: called when a watch is established
+        at start and after a failure; `broken`: once per failure, until a watch is established again.
+
+        `gate`, for a collection that may not be served: nothing is listed or watched (no request, no
+        wake-up) until it is set; `path()` None (no version serves it) or a 404 clears it, to wait for the
+        next set. Without a gate `path()` always names the collection."""
+        backoff = 1.0
+        rv: str | None = None
+        failing, announce = False, True
+        while not stop.is_set():
+            if gate is not None and not gate.is_set():
+                gate.wait()
+                continue
+            where = path()
+            if where is None:
+                if gate is not None:
+                    gate.clear()
+                continue
+            tell = announce or failing
+            try:
+                if rv is None:
+                    rv = self.list(where)
+                rv = self.watch(where, rv, stop=stop, established=watching if tell else _nothing)
+                backoff = 1.0
+                failing = announce = False
+            except NodeUpdateError as exc:
+                self.broken()
+                if not failing:
+                    failing = True
+                    broken(exc)
+                if exc.status == 410:
+                    rv = None
+                elif exc.status == 404 and gate is not None:
+                    rv = None
+                    gate.clear()  # not served (any more) in this version: wait for the next set
+                stop.wait(random.uniform(0.5, 1.0) * backoff)  # noqa: S311 - jitter, not crypto
+                backoff = min(backoff * 2, _BACKOFF_MAX)
+
+
+def _nothing() -> None:
+    pass
