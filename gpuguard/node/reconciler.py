@@ -98,7 +98,6 @@ class NodeReconciler:
         self._thread: threading.Thread | None = None
         self._node: NodeView | None = None
         self._status = NodeStatus()
-        self._attempted = False  # a first reconcile has run to its end (NodeStatus.reconciled)
         self._api_down = False
         self._rejected: tuple[str, float] | None = None
         self._override_logged: frozenset[str] = frozenset()
@@ -206,11 +205,10 @@ class NodeReconciler:
         except PermanentApiError as exc:
             self._reject(str(exc))
         finally:
-            if not self._attempted and self._node is not None:
+            if not self._status.reconciled and self._node is not None:
                 # The first reconcile is over (its device reads, writes, condition and Event too, or their
                 # failure): /readyz may say so. Not at the first read: a rollout would count a node ready
                 # whose agent has not yet done its first reconcile.
-                self._attempted = True
                 self._status = replace(self._status, reconciled=True)
             with self._cond:
                 self._settled = sig if settled else None
@@ -350,7 +348,7 @@ class NodeReconciler:
         self._status = NodeStatus(
             tainted=node.our_taint is not None,
             cordoned=node.unschedulable,
-            reconciled=self._attempted,
+            reconciled=self._status.reconciled,  # set once, at the end of the first reconcile
             deferred=node.deferred,
             gpus=self.devices.quarantined if self.devices is not None else (),
         )
