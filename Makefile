@@ -14,7 +14,7 @@ ifneq ($(VENV_OK),yes)
 $(shell rm -rf $(VENV))
 endif
 
-.PHONY: install run test e2e unit lint fakenvml testenv testenv-oldest kwok karpenter helm promtool image kube-up kube-down kube-status bench fleet-bench gpu-smoke clean
+.PHONY: install run test builds e2e unit lint lint-code fakenvml testenv testenv-oldest kwok karpenter helm promtool image kube-up kube-down kube-status bench fleet-bench gpu-smoke clean
 
 install: $(STAMP)
 
@@ -89,10 +89,20 @@ kube-down: install
 kube-status: install
 	$(BIN)/python hack/testenv/controlplane.py status
 
-# Unit tests, the nvml backend through the fake library, and the integration tests against a real
-# etcd + kube-apiserver that the test session starts on 127.0.0.1 and stops again.
-test: install fakenvml testenv testenv-oldest kwok karpenter helm promtool image
+# The linters on the code first (a style or typing regression fails in a minute, before the builds), then
+# every pinned build (hack/build-all.sh), the chart's lint, and the tests: unit tests, the nvml backend
+# through the fake library, and the integration tests against a real etcd + kube-apiserver that the test
+# session starts on 127.0.0.1 and stops again.
+test: install fakenvml
+	$(MAKE) --no-print-directory lint-code
+	hack/build-all.sh
+	"$$(hack/helm/build.sh)" lint --strict deploy/helm/gpuguard
 	$(BIN)/python -m pytest -q
+
+# Every pinned build the tests use (Kubernetes twice, etcd, kwok, Karpenter, Helm 4 and 3, promtool, the
+# image), each timed; one shared Go module and build cache (hack/lib/gobuild.sh).
+builds:
+	hack/build-all.sh
 
 # The burst scale-out end to end (bench/burst.py): 40 + 12 kwok GPU nodes, 2 -> 340 replicas, faults mid-burst,
 # for gpuguard, the seed design and no agent on the real scheduler and controller-manager; prints the table.
@@ -126,12 +136,15 @@ fleet-bench: install testenv
 gpu-smoke: install
 	$(BIN)/python hack/gpu_smoke.py
 
-lint: install
+# The code's linters (ruff, mypy --strict, the import contracts, hadolint); `make lint` adds the chart's.
+lint-code: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/hadolint Dockerfile
+
+lint: lint-code
 	"$$(hack/helm/build.sh)" lint --strict deploy/helm/gpuguard
 
 # Everything made in the clone, .venv included; the per-user caches (~/.cache/gpuguard) stay.

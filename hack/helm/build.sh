@@ -52,7 +52,7 @@ CACHE="$CACHE_ROOT/$HELM_VERSION"
 BIN="$CACHE/helm"
 
 cached_or_lock "$BIN" "$CACHE"
-go_private_env "$CACHE"
+go_shared_env "$CACHE"
 
 # What helm's own Makefile sets for a tagged release (minus the git commit, which the module
 # proxy does not carry): `helm version` then reports the pinned version.

@@ -39,8 +39,8 @@ CACHE="${GPUGUARD_KARPENTER_CACHE:-$(gpuguard_cache_root)/karpenter}/$KARPENTER_
 BIN="$CACHE/karpenter-kwok"
 
 cached_or_lock "$BIN" "$CACHE"
-go_private_env "$CACHE"
-# After go_private_env (which pins the installed Go): this module needs a newer one, taken from the proxy.
+go_shared_env "$CACHE"
+# After go_shared_env (which pins the installed Go): this module needs a newer one, taken from the proxy.
 export GOTOOLCHAIN="$TOOLCHAIN"
 
 tmp=$(mktemp -d "$CACHE/install.XXXXXX")

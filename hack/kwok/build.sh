@@ -33,7 +33,7 @@ CACHE="${GPUGUARD_KWOK_CACHE:-$(gpuguard_cache_root)/kwok}/$KWOK_VERSION"
 BIN="$CACHE/kwok"
 
 cached_or_lock "$BIN" "$CACHE"
-go_private_env "$CACHE"
+go_shared_env "$CACHE"
 
 tmp=$(mktemp -d "$CACHE/install.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT

@@ -32,17 +32,26 @@ cache_lock() {
     fi
 }
 
-# go_private_env DIR: a private GOPATH/GOMODCACHE/GOCACHE under DIR, so the build never depends on, or
-# pollutes, the user's Go caches (-modcacherw keeps it deletable with rm -rf); static binaries; the
-# installed Go toolchain only; no workspace.
-go_private_env() {
+# go_shared_env DIR: the Go environment of every pinned build. One module cache and one build cache for
+# all of them, under $(gpuguard_cache_root)/go/: Go's caches are content-addressed and safe to share across
+# versions, toolchains and concurrent builds, so a module or package that two pins share (client-go,
+# apimachinery, protobuf, grpc, cobra, ... at the same version) is downloaded and compiled once. Separate
+# from the user's own Go caches (the build never depends on, or pollutes, them); -modcacherw keeps the module
+# cache deletable with rm -rf. Static binaries, the installed Go toolchain only, no workspace. DIR is the
+# build's own cache directory: the private gopath/ and gocache/ that earlier layouts kept there (several GB
+# each) are removed.
+go_shared_env() {
     command -v go >/dev/null || {
         echo "build.sh: 'go' not found in PATH (Go >= 1.26 is needed)" >&2
         exit 1
     }
-    export GOPATH="$1/gopath"
-    export GOMODCACHE="$GOPATH/pkg/mod"
-    export GOCACHE="$1/gocache"
+    local shared
+    shared="$(gpuguard_cache_root)/go"
+    mkdir -p "$shared"
+    rm -rf "$1/gopath" "$1/gocache"
+    export GOPATH="$shared/path"
+    export GOMODCACHE="$shared/mod"
+    export GOCACHE="$shared/build"
     export GOTOOLCHAIN=local
     export CGO_ENABLED=0
     export GOFLAGS="-buildvcs=false -modcacherw"

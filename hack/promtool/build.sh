@@ -35,7 +35,7 @@ CACHE="$CACHE_ROOT/$PROMETHEUS_VERSION"
 BIN="$CACHE/promtool"
 
 cached_or_lock "$BIN" "$CACHE"
-go_private_env "$CACHE"
+go_shared_env "$CACHE"
 
 # What Prometheus's .promu.yml sets for a release (minus revision/branch/user, which the proxy does not carry).
 ldflags="-s -w -X github.com/prometheus/common/version.Version=${PROMETHEUS_VERSION#v}"

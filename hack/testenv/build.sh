@@ -101,7 +101,7 @@ if [[ $force == 0 && $regenerate == 0 ]] && binaries_present &&
     exit 0
 fi
 
-go_private_env "$CACHE"
+go_shared_env "$CACHE"
 command -v python3 >/dev/null || {
     echo "build.sh: 'python3' not found in PATH" >&2
     exit 1
