@@ -9,9 +9,8 @@
 # helm's own go.mod/go.sum at that tag (checked against sum.golang.org), so no wrapper module is
 # needed: the pinned version below pins the whole dependency graph.
 #
-# Everything (binary, module cache, build cache) lives in
-#   ${GPUGUARD_CACHE:-~/.cache/gpuguard}/helm/<HELM_VERSION>/
-# and a second run only checks that the binary is there and prints its path. The binary is
+# The binary lives in ${GPUGUARD_CACHE:-~/.cache/gpuguard}/helm/<HELM_VERSION>/ (the module and build
+# caches are the ones all pinned builds share: hack/lib/gobuild.sh), and a second run only checks that the binary is there and prints its path. The binary is
 # installed under a temporary name and renamed, so an interrupted build never leaves a
 # half-written helm behind; changing HELM_VERSION builds into a new directory.
 #

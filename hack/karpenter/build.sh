@@ -12,8 +12,8 @@
 # Karpenter's own go.mod/go.sum at that tag (no replace directives). Karpenter v1.15.0's go.mod names
 # go 1.26.9, newer than the machines' Go, so the build runs with GOTOOLCHAIN=KARPENTER_GO_TOOLCHAIN
 # (hack/testenv/versions.env): the go command fetches that toolchain from the Go module proxy, like a module,
-# into this build's private module cache; nothing else uses it.
-# Everything lives in ${GPUGUARD_CACHE:-~/.cache/gpuguard}/karpenter/<KARPENTER_VERSION>/; the binary appears
+# into the shared module cache (hack/lib/gobuild.sh); only this build runs with it.
+# The binary lives in ${GPUGUARD_CACHE:-~/.cache/gpuguard}/karpenter/<KARPENTER_VERSION>/ (Go caches: shared); it appears
 # only by an atomic rename after its build info named the pinned module version, so its presence means a
 # complete build, CRDs included.
 #

@@ -9,7 +9,7 @@
 # Why from source, and how: as hack/helm/build.sh. `go install MODULE/cmd/kwok@VERSION` builds with kwok's
 # own go.mod/go.sum at that tag (no replace directives), so KWOK_VERSION in hack/testenv/versions.env pins
 # the dependency graph.
-# Everything lives in ${GPUGUARD_CACHE:-~/.cache/gpuguard}/kwok/<KWOK_VERSION>/; the binary appears only by an
+# The binary lives in ${GPUGUARD_CACHE:-~/.cache/gpuguard}/kwok/<KWOK_VERSION>/ (Go caches: shared); it appears only by an
 # atomic rename after it reported the pinned version, so its presence means a complete build.
 #
 # stdout: exactly one line, the absolute path of the binary. Progress goes to stderr.

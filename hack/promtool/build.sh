@@ -7,9 +7,8 @@
 # with CGO_ENABLED=0. Prometheus tags its Go module v0.<major*100+minor>.<patch>: v0.316.0 is Prometheus
 # 3.16.0. `go install MODULE/cmd/promtool@VERSION` builds with Prometheus's own go.mod/go.sum at that tag.
 #
-# Everything (binary, module cache, build cache) lives in
-#   ${GPUGUARD_CACHE:-~/.cache/gpuguard}/promtool/<PROMETHEUS_VERSION>/
-# and a second run only checks that the binary is there and prints its path.
+# The binary lives in ${GPUGUARD_CACHE:-~/.cache/gpuguard}/promtool/<PROMETHEUS_VERSION>/ (the module and
+# build caches are the ones all pinned builds share: hack/lib/gobuild.sh), and a second run only checks that the binary is there and prints its path.
 #
 # stdout: exactly one line, the absolute path of the binary. Progress goes to stderr.
 #

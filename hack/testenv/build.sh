@@ -15,9 +15,8 @@
 # whole dependency graph. When versions.env changes, the wrappers are regenerated (commit the new
 # go.mod/go.sum).
 #
-# Everything (binaries, module cache, build cache) lives in
-#   ${GPUGUARD_CACHE:-~/.cache/gpuguard}/testenv/<KUBE_VERSION>-<ETCD_VERSION>/
-# and a second run only checks a stamp file and prints the paths.
+# The binaries live in ${GPUGUARD_CACHE:-~/.cache/gpuguard}/testenv/<KUBE_VERSION>-<ETCD_VERSION>/ (the
+# module and build caches are the ones all pinned builds share: hack/lib/gobuild.sh), and a second run only checks a stamp file and prints the paths.
 #
 # Usage: hack/testenv/build.sh [--oldest] [--force] [--regenerate]
 #   --oldest      the oldest supported Kubernetes instead of the newest
