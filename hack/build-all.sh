@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Every pinned build the tests use, in one go, each timed: what `make test` runs before the tests.
 #
-# Order: the Go builds run one after another (each `go build` already keeps both cores busy, and two builds
-# of the same shared package at once would compile it twice: Go's build cache is shared, not coordinated),
-# newest Kubernetes first, since the builds after it share most of its modules at the same versions
-# (hack/lib/gobuild.sh: one module cache and one build cache for all). The image's base (debootstrap:
-# downloads and unpacking, not compilation) and gpuguard's image run beside them in the background.
-# Each line "build-all: NAME Ns" says how long that build took (0-1 s when it was cached).
+# Two lanes of Go builds run side by side, each lane one build after another: a `go build` keeps both cores
+# busy only while it compiles, and spends much of its time on one core or none (resolving and downloading
+# modules, linking the large Kubernetes binaries), so a second build fills those gaps. The lanes hold about
+# the same CPU time: Kubernetes (newest, then oldest) in one, the smaller tools in the other, helm 4 first
+# (it shares the newest Kubernetes' k8s.io modules at the same version). All share one module cache and one
+# build cache (hack/lib/gobuild.sh): safe for concurrent builds. The image's base (debootstrap: downloads and
+# unpacking) and gpuguard's image run beside them.
+# Each line "build-all: NAME wall Ns, cpu Ns" says how long that build took and the CPU time it used (the
+# figure that does not depend on what else the machine runs); 0-1 s when it was cached.
 #
 # Usage: hack/build-all.sh   (no arguments; each hack/*/build.sh can still be run on its own)
 # Env: GPUGUARD_SKIP_IMAGE=1 leaves the image out (as the image tests do).
@@ -18,14 +21,16 @@ log_dir=$(mktemp -d)
 trap 'rm -rf "$log_dir"' EXIT
 
 timed() {
-    local name=$1 start=$SECONDS
+    local name=$1 rc=0 TIMEFORMAT="%R %U %S"
     shift
-    if ! "$@" >"$log_dir/$name.out" 2>"$log_dir/$name.err"; then
-        echo "build-all: $name failed after $((SECONDS - start)) s:" >&2
+    { time "$@" >"$log_dir/$name.out" 2>"$log_dir/$name.err" || rc=$?; } 2>"$log_dir/$name.time"
+    read -r wall user sys <"$log_dir/$name.time"
+    if ((rc != 0)); then
+        echo "build-all: $name failed after ${wall%.*} s:" >&2
         tail -n 40 "$log_dir/$name.err" >&2
         return 1
     fi
-    echo "build-all: $name $((SECONDS - start)) s" >&2
+    echo "build-all: $name wall ${wall%.*} s, cpu $(python3 -c "print(round($user + $sys))") s" >&2
 }
 
 image_pid=""
@@ -34,17 +39,27 @@ if [[ ${GPUGUARD_SKIP_IMAGE:-0} != 1 && $(id -u) == 0 ]]; then
     image_pid=$!
 fi
 
+lane_kube() {
+    timed kube hack/testenv/build.sh && timed kube-oldest hack/testenv/build.sh --oldest
+}
+lane_tools() {
+    local status=0
+    timed helm4 hack/helm/build.sh || status=1
+    timed kwok hack/kwok/build.sh || status=1
+    timed karpenter hack/karpenter/build.sh || status=1
+    timed helm3 hack/helm/build.sh --v3 || status=1
+    timed promtool hack/promtool/build.sh || status=1
+    return "$status"
+}
+
 total=$SECONDS
 status=0
-timed kube hack/testenv/build.sh || status=1
-timed kwok hack/kwok/build.sh || status=1
-timed karpenter hack/karpenter/build.sh || status=1
-timed helm4 hack/helm/build.sh || status=1
-timed helm3 hack/helm/build.sh --v3 || status=1
-timed promtool hack/promtool/build.sh || status=1
-timed kube-oldest hack/testenv/build.sh --oldest || status=1
+lane_kube &
+kube_pid=$!
+lane_tools || status=1
+wait "$kube_pid" || status=1
 if [[ -n $image_pid ]]; then
     wait "$image_pid" || status=1
 fi
-echo "build-all: all $((SECONDS - total)) s" >&2
+echo "build-all: all wall $((SECONDS - total)) s" >&2
 exit "$status"
