@@ -1081,6 +1081,68 @@ def test_a_wait_can_be_made_to_fail_while_it_blocks(lib_dir: Path, state: Path, 
     assert res["took"] < 1.0 and res["then"] == "NVMLError_Timeout"
 
 
+def test_a_hang_line_blocks_that_call_on_that_gpu_only_until_it_is_removed(lib_dir: Path, state: Path) -> None:
+    write(state, "gpu 0 ecc=1\ngpu 1\nhang nvmlDeviceGetTotalEccErrors gpu=0\n")
+    res = nvml(
+        lib_dir,
+        """
+        import signal
+        signal.signal(signal.SIGUSR2, lambda *a: None)
+        nv.nvmlInit()
+        h0, h1 = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
+        got = []
+        t = threading.Thread(target=lambda: got.append(nv.nvmlDeviceGetTotalEccErrors(h0, 1, 0)), daemon=True)
+        t.start()
+        time.sleep(0.3)
+        signal.pthread_kill(t.ident, signal.SIGUSR2)  # a signal does not end a hung call
+        time.sleep(0.1)
+        hung = t.is_alive()
+        others = [nv.nvmlDeviceGetTotalEccErrors(h1, 1, 0), nv.nvmlDeviceGetUUID(h0), nv.nvmlDeviceGetCount()]
+        write_state("gpu 0 ecc=2\\ngpu 1\\n")
+        t.join(2)
+        out(hung=hung, others=others, returned=not t.is_alive(), got=got)
+        """,
+        state,
+    )
+    assert res == {
+        "hung": True,
+        "others": [0, "GPU-00000000-fake-0000-0000-000000000000", 2],
+        "returned": True,
+        "got": [2],
+    }
+
+
+def test_a_hang_line_stops_a_wait_that_already_blocks_from_returning(lib_dir: Path, state: Path) -> None:
+    write(state, "gpu 0\n")
+    res = nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        s = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(nv.nvmlDeviceGetHandleByIndex(0), XID, s)
+        got = []
+        t = threading.Thread(target=lambda: got.append(err(nv.nvmlEventSetWait_v2, s, 200)), daemon=True)
+        t.start()
+        time.sleep(0.05)
+        write_state("hang nvmlEventSetWait\\n", "append")
+        time.sleep(0.6)
+        hung = t.is_alive()
+        write_state("gpu 0\\nxid 0 79\\n")
+        t.join(2)
+        out(hung=hung, returned=not t.is_alive(), got=got)
+        """,
+        state,
+    )
+    assert res == {"hung": True, "returned": True, "got": [None]}
+
+
+def test_a_malformed_hang_line_is_refused(lib_dir: Path, state: Path) -> None:
+    write(state, "gpu 0\nhang nvmlDeviceGetFoo\n")
+    proc = run_nvml(lib_dir, "out(init=err(nv.nvmlInit))", state)
+    assert results(proc) == {"init": "NVMLError_Unknown"}
+    assert "expected: hang <NVML function> [gpu=<n>]" in proc.stderr
+
+
 def test_ecc_supported_but_disabled_and_no_row_remapping(lib_dir: Path, state: Path) -> None:
     write(state, "gpu 0 ecc_enabled=0 ecc=3 remap_supported=0\n")
     res = nvml(

@@ -96,6 +96,8 @@ _Static_assert(sizeof(nvmlEventData_t) == 32, "nvmlEventData_t layout");
 /* Event types the fake claims to support; Xid, double-bit ECC and recovery-action events are produced. */
 #define SUPPORTED_EVENTS (nvmlEventTypeXidCriticalError | nvmlEventTypePState | nvmlEventTypeClock)
 #define MAX_FAIL_RULES 64
+#define MAX_HANG_RULES 64
+#define HANG_POLL_MS 5               /* how often a hung call looks whether its `hang` line is gone */
 #define ECC_EVENTS (nvmlEventTypeSingleBitEccError | nvmlEventTypeDoubleBitEccError)
 
 static const struct {
@@ -188,6 +190,11 @@ struct config {
         long long count;   /* calls that fail; -1: every call */
         unsigned long sig; /* hash of the line: a rewritten file keeps the rule's progress */
     } fail[MAX_FAIL_RULES];
+    unsigned int nhang;
+    struct hang_rule {
+        char fn[48]; /* NVML function, without a _vN suffix */
+        int gpu;     /* -1: any */
+    } hang[MAX_HANG_RULES];
 };
 
 /* Identity of one version of the state file, to notice edits cheaply. */
@@ -559,6 +566,57 @@ static bool fail_function_known(const char *fn)
     return false;
 }
 
+static bool hang_function_known(const char *fn)
+{
+    return fail_function_known(fn) || strcmp(fn, "nvmlInit") == 0;
+}
+
+/* Whether a `hang` line names this call (caller holds g_mu). */
+static bool hang_matches_locked(const char *fn, int gpu)
+{
+    if (!g_cfg)
+        return false;
+    for (unsigned int i = 0; i < g_cfg->nhang; i++) {
+        const struct hang_rule *h = &g_cfg->hang[i];
+        if (strcmp(h->fn, fn) == 0 && (h->gpu < 0 || h->gpu == gpu))
+            return true;
+    }
+    return false;
+}
+
+static void refresh_locked(bool force);
+
+/*
+ * A call a `hang` line names blocks here, without the lock (other calls and
+ * other GPUs go on), until the line is removed: like a driver call that
+ * never returns. Signals do not end it (a hung ioctl does not return on one).
+ */
+static void hang_point(const char *fn, int gpu)
+{
+    for (;;) {
+        pthread_mutex_lock(&g_mu);
+        bool hang = false;
+        if (g_refcount > 0 && g_cfg) {
+            refresh_locked(false);
+            hang = hang_matches_locked(fn, gpu);
+        }
+        pthread_mutex_unlock(&g_mu);
+        if (!hang)
+            return;
+        struct timespec ts = {0, HANG_POLL_MS * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* The GPU index a device handle stands for (-1: not one of ours); no lock needed. */
+static int handle_gpu(nvmlDevice_t device)
+{
+    uintptr_t p = (uintptr_t)device, base = (uintptr_t)g_dev;
+    if (p < base || p >= base + sizeof(g_dev) || (p - base) % sizeof(g_dev[0]) != 0)
+        return -1;
+    return (int)((p - base) / sizeof(g_dev[0]));
+}
+
 /* An injected error for this call (caller holds g_mu and g_cfg is set), or NVML_SUCCESS. */
 static nvmlReturn_t injected_locked(const char *fn, int gpu)
 {
@@ -708,6 +766,28 @@ static bool parse_state(const char *buf, size_t len, struct config *c, struct pa
             for (size_t i = 0; i < l; i++)
                 f->sig = f->sig * 33 + (unsigned char)buf[off + i];
             c->nfail++;
+        } else if (strcmp(tok[0], "hang") == 0) {
+            struct hang_rule *h = &c->hang[c->nhang];
+            if (c->nhang == MAX_HANG_RULES) {
+                ok = parse_fail(e, line, off, l, "more than %d hang lines", MAX_HANG_RULES);
+                continue;
+            }
+            if (n < 2 || n > 3 || !hang_function_known(tok[1])) {
+                ok = parse_fail(e, line, off, l, "expected: hang <NVML function> [gpu=<n>]");
+                continue;
+            }
+            snprintf(h->fn, sizeof(h->fn), "%s", tok[1]);
+            h->gpu = -1;
+            unsigned long long v;
+            if (n == 3) {
+                if (strncmp(tok[2], "gpu=", 4) == 0 && parse_uint(tok[2] + 4, MAX_GPUS - 1, &v))
+                    h->gpu = (int)v;
+                else {
+                    ok = parse_fail(e, line, off, l, "bad hang option '%s'", tok[2]);
+                    continue;
+                }
+            }
+            c->nhang++;
         } else {
             ok = parse_fail(e, line, off, l, "unknown keyword '%s'", tok[0]);
         }
@@ -1140,7 +1220,12 @@ static nvmlReturn_t init_locked(void)
 nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
 {
     (void)flags; /* NO_GPUS/NO_ATTACH/FORCE_INIT change nothing here */
-    LOCKED(init_locked());
+    pthread_mutex_lock(&g_mu);
+    nvmlReturn_t r = init_locked();
+    pthread_mutex_unlock(&g_mu);
+    if (r == NVML_SUCCESS)
+        hang_point("nvmlInit", -1);
+    return r;
 }
 
 nvmlReturn_t nvmlInit_v2(void)
@@ -1200,6 +1285,7 @@ static nvmlReturn_t driver_version_locked(char *version, unsigned int length)
 
 nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length)
 {
+    hang_point("nvmlSystemGetDriverVersion", -1);
     LOCKED(driver_version_locked(version, length));
 }
 
@@ -1219,6 +1305,7 @@ static nvmlReturn_t count_locked(unsigned int *deviceCount)
 
 nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount)
 {
+    hang_point("nvmlDeviceGetCount", -1);
     LOCKED(count_locked(deviceCount));
 }
 
@@ -1247,6 +1334,7 @@ static nvmlReturn_t handle_by_index_locked(unsigned int index, nvmlDevice_t *dev
 
 nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
 {
+    hang_point("nvmlDeviceGetHandleByIndex", index < MAX_GPUS ? (int)index : -1);
     LOCKED(handle_by_index_locked(index, device));
 }
 
@@ -1278,6 +1366,7 @@ static nvmlReturn_t handle_by_uuid_locked(const char *uuid, nvmlDevice_t *device
 
 nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
 {
+    hang_point("nvmlDeviceGetHandleByUUID", -1);
     LOCKED(handle_by_uuid_locked(uuid, device));
 }
 
@@ -1295,6 +1384,7 @@ static nvmlReturn_t index_locked(nvmlDevice_t device, unsigned int *index)
 
 nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
 {
+    hang_point("nvmlDeviceGetIndex", handle_gpu(device));
     LOCKED(index_locked(device, index));
 }
 
@@ -1312,11 +1402,13 @@ static nvmlReturn_t string_query_locked(nvmlDevice_t device, char *buf, unsigned
 
 nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
 {
+    hang_point("nvmlDeviceGetUUID", handle_gpu(device));
     LOCKED(string_query_locked(device, uuid, length, true));
 }
 
 nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
 {
+    hang_point("nvmlDeviceGetName", handle_gpu(device));
     LOCKED(string_query_locked(device, name, length, false));
 }
 
@@ -1354,11 +1446,13 @@ static nvmlReturn_t pci_locked(nvmlDevice_t device, void *out, bool v3)
 
 nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
 {
+    hang_point("nvmlDeviceGetPciInfo", handle_gpu(device));
     LOCKED(pci_locked(device, pci, true));
 }
 
 nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfo_t *pci)
 {
+    hang_point("nvmlDeviceGetPciInfo", handle_gpu(device));
     LOCKED(pci_locked(device, pci, false));
 }
 
@@ -1386,6 +1480,7 @@ static nvmlReturn_t ecc_mode_locked(nvmlDevice_t device, nvmlEnableState_t *curr
 nvmlReturn_t nvmlDeviceGetEccMode(nvmlDevice_t device, nvmlEnableState_t *current,
                                   nvmlEnableState_t *pending)
 {
+    hang_point("nvmlDeviceGetEccMode", handle_gpu(device));
     LOCKED(ecc_mode_locked(device, current, pending));
 }
 
@@ -1411,6 +1506,7 @@ nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, nvmlMemoryErrorTyp
                                          nvmlEccCounterType_t counterType,
                                          unsigned long long *eccCounts)
 {
+    hang_point("nvmlDeviceGetTotalEccErrors", handle_gpu(device));
     LOCKED(total_ecc_locked(device, errorType, counterType, eccCounts));
 }
 
@@ -1437,6 +1533,7 @@ nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRo
                                        unsigned int *uncRows, unsigned int *isPending,
                                        unsigned int *failureOccurred)
 {
+    hang_point("nvmlDeviceGetRemappedRows", handle_gpu(device));
     LOCKED(remapped_locked(device, corrRows, uncRows, isPending, failureOccurred));
 }
 
@@ -1473,6 +1570,7 @@ static nvmlReturn_t field_values_locked(nvmlDevice_t device, int valuesCount,
 nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount,
                                       nvmlFieldValue_t *values)
 {
+    hang_point("nvmlDeviceGetFieldValues", handle_gpu(device));
     LOCKED(field_values_locked(device, valuesCount, values));
 }
 
@@ -1500,6 +1598,7 @@ static nvmlReturn_t supported_events_locked(nvmlDevice_t device, unsigned long l
 
 nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *eventTypes)
 {
+    hang_point("nvmlDeviceGetSupportedEventTypes", handle_gpu(device));
     LOCKED(supported_events_locked(device, eventTypes));
 }
 
@@ -1525,6 +1624,7 @@ static nvmlReturn_t set_create_locked(nvmlEventSet_t *set)
 
 nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
 {
+    hang_point("nvmlEventSetCreate", -1);
     LOCKED(set_create_locked(set));
 }
 
@@ -1552,6 +1652,7 @@ static nvmlReturn_t register_locked(nvmlDevice_t device, unsigned long long even
 nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes,
                                       nvmlEventSet_t set)
 {
+    hang_point("nvmlDeviceRegisterEvents", handle_gpu(device));
     LOCKED(register_locked(device, eventTypes, set));
 }
 
@@ -1596,6 +1697,13 @@ static nvmlReturn_t wait_impl(nvmlEventSet_t set, nvmlEventData_t *data, legacy_
         r = injected_locked("nvmlEventSetWait", -1);
         if (r != NVML_SUCCESS)
             break;
+        if (hang_matches_locked("nvmlEventSetWait", -1)) {
+            /* A wait that hangs ignores its timeout and signals, as a stuck driver would. */
+            pthread_mutex_unlock(&g_mu);
+            hang_point("nvmlEventSetWait", -1);
+            pthread_mutex_lock(&g_mu);
+            continue;
+        }
 
         struct event *e = s->queue.head;
         if (e) {
