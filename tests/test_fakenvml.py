@@ -1081,7 +1081,7 @@ def test_a_wait_can_be_made_to_fail_while_it_blocks(lib_dir: Path, state: Path, 
     assert res["took"] < 1.0 and res["then"] == "NVMLError_Timeout"
 
 
-def test_a_hang_line_blocks_that_call_on_that_gpu_only_until_it_is_removed(lib_dir: Path, state: Path) -> None:
+def test_a_hang_line_blocks_that_call_on_that_gpu_until_it_is_removed(lib_dir: Path, state: Path) -> None:
     write(state, "gpu 0 ecc=1\ngpu 1\nhang nvmlDeviceGetTotalEccErrors gpu=0\n")
     res = nvml(
         lib_dir,
