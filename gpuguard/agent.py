@@ -42,6 +42,7 @@ class Agent:
         state: StateStore | None = None,
         flap_window: float = 600.0,
         library_wait: float | None = None,
+        call_wait: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], datetime] = lambda: datetime.now(UTC),
         stop: threading.Event | None = None,
@@ -57,6 +58,10 @@ class Agent:
         self._state = state
         self._flap_window = flap_window
         self._library_wait = library_wait
+        # The longest a check waits on one NVML call before it reports the call as hung: the loop is alive
+        # while it waits.
+        self._call_wait = call_wait
+        self._stuck_calls: tuple[str, ...] = ()
         self._library_seen = False
         # Set when the loop stopped because libnvidia-ml.so.1 never became loadable (the CLI exits 3).
         self.no_library = False
@@ -126,6 +131,7 @@ class Agent:
         t0 = self._clock()
         snapshot = self._backend.snapshot()
         self._check_library(snapshot.init_error)
+        self._note_stuck(snapshot.stuck_calls)
         previous = self._verdict
         verdict = self._evaluate(snapshot, previous or self._restored)
         self._streak = self._streak + 1 if verdict.healthy else 0
@@ -146,6 +152,7 @@ class Agent:
         self._reconciler.submit(verdict, self._streak, flapping=flapping, gpu_streaks=self._gpu_streaks)
         if self._metrics is not None:
             self._metrics.observe_check(verdict, duration=now - t0, wall=self._last_check_wall.timestamp())
+            self._metrics.observe_stuck(len(snapshot.stuck_calls))
             node = self._reconciler.status
             self._metrics.observe_node(
                 1 if node.tainted and not node.deferred else 0,
@@ -175,7 +182,7 @@ class Agent:
     def status(self) -> AgentStatus:
         node = self._reconciler.status
         reference = self._last_check if self._last_check is not None else self._started
-        alive = self._clock() - reference <= STALL_INTERVALS * self._interval
+        alive = self._clock() - reference <= STALL_INTERVALS * self._interval + self._call_wait
         return AgentStatus(
             alive=alive,
             ready=self._last_check is not None and node.reconciled,
@@ -186,7 +193,14 @@ class Agent:
             dry_run=self._dry_run,
             last_check=self._last_check_wall,
             gpu_quarantines=node.gpus,
+            nvml_stuck_calls=self._stuck_calls,
         )
+
+    def _note_stuck(self, stuck: tuple[str, ...]) -> None:
+        """One line when the set of NVML calls stuck past their deadline changes (the backend logs each)."""
+        if stuck != self._stuck_calls:
+            (log.warning if stuck else log.info)("nvml.stuck_calls", node=self._log_node, calls=list(stuck))
+        self._stuck_calls = stuck
 
     def _check_library(self, init_error: str | None) -> None:
         """Stop the loop when the NVML library has not been loadable for `library_wait` seconds since start:

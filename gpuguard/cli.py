@@ -298,6 +298,13 @@ def cli() -> None:
     help="Seconds to wait for a loadable libnvidia-ml.so.1 at start, then exit 3 so kubelet restarts "
     "the container (the container toolkit injects the library at container start).",
 )
+@_opt(
+    "--nvml-call-timeout",
+    type=float,
+    default=5.0,
+    hidden=True,
+    help="Seconds one NVML call may take before its GPU (or the node) is reported unresponsive.",
+)
 def watch(**kw: Any) -> int:
     """Watch the GPUs and keep this node's taint in line with their health (the DaemonSet's command)."""
     cfg = _config(kw, watch=True)
@@ -500,6 +507,7 @@ def _config(kw: dict[str, Any], *, watch: bool) -> Config:
         interval=kw["interval"],
         run_for=kw["run_for"],
         nvml_load_timeout=kw["nvml_load_timeout"],
+        nvml_call_timeout=kw["nvml_call_timeout"],
         # A mock run keeps no state in the host's directory unless told to: its made-up faults must never
         # be restored by a later real run on that host.
         state_dir=(kw["state_dir"] or None) if kw["backend"] != "mock" or _given("state_dir") else None,

@@ -157,6 +157,9 @@ class Config:
     """Seconds `watch` waits for libnvidia-ml.so.1 to become loadable before it exits 3. The NVIDIA container
     toolkit injects the library only when a container starts: an agent that started before the driver
     (GPU Operator) must be restarted by kubelet to get it. 30 s rides out nothing else worth waiting for."""
+    nvml_call_timeout: float = 5.0
+    """Seconds one NVML call may take before its GPU (or the node) is reported unresponsive
+    (gpuguard.nvml.real.deadline says why 5)."""
     log_format: str = "auto"
     policy: PolicySettings = field(default_factory=PolicySettings)
     node: NodeSettings = field(default_factory=NodeSettings)
@@ -188,6 +191,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("--run-for must be > 0")
     if not 0 < cfg.nvml_load_timeout <= 3600:  # NaN fails this too
         raise ConfigError("--nvml-load-timeout must be between 0 and 3600 seconds")
+    if not 0 < cfg.nvml_call_timeout <= 60:  # NaN fails this too
+        raise ConfigError("--nvml-call-timeout must be between 0 and 60 seconds")
     if cfg.log_format not in ("auto", "json", "console"):
         raise ConfigError("--log-format must be json or console")
     p = cfg.policy

@@ -108,6 +108,13 @@ class Metrics:
             "Unix time of the last completed check.",
             registry=registry,
         )
+        self.nvml_stuck = Gauge(
+            "gpuguard_nvml_stuck_calls",
+            "NVML calls that have not returned within their deadline and are still in flight (one stuck "
+            "thread each; the GPU is gpu-unresponsive, or the node nvml-unresponsive).",
+            registry=registry,
+        )
+        self._stuck_value = 0
         self.build = Info("gpuguard_build", "gpuguard build information.", registry=registry)
         self.build.info({"version": __version__})
         self._gpu_values: dict[tuple[str, str], tuple[int, int, int | None]] = {}
@@ -125,6 +132,11 @@ class Metrics:
             ]:
                 gpu = "" if x.gpu_index is None else str(x.gpu_index)
                 self.xids.labels(gpu, x.uuid or "", str(x.code), ignored).inc()
+
+    def observe_stuck(self, calls: int) -> None:
+        if calls != self._stuck_value:
+            self._stuck_value = calls
+            self.nvml_stuck.set(calls)
 
     def observe_node(
         self, quarantined: int, deferred: int, gpus_quarantined: int, gpus_deferred: int = 0

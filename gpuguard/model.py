@@ -21,6 +21,9 @@ NVML_INIT = "nvml-init"
 RESET_REQUIRED = "reset-required"
 # Every query on a GPU failed for several checks in a row, or NVML counts a GPU it cannot identify.
 GPU_UNREADABLE = "gpu-unreadable"
+# An NVML call on the GPU, or a node-wide one, has not returned within its deadline (nvml.real.deadline).
+GPU_UNRESPONSIVE = "gpu-unresponsive"
+NVML_UNRESPONSIVE = "nvml-unresponsive"
 # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (nvmlDeviceGpuRecoveryAction_t): value -> the name in the reason.
 RECOVERY_ACTIONS = {
     0: "none",
@@ -71,6 +74,9 @@ class GpuReading:
     # Whether the backend is registered for this GPU's Xid events right now, and if not, why.
     xid_watched: bool = True
     xid_watch_note: str = ""
+    # An NVML call on this GPU has not returned within its deadline (what, which deadline); the other values
+    # are the last ones read.
+    unresponsive: str | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,11 @@ class Snapshot:
     # GPUs NVML counts but could not identify this pass (no handle or no UUID): (index, NVML error).
     # They never enter the inventory under a made-up name; persistently unidentified, they are a fault.
     unidentified: tuple[tuple[int, str], ...] = ()
+    # A node-wide NVML call (init, the device count) has not returned within its deadline; the readings are
+    # the last ones.
+    unresponsive: str | None = None
+    # NVML calls past their deadline and still in flight (one stuck thread each), for /healthz and metrics.
+    stuck_calls: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -206,3 +217,5 @@ class AgentStatus:
     # (neither: faults of one GPU get the node taint), "unknown" (not listed yet); None: not looked for
     # (--quarantine node, or a dry run without a cluster).
     device_taint_api: str | None = None
+    # NVML calls past their deadline and still in flight (Snapshot.stuck_calls of the last check).
+    nvml_stuck_calls: tuple[str, ...] = ()

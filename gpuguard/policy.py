@@ -16,9 +16,10 @@ from gpuguard.model import (
     GPU_LOST,
     GPU_MISSING,
     GPU_UNREADABLE,
+    GPU_UNRESPONSIVE,
     NVML_INIT,
+    NVML_UNRESPONSIVE,
     RECOVERY_ACTIONS,
-    RECOVERY_PREFIX,
     RESET_REQUIRED,
     ROW_REMAP,
     Fault,
@@ -30,39 +31,28 @@ from gpuguard.model import (
     recovery_reason,
     xid_reason,
 )
+from gpuguard.recovery import apply_recovery_rule, cleared_without_reboot, recovery_action
 from gpuguard.xidcatalog import CATALOG
+
+__all__ = ["cleared_without_reboot", "evaluate", "primary", "severity"]
 
 
 def describe_xid(code: int) -> str:
     return CATALOG.describe(code)
 
 
-# Recovery actions that end in a reset of the GPU: Xids recorded while the driver asks for one clear when
-# the action reads NONE again.
-_RESET_ACTIONS = frozenset({1, 4})  # GPU_RESET, DRAIN_AND_RESET
-# Reasons whose evidence a healthy reading itself shows gone, without a reboot (see docs/design.md).
-_CLEARED_BY_READING = frozenset({ECC, NVML_INIT, RESET_REQUIRED, GPU_UNREADABLE})
-
-
-def cleared_without_reboot(key: str, reset_cleared: frozenset[str] = frozenset()) -> bool:
-    """Whether a recorded fault key ("reason/uuid") is proven gone by healthy readings, no reboot needed.
-
-    ECC, NVML init, RESET_REQUIRED, an unreadable GPU and a recovery action clear with the reading that shows
-    them gone; an Xid clears so only when a GPU reset the driver asked for removed it (`reset_cleared`).
-    """
-    reason = key.split("/", 1)[0]
-    return reason in _CLEARED_BY_READING or reason.startswith(RECOVERY_PREFIX) or key in reset_cleared
-
-
 def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySettings) -> Verdict:
     """Judge one snapshot. `previous` carries the device inventory and the sticky faults."""
     prev = previous or Verdict()
-    sticky = list(prev.sticky)
+    sticky = _unresponsive_rule(list(prev.sticky), snapshot)
 
     if snapshot.init_error is not None:
         node_faults: tuple[Fault, ...] = ()
         if not settings.allow_no_gpu:
             node_faults = (Fault(NVML_INIT, f"NVML initialization failed: {snapshot.init_error}"),)
+        # The node's sticky faults (an unattributed Xid, a hung call) stay reported while NVML is down.
+        known_now = {u for _, u, _ in prev.known}
+        node_faults += tuple(f for f in sticky if f.uuid not in known_now)
         gpus = tuple(
             GpuVerdict(index=i, uuid=u, name=n, present=False, faults=_sticky_for(sticky, u))
             for i, u, n in prev.known
@@ -86,11 +76,13 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
     expected = prev.expected_gpus
     if expected is None:
         expected = settings.expected_gpus if settings.expected_gpus is not None else seen
+        if snapshot.unresponsive is not None and not snapshot.gpus:
+            expected = settings.expected_gpus  # a pass that hung before it counted: not a count
 
     fatal, ignored = _split_xids(snapshot.xids, settings.ignored_xids)
     by_uuid = {g.uuid: g for g in snapshot.gpus}
     prev_by_uuid = {g.uuid: g for g in prev.gpus}
-    actions = {g.uuid: _recovery_action(g, prev_by_uuid.get(g.uuid)) for g in snapshot.gpus}
+    actions = {g.uuid: recovery_action(g, prev_by_uuid.get(g.uuid)) for g in snapshot.gpus}
 
     new_xid_keys: list[str] = []
     for x in fatal:
@@ -112,7 +104,7 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
                     gpu_index=index,
                 ),
             )
-    sticky, clearable, pending, cleared = _apply_recovery_rule(
+    sticky, clearable, pending, cleared = apply_recovery_rule(
         sticky, prev, new_xid_keys=new_xid_keys, actions=actions
     )
 
@@ -176,7 +168,7 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
                 ),
             )
     missing_known = sum(1 for _, u, _ in known if u not in by_uuid)
-    shortfall = expected - seen - missing_known
+    shortfall = (expected or 0) - seen - missing_known
     if shortfall > 0:
         node_faults += (
             Fault(
@@ -200,51 +192,42 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
     )
 
 
-def _recovery_action(g: GpuReading, prev: GpuVerdict | None) -> int | None:
-    """The recovery action to judge: this reading's, or the last one while the field is unreadable."""
-    if g.recovery_action is not None:
-        return g.recovery_action
-    if prev is not None and (g.transient_errors or g.unreadable):
-        return prev.recovery_action
-    return None
+def _unresponsive_rule(sticky: list[Fault], snapshot: Snapshot) -> list[Fault]:
+    """An NVML call past its deadline is a sticky fault: saved in --state-dir with the others, so an agent
+    restarted while the driver still hangs reports it at once. It clears when the calls answer again: the
+    GPU's reading answers (gpu-unresponsive), a whole pass answers (nvml-unresponsive, and a GPU NVML could
+    not identify)."""
+    found = []
+    if snapshot.unresponsive is not None:
+        found.append(Fault(NVML_UNRESPONSIVE, snapshot.unresponsive))
+    for index, error in snapshot.unidentified:
+        if error.endswith(":UNRESPONSIVE"):
+            call = error.split(":", 1)[0]
+            detail = f"{call} has not returned (GPU {index}, not identified)"
+            found.append(Fault(GPU_UNRESPONSIVE, detail, gpu_index=index))
+    found.extend(
+        Fault(GPU_UNRESPONSIVE, g.unresponsive, uuid=g.uuid, gpu_index=g.index)
+        for g in snapshot.gpus
+        if g.unresponsive is not None
+    )
+    if not found and not any(f.reason in _UNRESPONSIVE for f in sticky):
+        return sticky
+    full_pass = snapshot.unresponsive is None and snapshot.init_error is None
+    answered = {g.uuid for g in snapshot.gpus if g.unresponsive is None and not g.unreadable}
+    keys = {f.key for f in found}
+
+    def gone(f: Fault) -> bool:
+        if f.reason not in _UNRESPONSIVE or f.key in keys or not full_pass:
+            return False
+        return f.uuid is None or f.uuid in answered
+
+    kept = [f for f in sticky if not gone(f)]
+    for f in found:
+        _add_sticky(kept, f)
+    return kept
 
 
-def _apply_recovery_rule(
-    sticky: list[Fault],
-    prev: Verdict,
-    *,
-    new_xid_keys: list[str],
-    actions: dict[str, int | None],
-) -> tuple[list[Fault], frozenset[str], frozenset[str], frozenset[str]]:
-    """An Xid recorded while the driver asks for a GPU reset clears when the action reads NONE again.
-
-    "While" includes the next check: the driver raises the action right after the Xid, and its event wakes
-    the agent a moment later. Where the field is not supported (action None) nothing changes: the Xid needs a
-    reboot, as before. An action that escalates to anything but a reset detaches the Xid for good.
-    """
-    uuid_of = {f.key: f.uuid for f in sticky}
-    clearable, pending = set(prev.reset_clearable), set()
-    cleared = set(prev.reset_cleared) - set(new_xid_keys)  # recorded again: needs its own evidence
-    for key in prev.reset_pending:
-        if actions.get(uuid_of.get(key) or "") in _RESET_ACTIONS:
-            clearable.add(key)
-    for key in new_xid_keys:
-        action = actions.get(uuid_of.get(key) or "")
-        if action in _RESET_ACTIONS:
-            clearable.add(key)
-        elif action == 0:
-            pending.add(key)
-    for key in list(clearable):
-        action = actions.get(uuid_of.get(key) or "")
-        if key not in uuid_of:
-            clearable.discard(key)
-        elif action == 0:
-            clearable.discard(key)
-            cleared.add(key)
-        elif action is not None and action not in _RESET_ACTIONS:
-            clearable.discard(key)
-    sticky = [f for f in sticky if f.key not in cleared]
-    return sticky, frozenset(clearable), frozenset(pending), frozenset(cleared)
+_UNRESPONSIVE = frozenset({GPU_UNRESPONSIVE, NVML_UNRESPONSIVE})
 
 
 def _reading_faults(g: GpuReading, action: int | None, unreadable_checks: int, limit: int) -> list[Fault]:
@@ -292,6 +275,8 @@ def _xid_detail(x: XidEvent) -> str:
 # Lower sorts first: the primary reason (the taint value) is the most severe fault.
 _SEVERITY = {
     NVML_INIT: 0,
+    NVML_UNRESPONSIVE: 0,
+    GPU_UNRESPONSIVE: 1,
     GPU_LOST: 1,
     GPU_MISSING: 2,
     GPU_UNREADABLE: 2,

@@ -33,7 +33,7 @@ def make_backend(cfg: Config, *, start_at: float = 0.0) -> Backend:
         return MockBackend(load_scenario(cfg.scenario), start_at=start_at)
     from gpuguard.nvml.real import NvmlBackend  # noqa: PLC0415 - pynvml only when asked for
 
-    return NvmlBackend()
+    return NvmlBackend(deadline=cfg.nvml_call_timeout)
 
 
 # A host up for less than this is a new (or just rebooted) node: its agent reads the node at once, because the
@@ -161,6 +161,7 @@ def watch(cfg: Config) -> bool:
         state=state,
         flap_window=cfg.node.flap_window,
         library_wait=None if cfg.backend != "nvml" or cfg.policy.allow_no_gpu else cfg.nvml_load_timeout,
+        call_wait=float(getattr(backend, "longest_wait", 0.0)),
     )
 
     def status() -> AgentStatus:

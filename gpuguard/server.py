@@ -62,6 +62,8 @@ def health_body(s: AgentStatus) -> dict[str, Any]:
         "agent": "ok" if s.alive else "stalled",
         "node": s.node,
         "healthy": v.healthy if v is not None else False,
+        # Faults of the node itself (nvml-init, gpu-missing, an Xid NVML could not attribute, a hung call).
+        "node_reasons": [f.message for f in v.node_faults] if v is not None else [],
         "gpus": [
             {
                 "index": g.index,
@@ -89,6 +91,8 @@ def health_body(s: AgentStatus) -> dict[str, Any]:
         ],
         # Where DeviceTaintRules are served (see AgentStatus.device_taint_api); "none": the node taint.
         "device_taint_api": s.device_taint_api,
+        # NVML calls that have not returned within their deadline, one stuck thread each.
+        "nvml_stuck_calls": list(s.nvml_stuck_calls),
         "dry_run": s.dry_run,
         "last_check": s.last_check.astimezone(UTC).isoformat().replace("+00:00", "Z")
         if s.last_check

@@ -70,6 +70,7 @@ def test_healthz_has_exactly_the_documented_keys(server: HealthServer) -> None:
         "agent": "ok",
         "node": "gpu-1",
         "healthy": False,
+        "node_reasons": [],
         "gpus": [
             {"index": 0, "uuid": "GPU-0", "healthy": True, "reasons": [], "xid_watched": True},
             {
@@ -93,6 +94,7 @@ def test_healthz_has_exactly_the_documented_keys(server: HealthServer) -> None:
             }
         ],
         "device_taint_api": "resource.k8s.io/v1",
+        "nvml_stuck_calls": [],
         "dry_run": False,
         "last_check": "2026-12-02T12:00:01Z",
     }

@@ -20,16 +20,24 @@ import structlog
 from gpuguard.model import Snapshot
 from gpuguard.nvml.base import Wakeup
 from gpuguard.nvml.real.common import Device, error_name, handle_key, is_lost, text
+from gpuguard.nvml.real.deadline import CALL_DEADLINE_S, INIT_DEADLINE_S, NODE, Hang, Pass, Runner
 from gpuguard.nvml.real.events import EventPath
-from gpuguard.nvml.real.readings import describe, read
+from gpuguard.nvml.real.readings import describe, last_reading, read, unresponsive
 
 log = structlog.get_logger("gpuguard.nvml")
 
 
 class NvmlBackend:
-    """Backend on the real NVML library. Thread-safe: NVML is, and our own state is under a lock."""
+    """Backend on the real NVML library. Every NVML call runs on the reading thread (`deadline.Runner`) or
+    the event thread, never on the caller's; our own state is under a lock."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        deadline: float = CALL_DEADLINE_S,
+        init_deadline: float = INIT_DEADLINE_S,
+    ) -> None:
         self._lock = threading.Lock()
         self._initialized = False
         self._driver: str | None = None
@@ -40,37 +48,86 @@ class NvmlBackend:
         self._by_handle: dict[int, Device] = {}
         # The previous pass's snapshot, returned again while nothing it holds changed.
         self._last: Snapshot | None = None
-        self._events = EventPath(devices=lambda: self._devices, attribute=self._attribute, clock=clock)
+        self._runner = Runner(deadline=deadline, init_deadline=init_deadline, clock=clock)
+        # The event thread's heartbeat is two call deadlines (10 s by default): a wait that has not come back
+        # within two of those is stuck (nvml.real.events).
+        self._events = EventPath(
+            devices=lambda: self._devices,
+            attribute=self._attribute,
+            clock=clock,
+            hung=self._hung_handles,
+            heartbeat=2 * deadline,
+        )
+        self._wakeup: Wakeup = lambda: None
+
+    @property
+    def longest_wait(self) -> float:
+        """The longest snapshot() waits on one NVML call before it reports the call as hung."""
+        return self._runner.longest
 
     # -- Backend protocol ---------------------------------------------------------------------------------
 
     def open(self, wakeup: Wakeup) -> None:
+        self._wakeup = wakeup
         self._events.wakeup = wakeup
         self._events.prepare()
-        self._try_init()
 
     def snapshot(self) -> Snapshot:
+        node = self._runner.hung(NODE)
+        if node is None:
+            result = self._runner.run(self._read_pass)
+            if isinstance(result, Snapshot):
+                return result
+            if result.key != NODE:
+                self._wakeup()  # read the other GPUs again at once, without the one that hangs
+            node = self._runner.hung(NODE)
+        return self._hung_snapshot(node)
+
+    def close(self) -> None:
+        self._events.watchdog.stop()
+        if self._runner.hangs():
+            # A call is still in flight: nvml.h defines no shutdown under it; the process's exit ends it.
+            self._events.stop_thread()
+            log.warning("nvml.shutdown_skipped", why="an NVML call has not returned")
+            return
+        if not isinstance(self._runner.run(self._close), Hang):  # a Hang is logged; the exit ends it
+            self._runner.stop()
+
+    # -- on the reading thread ----------------------------------------------------------------------------
+
+    def _read_pass(self, p: Pass) -> Snapshot:
         if not self._initialized:
-            err = self._try_init()
+            err = self._try_init(p)
             if err is not None:
-                return Snapshot(init_error=err)
+                return Snapshot(init_error=err, stuck_calls=self._stuck())
+        p.at("nvmlDeviceGetCount")
         try:
             count = int(pynvml.nvmlDeviceGetCount())
         except pynvml.NVMLError as exc:
             # The driver itself stopped answering: report it like an init failure; the next pass asks again.
             log.warning("nvml.device_count_failed", error=error_name(exc))
-            return Snapshot(init_error=error_name(exc), driver_version=self._driver)
+            return Snapshot(
+                init_error=error_name(exc), driver_version=self._driver, stuck_calls=self._stuck()
+            )
+        p.at("nvmlEventSetFree")
         self._events.rebuild_if_asked()
         if (
             count != self._count
             or self._unidentified
             or any(d.enumeration_error and not d.lost_at_enumeration for d in self._devices)
         ):
-            self._enumerate(count)
-        self._events.ensure()
-        gpus = tuple(read(d, *self._events.watch_state(d)) for d in self._devices)
+            self._enumerate(count, p)
+        self._events.ensure(p)
+        hung = self._hung_by_uuid()
+        gpus = tuple(
+            unresponsive(d, hung[d.uuid], self._events.watch_state(d))
+            if d.uuid in hung
+            else read(d, *self._events.watch_state(d), mark=p.at)
+            for d in self._devices
+        )
         xids = self._events.take_xids()
         unidentified = tuple(self._unidentified)
+        stuck = self._stuck()
         last = self._last
         if (
             last is not None
@@ -78,56 +135,99 @@ class NvmlBackend:
             and not last.xids
             and last.driver_version == self._driver
             and last.unidentified == unidentified
+            and last.unresponsive is None
+            and last.stuck_calls == stuck
             and len(last.gpus) == len(gpus)
             and all(a is b for a, b in zip(last.gpus, gpus, strict=True))
         ):
             # Every GPU read the same as at the previous pass (the same reading objects) and no Xid came:
             # the same snapshot, so the agent's remembered evaluation applies without comparing fields.
             return last
-        self._last = Snapshot(gpus=gpus, xids=xids, driver_version=self._driver, unidentified=unidentified)
+        self._last = Snapshot(
+            gpus=gpus, xids=xids, driver_version=self._driver, unidentified=unidentified, stuck_calls=stuck
+        )
         return self._last
 
-    def close(self) -> None:
+    def _close(self, p: Pass) -> bool:
+        p.at("stop the event thread", slow=True)  # no NVML call: bounded by events.STOP_TIMEOUT_S
         stopped = self._events.stop_thread()
         if not self._initialized:
-            return
+            return True
         self._initialized = False
         if not stopped:
             # A thread may still wait on the set: nvml.h defines neither a free nor a shutdown under it, so
             # both are left to the process's exit.
             self._events.abandon_set()
-            return
+            return True
+        p.at("nvmlEventSetFree")
         self._events.free_set()
+        p.at("nvmlShutdown")
         try:
             pynvml.nvmlShutdown()
         except pynvml.NVMLError as exc:
             log.debug("nvml.shutdown_failed", error=error_name(exc))
+        return True
+
+    # -- what hangs ---------------------------------------------------------------------------------------
+
+    def _stuck(self) -> tuple[str, ...]:
+        return tuple(sorted([h.detail for h in self._runner.hangs()] + self._events.stuck_calls()))
+
+    def _hung_by_uuid(self) -> dict[str, Hang]:
+        return {h.uuid: h for h in self._runner.hangs() if h.uuid}
+
+    def _hung_handles(self) -> set[int]:
+        """Handles of GPUs with a call in flight: the event thread does not call into them."""
+        hung = self._hung_by_uuid()
+        return {handle_key(d.handle) for d in self._devices if d.uuid in hung and d.handle is not None}
+
+    def _hung_snapshot(self, node: Hang | None) -> Snapshot:
+        """A pass that did not finish: the last readings, the GPU (or the node) that hangs, the Xids."""
+        hung = self._hung_by_uuid()
+        gpus = tuple(
+            unresponsive(d, hung[d.uuid], self._events.watch_state(d))
+            if d.uuid in hung
+            else last_reading(d, self._events.watch_state(d))
+            for d in self._devices
+        )
+        return Snapshot(
+            gpus=gpus,
+            xids=self._events.take_xids(),
+            driver_version=self._driver,
+            unidentified=tuple(self._unidentified),
+            unresponsive=node.detail if node is not None else None,
+            stuck_calls=self._stuck(),
+        )
 
     # -- init and inventory -------------------------------------------------------------------------------
 
-    def _try_init(self) -> str | None:
+    def _try_init(self, p: Pass) -> str | None:
         """Initialise NVML; return the NVML error name on failure (a reading, not an exception).
 
         An init that succeeds but whose next calls fail is undone (nvmlShutdown) and reported the same way,
         so the next pass starts over instead of running without an event set.
         """
+        p.at("nvmlInit", slow=True)
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as exc:
             return error_name(exc)
         try:
+            p.at("nvmlSystemGetDriverVersion")
             self._driver = text(pynvml.nvmlSystemGetDriverVersion())
+            p.at("nvmlDeviceGetCount")
             count = int(pynvml.nvmlDeviceGetCount())
         except pynvml.NVMLError as exc:
             log.warning("nvml.init_incomplete", error=error_name(exc), retry="next check")
             try:
+                p.at("nvmlShutdown")
                 pynvml.nvmlShutdown()
             except pynvml.NVMLError as shut:
                 log.debug("nvml.shutdown_failed", error=error_name(shut))
             return error_name(exc)
         self._initialized = True
-        self._enumerate(count)
-        self._events.ensure()
+        self._enumerate(count, p)
+        self._events.ensure(p)
         log.info("nvml.initialized", driver=self._driver, gpus=count)
         return None
 
@@ -135,13 +235,19 @@ class NvmlBackend:
         with self._lock:
             return self._by_uuid.get(uuid) if uuid else self._by_handle.get(handle_key(handle))
 
-    def _enumerate(self, count: int) -> None:
+    def _enumerate(self, count: int, p: Pass) -> None:
         by_index = {d.index: d for d in self._devices}
         devices: list[Device] = []
         unidentified: list[tuple[int, str]] = []
         for i in range(count):
             before = by_index.get(i)
+            hang = self._runner.hung(("index", str(i)))
+            if hang is not None:
+                # A call on this index has not returned: not asked again until it does.
+                unidentified.append((i, f"{hang.call}:UNRESPONSIVE"))
+                continue
             try:
+                p.at("nvmlDeviceGetHandleByIndex", index=i)
                 handle = pynvml.nvmlDeviceGetHandleByIndex(i)
             except pynvml.NVMLError as exc:
                 # The real driver answers GPU_IS_LOST here for a GPU that fell off the bus: a GPU we knew
@@ -155,6 +261,7 @@ class NvmlBackend:
                     unidentified.append((i, f"handle:{error_name(exc)}"))
                 continue
             try:
+                p.at("nvmlDeviceGetUUID", index=i)
                 uuid = text(pynvml.nvmlDeviceGetUUID(handle))
             except pynvml.NVMLError as exc:
                 if before is not None and handle_key(before.handle) == handle_key(handle):
@@ -171,7 +278,7 @@ class NvmlBackend:
             if known is not None and handle_key(known.handle) == handle_key(handle):
                 devices.append(replace(known, index=i, lost_at_enumeration=False, enumeration_error=None))
             else:
-                devices.append(describe(i, handle, uuid))
+                devices.append(describe(i, handle, uuid, mark=p.at))
         for i, error in unidentified:
             if (i, error) not in self._unidentified:
                 log.warning("nvml.gpu_unidentified", gpu=i, error=error, xid_watched=False)

@@ -4,6 +4,8 @@ bookkeeping (`Device`) and the retry backoff."""
 from __future__ import annotations
 
 import ctypes
+import signal
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +26,8 @@ EVENT_XID = int(pynvml.nvmlEventTypeXidCriticalError)
 EVENT_DOUBLE_BIT_ECC = int(pynvml.nvmlEventTypeDoubleBitEccError)
 EVENT_RECOVERY_ACTION = int(getattr(pynvml, "nvmlEventTypeGpuRecoveryAction", 0x8000))
 NO_INSTANCE = 0xFFFFFFFF
+# Sent to the event thread to end its wait (nvml.h: the wait returns TIMEOUT when "interrupt arrived").
+WAKE_SIGNAL = signal.SIGUSR2
 # Retries of event-set creation and registration: 1 s, doubling, at most a minute apart.
 RETRY_BASE = 1.0
 RETRY_MAX = 60.0
@@ -82,3 +86,22 @@ class Device:
     register_retry_at: float = 0.0
     # The last pass's reading and what it was built from (readings.read reuses it while nothing differs).
     last_reading: tuple[tuple[Any, ...], GpuReading] | None = field(default=None, compare=False, repr=False)
+
+
+def _on_wake_signal(signum: int, frame: object) -> None:
+    """Nothing: the signal's only job is to interrupt the event thread's wait."""
+
+
+def install_wake_signal() -> bool:
+    """A no-op handler for WAKE_SIGNAL, so that pthread_kill interrupts a wait instead of killing the process
+    (the default) or being dropped (SIG_IGN). False where that is not possible: off the main thread, or the
+    signal already has another handler (which we leave alone)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    current = signal.getsignal(WAKE_SIGNAL)
+    if current is _on_wake_signal:
+        return True
+    if current is not signal.SIG_DFL:
+        return False
+    signal.signal(WAKE_SIGNAL, _on_wake_signal)
+    return True

@@ -1,16 +1,15 @@
 """The event path: one NVML event set, every GPU registered for Xid, uncorrected (double-bit) ECC and
-recovery-action events, one thread waiting on it that records Xids and wakes the agent at once on any event
-(the check that follows reads the ECC counter and the recovery action the event announced).
+recovery-action events, one thread waiting on it that records Xids and wakes the agent at once on any event.
 
-An event set that cannot be created, or a registration that fails, is retried with backoff (after UNKNOWN the
-set is freed and a fresh one made, as nvml.h asks); a wait that fails with anything but TIMEOUT rebuilds the
-event path and re-reads every GPU at once.
+Set creation and registration failures are retried with backoff (after UNKNOWN the set is freed and a fresh
+one made, as nvml.h asks); a wait that fails with anything but TIMEOUT rebuilds the path and re-reads every
+GPU at once. The thread has a heartbeat: each wait returns within the heartbeat (10 s), and one not back
+within two is stuck (hung in the driver): every GPU reads `xid_watched` false, it is logged and listed as a
+stuck call, and the path is rebuilt on a new thread. A watchdog (nvml.real.watchdog) watches the heartbeat
+and the retries' due times and wakes the agent for them: neither waits for `--interval`.
 
-An idle node must cost next to nothing, so the wait blocks for minutes, not a second. It still ends at once
-when the path is stopped: nvml.h documents that nvmlEventSetWait_v2 returns TIMEOUT when "interrupt arrived",
-so stop_thread() sends WAKE_SIGNAL to the waiting thread (signal.pthread_kill; a no-op handler is installed
-for it, which only the main thread can do). nvml.h does not say that nvmlEventSetFree or nvmlShutdown wakes a
-waiter, so neither is relied on, and neither is called while a thread may still wait on the set.
+stop_thread() ends a wait with WAKE_SIGNAL (nvml.h: TIMEOUT when "interrupt arrived"); nvmlEventSetFree and
+nvmlShutdown are never relied on to wake a waiter, nor called while one may still wait on the set.
 """
 
 from __future__ import annotations
@@ -32,46 +31,29 @@ from gpuguard.nvml.real.common import (
     EVENT_RECOVERY_ACTION,
     EVENT_XID,
     NO_INSTANCE,
+    WAKE_SIGNAL,
     Device,
     backoff,
     code,
     error_name,
     handle_key,
+    install_wake_signal,
     not_supported,
     text,
 )
+from gpuguard.nvml.real.deadline import Pass
+from gpuguard.nvml.real.watchdog import Watchdog
 
 log = structlog.get_logger("gpuguard.nvml")
 
-# How long one wait blocks: long when WAKE_SIGNAL can end it (6 wake-ups an hour on an idle node instead of
-# 3,600 at 1 s); without the signal (the backend opened off the main thread, or the signal has someone else's
-# handler) bounded, so that stop_thread() is still prompt: it waits up to STOP_TIMEOUT_S for the thread.
-LONG_WAIT_MS = 600_000
+# One wait blocks for the heartbeat (10 s by default: a stuck wait shows within two; 360 wake-ups an hour when
+# idle) where WAKE_SIGNAL can end it; without the signal (opened off the main thread, or the signal has
+# another handler) at most SHORT_WAIT_MS, so that stop_thread() still ends it within STOP_TIMEOUT_S.
+HEARTBEAT_S = 10.0
 SHORT_WAIT_MS = 1000
 STOP_TIMEOUT_S = SHORT_WAIT_MS / 1000 + 1
-WAKE_SIGNAL = signal.SIGUSR2
-# A wait that blocked at least this long before it failed counts as a good one (the rebuild's backoff
-# starts over), as a TIMEOUT did when every wait lasted a second.
+# A wait that blocked at least this long before it failed counts as a good one (the backoff starts over).
 GOOD_WAIT_S = 1.0
-
-
-def _on_wake_signal(signum: int, frame: object) -> None:
-    """Nothing: the signal's only job is to interrupt the event thread's wait."""
-
-
-def install_wake_signal() -> bool:
-    """A no-op handler for WAKE_SIGNAL, so that pthread_kill interrupts a wait instead of killing the process
-    (the default) or being dropped (SIG_IGN). False where that is not possible: off the main thread, or the
-    signal already has another handler (which we leave alone)."""
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    current = signal.getsignal(WAKE_SIGNAL)
-    if current is _on_wake_signal:
-        return True
-    if current is not signal.SIG_DFL:
-        return False
-    signal.signal(WAKE_SIGNAL, _on_wake_signal)
-    return True
 
 
 Attribute = Callable[[str | None, Any], Device | None]
@@ -88,9 +70,13 @@ class EventPath:
         devices: Callable[[], list[Device]],
         attribute: Attribute,
         clock: Callable[[], float] = time.monotonic,
+        hung: Callable[[], set[int]] = set,
+        heartbeat: float = HEARTBEAT_S,
     ) -> None:
         self._devices = devices
         self._attribute = attribute
+        # Handles of GPUs with an NVML call past its deadline: nothing here calls into them.
+        self._hung = hung
         self._clock = clock
         self._lock = threading.Lock()
         self._pending: list[XidEvent] = []
@@ -105,20 +91,90 @@ class EventPath:
         self._set_retry_at = 0.0
         self._set_note = "no event set yet"
         self._can_signal = False
-        self._wait_ms = SHORT_WAIT_MS
+        self._heartbeat = heartbeat
+        self._wait_ms = min(SHORT_WAIT_MS, int(heartbeat * 1000))
+        self._stuck_s = 2 * self._wait_ms / 1000
+        # The heartbeat: when the event thread last began or ended a wait. A wait older than two wait bounds
+        # is stuck (`_stuck` says so); the watchdog looks at it, and at the retries, off the agent's interval.
+        self._beat = clock()
+        self._stuck = ""
+        self._abandoned: threading.Thread | None = None
+        self._quiet_until = 0.0
+        self.watchdog = Watchdog(due=self._due, check=self.check, clock=clock)
 
     def prepare(self) -> None:
         """Called from the thread that opens the backend: long waits if WAKE_SIGNAL can end them."""
         self._can_signal = install_wake_signal()
-        self._wait_ms = LONG_WAIT_MS if self._can_signal else SHORT_WAIT_MS
+        self._wait_ms = int(self._heartbeat * 1000)
         if not self._can_signal:
+            self._wait_ms = min(self._wait_ms, SHORT_WAIT_MS)
             log.debug("nvml.event_wait_bounded", timeout_ms=self._wait_ms, why="no wake signal handler")
+        self._stuck_s = 2 * self._wait_ms / 1000
+        self.watchdog.start()
+
+    # -- the heartbeat (called on the watchdog's thread) ---------------------------------------------------
+
+    def _due(self) -> float:
+        """When the watchdog must look next: the heartbeat's expiry, or the earliest retry."""
+        now = self._clock()
+        times = [now + 3600.0]
+        if self._thread is not None:
+            times.append(self._beat + self._stuck_s)
+        times += self._retry_times()
+        return max(min(times), self._quiet_until)
+
+    def _retry_times(self) -> list[float]:
+        if self._event_set is None:
+            return [self._set_retry_at] if self._set_failures else []
+        hung = self._hung()
+        return [
+            d.register_retry_at
+            for d in self._devices()
+            if d.register_failures and not d.registered and handle_key(d.handle) not in hung
+        ]
+
+    def check(self) -> None:
+        """A dead or stuck event thread: unwatched, logged, rebuilt by the pass the wake-up starts; a retry
+        that is due: the wake-up runs the pass that makes it."""
+        now = self._clock()
+        act = False
+        thread = self._thread
+        if thread is not None and not self._rebuild.is_set() and not self._thread_stop.is_set():
+            if not thread.is_alive():
+                log.warning("nvml.event_thread_died", action="rebuild", xid_watched=False)
+                self._rebuild_reason = "event thread died"
+                self._rebuild.set()
+                act = True
+            elif now - self._beat > self._stuck_s:
+                if not self._stuck:
+                    self._stuck = f"nvmlEventSetWait has not returned within {self._stuck_s:g} s"
+                    waited = round(now - self._beat, 1)
+                    log.warning("nvml.event_thread_stuck", waited_s=waited, xid_watched=False)
+                    act = True
+                if self._abandoned is None or not self._abandoned.is_alive():
+                    # At most one thread given up at a time: two stuck threads are the bound.
+                    self._rebuild_reason = "event thread stuck"
+                    self._rebuild.set()
+                    act = True
+        # While stuck, look again a heartbeat later, not at once: the wake-ups are for changes only.
+        self._quiet_until = now + (self._stuck_s if self._stuck else 0.5)
+        if act or any(t <= now for t in self._retry_times()):
+            self.wakeup()
+
+    def stuck_calls(self) -> list[str]:
+        """The event threads stuck in a wait (the current one, one given up earlier)."""
+        out = [self._stuck] if self._stuck else []
+        if self._abandoned is not None and self._abandoned.is_alive():
+            out.append("nvmlEventSetWait (an event thread given up) has not returned")
+        return out
 
     def watch_state(self, d: Device) -> tuple[bool, str]:
         """Whether this GPU's Xids are watched now, and if not, why."""
         watched = bool(d.registered) and self._event_set is not None and not self._rebuild.is_set()
-        if watched:
+        if watched and not self._stuck:
             return True, ""
+        if self._stuck:
+            return False, self._stuck
         return False, d.watch_note if self._event_set is not None else self._set_note
 
     def take_xids(self) -> tuple[XidEvent, ...]:
@@ -133,17 +189,17 @@ class EventPath:
         if self._rebuild.is_set():
             self._teardown(self._rebuild_reason)
 
-    def ensure(self) -> None:
+    def ensure(self, p: Pass) -> None:
         """Create the event set (with backoff) and register every GPU that is not registered yet."""
         now = self._clock()
         if self._event_set is None:
             if now < self._set_retry_at:
                 return
             try:
+                p.at("nvmlEventSetCreate")
                 self._event_set = pynvml.nvmlEventSetCreate()
             except pynvml.NVMLError as exc:
-                self._set_failures += 1
-                self._set_retry_at = now + backoff(self._set_failures)
+                self._back_off(now)
                 self._set_note = f"event set: {error_name(exc)}"
                 log.warning(
                     "nvml.event_set_failed",
@@ -156,11 +212,13 @@ class EventPath:
             for d in self._devices():
                 d.registered, d.register_failures, d.register_retry_at = 0, 0, 0.0
             self._start_thread()
+        hung = self._hung()
         for d in self._devices():
             if d.registered or d.unsupported or d.lost_at_enumeration or d.handle is None:
                 continue
-            if now < d.register_retry_at:
+            if now < d.register_retry_at or handle_key(d.handle) in hung:
                 continue
+            p.at("nvmlDeviceRegisterEvents", uuid=d.uuid, index=d.index)
             if not self._register(d, now):
                 return  # the set was discarded (UNKNOWN): a fresh one on the next pass
 
@@ -183,11 +241,11 @@ class EventPath:
             if code(exc) == pynvml.NVML_ERROR_UNKNOWN:
                 # nvml.h: the set is in an undefined state and should be freed.
                 self._teardown(f"register: {error_name(exc)}")
-                self._set_failures += 1
-                self._set_retry_at = now + backoff(self._set_failures)
+                self._back_off(now)
                 return False
             d.register_failures += 1
             d.register_retry_at = now + backoff(d.register_failures)
+            self.watchdog.poke()
             d.watch_note = f"register: {error_name(exc)}"
             log.warning(
                 "nvml.xid_register_failed",
@@ -201,11 +259,22 @@ class EventPath:
         d.registered, d.register_failures, d.watch_note = handle_key(d.handle), 0, ""
         return True
 
+    def _back_off(self, now: float) -> None:
+        """One more failure of the set: the next try after the backoff (the watchdog wakes the agent then)."""
+        self._set_failures += 1
+        self._set_retry_at = now + backoff(self._set_failures)
+        self.watchdog.poke()
+
     def _teardown(self, reason: str) -> None:
         """Stop the thread, free the set; every GPU is unwatched until the next pass registers it again."""
         devices = self._devices()
         log.warning("nvml.event_path_rebuilt", reason=reason, gpus=len(devices), xid_watched=False)
-        if self.stop_thread():
+        if self._stuck:
+            # Stuck in the driver: no signal ends it. Given up (it ends at its next return), never waited for.
+            self._thread_stop.set()
+            self._abandoned, self._thread, self._stuck = self._thread, None, ""
+            self.abandon_set()
+        elif self.stop_thread():
             self.free_set()
         else:
             self.abandon_set()
@@ -213,8 +282,7 @@ class EventPath:
         self._set_note = reason
         if not self._wait_ok.is_set():
             # Failing again before a single good wait: back off instead of spinning on a broken driver.
-            self._set_failures += 1
-            self._set_retry_at = self._clock() + backoff(self._set_failures)
+            self._back_off(self._clock())
         else:
             self._set_failures = 0
         for d in devices:
@@ -223,6 +291,8 @@ class EventPath:
     def _start_thread(self) -> None:
         self._thread_stop = threading.Event()
         self._wait_ok.clear()
+        self._beat = self._clock()
+        self.watchdog.poke()  # a heartbeat to watch from now
         self._thread = threading.Thread(
             target=self._event_loop,
             args=(self._event_set, self._thread_stop),
@@ -267,9 +337,13 @@ class EventPath:
     def _event_loop(self, event_set: Any, stop: threading.Event) -> None:
         while not stop.is_set():
             began = time.monotonic()
+            self._beat = self._clock()
             try:
                 data = pynvml.nvmlEventSetWait_v2(event_set, self._wait_ms)
             except pynvml.NVMLError as exc:
+                if stop.is_set():
+                    return
+                self._alive_again()
                 if code(exc) == pynvml.NVML_ERROR_TIMEOUT:  # the timeout, or WAKE_SIGNAL (stop is set then)
                     self._wait_ok.set()
                     continue
@@ -284,18 +358,30 @@ class EventPath:
                 self._rebuild.set()
                 self.wakeup()
                 return
+            if stop.is_set():
+                return  # given up meanwhile (stuck): the new thread's set has the events now
+            self._alive_again()
             self._wait_ok.set()
             if int(data.eventType) & EVENT_XID:
                 self._on_xid(data)
             self.wakeup()  # an Xid, an uncorrected ECC error or a recovery-action change: judge now
 
+    def _alive_again(self) -> None:
+        """The heartbeat; a thread that was called stuck and came back is watching again (say so now)."""
+        self._beat = self._clock()
+        if self._stuck:
+            self._stuck = ""
+            log.info("nvml.event_thread_returned", xid_watched=True)
+            self.wakeup()
+
     def _on_xid(self, data: Any) -> None:
         """Attribute the Xid by the device's UUID (as NVIDIA's device plugin does), the handle as fallback."""
         uuid: str | None = None
-        try:
-            uuid = text(pynvml.nvmlDeviceGetUUID(data.device))
-        except pynvml.NVMLError as exc:
-            log.debug("nvml.xid_uuid_failed", error=error_name(exc))
+        if handle_key(data.device) not in self._hung():  # a GPU whose calls hang: by its handle
+            try:
+                uuid = text(pynvml.nvmlDeviceGetUUID(data.device))
+            except pynvml.NVMLError as exc:
+                log.debug("nvml.xid_uuid_failed", error=error_name(exc))
         gi = getattr(data, "gpuInstanceId", NO_INSTANCE)
         ci = getattr(data, "computeInstanceId", NO_INSTANCE)
         d = self._attribute(uuid, data.device)

@@ -3,6 +3,8 @@ description read once when a GPU is first seen (name, PCI bus id, whether ECC ap
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pynvml
@@ -17,13 +19,24 @@ from gpuguard.nvml.real.common import (
     not_supported,
     text,
 )
+from gpuguard.nvml.real.deadline import Hang
+
+Mark = Callable[..., None]
+"""deadline.Pass.at: called before each NVML call, with the call's name and the GPU's uuid and index."""
 
 
-def describe(index: int, handle: Any, uuid: str) -> Device:
+def _no_mark(call: str, **where: Any) -> None:
+    """No deadline bookkeeping (a caller that is not a deadline-bound pass)."""
+
+
+def describe(index: int, handle: Any, uuid: str, *, mark: Mark = _no_mark) -> Device:
+    mark("nvmlDeviceGetName", uuid=uuid, index=index)
     name = _optional(lambda: text(pynvml.nvmlDeviceGetName(handle)), "")
+    mark("nvmlDeviceGetPciInfo", uuid=uuid, index=index)
     pci = _optional(lambda: text(pynvml.nvmlDeviceGetPciInfo(handle).busId), "")
     ecc_supported = True
     try:
+        mark("nvmlDeviceGetEccMode", uuid=uuid, index=index)
         current, _pending = pynvml.nvmlDeviceGetEccMode(handle)
         ecc_supported = bool(current)  # ECC disabled: counters are not applicable
     except pynvml.NVMLError as exc:
@@ -32,7 +45,32 @@ def describe(index: int, handle: Any, uuid: str) -> Device:
     return Device(index, handle, uuid, name, pci, ecc_supported)
 
 
-def read(d: Device, watched: bool, watch_note: str) -> GpuReading:
+def unresponsive(d: Device, hang: Hang, watch: tuple[bool, str]) -> GpuReading:
+    """The reading of a GPU with a call in flight past its deadline: the last values, and what hangs."""
+    base = last_reading(d, watch)
+    return base if base.unresponsive == hang.detail else replace(base, unresponsive=hang.detail)
+
+
+def last_reading(d: Device, watch: tuple[bool, str]) -> GpuReading:
+    """The last pass's reading of this GPU (none yet: nothing known), with the watch state of now."""
+    if d.last_reading is None:
+        return GpuReading(
+            index=d.index,
+            uuid=d.uuid,
+            name=d.name,
+            pci_bus_id=d.pci_bus_id,
+            ecc_supported=d.ecc_supported,
+            ecc_uncorrected=None,
+            xid_watched=watch[0],
+            xid_watch_note=watch[1],
+        )
+    reading = d.last_reading[1]
+    if (reading.xid_watched, reading.xid_watch_note) == watch:
+        return reading
+    return replace(reading, xid_watched=watch[0], xid_watch_note=watch[1])
+
+
+def read(d: Device, watched: bool, watch_note: str, *, mark: Mark = _no_mark) -> GpuReading:
     """This pass's reading of one GPU: every query asked again. The GpuReading object is the one of the
     previous pass when every value is the same (a steady GPU allocates nothing, and the snapshot and the
     remembered evaluation compare by identity first)."""
@@ -50,6 +88,7 @@ def read(d: Device, watched: bool, watch_note: str) -> GpuReading:
     answered = 0
     try:
         if d.ecc_supported:
+            mark("nvmlDeviceGetTotalEccErrors", uuid=d.uuid, index=d.index)
             ecc = int(
                 pynvml.nvmlDeviceGetTotalEccErrors(
                     d.handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
@@ -62,6 +101,7 @@ def read(d: Device, watched: bool, watch_note: str) -> GpuReading:
         errors.append(f"ecc:{error_name(exc)}")
     try:
         if d.remap_supported:
+            mark("nvmlDeviceGetRemappedRows", uuid=d.uuid, index=d.index)
             _corr, _unc, pending, failure = pynvml.nvmlDeviceGetRemappedRows(d.handle)
             remap_failure, remap_pending = bool(failure), bool(pending)
             answered += 1
@@ -74,6 +114,7 @@ def read(d: Device, watched: bool, watch_note: str) -> GpuReading:
             errors.append(f"remap:{error_name(exc)}")
     if d.recovery_supported:
         try:
+            mark("nvmlDeviceGetFieldValues", uuid=d.uuid, index=d.index)
             action, error = _recovery_action(d.handle)
             if error == "NOT_SUPPORTED":
                 d.recovery_supported = False
@@ -91,6 +132,7 @@ def read(d: Device, watched: bool, watch_note: str) -> GpuReading:
     if not answered and not errors:
         # Nothing else is polled on this GPU: probe it so a lost or broken GPU still shows.
         try:
+            mark("nvmlDeviceGetUUID", uuid=d.uuid, index=d.index)
             pynvml.nvmlDeviceGetUUID(d.handle)
             answered += 1
         except pynvml.NVMLError as exc:

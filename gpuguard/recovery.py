@@ -1,0 +1,85 @@
+"""The recovery-action rule (docs/design.md, "recovery"): which faults the driver's own
+NVML_FI_DEV_GET_GPU_RECOVERY_ACTION proves gone, and which a healthy reading proves gone without a reboot.
+Pure, like the policy that calls it."""
+
+from __future__ import annotations
+
+from gpuguard.model import (
+    ECC,
+    GPU_UNREADABLE,
+    GPU_UNRESPONSIVE,
+    NVML_INIT,
+    NVML_UNRESPONSIVE,
+    RECOVERY_PREFIX,
+    RESET_REQUIRED,
+    Fault,
+    GpuReading,
+    GpuVerdict,
+    Verdict,
+)
+
+# Recovery actions that end in a reset of the GPU: Xids recorded while the driver asks for one clear when
+# the action reads NONE again.
+_RESET_ACTIONS = frozenset({1, 4})  # GPU_RESET, DRAIN_AND_RESET
+# Reasons whose evidence a healthy reading itself shows gone, without a reboot (see docs/design.md).
+_CLEARED_BY_READING = frozenset(
+    {ECC, NVML_INIT, RESET_REQUIRED, GPU_UNREADABLE, GPU_UNRESPONSIVE, NVML_UNRESPONSIVE}
+)
+
+
+def cleared_without_reboot(key: str, reset_cleared: frozenset[str] = frozenset()) -> bool:
+    """Whether a recorded fault key ("reason/uuid") is proven gone by healthy readings, no reboot needed.
+
+    ECC, NVML init, RESET_REQUIRED, an unreadable or unresponsive GPU (or NVML) and a recovery action clear
+    with the reading that shows them gone; an Xid clears so only when a GPU reset the driver asked for
+    removed it (`reset_cleared`).
+    """
+    reason = key.split("/", 1)[0]
+    return reason in _CLEARED_BY_READING or reason.startswith(RECOVERY_PREFIX) or key in reset_cleared
+
+
+def recovery_action(g: GpuReading, prev: GpuVerdict | None) -> int | None:
+    """The recovery action to judge: this reading's, or the last one while the field is unreadable."""
+    if g.recovery_action is not None:
+        return g.recovery_action
+    if prev is not None and (g.transient_errors or g.unreadable):
+        return prev.recovery_action
+    return None
+
+
+def apply_recovery_rule(
+    sticky: list[Fault],
+    prev: Verdict,
+    *,
+    new_xid_keys: list[str],
+    actions: dict[str, int | None],
+) -> tuple[list[Fault], frozenset[str], frozenset[str], frozenset[str]]:
+    """An Xid recorded while the driver asks for a GPU reset clears when the action reads NONE again.
+
+    "While" includes the next check: the driver raises the action right after the Xid, and its event wakes
+    the agent a moment later. Where the field is not supported (action None) nothing changes: the Xid needs a
+    reboot, as before. An action that escalates to anything but a reset detaches the Xid for good.
+    """
+    uuid_of = {f.key: f.uuid for f in sticky}
+    clearable, pending = set(prev.reset_clearable), set()
+    cleared = set(prev.reset_cleared) - set(new_xid_keys)  # recorded again: needs its own evidence
+    for key in prev.reset_pending:
+        if actions.get(uuid_of.get(key) or "") in _RESET_ACTIONS:
+            clearable.add(key)
+    for key in new_xid_keys:
+        action = actions.get(uuid_of.get(key) or "")
+        if action in _RESET_ACTIONS:
+            clearable.add(key)
+        elif action == 0:
+            pending.add(key)
+    for key in list(clearable):
+        action = actions.get(uuid_of.get(key) or "")
+        if key not in uuid_of:
+            clearable.discard(key)
+        elif action == 0:
+            clearable.discard(key)
+            cleared.add(key)
+        elif action is not None and action not in _RESET_ACTIONS:
+            clearable.discard(key)
+    sticky = [f for f in sticky if f.key not in cleared]
+    return sticky, frozenset(clearable), frozenset(pending), frozenset(cleared)
