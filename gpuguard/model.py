@@ -109,6 +109,9 @@ class Snapshot:
     unresponsive: str | None = None
     # NVML calls past their deadline and still in flight (one stuck thread each), for /healthz and metrics.
     stuck_calls: tuple[str, ...] = ()
+    # A node-wide query that failed this pass ("nvmlDeviceGetCount:UNKNOWN"): the readings are the last ones;
+    # retried, and a fault only when it fails check after check (Verdict.node_error_streak).
+    node_error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,8 @@ class Verdict:
     # Consecutive checks each GPU (by UUID) was unreadable, and each unidentified index went unidentified.
     unreadable_streaks: tuple[tuple[str, int], ...] = ()
     unidentified_streaks: tuple[tuple[int, int], ...] = ()
+    # Consecutive checks a node-wide query failed (Snapshot.node_error).
+    node_error_streak: int = 0
 
     @cached_property
     def faults(self) -> tuple[Fault, ...]:

@@ -79,7 +79,10 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
         if snapshot.unresponsive is not None and not snapshot.gpus:
             expected = settings.expected_gpus  # a pass that hung before it counted: not a count
 
-    fatal, ignored = _split_xids(snapshot.xids, settings.ignored_xids)
+    # Xid 154 is the driver announcing a recovery action, judged as the recovery-* fault it reads; on a GPU
+    # whose recovery field cannot be read it is the only word of it, so a fault.
+    blind = {g.uuid for g in snapshot.gpus if g.recovery_action is None}
+    fatal, ignored = _split_xids(snapshot.xids, settings.ignored_xids, blind)
     by_uuid = {g.uuid: g for g in snapshot.gpus}
     prev_by_uuid = {g.uuid: g for g in prev.gpus}
     actions = {g.uuid: recovery_action(g, prev_by_uuid.get(g.uuid)) for g in snapshot.gpus}
@@ -153,9 +156,12 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
         at_once = {":GPU_IS_LOST": GPU_LOST, ":RESET_REQUIRED": RESET_REQUIRED}
         reason = next((r for suffix, r in at_once.items() if error.endswith(suffix)), None)
         if reason is not None:
-            # NVML's own verdict, before we ever learnt the GPU's UUID: a fault at once, on the node.
+            # NVML's own verdict, before we ever learnt the GPU's UUID: a fault at once, on the node. A lost
+            # GPU stays lost until a reboot (sticky), even if it answers later: taint and report agree.
             f = Fault(reason, f"NVML counts GPU {index} but cannot identify it ({error})", gpu_index=index)
             node_faults += (f,) if all(n.key != f.key for n in node_faults) else ()
+            if reason == GPU_LOST:
+                _add_sticky(sticky, f)
         elif unidentified[index] >= settings.unreadable_after and all(
             f.reason != GPU_UNREADABLE for f in node_faults
         ):
@@ -167,6 +173,10 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
                     gpu_index=index,
                 ),
             )
+    node_streak = prev.node_error_streak + 1 if snapshot.node_error else 0
+    if snapshot.node_error and node_streak >= settings.unreadable_after:
+        call, _, error = snapshot.node_error.partition(":")
+        node_faults += (Fault(NVML_INIT, f"{call} failed for {node_streak} checks in a row ({error})"),)
     missing_known = sum(1 for _, u, _ in known if u not in by_uuid)
     shortfall = (expected or 0) - seen - missing_known
     if shortfall > 0:
@@ -189,6 +199,7 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
         reset_cleared=cleared,
         unreadable_streaks=tuple((u, n) for u, n in unreadable.items() if n),
         unidentified_streaks=tuple(unidentified.items()),
+        node_error_streak=node_streak,
     )
 
 
@@ -307,11 +318,18 @@ def _ordered(faults: Iterable[Fault]) -> tuple[Fault, ...]:
 
 
 def _split_xids(
-    xids: Iterable[XidEvent], ignored: frozenset[int]
+    xids: Iterable[XidEvent], ignored: frozenset[int], blind: set[str]
 ) -> tuple[tuple[XidEvent, ...], tuple[XidEvent, ...]]:
-    fatal = tuple(x for x in xids if x.code not in ignored)
-    skipped = tuple(x for x in xids if x.code in ignored)
+    def fatal_(x: XidEvent) -> bool:
+        blind_154 = x.code == XID_RECOVERY_ACTION and (x.uuid is None or x.uuid in blind)
+        return x.code not in ignored or blind_154
+
+    fatal = tuple(x for x in xids if fatal_(x))
+    skipped = tuple(x for x in xids if not fatal_(x))
     return fatal, skipped
+
+
+XID_RECOVERY_ACTION = 154
 
 
 def _sticky_reading_faults(g: GpuReading) -> list[Fault]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.agentproc import WatchProcess, healthz_status
-from tests.test_nvml_backend import ROOT, env, state_file
+from tests.test_nvml_backend import ROOT, check, env, state_file
 
 
 @contextmanager
@@ -172,3 +172,87 @@ def test_the_event_path_waits_for_the_poll(fakenvml: Path, tmp_path: Path) -> No
         doc, _, _ = watch_until(p, lambda d: "xid-79" in reasons_of(d, "GPU-0a"), 3)
         assert reasons_of(doc, "GPU-0a") == ["xid-79"], doc
         assert len(p.events("nvml.event_path_rebuilt")) >= 2
+
+
+def test_one_blink_is_a_quarantine(fakenvml: Path, tmp_path: Path) -> None:
+    """One failed nvmlDeviceGetCount (UNKNOWN) mid-run is retried, not judged: the node stays healthy and
+    untainted; a count that keeps failing is nvml-init after three checks."""
+    s = state_file(tmp_path, TWO)
+    with agent(fakenvml, s) as p:
+        s.write_text(TWO + "fail nvmlDeviceGetCount UNKNOWN count=1\n")
+        doc, _, _ = watch_until(p, lambda d: not d["healthy"] or d["tainted"], 1.5)
+        assert doc["healthy"] and not doc["tainted"], doc
+        assert p.events("nvml.device_count_failed")
+        s.write_text(TWO + "fail nvmlDeviceGetCount TIMEOUT\n")
+        doc, _, _ = watch_until(p, lambda d: not d["healthy"], 4)
+        assert [r.split(":")[0] for r in doc["node_reasons"]] == ["nvml-init"], doc
+        assert "failed for 3 checks in a row (TIMEOUT)" in doc["node_reasons"][0]
+        assert [g["uuid"] for g in doc["gpus"]] == ["GPU-0a", "GPU-0b"]
+        assert all(g["reasons"] == [] for g in doc["gpus"]), "no GPU is invented missing"
+
+
+NOT_SUPPORTED_ECC = (
+    "gpu 0 uuid=GPU-0a remap_supported=0 recovery_supported=0\n"
+    "fail nvmlDeviceGetTotalEccErrors NOT_SUPPORTED\n"
+)
+
+
+def test_not_supported_read_as_broken(fakenvml: Path, tmp_path: Path) -> None:
+    """ECC mode answers, the ECC counter says NOT_SUPPORTED (and nothing else is polled): not applicable,
+    never gpu-unreadable, in watch and in check."""
+    s = state_file(tmp_path, NOT_SUPPORTED_ECC)
+    with agent(fakenvml, s) as p:
+        doc, _, _ = watch_until(p, lambda d: not d["healthy"], 1.5)
+        assert doc["healthy"], doc
+    code, doc, _ = check(fakenvml, s)
+    assert code == 0 and doc["gpus"][0]["healthy"], doc
+
+
+def test_nvidias_recovery_request_missed(fakenvml: Path, tmp_path: Path) -> None:
+    """The recovery field answered NOT_SUPPORTED once; the driver then supports it and announces a GPU reset
+    with Xid 154: the field is read again and the reset is the fault. Where the field stays NOT_SUPPORTED,
+    the Xid 154 itself is the fault."""
+    s = state_file(
+        tmp_path, "gpu 0 uuid=GPU-0a recovery_supported=0\ngpu 1 uuid=GPU-0b recovery_supported=0\n"
+    )
+    with agent(fakenvml, s) as p:
+        time.sleep(0.5)
+        s.write_text(
+            "gpu 0 uuid=GPU-0a recovery_supported=1 recovery_action=1\n"
+            "gpu 1 uuid=GPU-0b recovery_supported=0\nxid 0 154\nxid 1 154\n"
+        )
+        doc, _, _ = watch_until(p, lambda d: reasons_of(d, "GPU-0a") and reasons_of(d, "GPU-0b"), 3)
+        assert reasons_of(doc, "GPU-0a") == ["recovery-gpu-reset"], doc
+        assert reasons_of(doc, "GPU-0b") == ["xid-154"], doc
+
+
+def test_readings_follow_indices_not_uuids(fakenvml: Path, tmp_path: Path) -> None:
+    """A same-count reorder: GPU-0b (with ECC errors) now at index 0. Its ECC fault is GPU-0b's, never
+    GPU-0a's; then GPU-0a, now at index 1, is lost: the loss is GPU-0a's, not the UUID index 1 had first."""
+    s = state_file(tmp_path, TWO)
+    with agent(fakenvml, s) as p:
+        s.write_text("gpu 0 uuid=GPU-0b ecc=3\ngpu 1 uuid=GPU-0a\n")
+        doc, _, _ = watch_until(p, lambda d: not d["healthy"], 3)
+        time.sleep(0.5)
+        doc, _, _ = watch_until(p, lambda d: False, 0.1)
+        assert reasons_of(doc, "GPU-0b") == ["ecc"] and reasons_of(doc, "GPU-0a") == [], doc
+        assert {g["uuid"]: g["index"] for g in doc["gpus"]} == {"GPU-0a": 1, "GPU-0b": 0}
+        assert p.events("nvml.gpu_moved")
+        s.write_text("gpu 0 uuid=GPU-0b ecc=3\ngpu 1 uuid=GPU-0a lost=1\n")
+        doc, _, _ = watch_until(p, lambda d: "gpu-lost" in reasons_of(d, "GPU-0a"), 3)
+        assert reasons_of(doc, "GPU-0a") == ["gpu-lost"] and reasons_of(doc, "GPU-0b") == ["ecc"], doc
+
+
+def test_a_gpu_lost_at_start(fakenvml: Path, tmp_path: Path) -> None:
+    """A GPU lost at start that answers later: the node stays unhealthy for it (gpu-lost needs a reboot),
+    so /healthz, the condition and the taint agree."""
+    s = state_file(tmp_path, "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b lost=1\n")
+    with agent(fakenvml, s) as p:
+        doc, _, _ = watch_until(p, lambda d: d["tainted"], 3)
+        assert [r.split(":")[0] for r in doc["node_reasons"]] == ["gpu-lost"], doc
+        s.write_text(TWO)
+        doc, _, _ = watch_until(p, lambda d: len(d["gpus"]) == 2, 3)
+        time.sleep(0.6)
+        doc, _, _ = watch_until(p, lambda d: False, 0.1)
+        assert len(doc["gpus"]) == 2 and not doc["healthy"] and doc["tainted"], doc
+        assert [r.split(":")[0] for r in doc["node_reasons"]] == ["gpu-lost"], doc

@@ -19,7 +19,7 @@ import structlog
 
 from gpuguard.model import Snapshot
 from gpuguard.nvml.base import Wakeup
-from gpuguard.nvml.real.common import Device, error_name, handle_key, is_lost, text
+from gpuguard.nvml.real.common import XID_RECOVERY_ACTION, Device, error_name, handle_key, is_lost, text
 from gpuguard.nvml.real.deadline import CALL_DEADLINE_S, INIT_DEADLINE_S, NODE, Hang, Pass, Runner
 from gpuguard.nvml.real.events import EventPath
 from gpuguard.nvml.real.readings import describe, last_reading, read, unresponsive
@@ -48,6 +48,7 @@ class NvmlBackend:
         self._by_handle: dict[int, Device] = {}
         # The previous pass's snapshot, returned again while nothing it holds changed.
         self._last: Snapshot | None = None
+        self._clock = clock
         self._runner = Runner(deadline=deadline, init_deadline=init_deadline, clock=clock)
         # The event thread's heartbeat is two call deadlines (10 s by default): a wait that has not come back
         # within two of those is stuck (nvml.real.events).
@@ -104,28 +105,32 @@ class NvmlBackend:
         try:
             count = int(pynvml.nvmlDeviceGetCount())
         except pynvml.NVMLError as exc:
-            # The driver itself stopped answering: report it like an init failure; the next pass asks again.
-            log.warning("nvml.device_count_failed", error=error_name(exc))
-            return Snapshot(
-                init_error=error_name(exc), driver_version=self._driver, stuck_calls=self._stuck()
-            )
+            # One failed count is not a fault: the last readings, the error, and the policy counts the
+            # checks it keeps failing (nvml-init after a few in a row).
+            log.warning("nvml.device_count_failed", error=error_name(exc), retry="next check")
+            return self._hung_snapshot(None, node_error=f"nvmlDeviceGetCount:{error_name(exc)}")
         p.at("nvmlEventSetFree")
         self._events.rebuild_if_asked()
         if (
             count != self._count
+            or self._moved(p)
             or self._unidentified
             or any(d.enumeration_error and not d.lost_at_enumeration for d in self._devices)
         ):
             self._enumerate(count, p)
         self._events.ensure(p)
         hung = self._hung_by_uuid()
+        xids = self._events.take_xids()
+        now = self._clock()
+        for x in xids:
+            if x.code == XID_RECOVERY_ACTION and x.uuid in self._by_uuid:
+                self._by_uuid[x.uuid].recovery_probe_at = now  # the driver announces an action: read it
         gpus = tuple(
             unresponsive(d, hung[d.uuid], self._events.watch_state(d))
             if d.uuid in hung
-            else read(d, *self._events.watch_state(d), mark=p.at)
+            else read(d, *self._events.watch_state(d), mark=p.at, now=now)
             for d in self._devices
         )
-        xids = self._events.take_xids()
         unidentified = tuple(self._unidentified)
         stuck = self._stuck()
         last = self._last
@@ -147,6 +152,24 @@ class NvmlBackend:
             gpus=gpus, xids=xids, driver_version=self._driver, unidentified=unidentified, stuck_calls=stuck
         )
         return self._last
+
+    def _moved(self, p: Pass) -> bool:
+        """Whether any GPU's handle answers another UUID than it was enumerated with (a reorder, a swap, a
+        re-plug): then the pass enumerates again before it records a reading, so no reading, Xid or loss is
+        ever put on another GPU's UUID. One UUID read per GPU and pass."""
+        hung = self._hung_by_uuid()
+        for d in self._devices:
+            if d.lost_at_enumeration or d.enumeration_error or d.handle is None or d.uuid in hung:
+                continue
+            p.at("nvmlDeviceGetUUID", uuid=d.uuid, index=d.index)
+            try:
+                uuid = text(pynvml.nvmlDeviceGetUUID(d.handle))
+            except pynvml.NVMLError:
+                continue  # the reading says why (lost, an error)
+            if uuid != d.uuid:
+                log.warning("nvml.gpu_moved", gpu=d.index, uuid=d.uuid, now=uuid, action="enumerate again")
+                return True
+        return False
 
     def _close(self, p: Pass) -> bool:
         p.at("stop the event thread", slow=True)  # no NVML call: bounded by events.STOP_TIMEOUT_S
@@ -181,7 +204,7 @@ class NvmlBackend:
         hung = self._hung_by_uuid()
         return {handle_key(d.handle) for d in self._devices if d.uuid in hung and d.handle is not None}
 
-    def _hung_snapshot(self, node: Hang | None) -> Snapshot:
+    def _hung_snapshot(self, node: Hang | None, *, node_error: str | None = None) -> Snapshot:
         """A pass that did not finish: the last readings, the GPU (or the node) that hangs, the Xids."""
         hung = self._hung_by_uuid()
         gpus = tuple(
@@ -197,6 +220,7 @@ class NvmlBackend:
             unidentified=tuple(self._unidentified),
             unresponsive=node.detail if node is not None else None,
             stuck_calls=self._stuck(),
+            node_error=node_error,
         )
 
     # -- init and inventory -------------------------------------------------------------------------------
@@ -256,6 +280,9 @@ class NvmlBackend:
                     devices.append(
                         replace(before, lost_at_enumeration=True, registered=0, watch_note="gpu lost")
                     )
+                elif before is not None:
+                    # One failed handle query on a GPU we know is not an absence: read again next pass.
+                    devices.append(replace(before, enumeration_error=f"handle:{error_name(exc)}"))
                 else:
                     log.warning("nvml.handle_failed", gpu=i, error=error_name(exc))
                     unidentified.append((i, f"handle:{error_name(exc)}"))
@@ -268,7 +295,7 @@ class NvmlBackend:
                     # The same device as before (same handle): keep its identity, read it again next pass.
                     lost = is_lost(exc)
                     devices.append(
-                        replace(before, lost_at_enumeration=lost, enumeration_error=error_name(exc))
+                        replace(before, lost_at_enumeration=lost, enumeration_error=f"uuid:{error_name(exc)}")
                     )
                 else:
                     log.warning("nvml.uuid_failed", gpu=i, error=error_name(exc))

@@ -26,6 +26,8 @@ EVENT_XID = int(pynvml.nvmlEventTypeXidCriticalError)
 EVENT_DOUBLE_BIT_ECC = int(pynvml.nvmlEventTypeDoubleBitEccError)
 EVENT_RECOVERY_ACTION = int(getattr(pynvml, "nvmlEventTypeGpuRecoveryAction", 0x8000))
 NO_INSTANCE = 0xFFFFFFFF
+# The driver announces a recovery action (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION says which).
+XID_RECOVERY_ACTION = 154
 # Sent to the event thread to end its wait (nvml.h: the wait returns TIMEOUT when "interrupt arrived").
 WAKE_SIGNAL = signal.SIGUSR2
 # Retries of event-set creation and registration: 1 s, doubling, at most a minute apart.
@@ -75,6 +77,8 @@ class Device:
     ecc_supported: bool = True
     remap_supported: bool = True
     recovery_supported: bool = True
+    # While the recovery field answers NOT_SUPPORTED: when to ask again (on Xid 154 at once).
+    recovery_probe_at: float = 0.0
     lost_at_enumeration: bool = False
     # Why the last enumeration could not describe it (UUID known from before): re-enumerate next pass.
     enumeration_error: str | None = None

@@ -63,37 +63,44 @@ class Hang:
 
 
 class Pass:
-    """One pass's progress: the reading thread marks each call (or group of calls on one GPU) before it."""
+    """One pass's progress: the reading thread marks each call before it. A mark is a few attribute stores
+    and a clock read (the deadline's whole cost on the reading thread); the rest is worked out only when a
+    deadline passes."""
 
-    __slots__ = ("_clock", "_limits", "abandoned", "call", "index", "key", "limit", "since", "uuid")
+    __slots__ = ("_clock", "_limits", "abandoned", "call", "index", "since", "slow", "uuid")
 
     def __init__(self, clock: Callable[[], float], limits: tuple[float, float]) -> None:
         self._clock = clock
         self._limits = limits
         self.call = "pass"
-        self.key = NODE
         self.uuid: str | None = None
         self.index: int | None = None
-        self.limit = limits[0]
+        self.slow = False
         self.since = clock()
         self.abandoned = False
 
-    def at(self, call: str, *, uuid: str | None = None, index: int | None = None, slow: bool = False) -> None:
+    def at(self, call: str, uuid: str | None = None, index: int | None = None, slow: bool = False) -> None:
         """The next NVML call, on this GPU (uuid) or index; its deadline starts now (`slow`: nvmlInit's)."""
         if self.abandoned:
             raise Abandoned
-        self.call, self.uuid, self.index = call, uuid, index
-        self.limit = self._limits[1] if slow else self._limits[0]
-        if uuid is not None:
-            self.key = ("gpu", uuid)
-        elif index is not None:
-            self.key = ("index", str(index))
-        else:
-            self.key = NODE
+        self.call = call
+        self.uuid = uuid
+        self.index = index
+        self.slow = slow
         self.since = self._clock()
 
+    @property
+    def limit(self) -> float:
+        return self._limits[1] if self.slow else self._limits[0]
 
-_Job = tuple[Callable[["Pass"], Any], "Pass", list[Any], threading.Event] | None
+    @property
+    def key(self) -> tuple[str, ...]:
+        if self.uuid is not None:
+            return ("gpu", self.uuid)
+        return NODE if self.index is None else ("index", str(self.index))
+
+
+_Job = tuple[Callable[["Pass"], Any], "Pass", list[Any], threading.Lock] | None
 
 
 class Runner:
@@ -130,7 +137,10 @@ class Runner:
         """job(pass) on the reading thread: its result, or the Hang that ended the wait."""
         p = Pass(self._clock, self._limits)
         box: list[Any] = []
-        done = threading.Event()
+        # Held until the pass is done: a bare lock is the cheapest hand-back CPython has (an Event is a
+        # Condition, a lock and a list underneath).
+        done = threading.Lock()
+        done.acquire()
         with self._lock:
             if self._jobs is None:
                 self._jobs = queue.SimpleQueue()
@@ -140,8 +150,8 @@ class Runner:
                 self._thread.start()
             self._jobs.put((job, p, box, done))
         hang = None
-        while hang is None and not done.wait(max(0.0, p.since + p.limit - self._clock())):
-            hang = self._give_up(p, done)
+        while hang is None and not done.acquire(timeout=max(0.0, p.since + p.limit - self._clock())):
+            hang = self._give_up(p, box)
         if hang is not None:
             log.warning(
                 "nvml.call_hung",
@@ -166,10 +176,10 @@ class Runner:
             jobs.put(None)
             thread.join(1.0)
 
-    def _give_up(self, p: Pass, done: threading.Event) -> Hang | None:
+    def _give_up(self, p: Pass, box: list[Any]) -> Hang | None:
         """The Hang if the call in flight is past its deadline (None: done, or a later call's time runs)."""
         with self._lock:
-            if done.is_set() or self._clock() < p.since + p.limit:
+            if box or self._clock() < p.since + p.limit:
                 return None
             p.abandoned = True
             self._jobs = self._thread = None  # this thread is given up: the next pass gets a fresh one
@@ -192,7 +202,7 @@ class Runner:
             with self._lock:
                 if not p.abandoned:
                     box.append(result)
-                    done.set()
+                    done.release()
                     continue
                 hang = self._hangs.pop(p.key, None)
             if hang is not None:

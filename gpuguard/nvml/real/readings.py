@@ -70,16 +70,19 @@ def last_reading(d: Device, watch: tuple[bool, str]) -> GpuReading:
     return replace(reading, xid_watched=watch[0], xid_watch_note=watch[1])
 
 
-def read(d: Device, watched: bool, watch_note: str, *, mark: Mark = _no_mark) -> GpuReading:
+# NOT_SUPPORTED for the recovery field is asked again this often (a driver update can bring it, and Xid 154,
+# the driver announcing an action, asks again at once).
+RECOVERY_PROBE_S = 600.0
+
+
+def read(d: Device, watched: bool, watch_note: str, *, mark: Mark = _no_mark, now: float = 0.0) -> GpuReading:
     """This pass's reading of one GPU: every query asked again. The GpuReading object is the one of the
     previous pass when every value is the same (a steady GPU allocates nothing, and the snapshot and the
     remembered evaluation compare by identity first)."""
     if d.lost_at_enumeration:
         return _reading(d, watched, watch_note, _LOST_VALUES)
     if d.enumeration_error:
-        return _reading(
-            d, watched, watch_note, (None, None, None, None, (f"uuid:{d.enumeration_error}",), True)
-        )
+        return _reading(d, watched, watch_note, (None, None, None, None, (d.enumeration_error,), True))
     ecc: int | None = None
     remap_failure: bool | None = None
     remap_pending: bool | None = None
@@ -98,7 +101,10 @@ def read(d: Device, watched: bool, watch_note: str, *, mark: Mark = _no_mark) ->
     except pynvml.NVMLError as exc:
         if is_lost(exc):
             return _reading(d, watched, watch_note, _LOST_VALUES)
-        errors.append(f"ecc:{error_name(exc)}")
+        if not_supported(exc):
+            d.ecc_supported = False  # ECC mode answered, the counter does not: not applicable
+        else:
+            errors.append(f"ecc:{error_name(exc)}")
     try:
         if d.remap_supported:
             mark("nvmlDeviceGetRemappedRows", uuid=d.uuid, index=d.index)
@@ -112,12 +118,13 @@ def read(d: Device, watched: bool, watch_note: str, *, mark: Mark = _no_mark) ->
             d.remap_supported = False  # pre-Ampere, some vGPU and MIG set-ups: not applicable
         else:
             errors.append(f"remap:{error_name(exc)}")
-    if d.recovery_supported:
+    if d.recovery_supported or now >= d.recovery_probe_at:
         try:
             mark("nvmlDeviceGetFieldValues", uuid=d.uuid, index=d.index)
             action, error = _recovery_action(d.handle)
-            if error == "NOT_SUPPORTED":
-                d.recovery_supported = False
+            d.recovery_supported = error != "NOT_SUPPORTED"
+            if not d.recovery_supported:
+                d.recovery_probe_at = now + RECOVERY_PROBE_S
             elif error:
                 errors.append(f"recovery:{error}")
             else:
@@ -126,7 +133,7 @@ def read(d: Device, watched: bool, watch_note: str, *, mark: Mark = _no_mark) ->
             if is_lost(exc):
                 return _reading(d, watched, watch_note, _LOST_VALUES)
             if not_supported(exc):
-                d.recovery_supported = False
+                d.recovery_supported, d.recovery_probe_at = False, now + RECOVERY_PROBE_S
             else:
                 errors.append(f"recovery:{error_name(exc)}")
     if not answered and not errors:
