@@ -31,7 +31,7 @@ from gpuguard.model import (
     recovery_reason,
     xid_reason,
 )
-from gpuguard.recovery import apply_recovery_rule, cleared_without_reboot, recovery_action
+from gpuguard.recovery import apply_recovery_rule, cleared_without_reboot, recovery_action, unresponsive_rule
 from gpuguard.xidcatalog import CATALOG
 
 __all__ = ["cleared_without_reboot", "evaluate", "primary", "severity"]
@@ -44,11 +44,11 @@ def describe_xid(code: int) -> str:
 def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySettings) -> Verdict:
     """Judge one snapshot. `previous` carries the device inventory and the sticky faults."""
     prev = previous or Verdict()
-    sticky = _unresponsive_rule(list(prev.sticky), snapshot)
+    sticky = unresponsive_rule(list(prev.sticky), snapshot)
 
     if snapshot.init_error is not None:
         node_faults: tuple[Fault, ...] = ()
-        if not settings.allow_no_gpu:
+        if not settings.allow_no_gpu or snapshot.init_error not in _NO_GPU_HERE:
             node_faults = (Fault(NVML_INIT, f"NVML initialization failed: {snapshot.init_error}"),)
         # The node's sticky faults (an unattributed Xid, a hung call) stay reported while NVML is down.
         known_now = {u for _, u, _ in prev.known}
@@ -186,6 +186,17 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
                 f"expected {expected} GPUs, NVML reports {seen}",
             ),
         )
+    if (
+        not known
+        and not snapshot.unidentified
+        and snapshot.unresponsive is None
+        and snapshot.node_error is None
+        and not settings.allow_no_gpu
+        and all(f.reason != GPU_MISSING for f in node_faults)
+    ):
+        # A GPU node that shows no GPU is a fault, in watch as in check (the gate is not lifted for it).
+        none = "NVML reports no GPUs (pass --allow-no-gpu where that is expected)"
+        node_faults += (Fault(GPU_MISSING, none),)
     return Verdict(
         gpus=tuple(verdicts),
         node_faults=node_faults,
@@ -203,42 +214,9 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
     )
 
 
-def _unresponsive_rule(sticky: list[Fault], snapshot: Snapshot) -> list[Fault]:
-    """An NVML call past its deadline is a sticky fault: saved in --state-dir with the others, so an agent
-    restarted while the driver still hangs reports it at once. It clears when the calls answer again: the
-    GPU's reading answers (gpu-unresponsive), a whole pass answers (nvml-unresponsive, and a GPU NVML could
-    not identify)."""
-    found = []
-    if snapshot.unresponsive is not None:
-        found.append(Fault(NVML_UNRESPONSIVE, snapshot.unresponsive))
-    for index, error in snapshot.unidentified:
-        if error.endswith(":UNRESPONSIVE"):
-            call = error.split(":", 1)[0]
-            detail = f"{call} has not returned (GPU {index}, not identified)"
-            found.append(Fault(GPU_UNRESPONSIVE, detail, gpu_index=index))
-    found.extend(
-        Fault(GPU_UNRESPONSIVE, g.unresponsive, uuid=g.uuid, gpu_index=g.index)
-        for g in snapshot.gpus
-        if g.unresponsive is not None
-    )
-    if not found and not any(f.reason in _UNRESPONSIVE for f in sticky):
-        return sticky
-    full_pass = snapshot.unresponsive is None and snapshot.init_error is None
-    answered = {g.uuid for g in snapshot.gpus if g.unresponsive is None and not g.unreadable}
-    keys = {f.key for f in found}
-
-    def gone(f: Fault) -> bool:
-        if f.reason not in _UNRESPONSIVE or f.key in keys or not full_pass:
-            return False
-        return f.uuid is None or f.uuid in answered
-
-    kept = [f for f in sticky if not gone(f)]
-    for f in found:
-        _add_sticky(kept, f)
-    return kept
-
-
-_UNRESPONSIVE = frozenset({GPU_UNRESPONSIVE, NVML_UNRESPONSIVE})
+# The init errors --allow-no-gpu reads as "no GPU here" (no library, no driver); a driver that is there and
+# broken (RM version mismatch, GPU_IS_LOST, ...) is a fault even then.
+_NO_GPU_HERE = frozenset({"LIBRARY_NOT_FOUND", "DRIVER_NOT_LOADED"})
 
 
 def _reading_faults(g: GpuReading, action: int | None, unreadable_checks: int, limit: int) -> list[Fault]:

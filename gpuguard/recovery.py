@@ -1,6 +1,7 @@
-"""The recovery-action rule (docs/design.md, "recovery"): which faults the driver's own
-NVML_FI_DEV_GET_GPU_RECOVERY_ACTION proves gone, and which a healthy reading proves gone without a reboot.
-Pure, like the policy that calls it."""
+"""How faults end without a reboot (docs/design.md, "recovery"): the recovery-action rule (which faults the
+driver's own NVML_FI_DEV_GET_GPU_RECOVERY_ACTION proves gone), the reasons a healthy reading proves gone, and
+the rule for calls past their deadline (gpu-unresponsive, nvml-unresponsive). Pure, like the policy that
+calls it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from gpuguard.model import (
     Fault,
     GpuReading,
     GpuVerdict,
+    Snapshot,
     Verdict,
 )
 
@@ -83,3 +85,40 @@ def apply_recovery_rule(
             clearable.discard(key)
     sticky = [f for f in sticky if f.key not in cleared]
     return sticky, frozenset(clearable), frozenset(pending), frozenset(cleared)
+
+
+def unresponsive_rule(sticky: list[Fault], snapshot: Snapshot) -> list[Fault]:
+    """An NVML call past its deadline is a sticky fault: saved in --state-dir with the others, so an agent
+    restarted while the driver still hangs reports it at once. It clears when the calls answer again: the
+    GPU's reading answers (gpu-unresponsive), a whole pass answers (nvml-unresponsive, and a GPU NVML could
+    not identify)."""
+    found = []
+    if snapshot.unresponsive is not None:
+        found.append(Fault(NVML_UNRESPONSIVE, snapshot.unresponsive))
+    for index, error in snapshot.unidentified:
+        if error.endswith(":UNRESPONSIVE"):
+            call = error.split(":", 1)[0]
+            detail = f"{call} has not returned (GPU {index}, not identified)"
+            found.append(Fault(GPU_UNRESPONSIVE, detail, gpu_index=index))
+    found.extend(
+        Fault(GPU_UNRESPONSIVE, g.unresponsive, uuid=g.uuid, gpu_index=g.index)
+        for g in snapshot.gpus
+        if g.unresponsive is not None
+    )
+    if not found and not any(f.reason in _UNRESPONSIVE for f in sticky):
+        return sticky
+    full_pass = snapshot.unresponsive is None and snapshot.init_error is None
+    answered = {g.uuid for g in snapshot.gpus if g.unresponsive is None and not g.unreadable}
+    keys = {f.key for f in found}
+
+    def gone(f: Fault) -> bool:
+        if f.reason not in _UNRESPONSIVE or f.key in keys or not full_pass:
+            return False
+        return f.uuid is None or f.uuid in answered
+
+    kept = [f for f in sticky if not gone(f)]
+    kept += [f for f in found if all(k.key != f.key for k in kept)]
+    return kept
+
+
+_UNRESPONSIVE = frozenset({GPU_UNRESPONSIVE, NVML_UNRESPONSIVE})

@@ -17,7 +17,7 @@ import structlog
 from gpuguard import logs
 from gpuguard.config import Config
 from gpuguard.errors import ConfigError
-from gpuguard.model import GPU_MISSING, AgentStatus, Fault, Verdict
+from gpuguard.model import AgentStatus, Verdict
 from gpuguard.nvml.base import Backend
 from gpuguard.policy import evaluate
 
@@ -81,15 +81,6 @@ def check_once(cfg: Config, *, at: float | None = None) -> Check:
         backend.close()
     # One pass: an unreadable or unidentified GPU fails the preflight at once (watch waits 3 checks).
     verdict = evaluate(snapshot, previous=None, settings=replace(cfg.policy, unreadable_after=1))
-    if snapshot.init_error is None and not snapshot.gpus and not cfg.policy.allow_no_gpu:
-        # A preflight in a container that got no GPU must not pass.
-        verdict = replace(
-            verdict,
-            node_faults=(
-                *verdict.node_faults,
-                Fault(GPU_MISSING, "NVML reports no GPUs (pass --allow-no-gpu where that is expected)"),
-            ),
-        )
     no_library = snapshot.init_error == "LIBRARY_NOT_FOUND" and not cfg.policy.allow_no_gpu
     return Check(verdict=verdict, no_library=no_library)
 

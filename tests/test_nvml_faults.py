@@ -249,10 +249,26 @@ def test_a_gpu_lost_at_start(fakenvml: Path, tmp_path: Path) -> None:
     s = state_file(tmp_path, "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b lost=1\n")
     with agent(fakenvml, s) as p:
         doc, _, _ = watch_until(p, lambda d: d["tainted"], 3)
-        assert [r.split(":")[0] for r in doc["node_reasons"]] == ["gpu-lost"], doc
+        assert doc["tainted"] and not doc["healthy"], doc
         s.write_text(TWO)
         doc, _, _ = watch_until(p, lambda d: len(d["gpus"]) == 2, 3)
         time.sleep(0.6)
         doc, _, _ = watch_until(p, lambda d: False, 0.1)
         assert len(doc["gpus"]) == 2 and not doc["healthy"] and doc["tainted"], doc
         assert [r.split(":")[0] for r in doc["node_reasons"]] == ["gpu-lost"], doc
+
+
+def test_zero_gpus(fakenvml: Path, tmp_path: Path) -> None:
+    """watch and check give a GPU node with no GPU the same verdict (gpu-missing unless --allow-no-gpu);
+    --allow-no-gpu covers no driver, not a broken one (an RM version mismatch)."""
+    s = state_file(tmp_path, "# a GPU node whose GPUs NVML does not show\n")
+    with agent(fakenvml, s) as p:
+        doc, _, _ = watch_until(p, lambda d: not d["healthy"], 2)
+        assert not doc["healthy"] and doc["tainted"], doc
+    assert check(fakenvml, s)[0] == 1
+    with agent(fakenvml, s, "--allow-no-gpu") as p:
+        doc, _, _ = watch_until(p, lambda d: not d["healthy"], 1)
+        assert doc["healthy"], doc
+    broken = state_file(tmp_path, "init_error LIB_RM_VERSION_MISMATCH\ngpu 0\n")
+    assert check(fakenvml, broken, "--allow-no-gpu")[0] == 1
+    assert check(fakenvml, state_file(tmp_path, "init_error DRIVER_NOT_LOADED\n"), "--allow-no-gpu")[0] == 0

@@ -116,7 +116,14 @@ TWO = (gpu(0), gpu(1))
             DEFAULT,
             [],
         ),
-        ("zero GPUs at the first init with no expectation is healthy", snap(), DEFAULT, []),
+        ("zero GPUs is gpu-missing, in watch as in check", snap(), DEFAULT, ["gpu-missing"]),
+        ("zero GPUs with --allow-no-gpu is healthy", snap(), PolicySettings(allow_no_gpu=True), []),
+        (
+            "--allow-no-gpu does not cover a broken driver",
+            snap(init_error="LIB_RM_VERSION_MISMATCH"),
+            PolicySettings(allow_no_gpu=True),
+            ["nvml-init"],
+        ),
     ],
 )
 def test_a_single_snapshot_is_judged_as_the_catalog_says(
@@ -127,9 +134,16 @@ def test_a_single_snapshot_is_judged_as_the_catalog_says(
 
 @pytest.mark.parametrize("code", sorted(DEFAULT_IGNORED_XIDS))
 def test_every_default_ignored_xid_leaves_the_gpu_healthy(code: int) -> None:
-    v = evaluate(snap(*TWO, xids=(XidEvent(0, "GPU-0", code),)), previous=None, settings=DEFAULT)
+    """On GPUs whose recovery field reads (NONE): Xid 154 only announces what the field says."""
+    read = (gpu(0, recovery_action=0), gpu(1, recovery_action=0))
+    v = evaluate(snap(*read, xids=(XidEvent(0, "GPU-0", code),)), previous=None, settings=DEFAULT)
     assert v.healthy
     assert [x.code for x in v.ignored_xids] == [code]
+
+
+def test_xid_154_on_a_gpu_whose_recovery_field_cannot_be_read_is_a_fault() -> None:
+    v = evaluate(snap(*TWO, xids=(XidEvent(0, "GPU-0", 154),)), previous=None, settings=DEFAULT)
+    assert reasons(v) == ["xid-154"]
 
 
 @pytest.mark.parametrize("code", [48, 61, 62, 63 + 1, 74, 79, 95, 109, 119, 120, 1, 200])
