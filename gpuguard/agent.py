@@ -26,6 +26,9 @@ from gpuguard.xidcatalog import CATALOG
 log = structlog.get_logger("gpuguard.agent")
 
 STALL_INTERVALS = 3
+# Ignored Xids are logged once per code and window, then counted (every one is in the metric): a storm of
+# 10,000 is two lines, not 10,000.
+IGNORED_LOG_WINDOW_S = 60.0
 
 
 class Agent:
@@ -62,6 +65,8 @@ class Agent:
         # while it waits.
         self._call_wait = call_wait
         self._stuck_calls: tuple[str, ...] = ()
+        # Per ignored Xid code: when its log window began, and how many were not logged in it.
+        self._ignored_logged: dict[int, tuple[float, int]] = {}
         self._library_seen = False
         # Set when the loop stopped because libnvidia-ml.so.1 never became loadable (the CLI exits 3).
         self.no_library = False
@@ -141,6 +146,8 @@ class Agent:
         if verdict is not previous or verdict.ignored_xids:
             # The very verdict as before (the remembered evaluation) has no transition to log.
             self._log_transitions(previous, verdict)
+        if self._ignored_logged:
+            self._flush_ignored(self._clock())
         if self._state is not None:
             self._state.save(verdict.sticky)  # before the write: a crash now must not lose the fault
         now = self._clock()
@@ -234,12 +241,34 @@ class Agent:
             # turns "stalled" and kubelet restarts the agent.
             log.exception("check.failed", node=self._log_node)
 
+    def _flush_ignored(self, now: float) -> None:
+        """One line per code whose window ended with Xids it did not log: how many."""
+        for code, (start, unlogged) in list(self._ignored_logged.items()):
+            if now - start < IGNORED_LOG_WINDOW_S:
+                continue
+            del self._ignored_logged[code]
+            if unlogged:
+                log.info(
+                    "xid.ignored_unlogged",
+                    node=self._log_node,
+                    xid=code,
+                    count=unlogged,
+                    window_s=IGNORED_LOG_WINDOW_S,
+                    bucket=CATALOG.bucket(code),
+                )
+
     def _log_transitions(self, previous: Verdict | None, verdict: Verdict) -> None:
         before = {f.key for f in previous.faults} if previous else set()
         for f in verdict.faults:
             if f.key not in before:
                 _log_fault(self._log_node, f)
+        now = self._clock()
         for x in verdict.ignored_xids:
+            start, unlogged = self._ignored_logged.get(x.code, (-IGNORED_LOG_WINDOW_S, 0))
+            if now - start < IGNORED_LOG_WINDOW_S:
+                self._ignored_logged[x.code] = (start, unlogged + 1)
+                continue
+            self._ignored_logged[x.code] = (now, 0)
             log.info(
                 "xid.ignored",
                 node=self._log_node,

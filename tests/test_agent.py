@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -200,3 +201,17 @@ def test_a_flapping_gpu_costs_one_write_per_episode_not_one_per_flip(flap_window
     # With the window: taint, recover, taint again (the second episode) and then hold -> 3 writes.
     # Without it (--flap-window 0): a taint and a recovery per episode -> 12 writes.
     assert writer.writes == writes
+
+
+def test_ignored_xids_are_logged_once_per_code_and_window_then_counted(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from gpuguard.agent import IGNORED_LOG_WINDOW_S
+
+    storm = "gpus: 1\nevents:\n" + "".join("  - {at: 1.0, gpu: 0, xid: 13}\n" for _ in range(50))
+    agent, clock, _, reconciler, _ = make(storm)
+    step(agent, reconciler, clock, 1.5)
+    step(agent, reconciler, clock, 1.5 + IGNORED_LOG_WINDOW_S)
+    out = capsys.readouterr().out
+    assert len(re.findall(r"\bxid\.ignored\b(?!_)", out)) == 1, out
+    assert out.count("xid.ignored_unlogged") == 1 and "count=49" in out

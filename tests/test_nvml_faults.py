@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -272,3 +273,24 @@ def test_zero_gpus(fakenvml: Path, tmp_path: Path) -> None:
     broken = state_file(tmp_path, "init_error LIB_RM_VERSION_MISMATCH\ngpu 0\n")
     assert check(fakenvml, broken, "--allow-no-gpu")[0] == 1
     assert check(fakenvml, state_file(tmp_path, "init_error DRIVER_NOT_LOADED\n"), "--allow-no-gpu")[0] == 0
+
+
+def test_one_log_line_per_ignored_xid(fakenvml: Path, tmp_path: Path) -> None:
+    """A storm of 200 ignored Xids (13): one log line for the code in its window, every one in the metric."""
+    s = state_file(tmp_path, TWO)
+    with agent(fakenvml, s) as p:
+        s.write_text(TWO + "xid 0 13\n" * 200)
+        deadline = time.monotonic() + 5
+        count = 0.0
+        while time.monotonic() < deadline and count < 200:
+            with urllib.request.urlopen(f"http://127.0.0.1:{p.port}/metrics", timeout=2) as r:
+                text = r.read().decode()
+            count = sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("gpuguard_xid_events_total{") and 'xid="13"' in line
+            )
+            time.sleep(0.05)
+        assert count == 200
+        assert healthz_status(p.port)[1]["healthy"]
+        assert len(p.events("xid.ignored")) == 1

@@ -20,7 +20,15 @@ import structlog
 from gpuguard.model import Snapshot
 from gpuguard.nvml.base import Wakeup
 from gpuguard.nvml.real.common import XID_RECOVERY_ACTION, Device, error_name, handle_key, is_lost, text
-from gpuguard.nvml.real.deadline import CALL_DEADLINE_S, INIT_DEADLINE_S, NODE, Hang, Pass, Runner
+from gpuguard.nvml.real.deadline import (
+    CALL_DEADLINE_S,
+    INIT_DEADLINE_S,
+    NODE,
+    Abandoned,
+    Hang,
+    Pass,
+    Runner,
+)
 from gpuguard.nvml.real.events import EventPath
 from gpuguard.nvml.real.readings import describe, last_reading, read, unresponsive
 
@@ -49,7 +57,9 @@ class NvmlBackend:
         # The previous pass's snapshot, returned again while nothing it holds changed.
         self._last: Snapshot | None = None
         self._clock = clock
-        self._runner = Runner(deadline=deadline, init_deadline=init_deadline, clock=clock)
+        self._runner = Runner(
+            deadline=deadline, init_deadline=init_deadline, clock=clock, discarded=self._discarded
+        )
         # The event thread's heartbeat is two call deadlines (10 s by default): a wait that has not come back
         # within two of those is stuck (nvml.real.events).
         self._events = EventPath(
@@ -120,9 +130,8 @@ class NvmlBackend:
             self._enumerate(count, p)
         self._events.ensure(p)
         hung = self._hung_by_uuid()
-        xids = self._events.take_xids()
         now = self._clock()
-        for x in xids:
+        for x in self._events.take_xids(keep=True):
             if x.code == XID_RECOVERY_ACTION and x.uuid in self._by_uuid:
                 self._by_uuid[x.uuid].recovery_probe_at = now  # the driver announces an action: read it
         gpus = tuple(
@@ -131,6 +140,10 @@ class NvmlBackend:
             else read(d, *self._events.watch_state(d), mark=p.at, now=now)
             for d in self._devices
         )
+        # Taken only now: a pass given up at its deadline must leave them to the check that reports the hang.
+        if p.abandoned:
+            raise Abandoned
+        xids = self._events.take_xids()
         unidentified = tuple(self._unidentified)
         stuck = self._stuck()
         last = self._last
@@ -192,6 +205,10 @@ class NvmlBackend:
         return True
 
     # -- what hangs ---------------------------------------------------------------------------------------
+
+    def _discarded(self, result: object) -> None:
+        if isinstance(result, Snapshot) and result.xids:
+            self._events.put_back(result.xids)
 
     def _stuck(self) -> tuple[str, ...]:
         return tuple(sorted([h.detail for h in self._runner.hangs()] + self._events.stuck_calls()))

@@ -112,8 +112,11 @@ class Runner:
         deadline: float = CALL_DEADLINE_S,
         init_deadline: float = INIT_DEADLINE_S,
         clock: Callable[[], float] = time.monotonic,
+        discarded: Callable[[Any], None] = lambda result: None,
     ) -> None:
         self._limits = (deadline, max(deadline, init_deadline))
+        # Called with the result of a pass that finished just as its deadline gave it up (nothing is lost).
+        self._discarded = discarded
         self._clock = clock
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[_Job] | None = None
@@ -205,6 +208,8 @@ class Runner:
                     done.release()
                     continue
                 hang = self._hangs.pop(p.key, None)
+            if result is not None and not isinstance(result, BaseException):
+                self._discarded(result)
             if hang is not None:
                 log.info(
                     "nvml.call_returned",

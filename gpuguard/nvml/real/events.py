@@ -9,8 +9,7 @@ stuck call, and the path is rebuilt on a new thread. A watchdog (nvml.real.watch
 and the retries' due times and wakes the agent for them: neither waits for `--interval`.
 
 stop_thread() ends a wait with WAKE_SIGNAL (nvml.h: TIMEOUT when "interrupt arrived"); nvmlEventSetFree and
-nvmlShutdown are never relied on to wake a waiter, nor called while one may still wait on the set.
-"""
+nvmlShutdown never wake a waiter here, nor are they called while one may still wait on the set."""
 
 from __future__ import annotations
 
@@ -46,9 +45,8 @@ from gpuguard.nvml.real.watchdog import Watchdog
 
 log = structlog.get_logger("gpuguard.nvml")
 
-# One wait blocks for the heartbeat (10 s by default: a stuck wait shows within two; 360 wake-ups an hour when
-# idle) where WAKE_SIGNAL can end it; without the signal (opened off the main thread, or the signal has
-# another handler) at most SHORT_WAIT_MS, so that stop_thread() still ends it within STOP_TIMEOUT_S.
+# A wait blocks for the heartbeat (10 s: 360 wake-ups an hour idle) where WAKE_SIGNAL can end it, else (no
+# handler of ours) at most SHORT_WAIT_MS, so that stop_thread() still ends it within STOP_TIMEOUT_S.
 HEARTBEAT_S = 10.0
 SHORT_WAIT_MS = 1000
 STOP_TIMEOUT_S = SHORT_WAIT_MS / 1000 + 1
@@ -111,8 +109,6 @@ class EventPath:
             log.debug("nvml.event_wait_bounded", timeout_ms=self._wait_ms, why="no wake signal handler")
         self._stuck_s = 2 * self._wait_ms / 1000
         self.watchdog.start()
-
-    # -- the heartbeat (called on the watchdog's thread) ---------------------------------------------------
 
     def _due(self) -> float:
         """When the watchdog must look next: the heartbeat's expiry, or the earliest retry."""
@@ -177,11 +173,16 @@ class EventPath:
             return False, self._stuck
         return False, d.watch_note if self._event_set is not None else self._set_note
 
-    def take_xids(self) -> tuple[XidEvent, ...]:
-        """The Xids delivered since the previous call, each once."""
+    def put_back(self, xids: tuple[XidEvent, ...]) -> None:  # taken by a pass given up: not lost
+        with self._lock:
+            self._pending[:0] = xids
+
+    def take_xids(self, *, keep: bool = False) -> tuple[XidEvent, ...]:
+        """The Xids delivered since the previous call, each once (`keep`: a look, left for the next call)."""
         with self._lock:
             xids = tuple(self._pending)
-            self._pending.clear()
+            if not keep:
+                self._pending.clear()
         return xids
 
     def rebuild_if_asked(self) -> None:
