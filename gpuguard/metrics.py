@@ -49,6 +49,18 @@ class Metrics:
             ["gpu", "uuid", "xid", "ignored"],
             registry=registry,
         )
+        self.remap_pending = Gauge(
+            "gpuguard_gpu_row_remap_pending",
+            "1 while a remapped row waits for a GPU reset to take effect (absent without row remapping).",
+            ["gpu", "uuid"],
+            registry=registry,
+        )
+        self.retired_pages = Gauge(
+            "gpuguard_gpu_retired_pages",
+            "Pages retired by dynamic page retirement (pre-Ampere GPUs; absent where not applicable).",
+            ["gpu", "uuid"],
+            registry=registry,
+        )
         self.xid_watched = Gauge(
             "gpuguard_gpu_xid_watched",
             "1 while the agent is registered for the GPU's Xid events, 0 while it is not (blind to Xids).",
@@ -117,7 +129,7 @@ class Metrics:
         self._stuck_value = 0
         self.build = Info("gpuguard_build", "gpuguard build information.", registry=registry)
         self.build.info({"version": __version__})
-        self._gpu_values: dict[tuple[str, str], tuple[int, int, int | None]] = {}
+        self._gpu_values: dict[tuple[str, str], tuple[int, int, int | None, bool | None, int | None]] = {}
         self._observed: Verdict | None = None
         self._node_values: tuple[int, int, int, int] | None = None
 
@@ -157,7 +169,13 @@ class Metrics:
         self._observed = verdict
         for g in verdict.gpus:
             labels = (str(g.index), g.uuid)
-            values = (1 if g.healthy else 0, 1 if g.xid_watched else 0, g.ecc_uncorrected)
+            values = (
+                1 if g.healthy else 0,
+                1 if g.xid_watched else 0,
+                g.ecc_uncorrected,
+                g.remap_pending,
+                g.retired_pages,
+            )
             # Only this method sets these gauges: a GPU whose values did not change since the last check
             # needs no label lookups (most of a healthy check's metrics cost).
             if self._gpu_values.get(labels) == values:
@@ -167,3 +185,7 @@ class Metrics:
             self.xid_watched.labels(*labels).set(values[1])
             if g.ecc_uncorrected is not None:
                 self.ecc.labels(*labels).set(g.ecc_uncorrected)
+            if g.remap_pending is not None:
+                self.remap_pending.labels(*labels).set(1 if g.remap_pending else 0)
+            if g.retired_pages is not None:
+                self.retired_pages.labels(*labels).set(g.retired_pages)

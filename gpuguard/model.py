@@ -24,6 +24,8 @@ GPU_UNREADABLE = "gpu-unreadable"
 # An NVML call on the GPU, or a node-wide one, has not returned within its deadline (nvml.real.deadline).
 GPU_UNRESPONSIVE = "gpu-unresponsive"
 NVML_UNRESPONSIVE = "nvml-unresponsive"
+# Dynamic page retirement (pre-Ampere GPUs): pages pending retirement, or as many retired as NVIDIA's limit.
+RETIRED_PAGES = "retired-pages"
 # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (nvmlDeviceGpuRecoveryAction_t): value -> the name in the reason.
 RECOVERY_ACTIONS = {
     0: "none",
@@ -74,6 +76,10 @@ class GpuReading:
     # Whether the backend is registered for this GPU's Xid events right now, and if not, why.
     xid_watched: bool = True
     xid_watch_note: str = ""
+    # Dynamic page retirement (pre-Ampere): pages retired (SBE + DBE) and whether some are pending; None where
+    # the GPU does not retire pages (Ampere and newer remap rows instead).
+    retired_pages: int | None = None
+    retired_pending: bool | None = None
     # An NVML call on this GPU has not returned within its deadline (what, which deadline); the other values
     # are the last ones read.
     unresponsive: str | None = None
@@ -148,6 +154,9 @@ class GpuVerdict:
     xid_watched: bool = True
     xid_watch_note: str = ""
     recovery_action: int | None = None
+    # Shown, not judged: a row remap waiting for a GPU reset (None: no row remapping here).
+    remap_pending: bool | None = None
+    retired_pages: int | None = None
 
     @property
     def healthy(self) -> bool:

@@ -21,6 +21,7 @@ from gpuguard.model import (
     NVML_UNRESPONSIVE,
     RECOVERY_ACTIONS,
     RESET_REQUIRED,
+    RETIRED_PAGES,
     ROW_REMAP,
     Fault,
     GpuReading,
@@ -145,6 +146,8 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
                 xid_watched=reading.xid_watched,
                 xid_watch_note=reading.xid_watch_note,
                 recovery_action=actions[uuid],
+                remap_pending=reading.remap_pending,
+                retired_pages=reading.retired_pages,
             )
         )
 
@@ -233,6 +236,9 @@ def _reading_faults(g: GpuReading, action: int | None, unreadable_checks: int, l
                 gpu_index=g.index,
             )
         )
+    retired = _retired(g.retired_pages, g.retired_pending)
+    if retired:
+        faults.append(Fault(RETIRED_PAGES, f"{retired} {where}", uuid=g.uuid, gpu_index=g.index))
     if not g.lost and any(e.endswith(":RESET_REQUIRED") for e in g.transient_errors):
         faults.append(
             Fault(
@@ -250,6 +256,21 @@ def _reading_faults(g: GpuReading, action: int | None, unreadable_checks: int, l
             )
         )
     return faults
+
+
+# NVIDIA's limit of retired pages (SBE + DBE) per GPU, as its field diagnostic and DCGM apply it (RMA).
+RETIRED_PAGES_LIMIT = 63
+
+
+def _retired(count: int | None, pending: bool | None) -> str:
+    """Dynamic page retirement's verdict, '' where none: pages pending retirement (in use until the GPU is
+    reset or the driver reloaded: nvml.h "need a reboot to fully retire"), or the limit reached."""
+    parts = []
+    if pending:
+        parts.append("pages are pending retirement (a GPU reset or reboot retires them)")
+    if count is not None and count >= RETIRED_PAGES_LIMIT:
+        parts.append(f"{count} pages retired, NVIDIA's limit is {RETIRED_PAGES_LIMIT}")
+    return "; ".join(parts)
 
 
 def _xid_detail(x: XidEvent) -> str:
@@ -272,6 +293,7 @@ _SEVERITY = {
     RESET_REQUIRED: 2,
     ECC: 4,
     ROW_REMAP: 5,
+    RETIRED_PAGES: 5,
 }
 _XID_SEVERITY = 3
 

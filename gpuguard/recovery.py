@@ -13,6 +13,7 @@ from gpuguard.model import (
     NVML_UNRESPONSIVE,
     RECOVERY_PREFIX,
     RESET_REQUIRED,
+    RETIRED_PAGES,
     Fault,
     GpuReading,
     GpuVerdict,
@@ -25,7 +26,7 @@ from gpuguard.model import (
 _RESET_ACTIONS = frozenset({1, 4})  # GPU_RESET, DRAIN_AND_RESET
 # Reasons whose evidence a healthy reading itself shows gone, without a reboot (see docs/design.md).
 _CLEARED_BY_READING = frozenset(
-    {ECC, NVML_INIT, RESET_REQUIRED, GPU_UNREADABLE, GPU_UNRESPONSIVE, NVML_UNRESPONSIVE}
+    {ECC, NVML_INIT, RESET_REQUIRED, GPU_UNREADABLE, GPU_UNRESPONSIVE, NVML_UNRESPONSIVE, RETIRED_PAGES}
 )
 
 

@@ -72,6 +72,8 @@ def health_body(s: AgentStatus) -> dict[str, Any]:
                 "reasons": [f.message for f in g.faults],
                 # False while the agent is not registered for this GPU's Xid events (see xid_watch_note).
                 "xid_watched": g.xid_watched,
+                # A row remap waiting for a GPU reset (null where the GPU does not remap rows): shown only.
+                "row_remap_pending": g.remap_pending,
             }
             for g in (v.gpus if v is not None else ())
         ],

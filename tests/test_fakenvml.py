@@ -48,6 +48,8 @@ REQUIRED_SYMBOLS = [
     "nvmlEventSetWait",
     "nvmlEventSetFree",
     "nvmlDeviceGetFieldValues",
+    "nvmlDeviceGetRetiredPages",
+    "nvmlDeviceGetRetiredPagesPendingStatus",
 ]
 
 # Runs first in every subprocess script.
@@ -1141,6 +1143,30 @@ def test_a_malformed_hang_line_is_refused(lib_dir: Path, state: Path) -> None:
     proc = run_nvml(lib_dir, "out(init=err(nv.nvmlInit))", state)
     assert results(proc) == {"init": "NVMLError_Unknown"}
     assert "expected: hang <NVML function> [gpu=<n>]" in proc.stderr
+
+
+def test_retired_pages_answer_where_supported_and_not_otherwise(lib_dir: Path, state: Path) -> None:
+    write(state, "gpu 0 retired_supported=1 retired_sbe=2 retired_dbe=1 retired_pending=1\ngpu 1\n")
+    res = nvml(
+        lib_dir,
+        """
+        nv.nvmlInit()
+        h0, h1 = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
+        out(sbe=len(nv.nvmlDeviceGetRetiredPages(h0, 0)), dbe=len(nv.nvmlDeviceGetRetiredPages(h0, 1)),
+            pending=nv.nvmlDeviceGetRetiredPagesPendingStatus(h0),
+            other=[err(nv.nvmlDeviceGetRetiredPages, h1, 0),
+                   err(nv.nvmlDeviceGetRetiredPagesPendingStatus, h1)],
+            bad_cause=err(nv.nvmlDeviceGetRetiredPages, h0, 2))
+        """,
+        state,
+    )
+    assert res == {
+        "sbe": 2,
+        "dbe": 1,
+        "pending": 1,
+        "other": ["NVMLError_NotSupported", "NVMLError_NotSupported"],
+        "bad_cause": "NVMLError_InvalidArgument",
+    }
 
 
 def test_ecc_supported_but_disabled_and_no_row_remapping(lib_dir: Path, state: Path) -> None:

@@ -294,3 +294,31 @@ def test_one_log_line_per_ignored_xid(fakenvml: Path, tmp_path: Path) -> None:
         assert count == 200
         assert healthz_status(p.port)[1]["healthy"]
         assert len(p.events("xid.ignored")) == 1
+
+
+def test_retired_pages_are_read_by_nothing(fakenvml: Path, tmp_path: Path) -> None:
+    """Pre-Ampere page retirement: pages pending retirement, or NVIDIA's limit of 63 retired, are the fault
+    retired-pages; fewer retired pages are shown (the metric), not judged."""
+    s = state_file(
+        tmp_path,
+        "gpu 0 uuid=GPU-0a retired_supported=1 retired_pending=1\n"
+        "gpu 1 uuid=GPU-0b retired_supported=1 retired_sbe=40 retired_dbe=23\n"
+        "gpu 2 uuid=GPU-0c retired_supported=1 retired_sbe=40 retired_dbe=22\n",
+    )
+    code, doc, _ = check(fakenvml, s)
+    assert code == 1
+    assert [(g["uuid"], [r.split(":")[0] for r in g["reasons"]]) for g in doc["gpus"]] == [
+        ("GPU-0a", ["retired-pages"]),
+        ("GPU-0b", ["retired-pages"]),
+        ("GPU-0c", []),
+    ], doc
+
+
+def test_row_remap_pending_is_shown(fakenvml: Path, tmp_path: Path) -> None:
+    s = state_file(tmp_path, "gpu 0 uuid=GPU-0a remap_pending=1\ngpu 1 uuid=GPU-0b\n")
+    with agent(fakenvml, s) as p:
+        doc = healthz_status(p.port)[1]
+        assert doc["healthy"] and [g["row_remap_pending"] for g in doc["gpus"]] == [True, False], doc
+        with urllib.request.urlopen(f"http://127.0.0.1:{p.port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+        assert 'gpuguard_gpu_row_remap_pending{gpu="0",uuid="GPU-0a"} 1.0' in text

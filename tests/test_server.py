@@ -72,13 +72,21 @@ def test_healthz_has_exactly_the_documented_keys(server: HealthServer) -> None:
         "healthy": False,
         "node_reasons": [],
         "gpus": [
-            {"index": 0, "uuid": "GPU-0", "healthy": True, "reasons": [], "xid_watched": True},
+            {
+                "index": 0,
+                "uuid": "GPU-0",
+                "healthy": True,
+                "reasons": [],
+                "xid_watched": True,
+                "row_remap_pending": None,
+            },
             {
                 "index": 1,
                 "uuid": "GPU-1",
                 "healthy": False,
                 "reasons": ["ecc: 3 uncorrected volatile ECC errors (GPU 1, GPU-1)"],
                 "xid_watched": True,
+                "row_remap_pending": None,
             },
         ],
         "tainted": True,

@@ -162,6 +162,10 @@ struct gpu_cfg {
     bool remap_pending;
     unsigned int remap_corr;
     unsigned int remap_unc;
+    bool retired_supported;    /* 1: page retirement (pre-Ampere); 0: NOT_SUPPORTED (the default) */
+    unsigned int retired_sbe;  /* pages retired for multiple single-bit errors */
+    unsigned int retired_dbe;  /* pages retired for a double-bit error */
+    bool retired_pending;      /* nvmlDeviceGetRetiredPagesPendingStatus */
     nvmlReturn_t error; /* NVML_SUCCESS: no injected error */
     unsigned int line;  /* where it was defined, for diagnostics */
     size_t text_off, text_len;
@@ -455,7 +459,8 @@ static bool parse_gpu_key(struct gpu_cfg *g, char *kv, unsigned int *seen, const
     static const char *const keys[] = {"uuid", "name", "ecc", "ecc_supported", "lost",
                                        "remap_failure", "remap_pending", "remap_corr",
                                        "remap_unc", "error", "ecc_enabled", "remap_supported",
-                                       "recovery_supported", "recovery_action"};
+                                       "recovery_supported", "recovery_action", "retired_supported",
+                                       "retired_sbe", "retired_dbe", "retired_pending"};
     char *eq = strchr(kv, '=');
     if (!eq) {
         snprintf(whybuf, whylen, "expected key=value, got '%s'", kv);
@@ -541,6 +546,18 @@ static bool parse_gpu_key(struct gpu_cfg *g, char *kv, unsigned int *seen, const
         if (ok)
             g->recovery_action = (unsigned int)n;
         break;
+    case 14:
+        ok = parse_bool(val, &g->retired_supported);
+        break;
+    case 15:
+    case 16:
+        ok = parse_uint(val, 4096, &n);
+        if (ok)
+            *(k == 15 ? &g->retired_sbe : &g->retired_dbe) = (unsigned int)n;
+        break;
+    case 17:
+        ok = parse_bool(val, &g->retired_pending);
+        break;
     }
     if (!ok) {
         snprintf(whybuf, whylen, "bad value '%s' for '%s'", val, key);
@@ -556,6 +573,7 @@ static const char *const k_fail_functions[] = {
     "nvmlDeviceGetPciInfo", "nvmlDeviceGetEccMode", "nvmlDeviceGetTotalEccErrors",
     "nvmlDeviceGetRemappedRows", "nvmlDeviceGetFieldValues", "nvmlDeviceGetSupportedEventTypes",
     "nvmlEventSetCreate", "nvmlDeviceRegisterEvents", "nvmlEventSetWait",
+    "nvmlDeviceGetRetiredPages", "nvmlDeviceGetRetiredPagesPendingStatus",
 };
 
 static bool fail_function_known(const char *fn)
@@ -1535,6 +1553,60 @@ nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRo
 {
     hang_point("nvmlDeviceGetRemappedRows", handle_gpu(device));
     LOCKED(remapped_locked(device, corrRows, uncRows, isPending, failureOccurred));
+}
+
+/* Page retirement (pre-Ampere GPUs; NOT_SUPPORTED unless retired_supported=1). Addresses are made up from
+ * the cause and the page's number. nvml.h: pageCount 0 asks for the size only. */
+static nvmlReturn_t retired_pages_locked(nvmlDevice_t device, nvmlPageRetirementCause_t cause,
+                                         unsigned int *pageCount, unsigned long long *addresses)
+{
+    const struct gpu_cfg *g;
+    nvmlReturn_t r = device_locked("nvmlDeviceGetRetiredPages", device, HW_QUERY, &g);
+    if (r != NVML_SUCCESS)
+        return r;
+    if (!pageCount || (unsigned int)cause >= NVML_PAGE_RETIREMENT_CAUSE_COUNT)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (!g->retired_supported)
+        return NVML_ERROR_NOT_SUPPORTED;
+    unsigned int n = cause == NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR ? g->retired_dbe
+                                                                              : g->retired_sbe;
+    if (*pageCount == 0 || *pageCount < n) {
+        *pageCount = n;
+        return n ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
+    }
+    if (!addresses)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned int i = 0; i < n; i++)
+        addresses[i] = ((unsigned long long)cause << 40) | ((unsigned long long)(i + 1) << 12);
+    *pageCount = n;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetRetiredPages(nvmlDevice_t device, nvmlPageRetirementCause_t cause,
+                                       unsigned int *pageCount, unsigned long long *addresses)
+{
+    hang_point("nvmlDeviceGetRetiredPages", handle_gpu(device));
+    LOCKED(retired_pages_locked(device, cause, pageCount, addresses));
+}
+
+static nvmlReturn_t retired_pending_locked(nvmlDevice_t device, nvmlEnableState_t *isPending)
+{
+    const struct gpu_cfg *g;
+    nvmlReturn_t r = device_locked("nvmlDeviceGetRetiredPagesPendingStatus", device, HW_QUERY, &g);
+    if (r != NVML_SUCCESS)
+        return r;
+    if (!isPending)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (!g->retired_supported)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *isPending = g->retired_pending ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, nvmlEnableState_t *isPending)
+{
+    hang_point("nvmlDeviceGetRetiredPagesPendingStatus", handle_gpu(device));
+    LOCKED(retired_pending_locked(device, isPending));
 }
 
 /* Only NVML_FI_DEV_GET_GPU_RECOVERY_ACTION is answered; any other field's

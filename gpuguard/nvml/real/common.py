@@ -77,6 +77,7 @@ class Device:
     ecc_supported: bool = True
     remap_supported: bool = True
     recovery_supported: bool = True
+    retired_supported: bool = True
     # While the recovery field answers NOT_SUPPORTED: when to ask again (on Xid 154 at once).
     recovery_probe_at: float = 0.0
     lost_at_enumeration: bool = False

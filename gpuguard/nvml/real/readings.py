@@ -82,7 +82,7 @@ def read(d: Device, watched: bool, watch_note: str, *, mark: Mark = _no_mark, no
     if d.lost_at_enumeration:
         return _reading(d, watched, watch_note, _LOST_VALUES)
     if d.enumeration_error:
-        return _reading(d, watched, watch_note, (None, None, None, None, (d.enumeration_error,), True))
+        return _reading(d, watched, watch_note, (None, None, None, None, (d.enumeration_error,), True, None))
     ecc: int | None = None
     remap_failure: bool | None = None
     remap_pending: bool | None = None
@@ -146,14 +146,29 @@ def read(d: Device, watched: bool, watch_note: str, *, mark: Mark = _no_mark, no
             if is_lost(exc):
                 return _reading(d, watched, watch_note, _LOST_VALUES)
             errors.append(f"probe:{error_name(exc)}")
-    values = (ecc, remap_failure, remap_pending, action, tuple(errors), not answered and bool(errors))
+    retired: tuple[int, bool] | None = None
+    if d.retired_supported:
+        try:
+            retired = _retired_pages(d, mark)
+            answered += 1
+        except pynvml.NVMLError as exc:
+            if is_lost(exc):
+                return _reading(d, watched, watch_note, _LOST_VALUES)
+            if not_supported(exc):
+                d.retired_supported = False  # Ampere and newer remap rows instead: not applicable
+            else:
+                errors.append(f"retired:{error_name(exc)}")
+    unreadable = not answered and bool(errors)
+    values = (ecc, remap_failure, remap_pending, action, tuple(errors), unreadable, retired)
     return _reading(d, watched, watch_note, values)
 
 
 # (ecc_uncorrected, remap_failure, remap_pending, recovery_action, transient_errors, unreadable); a lost GPU
 # answers nothing: only its identity and the fact that it is lost.
-_Values = tuple[int | None, bool | None, bool | None, int | None, tuple[str, ...], bool]
-_LOST_VALUES: _Values = (None, None, None, None, (), False)
+_Values = tuple[
+    int | None, bool | None, bool | None, int | None, tuple[str, ...], bool, tuple[int, bool] | None
+]
+_LOST_VALUES: _Values = (None, None, None, None, (), False, None)
 
 
 def _reading(d: Device, watched: bool, watch_note: str, values: _Values) -> GpuReading:
@@ -163,7 +178,7 @@ def _reading(d: Device, watched: bool, watch_note: str, values: _Values) -> GpuR
     last = d.last_reading
     if last is not None and last[0] == key:
         return last[1]
-    ecc, remap_failure, remap_pending, action, errors, unreadable = values
+    ecc, remap_failure, remap_pending, action, errors, unreadable, retired = values
     reading = GpuReading(
         index=d.index,
         uuid=d.uuid,
@@ -179,9 +194,20 @@ def _reading(d: Device, watched: bool, watch_note: str, values: _Values) -> GpuR
         transient_errors=errors,
         unreadable=unreadable,
         lost=lost,
+        retired_pages=retired[0] if retired else None,
+        retired_pending=retired[1] if retired else None,
     )
     d.last_reading = (key, reading)
     return reading
+
+
+def _retired_pages(d: Device, mark: Mark) -> tuple[int, bool]:
+    """(pages retired, whether some are pending retirement): dynamic page retirement, pre-Ampere GPUs."""
+    mark("nvmlDeviceGetRetiredPagesPendingStatus", uuid=d.uuid, index=d.index)
+    pending = bool(pynvml.nvmlDeviceGetRetiredPagesPendingStatus(d.handle))
+    mark("nvmlDeviceGetRetiredPages", uuid=d.uuid, index=d.index)
+    count = sum(len(pynvml.nvmlDeviceGetRetiredPages(d.handle, cause)) for cause in (0, 1))  # SBE, DBE
+    return count, pending
 
 
 def _recovery_action(handle: Any) -> tuple[int | None, str]:
