@@ -77,8 +77,8 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
     expected = prev.expected_gpus
     if expected is None:
         expected = settings.expected_gpus if settings.expected_gpus is not None else seen
-        if snapshot.unresponsive is not None and not snapshot.gpus:
-            expected = settings.expected_gpus  # a pass that hung before it counted: not a count
+        if snapshot.stuck_calls:
+            expected = settings.expected_gpus  # a pass with a call in flight: not a count to keep
 
     # Xid 154 is the driver announcing a recovery action, judged as the recovery-* fault it reads; on a GPU
     # whose recovery field cannot be read it is the only word of it, so a fault.
@@ -156,6 +156,8 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
     prev_unidentified = dict(prev.unidentified_streaks)
     unidentified = {i: prev_unidentified.get(i, 0) + 1 for i, _ in snapshot.unidentified}
     for index, error in snapshot.unidentified:
+        if error.endswith(":UNRESPONSIVE"):
+            continue  # gpu-unresponsive (recovery.unresponsive_rule), not also unreadable
         at_once = {":GPU_IS_LOST": GPU_LOST, ":RESET_REQUIRED": RESET_REQUIRED}
         reason = next((r for suffix, r in at_once.items() if error.endswith(suffix)), None)
         if reason is not None:
@@ -192,6 +194,7 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
     if (
         not known
         and not snapshot.unidentified
+        and not snapshot.stuck_calls
         and snapshot.unresponsive is None
         and snapshot.node_error is None
         and not settings.allow_no_gpu

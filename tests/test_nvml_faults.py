@@ -322,3 +322,33 @@ def test_row_remap_pending_is_shown(fakenvml: Path, tmp_path: Path) -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{p.port}/metrics", timeout=2) as r:
             text = r.read().decode()
         assert 'gpuguard_gpu_row_remap_pending{gpu="0",uuid="GPU-0a"} 1.0' in text
+
+
+def test_a_uuid_read_that_hangs_at_start_is_unresponsive_never_missing(
+    fakenvml: Path, tmp_path: Path
+) -> None:
+    """GPU 1's UUID read hangs before it was ever identified: a node fault gpu-unresponsive naming index 1,
+    GPU 0 read as usual, no gpu-missing; when the read returns, GPU 1 is enumerated and the fault clears."""
+    s = state_file(tmp_path, TWO + "hang nvmlDeviceGetUUID gpu=1\n")
+    p = WatchProcess(
+        "--backend",
+        "nvml",
+        "--dry-run",
+        "--interval",
+        "0.2",
+        "--nvml-call-timeout",
+        "1",
+        env=env(fakenvml, s),
+    ).start()
+    try:
+        p.wait_listening()
+        doc, _, codes = watch_until(p, lambda d: d["node_reasons"] and d["gpus"], 8)
+        assert [r.split(":")[0] for r in doc["node_reasons"]] == ["gpu-unresponsive"], doc
+        assert [g["uuid"] for g in doc["gpus"]] == ["GPU-0a"] and codes == {200}
+        assert not any(e.get("reason") == "gpu-missing" for e in p.lines), "never a transient gpu-missing"
+        s.write_text(TWO)
+        doc, _, _ = watch_until(p, lambda d: d["healthy"], 5)
+        assert doc["healthy"] and [g["uuid"] for g in doc["gpus"]] == ["GPU-0a", "GPU-0b"], doc
+    finally:
+        assert p.stop() == 0
+        assert not p.tracebacks()

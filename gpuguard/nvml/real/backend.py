@@ -230,11 +230,18 @@ class NvmlBackend:
             else last_reading(d, self._events.watch_state(d))
             for d in self._devices
         )
+        known = {d.index for d in self._devices} | {i for i, _ in self._unidentified}
+        # An index whose enumeration hung in this very pass, before the inventory was stored.
+        pending = [
+            (h.index, f"{h.call}:UNRESPONSIVE")
+            for h in self._runner.hangs()
+            if h.key[0] == "index" and h.index is not None and h.index not in known
+        ]
         return Snapshot(
             gpus=gpus,
             xids=self._events.take_xids(),
             driver_version=self._driver,
-            unidentified=tuple(self._unidentified),
+            unidentified=(*self._unidentified, *pending),
             unresponsive=node.detail if node is not None else None,
             stuck_calls=self._stuck(),
             node_error=node_error,
@@ -284,8 +291,12 @@ class NvmlBackend:
             before = by_index.get(i)
             hang = self._runner.hung(("index", str(i)))
             if hang is not None:
-                # A call on this index has not returned: not asked again until it does.
-                unidentified.append((i, f"{hang.call}:UNRESPONSIVE"))
+                # A call on this index has not returned: not asked again until it does. A GPU known there
+                # stays (never gpu-missing for a hang); one never identified is reported as unresponsive.
+                if before is not None:
+                    devices.append(before)
+                else:
+                    unidentified.append((i, f"{hang.call}:UNRESPONSIVE"))
                 continue
             try:
                 p.at("nvmlDeviceGetHandleByIndex", index=i)
