@@ -218,6 +218,7 @@ print(json.dumps({"gpus": len(handles), "modules": len(sys.modules)}), flush=Tru
 while True:
     pynvml.nvmlDeviceGetCount()
     for h in handles:
+        pynvml.nvmlDeviceGetUUID(h)  # a check confirms each GPU's identity before it records a reading
         pynvml.nvmlDeviceGetTotalEccErrors(
             h, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
         )

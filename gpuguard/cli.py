@@ -98,7 +98,8 @@ def _gpu_options(f: F) -> F:
                 "--allow-no-gpu",
                 is_flag=True,
                 default=False,
-                help="An NVML init failure means 'no GPUs here', not a fault.",
+                help="'No GPU here' (no NVML library, no driver, zero GPUs) is not a fault; a broken driver "
+                "still is.",
             ),
             _opt(
                 "--log-format",

@@ -60,14 +60,15 @@ class NvmlBackend:
         self._runner = Runner(
             deadline=deadline, init_deadline=init_deadline, clock=clock, discarded=self._discarded
         )
-        # The event thread's heartbeat is two call deadlines (10 s by default): a wait that has not come back
-        # within two of those is stuck (nvml.real.events).
+        # The event thread's heartbeat is six call deadlines (30 s by default): a wait that has not come back
+        # within two of those is stuck (nvml.real.events). Each beat is a wake-up of two threads (the waiter,
+        # the watchdog), so it is not shorter: an idle agent's CPU goal (docs/performance.md).
         self._events = EventPath(
             devices=lambda: self._devices,
             attribute=self._attribute,
             clock=clock,
             hung=self._hung_handles,
-            heartbeat=2 * deadline,
+            heartbeat=6 * deadline,
         )
         self._wakeup: Wakeup = lambda: None
 

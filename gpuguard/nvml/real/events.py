@@ -3,7 +3,7 @@ recovery-action events, one thread waiting on it that records Xids and wakes the
 
 Set creation and registration failures are retried with backoff (after UNKNOWN the set is freed and a fresh
 one made, as nvml.h asks); a wait that fails with anything but TIMEOUT rebuilds the path and re-reads every
-GPU at once. The thread has a heartbeat: each wait returns within the heartbeat (10 s), and one not back
+GPU at once. The thread has a heartbeat: each wait returns within the heartbeat (30 s), and one not back
 within two is stuck (hung in the driver): every GPU reads `xid_watched` false, it is logged and listed as a
 stuck call, and the path is rebuilt on a new thread. A watchdog (nvml.real.watchdog) watches the heartbeat
 and the retries' due times and wakes the agent for them: neither waits for `--interval`.
@@ -45,9 +45,9 @@ from gpuguard.nvml.real.watchdog import Watchdog
 
 log = structlog.get_logger("gpuguard.nvml")
 
-# A wait blocks for the heartbeat (10 s: 360 wake-ups an hour idle) where WAKE_SIGNAL can end it, else (no
+# A wait blocks for the heartbeat (30 s: 120 wake-ups an hour idle) where WAKE_SIGNAL can end it, else (no
 # handler of ours) at most SHORT_WAIT_MS, so that stop_thread() still ends it within STOP_TIMEOUT_S.
-HEARTBEAT_S = 10.0
+HEARTBEAT_S = 30.0
 SHORT_WAIT_MS = 1000
 STOP_TIMEOUT_S = SHORT_WAIT_MS / 1000 + 1
 # A wait that blocked at least this long before it failed counts as a good one (the backoff starts over).
