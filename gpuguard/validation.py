@@ -46,6 +46,7 @@ CONDITION_STATUSES = ("True", "False", "Unknown")
 
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _NODE_NAME = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
+_DNS_LABEL_RE = re.compile(_DNS_LABEL)
 # The Kubernetes label value syntax (also a taint's value, and the name part of a qualified key).
 _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 _NAME_PART = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
@@ -123,6 +124,11 @@ def fault_key(key: str) -> str:
 
 
 # -- checks (return the value or raise ConfigError) --------------------------------------------------------
+
+
+def is_dns_label(name: str) -> bool:
+    """A DNS-1123 label (a DRA device's name): at most 63 lowercase letters, digits and '-', no dot."""
+    return isinstance(name, str) and len(name) <= MAX_NAME_PART and bool(_DNS_LABEL_RE.fullmatch(name))
 
 
 def node_name(name: str) -> str:

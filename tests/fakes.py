@@ -168,6 +168,11 @@ class FakeDeviceSource:
             return list(self.lagging)
         return [*self.other_rules, *(DeviceRule.from_api(d) for d in self.store.values())]
 
+    def get(self, name: str) -> DeviceRule | None:
+        self.calls.append("get")
+        doc = self.store.get(name)
+        return DeviceRule.from_api(doc) if doc is not None else None
+
     def _bump(self, doc: dict[str, Any]) -> DeviceRule:
         doc["metadata"]["resourceVersion"] = str(next(self._versions))
         self.store[doc["metadata"]["name"]] = doc

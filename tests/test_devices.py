@@ -120,7 +120,7 @@ def test_an_xid_on_gpu_3_of_8_is_one_rule_for_that_device_and_no_node_taint() ->
     writer, source, r, _ = make()
     run(r, verdict(xid_on=3))
     (doc,) = source.store.values()
-    assert doc["metadata"]["name"] == f"gpuguard-{NODE}-gpu-3"
+    assert doc["metadata"]["name"] == f"gpuguard.{NODE}.gpu-3"
     assert doc["spec"]["deviceSelector"] == {"driver": DRIVER, "pool": NODE, "device": "gpu-3"}
     assert doc["spec"]["taint"] == {"key": TAINT_KEY, "value": "xid-79", "effect": "NoSchedule"}
     ann = doc["metadata"]["annotations"]
@@ -210,7 +210,7 @@ def test_a_rule_an_operator_deleted_is_not_recreated_for_the_same_fault_but_a_ne
     writer, source, r, clock = make()
     first = verdict(xid_on=3)
     run(r, first)
-    source.operator_delete(f"gpuguard-{NODE}-gpu-3")
+    source.operator_delete(f"gpuguard.{NODE}.gpu-3")
     clock.t += SETTINGS.node_resync + 1
     run(r, verdict(prev=first), streak=0)
     r.submit(verdict(prev=first), 0)
@@ -255,16 +255,20 @@ def other_node_rules(
 ) -> list[DeviceRule]:
     """`count` blocking rules of another 8-GPU node (since None: rules without a since record)."""
     since_ann = {} if since is None else {"gpuguard.io/since": since}
-    return [
-        DeviceRule(
-            name=f"gpuguard-{node}-gpu-{i}",
-            pool=node,
-            device=f"gpu-{i}",
-            effect="NoSchedule",
-            annotations={ANN_NODE_GPUS: "8", **since_ann},
-        )
-        for i in range(count)
-    ]
+    return [own_rule(node, f"gpu-{i}", annotations={ANN_NODE_GPUS: "8", **since_ann}) for i in range(count)]
+
+
+def own_rule(pool: str, device: str, **kw: object) -> DeviceRule:
+    """A rule as gpuguard writes it for `device` of node `pool` (name, labels, driver, key); kw: fields."""
+    fields: dict[str, object] = {
+        "name": rule_name(pool, device),
+        "pool": pool,
+        "device": device,
+        "effect": "NoSchedule",
+        "driver": DRIVER,
+        "labels": {"gpuguard.io/node": pool, "app.kubernetes.io/managed-by": "gpuguard"},
+    }
+    return DeviceRule(**{**fields, **kw})  # type: ignore[arg-type]
 
 
 def test_a_gpu_costs_its_share_of_a_node_in_the_budget() -> None:
@@ -335,11 +339,16 @@ def test_which_faults_belong_to_one_gpu(reason: str, one_gpu: bool) -> None:
     assert per_gpu(Fault(reason, "d")) is False  # no GPU named: the node's
 
 
-def test_the_rule_name_is_deterministic_and_a_dns_subdomain_even_for_a_long_node_name() -> None:
-    assert rule_name("node-a", "gpu-3") == rule_name("node-a", "gpu-3") == "gpuguard-node-a-gpu-3"
-    long = "n" * 250
-    name = rule_name(long, "gpu-3")
-    assert len(name) <= 253 and name != rule_name(long, "gpu-4")
+def test_the_rule_name_is_deterministic_and_unambiguous() -> None:
+    assert rule_name("node-a", "gpu-3") == rule_name("node-a", "gpu-3") == "gpuguard.node-a.gpu-3"
+    # The earlier names collided: node a-b's device c and node a's device b-c were both gpuguard-a-b-c.
+    assert rule_name("a-b", "c") != rule_name("a", "b-c")
+    assert rule_name("a.b", "c") == "gpuguard.a.b.c" != rule_name("a", "b.c")
+
+
+@pytest.mark.parametrize("node, device", [("n" * 240, "gpu-3"), ("node-a", "b.c"), ("node-a", "GPU-3")])
+def test_a_name_too_long_or_a_device_that_is_no_dns_label_has_no_rule_name(node: str, device: str) -> None:
+    assert rule_name(node, device) is None
 
 
 def test_a_uuid_published_twice_is_left_out() -> None:
@@ -390,7 +399,7 @@ def test_a_rule_changed_by_someone_else_is_read_again_not_fought_over() -> None:
     _, source, r, _ = make()
     first = verdict(xid_on=3)
     run(r, first)
-    name = f"gpuguard-{NODE}-gpu-3"
+    name = f"gpuguard.{NODE}.gpu-3"
     source.store[name]["metadata"]["resourceVersion"] = "99"  # another writer's change
     both = ecc_on_3_after(first)
     run(r, both)  # 409: no crash, the rules are read again at the next reconcile
@@ -500,15 +509,15 @@ def test_agents_faulting_at_the_same_instant_keep_exactly_the_budgets_worth_of_r
             run(r, node_verdict(node, xid_on=3))
     effects = {d["metadata"]["name"]: d["spec"]["taint"]["effect"] for d in shared.store.values()}
     assert effects == {
-        "gpuguard-gpu-node-a-gpu-3": "NoSchedule",
-        "gpuguard-gpu-node-b-gpu-3": "None",
-        "gpuguard-gpu-node-c-gpu-3": "None",
+        "gpuguard.gpu-node-a.gpu-3": "NoSchedule",
+        "gpuguard.gpu-node-b.gpu-3": "None",
+        "gpuguard.gpu-node-c.gpu-3": "None",
     }
-    for name in ("gpuguard-gpu-node-b-gpu-3", "gpuguard-gpu-node-c-gpu-3"):
+    for name in ("gpuguard.gpu-node-b.gpu-3", "gpuguard.gpu-node-c.gpu-3"):
         assert "gpuguard.io/quarantine-deferred" in shared.store[name]["metadata"]["annotations"]
     assert sorted(e["rule"] for e in logs if e["event"] == "device.rule_yielded") == [
-        "gpuguard-gpu-node-b-gpu-3",
-        "gpuguard-gpu-node-c-gpu-3",
+        "gpuguard.gpu-node-b.gpu-3",
+        "gpuguard.gpu-node-c.gpu-3",
     ]
     # Converged: no agent is waiting on another check, and the deferred rules stay deferred while the
     # budget is spent (the room re-check finds none).
@@ -523,24 +532,15 @@ def test_the_order_check_names_only_rules_past_the_limit_never_a_node() -> None:
     old = "2026-12-02T00:00:00Z"
     new = "2026-12-03T00:00:00Z"
     rules = [
-        DeviceRule(
-            name=n,
-            pool="p",
-            device="d",
-            effect="NoSchedule",
-            annotations={ANN_NODE_GPUS: "2", "gpuguard.io/since": s},
-        )
-        for n, s in (("r-early", old), ("r-late-a", new), ("r-late-b", new))
-    ] + [
-        DeviceRule(
-            name="r-deferred", pool="p", device="d", effect="None", annotations={"gpuguard.io/since": old}
-        )
-    ]
-    # Limit 1: r-early (1/2) and r-late-a (1/2) fit; a node quarantined later and r-late-b do not.
+        own_rule(p, d, annotations={ANN_NODE_GPUS: "2", "gpuguard.io/since": s})
+        for p, d, s in (("p", "early", old), ("p", "late-a", new), ("q", "late-b", new))
+    ] + [own_rule("q", "deferred", effect="None", annotations={"gpuguard.io/since": old})]
+    early, late_a, late_b = (rule_name(p, d) for p, d in (("p", "early"), ("p", "late-a"), ("q", "late-b")))
+    # Limit 1: early (1/2) and late-a (1/2) fit; a node quarantined later and late-b do not.
     past = rules_past_limit([("2026-12-04T00:00:00Z", "node-x")], rules, 1, now=NOW)
-    assert past == {"r-late-b": Fraction(1)}
+    assert past == {late_b: Fraction(1)}
     # A node quarantined first takes the whole share: every rule after it is past the limit.
-    assert set(rules_past_limit([(old, "a-node")], rules, 1, now=NOW)) == {"r-early", "r-late-a", "r-late-b"}
+    assert set(rules_past_limit([(old, "a-node")], rules, 1, now=NOW)) == {early, late_a, late_b}
 
 
 def test_a_step_back_that_conflicts_is_tried_again_at_the_next_settle_check() -> None:
@@ -551,13 +551,13 @@ def test_a_step_back_that_conflicts_is_tried_again_at_the_next_settle_check() ->
     clock.t += VERIFY_SETTLE
     for node, _, r in agents:
         run(r, node_verdict(node, xid_on=3))
-    assert shared.store["gpuguard-gpu-node-b-gpu-3"]["spec"]["taint"]["effect"] == "NoSchedule"
+    assert shared.store["gpuguard.gpu-node-b.gpu-3"]["spec"]["taint"]["effect"] == "NoSchedule"
     assert agents[1][1].settling
     clock.t += VERIFY_SETTLE
     for node, _, r in agents:
         run(r, node_verdict(node, xid_on=3))
     effects = {d["metadata"]["name"]: d["spec"]["taint"]["effect"] for d in shared.store.values()}
-    assert effects == {"gpuguard-gpu-node-a-gpu-3": "NoSchedule", "gpuguard-gpu-node-b-gpu-3": "None"}
+    assert effects == {"gpuguard.gpu-node-a.gpu-3": "NoSchedule", "gpuguard.gpu-node-b.gpu-3": "None"}
 
 
 def test_a_deferred_gpu_rule_is_exported_for_its_alert_and_a_blocking_one_is_not_counted_there() -> None:
@@ -635,16 +635,12 @@ def test_a_fully_quarantined_node_with_gpu_rules_counts_once_in_the_budget() -> 
 
 def test_the_order_check_counts_a_fully_quarantined_nodes_rules_once() -> None:
     nodes = [("2026-12-01T00:00:00Z", "other")]
-    ours = DeviceRule(
-        name="mine",
-        pool=NODE,
-        device="gpu-0",
-        effect="NoSchedule",
-        annotations={ANN_NODE_GPUS: "8", "gpuguard.io/since": "2026-12-03T00:00:01Z"},
+    ours = own_rule(
+        NODE, "gpu-0", annotations={ANN_NODE_GPUS: "8", "gpuguard.io/since": "2026-12-03T00:00:01Z"}
     )
     assert rules_past_limit(nodes, [*other_node_rules("other", 8), ours], 2, now=NOW) == {}
     # A rule of a node not fully quarantined still counts its share.
-    assert set(rules_past_limit(nodes, [*other_node_rules("third", 8), ours], 2, now=NOW)) == {"mine"}
+    assert set(rules_past_limit(nodes, [*other_node_rules("third", 8), ours], 2, now=NOW)) == {ours.name}
 
 
 def test_a_recovered_gpu_loses_its_rule_while_another_gpu_of_the_node_stays_bad() -> None:
@@ -668,11 +664,11 @@ def test_a_recovered_gpu_loses_its_rule_while_another_gpu_of_the_node_stays_bad(
         clock.t = t
         agent.check_once()
         r.reconcile_now()
-    assert sorted(source.store) == [f"gpuguard-{NODE}-gpu-0", f"gpuguard-{NODE}-gpu-1"]
+    assert sorted(source.store) == [f"gpuguard.{NODE}.gpu-0", f"gpuguard.{NODE}.gpu-1"]
     clock.t = 4.0  # GPU 0 healthy for 2 checks (--recover-after 2); the node never was
     agent.check_once()
     r.reconcile_now()
-    assert sorted(source.store) == [f"gpuguard-{NODE}-gpu-1"]
+    assert sorted(source.store) == [f"gpuguard.{NODE}.gpu-1"]
     assert [g.device for g in r.status.gpus] == ["gpu-1"]
 
 
@@ -693,19 +689,14 @@ def test_a_rule_with_a_forged_or_malformed_since_is_ranked_last_in_the_order_che
     nobody can forge it). An invalid claim still counts its share (it cannot escape the limit) but comes
     after every valid one, so it cannot push an honest rule past the limit."""
 
-    def rule(name: str, since: str, created: str) -> DeviceRule:
-        return DeviceRule(
-            name=name,
-            pool=name,
-            device="gpu-0",
-            effect="NoSchedule",
-            created=created,
-            annotations={ANN_NODE_GPUS: "1", "gpuguard.io/since": since},
+    def rule(node: str, since: str, created: str) -> DeviceRule:
+        return own_rule(
+            node, "gpu-0", created=created, annotations={ANN_NODE_GPUS: "1", "gpuguard.io/since": since}
         )
 
     honest = rule("honest", "2026-12-03T00:00:00Z", "2026-12-03T00:00:01Z")  # one second's latency
     forger = rule("forger", forged, "2026-12-03T00:00:05Z")
-    assert set(rules_past_limit([], [honest, forger], 1, now=NOW)) == {"forger"}
+    assert set(rules_past_limit([], [honest, forger], 1, now=NOW)) == {forger.name}
 
 
 def test_a_rules_reason_is_clean_text_and_its_boot_id_record_compares_as_the_nodes_does() -> None:
@@ -729,7 +720,7 @@ def test_a_rule_an_operator_deleted_is_not_recreated_after_the_agent_restarts(
     """The memory of rules made and deleted by hand is in the agent's durable state: a new process of the
     same boot neither makes the rule again (whether the old process saw the deletion or the operator deleted
     it while the agent was down) nor forgets a new fault."""
-    rule = f"gpuguard-{NODE}-gpu-3"
+    rule = f"gpuguard.{NODE}.gpu-3"
     writer, source, r, clock = make(memory=StateStore(tmp_path, boot_id="host-boot-1"))
     first = verdict(xid_on=3)
     run(r, first)
@@ -773,7 +764,7 @@ def test_a_rule_recovered_just_before_a_crash_is_not_taken_for_an_operators_dele
     assert source.store == {}
     _, _, again, _ = make(memory=StateStore(tmp_path, boot_id="host-boot-1"), restart_of=(writer, source))
     run(again, verdict(ecc_on=3))
-    assert list(source.store) == [f"gpuguard-{NODE}-gpu-3"]
+    assert list(source.store) == [f"gpuguard.{NODE}.gpu-3"]
 
 
 def test_slices_published_after_the_agent_started_are_read_after_the_write_of_a_fault_that_found_none() -> (
@@ -802,7 +793,7 @@ def test_slices_published_after_the_agent_started_are_read_after_the_write_of_a_
     assert writer.node.our_taint is not None and writer.node.our_taint.value == "xid-79"
     assert writes_at_read == [1], "the slices are read once, after the node's taint was written"
     run(r, verdict(xid_on=5, prev=first))
-    assert sorted(source.store) == [f"gpuguard-{NODE}-gpu-3", f"gpuguard-{NODE}-gpu-5"]
+    assert sorted(source.store) == [f"gpuguard.{NODE}.gpu-3", f"gpuguard.{NODE}.gpu-5"]
     assert writes_at_read == [1]
 
 

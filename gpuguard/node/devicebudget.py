@@ -20,7 +20,7 @@ from gpuguard.config import NodeSettings
 from gpuguard.errors import NodeUpdateError
 from gpuguard.node.budget import VERIFY_SETTLE, Budget
 from gpuguard.node.deviceorder import rules_past_limit, rules_share
-from gpuguard.node.devices import NONE_EFFECT, DeviceRule, rule_name
+from gpuguard.node.devices import NONE_EFFECT, DeviceRule
 from gpuguard.node.view import ANN_DEFERRED, TAINT_KEY, NodeView
 
 log = structlog.get_logger("gpuguard.node.devices")
@@ -102,8 +102,8 @@ class RuleBudget:
                 return True, []
             nodes = list(self._order()) if self._order is not None else []
             # This node's rules as its own writes answered, not as the fleet's watch last delivered them (its
-            # new rule may not be there yet, a deleted one still): rule names are the node's and the device's.
-            others = [r for r in self._all_rules() if r.name != rule_name(node.name, r.device)]
+            # new rule may not be there yet, a deleted one still): every rule of its pool is its own writes'.
+            others = [r for r in self._all_rules() if r.pool != node.name]
             everyone = others + list(rules.values())
         except NodeUpdateError as exc:
             log.warning("device.quarantine_order_failed", node=node.name, error=str(exc))
@@ -172,7 +172,9 @@ class RuleBudget:
         covered: list[str] = []
         if budget.quarantined and others and self._order is not None:
             covered = [name for _, name in self._order()]
-        share = Fraction(1, max(node_gpus, 1))
+        # This GPU's share, within the one node's worth its node may take at most.
+        mine = rules_share([r for r in others if r.pool == node.name])
+        share = min(Fraction(1, max(node_gpus, 1)), 1 - mine)
         used = Fraction(budget.quarantined) + rules_share(others, covered=covered)
         room = used + share <= budget.limit
         if not room:

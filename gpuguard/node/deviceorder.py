@@ -10,7 +10,8 @@ from datetime import datetime
 from fractions import Fraction
 
 from gpuguard.node.budget import SINCE_SKEW, api_time, since_time
-from gpuguard.node.devices import NONE_EFFECT, DeviceRule
+from gpuguard.node.devices import DeviceRule
+from gpuguard.node.devicetrust import countable
 from gpuguard.node.view import ANN_SINCE
 
 
@@ -39,29 +40,41 @@ def rules_past_limit(
     nodes, so every agent computes the same order, and the earliest keep their place. Only rules are ever
     named: a node past the limit is the node budget's to step back (budget.plan_yield), never a rule's. A
     rule of a fully quarantined node is not in the order at all: the node's taint covers its GPUs, so the
-    node counts once. A rule whose since is not valid (`rule_since`) still counts its share, after every
-    valid claim: it can neither escape the limit nor push an honest rule past it."""
+    node counts once. Only countable rules (`devicetrust.countable`) are in it, each node's at most one
+    node's worth together. A rule whose since is not valid (`rule_since`) still counts its share, after
+    every valid claim: it can neither escape the limit nor push an honest rule past it."""
     nodes = set(nodes)
     covered = {name for _, name in nodes}
-    entries: list[tuple[bool, str, str, Fraction, bool]] = [
-        (False, since, name, Fraction(1), False) for since, name in nodes
+    entries: list[tuple[bool, str, str, Fraction, str]] = [
+        (False, since, name, Fraction(1), "") for since, name in nodes
     ]
-    for r in rules:
-        if r.deferred or r.effect == NONE_EFFECT or r.pool in covered:
+    for r in countable(rules):
+        if r.pool in covered:
             continue
         since = rule_since(r, now=now)
-        entries.append((since is None, since or "", r.name, r.share, True))
+        entries.append((since is None, since or "", r.name, r.share, r.pool))
     past: dict[str, Fraction] = {}
     used = Fraction(0)
-    for _, _, name, share, is_rule in sorted(entries, key=lambda e: (e[0], e[1], e[2])):
-        if is_rule and used + share > limit:
-            past[name] = used
+    pools: dict[str, Fraction] = {}
+    for _, _, name, claimed, pool in sorted(entries, key=lambda e: (e[0], e[1], e[2])):
+        share = claimed
+        if pool:
+            # One node's worth per node at most, however many rules (or what GPU count) its pool claims.
+            share = min(claimed, 1 - pools.get(pool, Fraction(0)))
+            pools[pool] = pools.get(pool, Fraction(0)) + share
+            if share and used + share > limit:
+                past[name] = used
         used += share
     return past
 
 
 def rules_share(rules: Iterable[DeviceRule], *, covered: Iterable[str] = ()) -> Fraction:
-    """What the non-deferred rules cost the budget: the sum of their shares, but nothing for a rule of a node
-    in `covered` (fully quarantined: the node already counts as a whole, its GPUs with it). Exact."""
+    """What the countable rules (`devicetrust.countable`: blocking, gpuguard's own) cost the budget: the sum
+    of their shares, at most one node's worth per node, and nothing for a rule of a node in `covered`
+    (fully quarantined: the node already counts as a whole, its GPUs with it). Exact."""
     nodes = set(covered)
-    return sum((r.share for r in rules if not r.deferred and r.pool not in nodes), Fraction(0))
+    pools: dict[str, Fraction] = {}
+    for r in countable(rules):
+        if r.pool not in nodes:
+            pools[r.pool] = pools.get(r.pool, Fraction(0)) + r.share
+    return sum((min(used, Fraction(1)) for used in pools.values()), Fraction(0))

@@ -27,10 +27,12 @@ from gpuguard.node.devices import (
     device_effect,
     per_gpu,
     rule_body,
+    rule_name,
     split,
     taint_value,
 )
 from gpuguard.node.deviceslices import SliceDevice, slice_devices
+from gpuguard.node.devicetrust import adopt, trusted_rules
 from gpuguard.node.view import (
     ANN_BOOT_ID,
     ANN_DEFERRED,
@@ -117,6 +119,8 @@ class DeviceQuarantine:
         self._refresh_for: set[str] = set()
         self._slices_at = -math.inf
         self._refreshed_for: set[str] = set()
+        # Rules under this node's label that are not provably its own (`_trusted`): logged once each.
+        self._untrusted: set[str] = set()
         self._node_name = settings.name or ""
         self._read_error = ""
         self.quarantined: tuple[GpuQuarantine, ...] = ()
@@ -202,7 +206,7 @@ class DeviceQuarantine:
         self._slices_at = self._read_at = self._clock()
         try:
             docs = self._source.slices()
-            rules = {r.name: r for r in self._source.rules()}
+            listed = self._source.rules()
         except PermanentApiError as exc:
             # 403: a ClusterRole from before the per-GPU quarantine. Every fault gets the node taint until a
             # read succeeds (next --node-resync): never no quarantine at all because of the GPUs' one.
@@ -215,8 +219,11 @@ class DeviceQuarantine:
         self._devices = slice_devices(docs or [], driver=self._settings.dra_driver, node=node.name)
         self._node_gpus = len(self._devices)
         self._found_devices()
+        rules, self._untrusted = trusted_rules(node.name, listed, logged=self._untrusted)
         for name, (uuid, keys) in self._known.items():
-            if name not in rules:
+            if name in self._untrusted:
+                self._held.add(uuid)  # ours once, changed by someone else since: the node taint stands in
+            elif name not in rules:
                 log.warning(
                     "device.rule_removed_by_operator",
                     node=node.name,
@@ -289,8 +296,12 @@ class DeviceQuarantine:
             if from_earlier_boot:
                 annotations[ANN_BOOT_ID] = node.boot_id
         effect = device_effect(self._settings.taint_effect)
-        if rule.deferred and self._budgets.room(node, rule, node_gpus=self._node_gpus):
-            annotations[ANN_DEFERRED] = None
+        # Deferred and now with room; or not deferred yet blocking less than asked (a rule adopted after a
+        # restart with another --taint-effect): the configured effect.
+        lifted = rule.deferred and self._budgets.room(node, rule, node_gpus=self._node_gpus)
+        if lifted or (not rule.deferred and rule.effect != effect):
+            if lifted:
+                annotations[ANN_DEFERRED] = None
             body["spec"] = {"taint": {"key": TAINT_KEY, "value": taint_value(faults), "effect": effect}}
         if not annotations and not body:
             return
@@ -334,6 +345,16 @@ class DeviceQuarantine:
             )
             return
         effect = NONE_EFFECT if deferred else device_effect(self._settings.taint_effect)
+        if rule_name(node.name, dev.device) is None:
+            self._held.add(dev.uuid)
+            log.error(
+                "device.rule_unnamed",
+                node=node.name,
+                device=dev.device,
+                uuid=dev.uuid,
+                note="no valid rule name (too long, or the device is no DNS label): node taint",
+            )
+            return
         body = rule_body(
             node,
             dev,
@@ -344,7 +365,7 @@ class DeviceQuarantine:
             deferred=deferred,
         )
         try:
-            rule = self._source.create(body)
+            rule = adopt(self._source, node.name, dev, body)
         except PermanentApiError as exc:
             # Refused (the admission policy, a server without DeviceTaintRules): the node taint stands in.
             self._held.add(dev.uuid)
@@ -352,9 +373,16 @@ class DeviceQuarantine:
                 "device.rule_rejected", node=node.name, uuid=dev.uuid, error=str(exc), note="node taint"
             )
             return
+        if rule is None:
+            self._held.add(dev.uuid)
+            return
         self._rules[rule.name] = rule
         self._known[rule.name] = (rule.uuid, rule.faults)
         self._remember()
+        if rule.effect != effect:
+            # Adopted on a 409 (ours from before a restart) blocking otherwise than asked: set it right now.
+            self._hold(node, dev, faults, rule)
+            return
         if not deferred:
             self._budgets.blocking(rule)
         first = faults[0]

@@ -12,8 +12,6 @@ reconciles `devicequarantine`'s (docs/design.md).
 
 from __future__ import annotations
 
-import hashlib
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -51,7 +49,7 @@ NONE_EFFECT = "None"
 _EFFECTS = {"NoSchedule": "NoSchedule", "NoExecute": "NoExecute", "PreferNoSchedule": NONE_EFFECT}
 
 _MAX_NAME = 253
-_NAME_SAFE = re.compile(r"[^a-z0-9.-]")
+RULE_PREFIX = "gpuguard."
 _RESET_ACTIONS = frozenset({recovery_reason(1), recovery_reason(4)})  # gpu-reset, drain-and-reset
 
 
@@ -71,14 +69,22 @@ def device_effect(node_effect: str) -> str:
     return _EFFECTS.get(node_effect, "NoSchedule")
 
 
-def rule_name(node: str, device: str) -> str:
-    """Deterministic: gpuguard-<node>-<device> (a DNS subdomain), with a hash when that is too long, so an
-    agent restarted after a crash finds (409) the rule it made, and never makes a second one."""
-    name = _NAME_SAFE.sub("-", f"gpuguard-{node}-{device}".lower()).strip("-.")
-    if len(name) <= _MAX_NAME:
-        return name
-    digest = hashlib.sha256(f"{node}/{device}".encode()).hexdigest()[:16]
-    return f"{name[: _MAX_NAME - 17].rstrip('-.')}-{digest}"
+def rule_name(node: str, device: str) -> str | None:
+    """gpuguard.<node>.<device>: a device name is a DNS label, which holds no dot, so the last dot splits the
+    name back into node and device and no two (node, device) pairs share a name (the admission policy
+    requires exactly this name of a create). Deterministic, so an agent restarted after a crash finds (409)
+    the rule it made. None when it would be longer than a name may be, or the device is no DNS label: that
+    GPU gets the node taint."""
+    name = f"{RULE_PREFIX}{node}.{device}"
+    if len(name) > _MAX_NAME or not validation.is_dns_label(device):
+        return None
+    return name
+
+
+def earlier_rule_name(node: str, device: str) -> str:
+    """The name gpuguard gave rules before the dotted scheme (gpuguard-<node>-<device>, ambiguous): such a
+    rule is still recognised as the node's own, to be released; never made or adopted on a 409."""
+    return f"gpuguard-{node}-{device}".lower()
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,9 @@ class DeviceRule:
     annotations: Mapping[str, str] = field(default_factory=dict)
     # metadata.creationTimestamp: set by the API server, so a rule's since can be checked against it.
     created: str = ""
+    driver: str = ""
+    key: str = TAINT_KEY
+    labels: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_api(cls, doc: Mapping[str, Any]) -> DeviceRule:
@@ -111,7 +120,30 @@ class DeviceRule:
             resource_version=str(meta.get("resourceVersion", "")),
             annotations=dict(meta.get("annotations") or {}),
             created=str(meta.get("creationTimestamp") or ""),
+            driver=str(sel.get("driver") or ""),
+            key=str((spec.get("taint") or {}).get("key") or ""),
+            labels={str(k): str(v) for k, v in (meta.get("labels") or {}).items()},
         )
+
+    def own(self, node: str) -> bool:
+        """Provably gpuguard's rule for one device of `node`: pool and gpuguard.io/node label both that node,
+        managed by gpuguard, a driver and one device selected, gpuguard's taint key, and the name gpuguard
+        gives that (node, device) (or gave it before the dotted names). Anything else under gpuguard's
+        labels was written by someone else: it is neither adopted, released nor counted."""
+        return (
+            bool(node)
+            and self.pool == node
+            and self.labels.get(LABEL_NODE) == node
+            and self.labels.get(LABEL_MANAGED_BY) == MANAGED_BY
+            and bool(self.driver)
+            and bool(self.device)
+            and self.key == TAINT_KEY
+            and self.name in (rule_name(node, self.device), earlier_rule_name(node, self.device))
+        )
+
+    def selects(self, dev: SliceDevice) -> bool:
+        """Owned by the device's node and selecting exactly that device of its driver (a 409's rule)."""
+        return self.own(dev.pool) and (self.driver, self.device) == (dev.driver, dev.device)
 
     @property
     def uuid(self) -> str:
@@ -169,11 +201,14 @@ def rule_body(
     }
     if deferred:
         annotations[ANN_DEFERRED] = "budget spent"
+    name = rule_name(node.name, dev.device)
+    if name is None:
+        raise ConfigError(f"device {dev.device!r} of node {node.name}: no valid rule name")
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "DeviceTaintRule",
         "metadata": {
-            "name": rule_name(node.name, dev.device),
+            "name": name,
             "labels": {LABEL_NODE: node.name, LABEL_MANAGED_BY: MANAGED_BY},
             "annotations": annotations,
         },
@@ -231,6 +266,9 @@ class DeviceSource(Protocol):
 
     def create(self, body: Mapping[str, Any]) -> DeviceRule:
         """Create; ConflictError when a rule of that name exists."""
+
+    def get(self, name: str) -> DeviceRule | None:
+        """The rule of that name, whoever wrote it; None when there is none."""
 
     def patch(self, rule: DeviceRule, body: Mapping[str, Any]) -> DeviceRule:
         """Merge patch with the rule's resourceVersion; ConflictError when it moved on."""

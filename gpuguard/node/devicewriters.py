@@ -14,7 +14,7 @@ import structlog
 
 from gpuguard import kubeapi
 from gpuguard.config import NodeSettings
-from gpuguard.errors import ConflictError, GpuguardError, PermanentApiError
+from gpuguard.errors import GpuguardError, PermanentApiError
 from gpuguard.metrics import Metrics, counted
 from gpuguard.node.devices import API, LABEL_MANAGED_BY, LABEL_NODE, MANAGED_BY, DeviceRule
 from gpuguard.node.view import ANN_REASON, ANN_SINCE
@@ -153,17 +153,18 @@ class KubeDeviceSource:
     def create(self, body: Mapping[str, Any]) -> DeviceRule:
         name = body["metadata"]["name"]
         body = {**body, "apiVersion": f"resource.k8s.io/{self._rule_version}"}
+        with self._counted("create"):
+            doc = self._api.request(
+                "POST",
+                self._rules_path,
+                body=body,
+                timeout=self._timeout,
+                what=f"create device taint rule {name}",
+            )
+        return DeviceRule.from_api(doc)
+
+    def get(self, name: str) -> DeviceRule | None:
         try:
-            with self._counted("create"):
-                doc = self._api.request(
-                    "POST",
-                    self._rules_path,
-                    body=body,
-                    timeout=self._timeout,
-                    what=f"create device taint rule {name}",
-                )
-        except ConflictError:
-            # Ours from before a restart (the name is deterministic): read it, the next plan updates it.
             with self._counted("get"):
                 doc = self._api.request(
                     "GET",
@@ -171,6 +172,10 @@ class KubeDeviceSource:
                     timeout=self._timeout,
                     what=f"read rule {name}",
                 )
+        except PermanentApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
         return DeviceRule.from_api(doc)
 
     def patch(self, rule: DeviceRule, body: Mapping[str, Any]) -> DeviceRule:
@@ -244,6 +249,9 @@ class DryRunDeviceSource:
     def all_rules(self) -> list[DeviceRule]:
         return list(self._rules.values())
 
+    def get(self, name: str) -> DeviceRule | None:
+        return self._rules.get(name)
+
     def create(self, body: Mapping[str, Any]) -> DeviceRule:
         if self._real is not None and self._real.api_version == RULES_API_NONE:
             # What the server would answer (404): the dry run plans the node taint, as the agent would.
@@ -259,11 +267,12 @@ class DryRunDeviceSource:
         doc = {
             "metadata": {
                 "name": rule.name,
+                "labels": dict(rule.labels),
                 "annotations": {k: v for k, v in annotations.items() if v is not None},
             },
             "spec": {
-                "deviceSelector": {"pool": rule.pool, "device": rule.device},
-                "taint": {"effect": effect},
+                "deviceSelector": {"driver": rule.driver, "pool": rule.pool, "device": rule.device},
+                "taint": {"key": rule.key, "effect": effect},
             },
         }
         return self._keep(doc)
