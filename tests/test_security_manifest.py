@@ -284,3 +284,84 @@ def test_the_policy_documents_the_kubernetes_versions_it_needs() -> None:
     header = POLICY.read_text(encoding="utf-8").split("\n---", 1)[0]
     for needed in ("1.30", "1.32", "< 1.30", "ServiceAccountTokenPodNodeInfo", "failurePolicy Fail"):
         assert needed in header, needed
+
+
+# -- the other policies, the install paths -------------------------------------------------------------------
+
+DEVICE_POLICY = ROOT / "deploy" / "admission-policy-devices.yaml"
+EVENT_POLICY = ROOT / "deploy" / "admission-policy-events.yaml"
+EVENT_FLOWS = ROOT / "deploy" / "flowcontrol-events.yaml"
+
+
+def _cel(path: Path) -> str:
+    spec = _one(path, "ValidatingAdmissionPolicy")["spec"]
+    parts = [v["expression"] for v in spec["variables"]]
+    parts += [x["expression"] + x["messageExpression"] for x in spec["validations"]]
+    return "\n".join(parts)
+
+
+def test_the_readmes_deploy_command_applies_every_policy_and_the_events_priority_level() -> None:
+    """The red team found the README applying the node policy only: a token could then taint every GPU."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    command = re.search(r"```sh\n(kubectl apply -f deploy/daemonset\.yaml.*?)```", readme, re.S)
+    assert command is not None, "the README's deploy command"
+    applied = set(re.findall(r"-f (deploy/\S+\.yaml)", command.group(1)))
+    wanted = {f"deploy/{p.name}" for p in (ROOT / "deploy").glob("admission-policy*.yaml")}
+    assert wanted == {
+        "deploy/admission-policy.yaml",
+        f"deploy/{DEVICE_POLICY.name}",
+        f"deploy/{EVENT_POLICY.name}",
+    }
+    assert applied == wanted | {"deploy/daemonset.yaml", f"deploy/{EVENT_FLOWS.name}"}
+
+
+@pytest.mark.parametrize("path", [DEVICE_POLICY, EVENT_POLICY], ids=lambda p: p.name)
+def test_the_other_policies_guard_the_service_account_fail_closed_and_name_every_refusal(path: Path) -> None:
+    namespace, name = _service_account()
+    spec = _one(path, "ValidatingAdmissionPolicy")["spec"]
+    assert [c["expression"] for c in spec["matchConditions"]] == [
+        f"request.userInfo.username == 'system:serviceaccount:{namespace}:{name}'"
+    ]
+    assert spec["failurePolicy"] == "Fail"
+    assert _one(path, "ValidatingAdmissionPolicyBinding")["spec"]["validationActions"] == ["Deny", "Audit"]
+    for v in spec["validations"]:
+        assert "refused" in v["messageExpression"] and v["reason"] == "Forbidden", v["expression"]
+
+
+def test_the_device_policy_requires_the_name_and_bounds_the_agent_writes() -> None:
+    from gpuguard import validation
+    from gpuguard.node import devices
+
+    cel = _cel(DEVICE_POLICY)
+    assert f"'{devices.RULE_PREFIX}' + variables.node + '.'" in cel
+    assert f"variables.annotationBytes > {validation.MAX_ANNOTATION_BYTES}" in cel
+    assert f"'{devices.LABEL_NODE}', '{devices.LABEL_MANAGED_BY}'" in cel
+
+
+def test_the_event_policy_covers_the_events_role_and_bounds_what_the_agent_writes() -> None:
+    from gpuguard import validation
+
+    rules = _one(EVENT_POLICY, "ValidatingAdmissionPolicy")["spec"]["matchConstraints"]["resourceRules"]
+    assert {g for r in rules for g in r["apiGroups"]} == {"", "events.k8s.io"}
+    assert {"CREATE", "UPDATE"} <= {op for r in rules for op in r["operations"]}
+    granted = _one(DAEMONSET, "Role")["rules"]
+    assert [r["resources"] for r in granted] == [["events"]]
+    cel = _cel(EVENT_POLICY)
+    assert f"bytes(variables.text).size() > {validation.MAX_EVENT_MESSAGE_BYTES}" in cel
+    assert "variables.component != 'gpuguard'" in cel
+
+
+def test_events_have_a_priority_level_of_their_own_matched_before_the_agents_other_requests() -> None:
+    events = _one(EVENT_FLOWS, "FlowSchema")["spec"]
+    rest = _one(DAEMONSET, "FlowSchema")["spec"]
+    assert events["matchingPrecedence"] < rest["matchingPrecedence"]
+    assert (
+        events["priorityLevelConfiguration"]["name"]
+        == _one(EVENT_FLOWS, "PriorityLevelConfiguration")["metadata"]["name"]
+        != rest["priorityLevelConfiguration"]["name"]
+    )
+    (rule,) = events["rules"]
+    assert rule["subjects"] == rest["rules"][0]["subjects"]
+    assert rule["resourceRules"] == [
+        {"verbs": ["*"], "apiGroups": ["", "events.k8s.io"], "resources": ["events"], "namespaces": ["*"]}
+    ]

@@ -109,7 +109,7 @@ def test_on_a_1_36_style_api_the_agent_finds_v1beta2_and_creates_and_deletes_its
     state.write_text(gpus)
     args = ("--max-quarantined", "100%", "--node-resync", "1")
     agent = agent_as_node(admin, cp, node, state=state, lib=fakenvml, args=args).start()
-    name = f"gpuguard-{node}-gpu-3"
+    name = f"gpuguard.{node}.gpu-3"
     try:
         eventually(agent.ready, 20, what="agent /readyz")
         [line] = eventually(lambda: agent.events("device.rules_api"), 5, what="the device.rules_api line")

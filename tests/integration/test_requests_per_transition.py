@@ -156,7 +156,7 @@ def test_a_gpu_fault_held_by_a_device_taint_rule_and_its_recovery_cost_two_reque
         10,
         what="the rules' watch",
     )
-    rule = f"gpuguard-{node}-gpu-1"
+    rule = f"gpuguard.{node}.gpu-1"
 
     def rule_there() -> bool:
         return any(i["metadata"]["name"] == rule for i in rules(custom, node))

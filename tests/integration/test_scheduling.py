@@ -330,7 +330,7 @@ def test_one_bad_gpu_of_eight_costs_one_gpu_through_a_dra_device_taint(
     kubeconfig = daemon_pod_kubeconfig(cluster, full_control_plane, ds_pod, tmp_path)
     args = ("--taint-effect", "NoExecute", "--max-quarantined", "100%", "--node-resync", "1")
     agent = Agent(node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml, args=args).start()
-    rule = f"gpuguard-{node}-gpu-3"
+    rule = f"gpuguard.{node}.gpu-3"
     try:
         eventually(agent.ready, 15, what="agent /readyz")
         fault_at = time.monotonic()
@@ -405,7 +405,7 @@ def test_a_lost_gpu_on_a_dra_node_still_quarantines_the_node(
         )
         taint = eventually(lambda: cluster.our_taint(node), 15, what="gpuguard's node taint")
         assert taint["value"] == "gpu-lost"
-        assert device_rule(cluster, f"gpuguard-{node}-gpu-2") is None
+        assert device_rule(cluster, f"gpuguard.{node}.gpu-2") is None
     finally:
         agent.stop()
 
@@ -431,7 +431,7 @@ def test_a_rule_an_operator_deleted_is_not_recreated_after_the_agent_is_killed_a
     state.write_text(gpus)
     kubeconfig = daemon_pod_kubeconfig(cluster, full_control_plane, ds_pod, tmp_path)
     args = ("--max-quarantined", "100%", "--node-resync", "1")
-    rule = f"gpuguard-{node}-gpu-3"
+    rule = f"gpuguard.{node}.gpu-3"
     custom: Any = kubernetes.client.CustomObjectsApi(cluster.api)
     agent = Agent(node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml, args=args).start()
     try:
@@ -491,14 +491,14 @@ def test_slices_a_dra_driver_publishes_after_the_agent_started_are_used_from_the
         # The refresh follows the taint's write on the same thread: the next fault is reconciled after it.
         state.write_text(gpus + "xid 3 79\nxid 5 79\n")
         rule = eventually(
-            lambda: device_rule(cluster, f"gpuguard-{node}-gpu-5"), 15, what="GPU 5's DeviceTaintRule"
+            lambda: device_rule(cluster, f"gpuguard.{node}.gpu-5"), 15, what="GPU 5's DeviceTaintRule"
         )
         assert rule["spec"]["deviceSelector"]["device"] == "gpu-5"
         assert [e["gpus"] for e in agent.events("device.slices_changed")] == [8]
     finally:
         agent.stop()
         # Blocking rules count in every agent's budget: none left for the next tests.
-        for name in (f"gpuguard-{node}-gpu-3", f"gpuguard-{node}-gpu-5"):
+        for name in (f"gpuguard.{node}.gpu-3", f"gpuguard.{node}.gpu-5"):
             with contextlib.suppress(ApiException):
                 custom.delete_cluster_custom_object(DRA, "v1", "devicetaintrules", name)
 
@@ -527,7 +527,7 @@ def test_gpus_faulting_at_the_same_instant_past_the_budget_end_with_exactly_the_
             kubeconfig = daemon_pod_kubeconfig(cluster, full_control_plane, ds_pod, tmp_path / f"a{i}")
             agent = Agent(node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml, args=args).start()
             agents.append((agent, state, gpu))
-            rules.append(f"gpuguard-{node}-gpu-0")
+            rules.append(f"gpuguard.{node}.gpu-0")
         for agent, _, _ in agents:
             eventually(agent.ready, 15, what="agent /readyz")
         for _, state, gpu in agents:
