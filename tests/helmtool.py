@@ -35,6 +35,13 @@ class Helm:
         assert result.returncode == 0, result.stderr
         return [d for d in yaml.safe_load_all(result.stdout) if d is not None]
 
+    def notes(self, *values: str, release: str = "gpuguard", namespace: str = NAMESPACE) -> str:
+        """The chart's NOTES.txt as `helm install` prints it (a client-side dry run: no cluster)."""
+        args = ("install", release, str(CHART), "--namespace", namespace, "--dry-run=client", *values)
+        result = self.run(*args)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.split("NOTES:", 1)[1]
+
 
 def build_helm(home: Path, *, major: int = 4) -> Helm:
     """Build (or find) the pinned helm of that major version; fail the test on a failed build."""

@@ -126,3 +126,28 @@ def test_only_gpuguards_own_blocking_rules_count_one_per_device_and_one_node_per
     assert rules_past_limit([], [*greedy, honest], 2, now=NOW) == {}
     # Limit 1: the honest 1/8 first, then c's first rule is past; c's others cost nothing beyond it.
     assert set(rules_past_limit([], [*greedy, honest], 1, now=NOW)) == {"gpuguard.c.gpu-0"}
+
+
+def test_a_rule_kept_for_the_budget_is_bounded_whatever_it_holds() -> None:
+    """The red team's 160 rules with 255 KiB annotations took another agent's list of all rules to 157 MiB
+    against its 128 Mi limit. The watch keeps only what the budget reads, each value cut."""
+    import json
+
+    from gpuguard.node.devices import trim_rule
+
+    big = doc("gpu-node-8", "gpu-1", effect="NoSchedule")
+    big["metadata"]["annotations"] = {
+        "gpuguard.io/reason": "x" * 255 * 1024,
+        "gpuguard.io/since": "2026-12-03T00:00:00Z",
+        ANN_NODE_GPUS: "8",
+        "example.com/junk": "y" * 1024,
+    }
+    big["metadata"]["labels"]["example.com/junk"] = "z" * 63
+    big["metadata"]["finalizers"] = ["example.com/" + "f" * 300]
+    kept = trim_rule(big)
+    assert len(json.dumps(kept)) < 1024
+    whole, trimmed = DeviceRule.from_api(big), DeviceRule.from_api(kept)
+    for field in ("name", "pool", "device", "driver", "effect", "key", "share", "deferred", "uid"):
+        assert getattr(trimmed, field) == getattr(whole, field), field
+    assert trimmed.annotations["gpuguard.io/since"] == "2026-12-03T00:00:00Z"
+    assert trimmed.own("gpu-node-8") and countable([trimmed]) == [trimmed]

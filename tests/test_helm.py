@@ -25,6 +25,14 @@ from tests.helmtool import CHART, NAMESPACE, ROOT, Docs, Helm, build_helm
 MANIFEST = ROOT / "deploy" / "daemonset.yaml"
 ADMISSION_POLICY = ROOT / "deploy" / "admission-policy.yaml"
 DEVICE_POLICY = ROOT / "deploy" / "admission-policy-devices.yaml"
+EVENT_POLICY = ROOT / "deploy" / "admission-policy-events.yaml"
+EVENT_FLOWS = ROOT / "deploy" / "flowcontrol-events.yaml"
+# What the default render is, object for object: the README's deploy command.
+DEFAULT_FILES = (
+    "daemonset.yaml",
+    "flowcontrol-events.yaml",
+    *(p.name for p in (ADMISSION_POLICY, DEVICE_POLICY, EVENT_POLICY)),
+)
 
 # The first run builds helm inside the test session: allow it more than pytest's default timeout.
 pytestmark = pytest.mark.timeout(1200)
@@ -45,8 +53,13 @@ def _manifest(path: Path = MANIFEST) -> Docs:
 
 
 def _by_kind(docs: Docs) -> dict[str, dict[str, Any]]:
-    out = {d["kind"]: d for d in docs}
-    assert len(out) == len(docs), "one object per kind"
+    """The objects of deploy/daemonset.yaml, one per kind: the admission policies and the Events' priority
+    level (deploy/admission-policy*.yaml, deploy/flowcontrol-events.yaml) have tests of their own."""
+    mine = [
+        d for d in docs if d["kind"] not in ADMISSION_KINDS and not d["metadata"]["name"].endswith("-events")
+    ]
+    out = {d["kind"]: d for d in mine}
+    assert len(out) == len(mine), "one object per kind"
     return out
 
 
@@ -92,8 +105,11 @@ def default_render(helm: Helm) -> Docs:
 # -- the default render ------------------------------------------------------------------------------------
 
 
-def test_the_default_render_is_exactly_the_objects_of_deploy_daemonset_yaml(default_render: Docs) -> None:
-    assert _sorted(default_render) == _sorted(_manifest())
+def test_the_default_render_is_exactly_the_objects_of_the_readmes_deploy_command(
+    default_render: Docs,
+) -> None:
+    everything = [d for name in DEFAULT_FILES for d in _manifest(ROOT / "deploy" / name)]
+    assert _sorted(default_render) == _sorted(everything)
 
 
 def test_the_chart_passes_helm_lint_strict(helm: Helm) -> None:
@@ -110,70 +126,56 @@ def test_the_charts_app_version_is_gpuguards_version_and_the_default_image_tag()
     assert image["containers"][0]["image"].endswith(f":{chart['appVersion']}")
 
 
-# -- the admission policy (opt-in) ------------------------------------------------------------------------
+# -- the admission policies (on by default) ----------------------------------------------------------------
 
 ADMISSION_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
-ENABLE_POLICY = ("--set", "admissionPolicy.enabled=true")
+DISABLE_POLICY = ("--set", "admissionPolicy.enabled=false")
+POLICIES = {
+    "own-node-only": ADMISSION_POLICY,
+    "own-devices-only": DEVICE_POLICY,
+    "own-events-only": EVENT_POLICY,
+}
 
 
-def _service_account_match(docs: Docs) -> str:
-    (condition,) = _by_kind(docs)["ValidatingAdmissionPolicy"]["spec"]["matchConditions"]
-    assert condition["name"] == "gpuguard-service-account"
-    expression: str = condition["expression"]
-    return expression
-
-
-def test_the_admission_policy_is_off_by_default(default_render: Docs) -> None:
-    assert not [d for d in default_render if d["kind"] in ADMISSION_KINDS]
-
-
-def test_enabled_the_render_is_daemonset_yaml_plus_exactly_the_objects_of_admission_policy_yaml(
-    helm: Helm,
+def test_the_admission_policies_are_on_by_default_and_a_value_turns_them_off_with_a_warning(
+    helm: Helm, default_render: Docs
 ) -> None:
-    policy = _manifest(ADMISSION_POLICY)
-    devices = _manifest(DEVICE_POLICY)
-    assert sorted(d["kind"] for d in policy) == sorted(d["kind"] for d in devices) == sorted(ADMISSION_KINDS)
-    assert _sorted(helm.render(*ENABLE_POLICY)) == _sorted(_manifest() + policy + devices)
+    names = sorted(d["metadata"]["name"] for d in default_render if d["kind"] == "ValidatingAdmissionPolicy")
+    assert names == sorted(f"gpuguard-{suffix}" for suffix in POLICIES)
+    off = helm.render(*DISABLE_POLICY)
+    assert _sorted(off) == _sorted(d for d in default_render if d["kind"] not in ADMISSION_KINDS)
+    assert "WARNING: admissionPolicy.enabled=false" in helm.notes(*DISABLE_POLICY)
+    assert "WARNING" not in helm.notes()
 
 
-def test_the_admission_policy_follows_the_release_name_and_namespace(helm: Helm) -> None:
-    everything = helm.render(*ENABLE_POLICY, release="gpu", namespace="gpu-health")
-    devices = [d for d in everything if d["metadata"]["name"] == "gpu-gpuguard-own-devices-only"]
-    rendered = [d for d in everything if d not in devices]
-    docs = _by_kind(rendered)
-    account = docs["ServiceAccount"]["metadata"]
+def test_the_admission_policies_follow_the_release_name_and_namespace(helm: Helm) -> None:
+    everything = helm.render(release="gpu", namespace="gpu-health")
+    rendered = _by_kind(everything)
+    account = rendered["ServiceAccount"]["metadata"]
     assert (account["namespace"], account["name"]) == ("gpu-health", "gpu-gpuguard")
-    assert _service_account_match(rendered) == (
-        "request.userInfo.username == 'system:serviceaccount:gpu-health:gpu-gpuguard'"
-    )
-    policy, binding = (docs[kind] for kind in ADMISSION_KINDS)
-    assert policy["metadata"]["name"] == binding["metadata"]["name"] == "gpu-gpuguard-own-node-only"
-    assert binding["spec"]["policyName"] == "gpu-gpuguard-own-node-only"
-    # ...and nothing else of the policy changes.
-    expected = _by_kind(_manifest(ADMISSION_POLICY))
-    expected_match = _service_account_match(list(expected.values()))
-    assert expected_match == "request.userInfo.username == 'system:serviceaccount:gpuguard:gpuguard'"
-    policy["spec"]["matchConditions"][0]["expression"] = expected_match
-    for doc in (policy, binding):
-        doc["metadata"]["name"] = "gpuguard-own-node-only"
-    binding["spec"]["policyName"] = "gpuguard-own-node-only"
-    assert [policy, binding] == [expected[kind] for kind in ADMISSION_KINDS]
-    # The device rules' policy follows the same way.
-    expected_devices = _by_kind(_manifest(DEVICE_POLICY))
-    device_policy, device_binding = (_by_kind(devices)[kind] for kind in ADMISSION_KINDS)
-    assert _service_account_match(devices) == (
-        "request.userInfo.username == 'system:serviceaccount:gpu-health:gpu-gpuguard'"
-    )
-    assert device_binding["spec"]["policyName"] == "gpu-gpuguard-own-devices-only"
-    device_policy["spec"]["matchConditions"][0]["expression"] = expected_match
-    for doc in (device_policy, device_binding):
-        doc["metadata"]["name"] = "gpuguard-own-devices-only"
-    device_binding["spec"]["policyName"] = "gpuguard-own-devices-only"
-    assert [device_policy, device_binding] == [expected_devices[kind] for kind in ADMISSION_KINDS]
+    expected_match = "request.userInfo.username == 'system:serviceaccount:gpuguard:gpuguard'"
+    for suffix, path in POLICIES.items():
+        name = f"gpu-gpuguard-{suffix}"
+        policy, binding = (
+            next(d for d in everything if d["kind"] == kind and d["metadata"]["name"] == name)
+            for kind in ADMISSION_KINDS
+        )
+        (condition,) = policy["spec"]["matchConditions"]
+        assert condition["expression"] == (
+            "request.userInfo.username == 'system:serviceaccount:gpu-health:gpu-gpuguard'"
+        )
+        assert binding["spec"]["policyName"] == name
+        # ...and nothing else of the policy changes.
+        condition["expression"] = expected_match
+        for doc in (policy, binding):
+            doc["metadata"]["name"] = f"gpuguard-{suffix}"
+        binding["spec"]["policyName"] = f"gpuguard-{suffix}"
+        expected = {d["kind"]: d for d in _manifest(path)}
+        assert [policy, binding] == [expected[kind] for kind in ADMISSION_KINDS], suffix
 
 
-def test_the_chart_passes_helm_lint_strict_with_the_admission_policy(helm: Helm) -> None:
-    result = helm.run("lint", "--strict", str(CHART), *ENABLE_POLICY)
+def test_the_chart_passes_helm_lint_strict_without_the_admission_policies(helm: Helm) -> None:
+    result = helm.run("lint", "--strict", str(CHART), *DISABLE_POLICY)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

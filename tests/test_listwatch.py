@@ -86,3 +86,32 @@ def test_with_a_gate_a_404_lists_again_only_after_the_gate_is_set_again() -> Non
     assert time.monotonic() - t0 >= 0.3  # waited for the gate, not for the backoff alone
     assert calls == ["list", "watch@7", "list", "watch@7"]
     assert said == ["broken 404", "watching"]
+
+
+class _Pages(kubeapi.Client):
+    """A collection of 250 items served in pages of the limit asked for."""
+
+    def __init__(self) -> None:
+        super().__init__(kubeapi.Credentials(server="https://127.0.0.1:9"), user_agent="test")
+        self.queries: list[dict[str, str]] = []
+
+    def request(self, method: str, path: str, **kw: Any) -> Any:
+        query = dict(kw["query"])
+        self.queries.append(query)
+        start, limit = int(query.get("continue", "0")), int(query["limit"])
+        names = [f"item-{i}" for i in range(start, min(start + limit, 250))]
+        rest = str(start + limit) if start + limit < 250 else ""
+        return {
+            "metadata": {"resourceVersion": "9" if start == 0 else "", "continue": rest},
+            "items": [{"metadata": {"name": n}, "big": "x" * 1000} for n in names],
+        }
+
+
+def test_a_paged_list_reads_every_page_and_keeps_only_what_keep_returns() -> None:
+    api = _Pages()
+    lw = ListWatch(api, selector="a=b", what="things", keep=lambda i: {"metadata": i["metadata"]}, page=100)
+    assert lw.list("/things") == "9"
+    assert [q.get("continue") for q in api.queries] == [None, "100", "200"]
+    assert all(q["limit"] == "100" for q in api.queries)
+    _, items = lw.snapshot()
+    assert len(items) == 250 and all("big" not in i for i in items)

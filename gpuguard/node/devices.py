@@ -49,6 +49,8 @@ NONE_EFFECT = "None"
 _EFFECTS = {"NoSchedule": "NoSchedule", "NoExecute": "NoExecute", "PreferNoSchedule": NONE_EFFECT}
 
 _MAX_NAME = 253
+LIST_PAGE = 100
+"""Rules per list page: one list of rules others wrote never sits in memory whole."""
 RULE_PREFIX = "gpuguard."
 _RESET_ACTIONS = frozenset({recovery_reason(1), recovery_reason(4)})  # gpu-reset, drain-and-reset
 
@@ -176,6 +178,43 @@ class DeviceRule:
         raw = self.annotations.get(ANN_NODE_GPUS, "")
         gpus = int(raw) if raw.isascii() and raw.isdigit() and 0 < len(raw) <= 4 else 1
         return Fraction(1, gpus if 1 <= gpus <= 1024 else 1)
+
+
+# What of another agent's rule the budget reads (devicewatch keeps only this): its claim of a share, of a
+# place in the order, of being deferred, and its GPU. A value longer than gpuguard writes is cut.
+_BUDGET_ANNOTATIONS = (ANN_NODE_GPUS, ANN_SINCE, ANN_DEFERRED, ANN_UUID)
+_MAX_KEPT_VALUE = 256
+
+
+def trim_rule(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """The parts of a DeviceTaintRule as read that `DeviceRule.from_api` needs for the budget, bounded (a
+    few hundred bytes whatever the rule holds): every agent keeps every rule in memory, and a rule is
+    cluster-scoped, under no ResourceQuota."""
+    meta = doc.get("metadata") or {}
+    spec = doc.get("spec") or {}
+    sel = spec.get("deviceSelector") or {}
+    taint = spec.get("taint") or {}
+    labels = meta.get("labels") or {}
+    annotations = meta.get("annotations") or {}
+
+    def short(value: object) -> str:
+        return str(value)[:_MAX_KEPT_VALUE]
+
+    return {
+        "metadata": {
+            **{
+                k: short(meta[k])
+                for k in ("name", "uid", "resourceVersion", "creationTimestamp")
+                if k in meta
+            },
+            "labels": {k: short(labels[k]) for k in (LABEL_NODE, LABEL_MANAGED_BY) if k in labels},
+            "annotations": {k: short(annotations[k]) for k in _BUDGET_ANNOTATIONS if k in annotations},
+        },
+        "spec": {
+            "deviceSelector": {k: short(sel[k]) for k in ("driver", "pool", "device") if k in sel},
+            "taint": {k: short(taint[k]) for k in ("key", "value", "effect") if k in taint},
+        },
+    }
 
 
 def rule_body(

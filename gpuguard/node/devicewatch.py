@@ -19,7 +19,7 @@ import structlog
 
 from gpuguard import kubeapi
 from gpuguard.errors import NodeUpdateError
-from gpuguard.node.devices import LABEL_MANAGED_BY, LABEL_NODE, MANAGED_BY, DeviceRule
+from gpuguard.node.devices import LABEL_MANAGED_BY, LABEL_NODE, LIST_PAGE, MANAGED_BY, DeviceRule, trim_rule
 from gpuguard.node.listwatch import ListWatch
 
 log = structlog.get_logger("gpuguard.node.devices")
@@ -44,7 +44,9 @@ class WatchedRules:
         self._node = node
         self._fallback = fallback
         self._path = path
-        self._watched = ListWatch(api, selector=SELECTOR, what="device taint rules", timeout=timeout)
+        self._watched = ListWatch(
+            api, selector=SELECTOR, what="device taint rules", timeout=timeout, keep=trim_rule, page=LIST_PAGE
+        )
         # Each item converted once: an event replaces an item whole.
         self._rules: dict[str, tuple[dict[str, Any], DeviceRule]] = {}
         self._stop = threading.Event()

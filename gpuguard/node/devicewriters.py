@@ -16,7 +16,15 @@ from gpuguard import kubeapi
 from gpuguard.config import NodeSettings
 from gpuguard.errors import GpuguardError, PermanentApiError
 from gpuguard.metrics import Metrics, counted
-from gpuguard.node.devices import API, LABEL_MANAGED_BY, LABEL_NODE, MANAGED_BY, DeviceRule
+from gpuguard.node.devices import (
+    API,
+    LABEL_MANAGED_BY,
+    LABEL_NODE,
+    LIST_PAGE,
+    MANAGED_BY,
+    DeviceRule,
+    trim_rule,
+)
 from gpuguard.node.view import ANN_REASON, ANN_SINCE
 from gpuguard.node.writers import load_api_client
 
@@ -96,29 +104,43 @@ class KubeDeviceSource:
     def rules(self) -> list[DeviceRule]:
         return self._list(f"{LABEL_NODE}={self._node},{LABEL_MANAGED_BY}={MANAGED_BY}")
 
-    def all_rules(self) -> list[DeviceRule]:
-        return self._list(f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_NODE}")
+    def all_rules(self, *, whole: bool = False) -> list[DeviceRule]:
+        """Every node's gpuguard rules, kept as far as the budget reads them; `whole`: all of each (for
+        `gpuguard status`, which shows their records)."""
+        return self._list(f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_NODE}", trim=not whole)
 
-    def _list(self, selector: str) -> list[DeviceRule]:
+    def _list(self, selector: str, *, trim: bool = False) -> list[DeviceRule]:
+        """`trim`: every node's rules, in pages, each kept only as far as the budget reads it
+        (`devices.trim_rule`)."""
         versions = (self._rule_version,) if self._version_known else _RULE_VERSIONS
         for version in versions:
             self._rule_version = version
+            query = {"labelSelector": selector, **({"limit": str(LIST_PAGE)} if trim else {})}
+            found: list[DeviceRule] = []
             try:
-                with self._counted("list"):
-                    doc = self._api.request(
-                        "GET",
-                        self._rules_path,
-                        query={"labelSelector": selector},
-                        timeout=self._timeout,
-                        what="list device taint rules",
-                    )
+                while True:
+                    with self._counted("list"):
+                        doc = self._api.request(
+                            "GET",
+                            self._rules_path,
+                            query=query,
+                            timeout=self._timeout,
+                            what="list device taint rules",
+                        )
+                    found += [
+                        DeviceRule.from_api(trim_rule(d) if trim else d) for d in doc.get("items") or []
+                    ]
+                    token = (doc.get("metadata") or {}).get("continue")
+                    if not trim or not token:
+                        break
+                    query = {**query, "continue": str(token)}
             except PermanentApiError as exc:
                 if exc.status == 404:
                     continue  # not served in this version
                 raise
             self._version_known = True
             self._found(f"resource.k8s.io/{version}")
-            return [DeviceRule.from_api(d) for d in doc.get("items") or []]
+            return found
         # Served in no version: a create answers 404, and the node taint stands in (device.rule_rejected).
         # The next list (the next read) asks both versions again: a cluster may turn the API on meanwhile.
         self._rule_version = _RULE_VERSIONS[0]
@@ -325,7 +347,7 @@ def quarantined_gpus(api: kubeapi.Client, *, timeout: float = 10.0) -> list[dict
     device and the GPU's UUID."""
     source = KubeDeviceSource("", api=api, driver="", timeout=timeout)
     rows = []
-    for rule in source.all_rules():
+    for rule in source.all_rules(whole=True):
         rows.append(
             {
                 "node": rule.pool,

@@ -37,7 +37,14 @@ class ListWatch:
         accept: tuple[str, str] = ("application/json", "application/json"),
         timeout: float = 10.0,
         changed: Callable[[], None] | None = None,
+        keep: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        page: int | None = None,
     ) -> None:
+        """`keep`: what of an item is kept (the parts a caller reads, bounded), applied as each arrives;
+        `page`: list in pages of that many items (the API server's limit/continue), so that one list of
+        a collection others write never sits in memory whole."""
+        self._keep = keep or (lambda item: item)
+        self._page = page
         self._api = api
         self._selector = selector
         self._what = what
@@ -76,20 +83,32 @@ class ListWatch:
 
     def list(self, path: str) -> str:
         """List the collection; its resourceVersion, to watch from."""
-        doc = self._api.request(
-            "GET",
-            path,
-            query={"labelSelector": self._selector},
-            accept=self._accept[0],
-            timeout=self._timeout,
-            what=f"list {self._what}",
-        )
-        items = {str(i["metadata"]["name"]): i for i in doc.get("items") or []}
+        items: dict[str, dict[str, Any]] = {}
+        query = {"labelSelector": self._selector}
+        if self._page is not None:
+            query["limit"] = str(self._page)
+        rv = ""
+        while True:
+            doc = self._api.request(
+                "GET",
+                path,
+                query=query,
+                accept=self._accept[0],
+                timeout=self._timeout,
+                what=f"list {self._what}",
+            )
+            for i in doc.get("items") or []:
+                items[str(i["metadata"]["name"])] = self._keep(i)
+            meta = doc.get("metadata") or {}
+            rv = rv or str(meta["resourceVersion"])  # every page of one list is at the first page's version
+            if self._page is None or not meta.get("continue"):
+                break
+            query = {**query, "continue": str(meta["continue"])}
         with self._lock:
             self._items = items
             self._generation += 1
         self._changed()
-        return str(doc["metadata"]["resourceVersion"])
+        return rv
 
     def watch(
         self, path: str, rv: str, *, stop: threading.Event, established: Callable[[], None] = lambda: None
@@ -132,7 +151,7 @@ class ListWatch:
                 if kind == "DELETED":
                     self._items.pop(name, None)
                 else:
-                    self._items[name] = obj
+                    self._items[name] = self._keep(obj)
                 self._generation += 1
             self._changed()
             if stop.is_set():
