@@ -143,7 +143,7 @@ def test_the_admission_policies_are_on_by_default_and_a_value_turns_them_off_wit
     names = sorted(d["metadata"]["name"] for d in default_render if d["kind"] == "ValidatingAdmissionPolicy")
     assert names == sorted(f"gpuguard-{suffix}" for suffix in POLICIES)
     off = helm.render(*DISABLE_POLICY)
-    assert _sorted(off) == _sorted(d for d in default_render if d["kind"] not in ADMISSION_KINDS)
+    assert _sorted(off) == _sorted([d for d in default_render if d["kind"] not in ADMISSION_KINDS])
     assert "WARNING: admissionPolicy.enabled=false" in helm.notes(*DISABLE_POLICY)
     assert "WARNING" not in helm.notes()
 
