@@ -72,10 +72,12 @@ def rule(
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "DeviceTaintRule",
         "metadata": {
-            "name": name or f"gpuguard-{pool}-{device or 'all'}-{next(_names)}",
+            "name": name
+            or (f"gpuguard.{pool}.{device}" if device else f"gpuguard.{pool}.all-{next(_names)}"),
             "labels": {"gpuguard.io/node": pool, "app.kubernetes.io/managed-by": "gpuguard"}
             if labels is None
             else labels,
+            "annotations": {"gpuguard.io/node-gpus": "8"},
         },
         "spec": {
             "deviceSelector": selector,
