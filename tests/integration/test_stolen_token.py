@@ -18,6 +18,7 @@ import pytest
 
 from gpuguard.node.devices import rule_name
 from tests.dra import gpu_uuid, nvidia_slice
+from tests.integration.fixtures import start_agent  # noqa: F401
 from tests.integration.kube import (
     GPU_NODE_LABELS,
     Admin,
@@ -43,10 +44,10 @@ KIB = 1024
 def admin(admin_api: kubernetes.client.ApiClient, control_plane: Any) -> Admin:
     """Every policy enforced: each one's own refusal of a dry-run write seen once."""
 
-    def squat(a: Admin) -> Callable[[], Any]:
+    def other_pool(a: Admin) -> Callable[[], Any]:
         here, there = new_node(a), new_node(a)
         api = agent_api(a, control_plane, here)
-        body = rule(here, "gpu-3", name=f"gpuguard.{there}.gpu-3")
+        body = rule(there, "gpu-3")
         return lambda: api.create_cluster_custom_object(GROUP, VERSION, PLURAL, body, dry_run="All")
 
     def foreign_event(a: Admin) -> Callable[[], Any]:
@@ -56,7 +57,7 @@ def admin(admin_api: kubernetes.client.ApiClient, control_plane: Any) -> Admin:
 
     enforced_admin(admin_api, policy=NODE_POLICY, probe=other_node_probe(control_plane))
     enforced_admin(admin_api, policy=EVENT_POLICY, probe=foreign_event)
-    return enforced_admin(admin_api, policy=DEVICE_POLICY, probe=squat)
+    return enforced_admin(admin_api, policy=DEVICE_POLICY, probe=other_pool)
 
 
 def new_node(admin: Admin, **kw: Any) -> str:
