@@ -8,11 +8,14 @@ The slow-body flood of API Priority and Fairness: tests/integration/test_apf_flo
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import controlplane
 import kubernetes
 import pytest
 
@@ -362,3 +365,41 @@ def test_forged_rules_leave_the_gpu_budget_to_real_faults(
     assert "gpuguard.io/quarantine-deferred" not in got["metadata"].get("annotations", {})
     assert not [e for e in agent.lines if e.get("event") in ("device.budget_spent", "device.rule_yielded")]
     assert admin.our_taint(victim) is None
+
+
+# -- 5. the install: which protections are there ------------------------------------------------------------
+
+
+def test_the_operations_pages_check_names_every_protection_and_each_missing_one(
+    admin: Admin, control_plane: Any
+) -> None:
+    """docs/operations.md, "Which protections are installed": its two commands as written, with the pinned
+    kubectl. All there: both succeed and list every name; one binding gone: that one is named, status 1."""
+    bins = controlplane.cached_binaries()
+    assert bins is not None and bins.kubectl is not None
+    page = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    section = page.split("### Which protections are installed", 1)[1].split("\n#", 1)[0]
+    commands = re.findall(r"^kubectl get .+$", section, re.M)
+    assert len(commands) == 2, commands
+
+    def kubectl(command: str) -> subprocess.CompletedProcess[str]:
+        argv = [str(bins.kubectl), *command.split()[1:], "--kubeconfig", str(control_plane.kubeconfig_path)]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+
+    names = [w for c in commands for w in c.split()[3:]]
+    assert set(names) >= {NODE_POLICY, DEVICE_POLICY, EVENT_POLICY, "gpuguard", "gpuguard-events"}
+    for command in commands:
+        done = kubectl(command)
+        assert done.returncode == 0, done.stderr
+        assert all(n in done.stdout for n in command.split()[3:]), done.stdout
+    bindings: Any = kubernetes.client.AdmissionregistrationV1Api(admin.api)
+    saved = bindings.read_validating_admission_policy_binding(EVENT_POLICY)
+    bindings.delete_validating_admission_policy_binding(EVENT_POLICY)
+    try:
+        done = kubectl(commands[0])
+        assert done.returncode == 1 and f'"{EVENT_POLICY}" not found' in done.stderr, done.stderr
+        assert NODE_POLICY in done.stdout and DEVICE_POLICY in done.stdout
+    finally:
+        bindings.create_validating_admission_policy_binding(
+            {"metadata": {"name": EVENT_POLICY, "labels": saved.metadata.labels}, "spec": saved.spec}
+        )
