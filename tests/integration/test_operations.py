@@ -217,6 +217,9 @@ def test_the_operations_runbook_works_as_written(
         "monitoring.coreos.com", "v1", "gpuguard", "podmonitors", "gpuguard"
     )
     assert pm["spec"]["jobLabel"] == "app.kubernetes.io/name"
+    out = book.run("Which protections are installed")  # the chart's default: every one of them
+    for name in ("own-node-only", "own-devices-only", "own-events-only", "events"):
+        assert f"gpuguard-{name} " in out, name
 
     # -- A first week in dry run, then enforce.
     out = book.run("A first week in dry run")

@@ -373,14 +373,14 @@ def test_forged_rules_leave_the_gpu_budget_to_real_faults(
 def test_the_operations_pages_check_names_every_protection_and_each_missing_one(
     admin: Admin, control_plane: Any
 ) -> None:
-    """docs/operations.md, "Which protections are installed": its two commands as written, with the pinned
+    """docs/operations.md, "Which protections are installed": its commands as written, with the pinned
     kubectl. All there: both succeed and list every name; one binding gone: that one is named, status 1."""
     bins = controlplane.cached_binaries()
     assert bins is not None and bins.kubectl is not None
     page = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
-    section = page.split("### Which protections are installed", 1)[1].split("\n#", 1)[0]
+    section = page.split("## Which protections are installed", 1)[1].split("\n#", 1)[0]
     commands = re.findall(r"^kubectl get .+$", section, re.M)
-    assert len(commands) == 2, commands
+    assert len(commands) == 3, commands
 
     def kubectl(command: str) -> subprocess.CompletedProcess[str]:
         argv = [str(bins.kubectl), *command.split()[1:], "--kubeconfig", str(control_plane.kubeconfig_path)]
