@@ -100,7 +100,8 @@ def flood(admin: Admin, control_plane: Any, node: str, request: str = EVENTS) ->
     try:
         started = time.monotonic()
         opened = f.open()
-        print(f"flood: {opened} slow {request.split()[0]}s open in {time.monotonic() - started:.1f} s")
+        verb = request.split(maxsplit=1)[0]
+        print(f"flood: {opened} slow {verb}s open in {time.monotonic() - started:.1f} s")
         time.sleep(3.0)  # every one of them has reached its priority level by now
         yield f
     finally:
