@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from gpuguard.config import DEFAULT_IGNORED_XIDS, PolicySettings
-from gpuguard.model import GpuReading, Snapshot, Verdict, XidEvent
+from gpuguard.model import Fault, GpuReading, Snapshot, Verdict, XidEvent
 from gpuguard.policy import cleared_without_reboot, evaluate, primary
 from gpuguard.xidcatalog import CATALOG
 
@@ -389,3 +389,211 @@ def test_an_unidentified_gpu_never_enters_the_inventory() -> None:
     assert [g.uuid for g in v[0].gpus] == ["GPU-0"]
     assert [reasons(x) for x in v] == [[], [], ["gpu-unreadable"], []]
     assert [g.uuid for g in v[-1].gpus] == ["GPU-0", "GPU-1"]
+
+
+# -- severity across GPUs: which fault's reason becomes the taint value ------------------------------------
+
+
+def _missing_gpu_1_with(*others: GpuReading, xids: tuple[XidEvent, ...] = ()) -> Verdict:
+    """GPU-1 known from a first check, gone at the second; `others` read at the second."""
+    first = evaluate(snap(gpu(0), gpu(1), gpu(2)), previous=None, settings=DEFAULT)
+    return evaluate(snap(*others, xids=xids), previous=first, settings=DEFAULT)
+
+
+@pytest.mark.parametrize(
+    ("case", "v", "taint_value"),
+    [
+        (
+            "an Xid on GPU 1 outranks ECC on GPU 0",
+            evaluate(
+                snap(gpu(0, ecc_uncorrected=3), gpu(1), xids=(XidEvent(1, "GPU-1", 79),)),
+                previous=None,
+                settings=DEFAULT,
+            ),
+            "xid-79",
+        ),
+        (
+            "a missing GPU 1 outranks an Xid on GPU 0",
+            _missing_gpu_1_with(gpu(0), gpu(2), xids=(XidEvent(0, "GPU-0", 79),)),
+            "gpu-missing",
+        ),
+        (
+            "a missing GPU 1 outranks an Xid on GPU 2",
+            _missing_gpu_1_with(gpu(0), gpu(2), xids=(XidEvent(2, "GPU-2", 79),)),
+            "gpu-missing",
+        ),
+        (
+            "ECC on GPU 1 outranks a failed row remap on GPU 0",
+            evaluate(
+                snap(gpu(0, remap_failure=True), gpu(1, ecc_uncorrected=1)), previous=None, settings=DEFAULT
+            ),
+            "ecc",
+        ),
+        (
+            "a lost GPU 1 outranks everything on GPU 0",
+            evaluate(
+                snap(gpu(0, ecc_uncorrected=1, remap_failure=True), gpu(1, lost=True), xids=(X79,)),
+                previous=None,
+                settings=DEFAULT,
+            ),
+            "gpu-lost",
+        ),
+        (
+            "NVML that does not start outranks the sticky faults it keeps",
+            evaluate(
+                snap(init_error="DRIVER_NOT_LOADED"),
+                previous=evaluate(snap(gpu(0, lost=True), gpu(1)), previous=None, settings=DEFAULT),
+                settings=DEFAULT,
+            ),
+            "nvml-init",
+        ),
+        (
+            "of two faults of one severity, the lower GPU index: RESET_REQUIRED on GPU 0, unreadable GPU 1",
+            evaluate(
+                snap(gpu(0, transient_errors=("ecc:RESET_REQUIRED",)), gpu(1)),
+                previous=None,
+                settings=replace(DEFAULT, unreadable_after=1),
+            ),
+            "reset-required",
+        ),
+    ],
+)
+def test_the_most_severe_fault_sets_the_taint_value_whichever_gpu_it_is_on(
+    case: str, v: Verdict, taint_value: str
+) -> None:
+    first = primary(v.faults)
+    assert first is not None and first.reason == taint_value, case
+    assert v.faults and all(f.reason for f in v.faults)
+
+
+@pytest.mark.parametrize(
+    ("faults", "first"),
+    [
+        # One severity (2): the lower GPU index wins, the node's (no index) before any GPU's.
+        (("gpu-unreadable", 1, "reset-required", 0), "reset-required"),
+        (("reset-required", 1, "gpu-missing", None), "gpu-missing"),
+        # One severity and one index: the reason's name decides, so every agent picks the same one.
+        (("reset-required", 0, "gpu-missing", 0), "gpu-missing"),
+        (("xid-79", 0, "xid-48", 0), "xid-48"),
+        # The ranking itself, the less severe on the lower index.
+        (("ecc", 0, "xid-79", 3), "xid-79"),
+        (("row-remap", 0, "ecc", 3), "ecc"),
+        (("xid-79", 0, "reset-required", 3), "reset-required"),
+        (("gpu-missing", 0, "gpu-lost", 3), "gpu-lost"),
+        (("gpu-lost", 0, "nvml-init", None), "nvml-init"),
+    ],
+)
+def test_the_primary_fault_is_ranked_by_severity_then_gpu_index_then_reason(
+    faults: tuple[str, int | None, str, int | None], first: str
+) -> None:
+    a, ai, b, bi = faults
+    fs = (Fault(a, "d", gpu_index=ai), Fault(b, "d", gpu_index=bi))
+    assert primary(fs) == primary(fs[::-1])
+    chosen = primary(fs)
+    assert chosen is not None and chosen.reason == first
+
+
+# -- policy edges -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"), [("handle:GPU_IS_LOST", "gpu-lost"), ("uuid:RESET_REQUIRED", "reset-required")]
+)
+def test_an_unidentified_gpu_that_answers_lost_or_reset_required_is_a_node_fault_at_the_first_check(
+    error: str, reason: str
+) -> None:
+    v = evaluate(Snapshot(gpus=(gpu(0),), unidentified=((1, error),)), previous=None, settings=DEFAULT)
+    assert [(f.reason, f.uuid, f.gpu_index) for f in v.node_faults] == [(reason, None, 1)]
+    assert v.node_faults[0].detail == f"NVML counts GPU 1 but cannot identify it ({error})"
+    # The same answer at the next check is the same fault, not a second one.
+    again = evaluate(Snapshot(gpus=(gpu(0),), unidentified=((1, error),)), previous=v, settings=DEFAULT)
+    assert [f.reason for f in again.node_faults] == [reason]
+
+
+def test_an_unidentified_gpu_with_another_error_is_unreadable_only_after_the_bounded_number_of_checks() -> (
+    None
+):
+    s = Snapshot(gpus=(gpu(0),), unidentified=((1, "uuid:UNKNOWN"),))
+    settings = replace(DEFAULT, unreadable_after=2)
+    first = evaluate(s, previous=None, settings=settings)
+    second = evaluate(s, previous=first, settings=settings)
+    third = evaluate(s, previous=second, settings=settings)
+    assert [f.reason for f in first.node_faults] == []
+    assert [(f.reason, f.gpu_index) for f in second.node_faults] == [("gpu-unreadable", 1)]
+    assert "for 2 checks in a row (uuid:UNKNOWN)" in second.node_faults[0].detail
+    assert [f.reason for f in third.node_faults] == ["gpu-unreadable"]
+    assert dict(third.unidentified_streaks) == {1: 3}
+
+
+@pytest.mark.parametrize(
+    ("case", "second", "expected"),
+    [
+        (
+            "a transient error keeps the last action",
+            gpu(0, transient_errors=("recovery:UNKNOWN",)),
+            ["recovery-node-reboot"],
+        ),
+        (
+            "an unreadable GPU keeps the last action",
+            gpu(0, unreadable=True, ecc_uncorrected=None),
+            ["recovery-node-reboot"],
+        ),
+        ("no action and no error: the field is gone", gpu(0), []),
+        ("NONE read again clears it", gpu(0, recovery_action=0, transient_errors=("ecc:UNKNOWN",)), []),
+    ],
+)
+def test_the_last_recovery_action_is_kept_only_while_transient_errors_hide_the_field(
+    case: str, second: GpuReading, expected: list[str]
+) -> None:
+    v = run(snap(gpu(0, recovery_action=2), gpu(1)), snap(second, gpu(1)))
+    assert reasons(v[-1]) == expected, case
+    assert v[-1].gpus[0].recovery_action == (2 if expected else second.recovery_action), case
+
+
+def test_an_xid_on_a_key_that_is_already_sticky_is_not_new_evidence_for_a_reset() -> None:
+    """The Xid, NONE twice (it needs a reboot now); the driver reports it again with a reset asked, then NONE:
+    the repeat is the same recorded fault, so the reset does not clear it."""
+    v = run(act(0, X79), act(0), act(1, X79), act(0))
+    assert reasons(v[-1]) == ["xid-79"]
+    assert "xid-79/GPU-0" not in v[-1].reset_cleared
+    assert v[2].reset_clearable == frozenset()
+
+
+def test_a_reset_clears_an_xid_that_was_pending_when_the_reset_came_at_the_next_check() -> None:
+    v = run(act(0, X79), act(4), act(0))
+    assert v[0].reset_pending == frozenset({"xid-79/GPU-0"})
+    assert v[1].reset_clearable == frozenset({"xid-79/GPU-0"}) and v[1].reset_pending == frozenset()
+    assert reasons(v[-1]) == [] and v[-1].reset_cleared == frozenset({"xid-79/GPU-0"})
+
+
+def test_a_gpu_missing_in_the_middle_of_the_inventory_keeps_its_place_and_is_not_counted_twice() -> None:
+    v = run(snap(gpu(0), gpu(1), gpu(2)), snap(gpu(0), gpu(2)))
+    last = v[-1]
+    assert [(g.uuid, g.present, [f.reason for f in g.faults]) for g in last.gpus] == [
+        ("GPU-0", True, []),
+        ("GPU-1", False, ["gpu-missing"]),
+        ("GPU-2", True, []),
+    ]
+    assert last.gpus[1].xid_watched is False and last.gpus[1].xid_watch_note == "gpu not visible"
+    assert last.node_faults == ()  # the shortfall is the missing GPU itself, not a second fault
+    assert last.expected_gpus == 3
+
+
+def test_fewer_gpus_than_expected_and_none_known_missing_is_one_node_fault() -> None:
+    v = evaluate(snap(gpu(0)), previous=None, settings=replace(DEFAULT, expected_gpus=2))
+    assert [(f.reason, f.detail) for f in v.node_faults] == [
+        ("gpu-missing", "expected 2 GPUs, NVML reports 1")
+    ]
+    assert evaluate(snap(gpu(0), gpu(1)), previous=None, settings=replace(DEFAULT, expected_gpus=2)).healthy
+
+
+def test_every_gpu_judged_after_an_nvml_init_failure_is_not_present_and_keeps_its_sticky_faults() -> None:
+    v = run(snap(gpu(0), gpu(1, lost=True)), snap(init_error="DRIVER_NOT_LOADED"))
+    after = v[-1]
+    assert [(g.uuid, g.present) for g in after.gpus] == [("GPU-0", False), ("GPU-1", False)]
+    assert [f.reason for f in after.gpus[1].faults] == ["gpu-lost"] and after.gpus[0].faults == ()
+    assert [f.reason for f in after.node_faults] == ["nvml-init"]
+    assert after.node_faults[0].detail == "NVML initialization failed: DRIVER_NOT_LOADED"
+    assert after.fatal_xids == () and after.ignored_xids == ()
+    quiet = evaluate(snap(init_error="X"), previous=v[0], settings=replace(DEFAULT, allow_no_gpu=True))
+    assert quiet.node_faults == () and [g.present for g in quiet.gpus] == [False, False]
