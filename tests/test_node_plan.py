@@ -550,3 +550,218 @@ def test_nodes_behind_the_gate_do_not_count_as_quarantined_in_the_budget() -> No
     budget = count_budget([{"metadata": m} for m in metas], "20%", exclude="gpu-1", quarantined=entries)
     assert (budget.gpu_nodes, budget.quarantined, budget.limit) == (7, 1, 2)
     assert budget.has_room
+
+
+# -- reading the Node from the API ---------------------------------------------------------------------------
+
+
+def test_node_view_reads_annotations_labels_foreign_taints_and_the_gpu_healthy_condition() -> None:
+    obj = {
+        "metadata": {
+            "name": "gpu-1",
+            "annotations": {ANN_FAULTS: "ecc/GPU-0", "other.io/x": "y"},
+            "labels": {LABEL_QUARANTINED: "deferred", "zone": "a"},
+        },
+        "spec": {
+            "taints": [
+                {
+                    "key": "example.com/maintenance",
+                    "value": "x",
+                    "effect": "NoExecute",
+                    "timeAdded": "2026-01-01T00:00:00Z",
+                },
+                {"key": TAINT_KEY, "value": "ecc", "effect": "PreferNoSchedule"},
+            ]
+        },
+        "status": {
+            "conditions": [
+                {"type": "Ready", "status": "True"},
+                {"type": "GPUHealthy", "status": "False"},
+            ],
+            "nodeInfo": {"bootID": "boot-z"},
+        },
+    }
+    v = NodeView.from_api(obj)
+    assert v.annotations == {ANN_FAULTS: "ecc/GPU-0", "other.io/x": "y"}
+    assert v.labels == {LABEL_QUARANTINED: "deferred", "zone": "a"}
+    assert v.taints == (FOREIGN, Taint(TAINT_KEY, "PreferNoSchedule", "ecc"))
+    assert v.taints[0].to_api() == obj["spec"]["taints"][0]  # type: ignore[index]
+    assert v.gpu_condition == "False"
+    assert v.deferred and v.our_taint == Taint(TAINT_KEY, "PreferNoSchedule", "ecc")
+
+
+@pytest.mark.parametrize(
+    ("obj", "expected"),
+    [
+        ({}, ("", "", "", False, "", {}, {}, None, ())),
+        (
+            {"metadata": None, "spec": None, "status": None},
+            ("", "", "", False, "", {}, {}, None, ()),
+        ),
+        (
+            {
+                "metadata": {"annotations": None, "labels": None},
+                "spec": {"taints": None},
+                "status": {"nodeInfo": None, "conditions": None},
+            },
+            ("", "", "", False, "", {}, {}, None, ()),
+        ),
+        ({"spec": {"unschedulable": False}}, ("", "", "", False, "", {}, {}, None, ())),
+        (
+            {"status": {"conditions": [{"type": "Ready", "status": "True"}]}},
+            ("", "", "", False, "", {}, {}, None, ()),
+        ),
+        ({"spec": {"taints": [{}]}}, ("", "", "", False, "", {}, {}, None, (Taint("", ""),))),
+    ],
+)
+def test_node_view_reads_absent_fields_as_empty_schedulable_and_no_condition(
+    obj: dict[str, object], expected: tuple[object, ...]
+) -> None:
+    v = NodeView.from_api(obj)
+    got = (
+        v.name,
+        v.resource_version,
+        v.uid,
+        v.unschedulable,
+        v.boot_id,
+        v.annotations,
+        v.labels,
+        v.gpu_condition,
+        v.taints,
+    )
+    assert got == expected
+
+
+def test_a_taint_without_value_or_time_added_writes_neither() -> None:
+    assert Taint(TAINT_KEY, "NoSchedule").to_api() == {"key": TAINT_KEY, "effect": "NoSchedule"}
+    assert Taint.from_api({"key": "k", "effect": "NoSchedule", "value": "v", "timeAdded": "t"}) == Taint(
+        "k", "NoSchedule", "v", "t"
+    )
+
+
+def test_a_patch_without_taints_or_cordon_has_no_spec_and_one_with_them_has_exactly_them() -> None:
+    bare = NodeChange(action="add-faults", annotations={ANN_FAULTS: "ecc/GPU-0"})
+    assert bare.patch("7") == {"metadata": {"resourceVersion": "7", "annotations": {ANN_FAULTS: "ecc/GPU-0"}}}
+    assert NodeChange(action="x", unschedulable=False).patch("7") == {
+        "metadata": {"resourceVersion": "7"},
+        "spec": {"unschedulable": False},
+    }
+    assert NodeChange(action="x", taints=()).patch("7") == {
+        "metadata": {"resourceVersion": "7"},
+        "spec": {"taints": []},
+    }
+
+
+def test_applying_a_change_bumps_the_resource_version_or_takes_the_servers() -> None:
+    n = node(resource_version="")
+    change = NodeChange(action="x", labels={"a": "b"})
+    assert apply_change(n, change).resource_version == "1"
+    assert apply_change(node(), change).resource_version == "11"
+    assert apply_change(node(), change, resource_version="99").resource_version == "99"
+
+
+@pytest.mark.parametrize(
+    ("annotations", "labels", "gate", "holds"),
+    [
+        ({}, {}, False, False),
+        ({"other.io/x": "y"}, {"zone": "a"}, False, False),
+        ({ANN_BOOT_ID: "b"}, {}, False, True),
+        ({ANN_DEFERRED: "x"}, {}, False, True),
+        ({}, {LABEL_QUARANTINED: "true"}, False, True),
+        ({}, {}, True, True),
+    ],
+)
+def test_what_counts_as_gpuguard_state_on_a_node(
+    annotations: dict[str, str], labels: dict[str, str], gate: bool, holds: bool
+) -> None:
+    taints = (Taint(UNVERIFIED_TAINT_KEY, "NoSchedule"),) if gate else ()
+    assert node(annotations=annotations, labels=labels, taints=taints).holds_gpuguard_state() is holds
+
+
+@pytest.mark.parametrize(
+    ("recorded", "current", "earlier"),
+    [("boot-a", "boot-b", True), ("boot-a", "boot-a", False), ("", "boot-b", False), ("boot-a", "", False)],
+)
+def test_a_record_is_from_an_earlier_boot_only_when_both_boot_ids_are_known_and_differ(
+    recorded: str, current: str, earlier: bool
+) -> None:
+    n = node(annotations={ANN_BOOT_ID: recorded, ANN_FAULTS: "xid-79/GPU-1"}, boot_id=current)
+    assert n.record_from_earlier_boot is earlier
+    assert n.current_faults == (frozenset() if earlier else frozenset({"xid-79/GPU-1"}))
+
+
+# -- escalating and overriding a deferred quarantine --------------------------------------------------------
+
+
+def deferred_node(**kw: object) -> NodeView:
+    """A node whose quarantine the budget deferred: soft taint, label deferred, no cordon."""
+    spent = Budget(gpu_nodes=40, quarantined=4, limit=4)
+    change = gated(node(**kw), verdict(ecc=1), spent)
+    assert change is not None and change.action == "defer"
+    return apply_change(node(**kw), change)
+
+
+ROOM = Budget(gpu_nodes=40, quarantined=3, limit=4)
+
+
+def test_with_no_cordon_an_escalation_taints_in_full_but_never_cordons() -> None:
+    settings = NodeSettings(name="gpu-1", cordon=False)
+    n = deferred_node()
+    change = limit(
+        plan(n, verdict(ecc=1), healthy_streak=0, settings=settings, now=NOW),
+        n,
+        verdict(ecc=1),
+        ROOM,
+        settings,
+    )
+    assert change is not None and change.action == "escalate"
+    assert change.unschedulable is None and ANN_CORDONED not in change.annotations
+    after = apply_change(n, change)
+    assert after.our_taint == Taint(TAINT_KEY, "NoSchedule", "ecc") and not after.unschedulable
+
+
+def test_an_escalation_on_a_node_an_administrator_cordoned_does_not_claim_the_cordon() -> None:
+    n = deferred_node(unschedulable=True)
+    change = gated(n, verdict(ecc=1), ROOM)
+    assert change is not None and change.action == "escalate"
+    assert change.unschedulable is None and ANN_CORDONED not in change.annotations
+    assert not apply_change(n, change).cordoned_by_us
+
+
+def test_an_escalation_after_a_reboot_records_the_new_boot_id() -> None:
+    n = replace(deferred_node(), boot_id="boot-b")
+    assert n.annotations[ANN_BOOT_ID] == "boot-a"
+    change = gated(n, verdict(ecc=1), ROOM)
+    assert change is not None and change.action == "escalate"
+    assert change.annotations[ANN_BOOT_ID] == "boot-b"
+    assert change.annotations[ANN_FAULTS] == "ecc/GPU-0" and change.annotations[ANN_DEFERRED] is None
+    assert change.event is not None and (change.event.type, change.event.reason) == (
+        "Warning",
+        "GPUUnhealthy",
+    )
+    assert change.event.message.startswith("quarantine budget has room: ecc: ")
+    # In the same boot the record's boot ID is left as it is.
+    same = gated(deferred_node(), verdict(ecc=1), ROOM)
+    assert same is not None and ANN_BOOT_ID not in same.annotations
+
+
+def test_an_override_of_a_deferred_quarantine_drops_the_deferred_record_and_says_so_in_a_normal_event() -> (
+    None
+):
+    n = deferred_node()
+    by_hand = replace(n, taints=())
+    change = decide(by_hand, verdict(ecc=1))
+    assert change is not None and change.action == "override"
+    assert change.annotations == {ANN_DEFERRED: None}
+    assert change.labels == {LABEL_QUARANTINED: None}
+    assert change.event is not None
+    assert (change.event.type, change.event.reason) == ("Normal", "GPUQuarantineOverridden")
+    after = apply_change(by_hand, change)
+    assert ANN_DEFERRED not in after.annotations and after.recorded_faults == n.recorded_faults
+    assert decide(after, verdict(ecc=1)) is None
+
+
+def test_an_override_of_a_full_quarantine_has_no_deferred_record_to_drop() -> None:
+    n = replace(tainted(verdict(ecc=3)), taints=())
+    change = decide(n, verdict(ecc=3))
+    assert change is not None and change.annotations == {} and change.labels == {LABEL_QUARANTINED: None}
