@@ -4,6 +4,7 @@ rules."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 from datetime import UTC, datetime
 from fractions import Fraction
@@ -33,9 +34,10 @@ from gpuguard.model import (
     recovery_reason,
 )
 from gpuguard.node.budget import VERIFY_SETTLE, Budget
-from gpuguard.node.deviceorder import rules_past_limit
+from gpuguard.node.deviceorder import rule_since, rules_past_limit, rules_share
 from gpuguard.node.devicequarantine import DeviceQuarantine
-from gpuguard.node.devices import ANN_NODE_GPUS, DeviceRule, per_gpu, rule_name
+from gpuguard.node.devices import ANN_NODE_GPUS, DeviceRule, per_gpu, rule_body, rule_name, taint_value
+from gpuguard.node.devices import device_effect as device_effect_of
 from gpuguard.node.deviceslices import slice_devices
 from gpuguard.node.devicewriters import DryRunDeviceSource
 from gpuguard.node.reconciler import NodeReconciler
@@ -806,3 +808,287 @@ def test_a_fault_soon_after_the_last_slices_read_reads_no_slices_again() -> None
     before = len(source.calls)
     run(r, verdict(xid_on=3))
     assert writer.node.our_taint is not None and source.calls[before:] == []
+
+
+# -- reading and writing a rule ------------------------------------------------------------------------------
+
+
+RULE_DOC = {
+    "apiVersion": "resource.k8s.io/v1",
+    "kind": "DeviceTaintRule",
+    "metadata": {
+        "name": "gpuguard-gpu-node-1-gpu-3",
+        "uid": "u-7",
+        "resourceVersion": "41",
+        "creationTimestamp": "2026-12-03T00:00:01Z",
+        "annotations": {
+            "gpuguard.io/faults": "ecc/GPU-3,xid-79/GPU-3",
+            "gpuguard.io/uuid": "GPU-3",
+            "gpuguard.io/quarantine-deferred": "budget spent",
+        },
+    },
+    "spec": {
+        "deviceSelector": {"driver": DRIVER, "pool": NODE, "device": "gpu-3"},
+        "taint": {"key": TAINT_KEY, "value": "xid-79", "effect": "None"},
+    },
+}
+
+
+def test_a_rule_is_read_from_the_api_with_its_pool_device_taint_and_creation_time() -> None:
+    rule = DeviceRule.from_api(RULE_DOC)
+    assert rule == DeviceRule(
+        name="gpuguard-gpu-node-1-gpu-3",
+        pool=NODE,
+        device="gpu-3",
+        effect="None",
+        taint_value="xid-79",
+        uid="u-7",
+        resource_version="41",
+        annotations=RULE_DOC["metadata"]["annotations"],  # type: ignore[index]
+        created="2026-12-03T00:00:01Z",
+    )
+    assert rule.uuid == "GPU-3"
+    assert rule.faults == frozenset({"ecc/GPU-3", "xid-79/GPU-3"})  # the record split on ","
+    assert rule.deferred
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {},
+        {"metadata": None, "spec": None},
+        {"metadata": {"annotations": None}, "spec": {"deviceSelector": None, "taint": None}},
+        {
+            "spec": {
+                "deviceSelector": {"pool": None, "device": None},
+                "taint": {"effect": None, "value": None},
+            }
+        },
+    ],
+)
+def test_a_rule_with_fields_absent_reads_as_empty_strings_not_none(doc: dict[str, object]) -> None:
+    rule = DeviceRule.from_api(doc)
+    fields = (
+        rule.name,
+        rule.pool,
+        rule.device,
+        rule.effect,
+        rule.taint_value,
+        rule.uid,
+        rule.resource_version,
+    )
+    assert fields == ("", "", "", "", "", "", "")
+    assert (rule.created, rule.uuid, rule.faults, rule.deferred) == ("", "", frozenset(), False)
+
+
+def test_the_rule_written_for_a_gpu_carries_the_api_version_its_uuid_and_the_node_taints_record() -> None:
+    n = NodeView(name=NODE, boot_id="boot-1")
+    (dev,) = [
+        d
+        for d in slice_devices([nvidia_slice(NODE)], driver=DRIVER, node=NODE).values()
+        if d.device == "gpu-3"
+    ]
+    faults = (
+        Fault("xid-79", "fell off the bus", uuid=UUIDS[3], gpu_index=3),
+        Fault(ECC, "3 errors", uuid=UUIDS[3], gpu_index=3),
+    )
+    body = rule_body(n, dev, faults, node_gpus=8, effect="NoSchedule", since="2026-12-03T00:00:00Z")
+    assert body["apiVersion"] == "resource.k8s.io/v1" and body["kind"] == "DeviceTaintRule"
+    assert body["metadata"]["name"] == rule_name(NODE, "gpu-3")
+    assert body["metadata"]["labels"] == {
+        "gpuguard.io/node": NODE,
+        "app.kubernetes.io/managed-by": "gpuguard",
+    }
+    assert body["metadata"]["annotations"] == {
+        "gpuguard.io/faults": f"ecc/{UUIDS[3]},xid-79/{UUIDS[3]}",
+        "gpuguard.io/reason": "xid-79: fell off the bus; ecc: 3 errors",
+        "gpuguard.io/since": "2026-12-03T00:00:00Z",
+        "gpuguard.io/boot-id": "boot-1",
+        "gpuguard.io/uuid": UUIDS[3],
+        "gpuguard.io/node-gpus": "8",
+    }
+    assert body["spec"] == {
+        "deviceSelector": {"driver": DRIVER, "pool": NODE, "device": "gpu-3"},
+        "taint": {"key": TAINT_KEY, "value": "xid-79", "effect": "NoSchedule"},
+    }
+    deferred = rule_body(n, dev, faults, node_gpus=8, effect="None", since="s", deferred=True)
+    assert deferred["metadata"]["annotations"]["gpuguard.io/quarantine-deferred"] == "budget spent"
+    read = DeviceRule.from_api(body)
+    assert (read.uuid, read.faults, read.share) == (
+        UUIDS[3],
+        frozenset({f"ecc/{UUIDS[3]}", f"xid-79/{UUIDS[3]}"}),
+        Fraction(1, 8),
+    )
+
+
+@pytest.mark.parametrize(
+    ("faults", "value"),
+    [
+        ((), "unhealthy"),
+        ((Fault("not a label value!", "d", uuid="GPU-1", gpu_index=1),), "unhealthy"),
+        (
+            (Fault(ROW_REMAP, "d", uuid="GPU-1", gpu_index=1), Fault(ECC, "d", uuid="GPU-1", gpu_index=1)),
+            "ecc",
+        ),
+    ],
+)
+def test_a_rules_taint_value_is_its_most_severe_reason_or_unhealthy(
+    faults: tuple[Fault, ...], value: str
+) -> None:
+    assert taint_value(faults) == value
+
+
+@pytest.mark.parametrize(
+    ("node_effect", "device_effect"),
+    [
+        ("NoSchedule", "NoSchedule"),
+        ("NoExecute", "NoExecute"),
+        ("PreferNoSchedule", "None"),
+        ("Other", "NoSchedule"),
+    ],
+)
+def test_the_device_taint_effect_follows_the_node_setting_and_a_soft_one_is_informational(
+    node_effect: str, device_effect: str
+) -> None:
+    assert device_effect_of(node_effect) == device_effect
+
+
+# -- exact boundaries ----------------------------------------------------------------------------------------
+
+
+def test_a_rule_name_of_exactly_253_characters_is_kept_and_one_longer_is_cut_with_a_hash() -> None:
+    prefix = len("gpuguard--gpu-3")
+    exact = rule_name("n" * (253 - prefix), "gpu-3")
+    assert len(exact) == 253 and exact == f"gpuguard-{'n' * (253 - prefix)}-gpu-3"
+    longer = rule_name("n" * (254 - prefix), "gpu-3")
+    digest = hashlib.sha256(f"{'n' * (254 - prefix)}/gpu-3".encode()).hexdigest()[:16]
+    assert longer == f"{'gpuguard-' + 'n' * (253 - 17 - 9)}-{digest}"
+    assert len(longer) == 253
+
+
+def test_a_rule_name_is_lower_case_with_unsafe_characters_made_dashes_and_no_dash_at_either_end() -> None:
+    assert rule_name("Node_A", "GPU:3.") == "gpuguard-node-a-gpu-3"
+
+
+@pytest.mark.parametrize(
+    ("raw", "share"),
+    [
+        ("1", Fraction(1)),
+        ("1024", Fraction(1, 1024)),  # the most GPUs a node may record
+        ("1025", Fraction(1)),
+        ("0008", Fraction(1, 8)),  # four digits
+        ("00008", Fraction(1)),  # five
+        ("-8", Fraction(1)),
+        ("٨", Fraction(1)),  # a digit, but not ASCII
+    ],
+)
+def test_a_rules_gpu_count_is_at_most_1024_in_at_most_4_ascii_digits(raw: str, share: Fraction) -> None:
+    assert (
+        DeviceRule(
+            name="r", pool="p", device="d", effect="NoSchedule", annotations={ANN_NODE_GPUS: raw}
+        ).share
+        == share
+    )
+
+
+def _since_rule(since: str, created: str = "") -> DeviceRule:
+    return DeviceRule(
+        name="r",
+        pool="p",
+        device="d",
+        effect="NoSchedule",
+        created=created,
+        annotations={"gpuguard.io/since": since},
+    )
+
+
+@pytest.mark.parametrize(
+    ("since", "created", "valid"),
+    [
+        ("2026-12-03T01:05:00Z", "", True),  # exactly the 5 minutes' skew ahead of now
+        ("2026-12-03T01:05:01Z", "", False),
+        ("2026-12-03T00:00:00Z", "2026-12-03T00:05:00Z", True),  # created exactly 5 minutes after since
+        ("2026-12-03T00:00:00Z", "2026-12-03T00:05:01Z", False),
+        ("2026-12-03T00:05:00Z", "2026-12-03T00:00:00Z", True),  # since exactly 5 minutes after creation
+        ("2026-12-03T00:05:01Z", "2026-12-03T00:00:00Z", False),
+        ("2026-12-03T00:00:00Z", "not a time", True),  # an unreadable creation time proves nothing
+    ],
+)
+def test_a_rules_since_ranks_within_five_minutes_of_now_and_of_its_creation(
+    since: str, created: str, valid: bool
+) -> None:
+    assert rule_since(_since_rule(since, created), now=NOW) == (since if valid else None)
+    assert rule_since(DeviceRule(name="r", pool="p", device="d", effect="NoSchedule"), now=NOW) is None
+
+
+def test_the_order_skips_deferred_and_informational_rules_and_rules_of_fully_quarantined_nodes() -> None:
+    def rule(name: str, **kw: object) -> DeviceRule:
+        base: dict[str, object] = {"name": name, "pool": name, "device": "gpu-0", "effect": "NoSchedule"}
+        base["annotations"] = {ANN_NODE_GPUS: "1", "gpuguard.io/since": "2026-12-03T00:00:00Z"}
+        base.update(kw)
+        return DeviceRule(**base)  # type: ignore[arg-type]
+
+    later = rule("b-later", annotations={ANN_NODE_GPUS: "1", "gpuguard.io/since": "2026-12-03T00:00:09Z"})
+    rules = [
+        rule("a-deferred", annotations={ANN_NODE_GPUS: "1", "gpuguard.io/quarantine-deferred": "x"}),
+        rule("a-none", effect="None"),
+        rule("a-covered", pool="full-node"),
+        later,
+    ]
+    assert rules_past_limit([("2026-12-03T00:00:05Z", "full-node")], rules, 1, now=NOW) == {
+        "b-later": Fraction(1)
+    }
+    assert rules_past_limit([], [*rules[:2], later], 1, now=NOW) == {}
+    # Exactly at the limit fits; the rule that would go over it is named with what precedes it.
+    assert rules_past_limit([], [rule("a"), later], 2, now=NOW) == {}
+    assert rules_past_limit([], [rule("a"), later], 1, now=NOW) == {"b-later": Fraction(1)}
+    # The same since: the name decides.
+    assert rules_past_limit([], [rule("z"), rule("y")], 1, now=NOW) == {"z": Fraction(1)}
+
+
+def test_the_budget_share_of_rules_leaves_out_deferred_ones_and_those_of_covered_nodes() -> None:
+    rules = [
+        DeviceRule(name="a", pool="n1", device="d", effect="NoSchedule", annotations={ANN_NODE_GPUS: "4"}),
+        DeviceRule(name="b", pool="n2", device="d", effect="NoSchedule", annotations={ANN_NODE_GPUS: "2"}),
+        DeviceRule(
+            name="c",
+            pool="n3",
+            device="d",
+            effect="None",
+            annotations={"gpuguard.io/quarantine-deferred": "x"},
+        ),
+    ]
+    assert rules_share(rules) == Fraction(3, 4)
+    assert rules_share(rules, covered=["n2"]) == Fraction(1, 4)
+    assert rules_share([]) == 0
+
+
+# -- every recovery action as a taint value ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("action", "value"),
+    [
+        (1, "recovery-gpu-reset"),
+        (2, "recovery-node-reboot"),
+        (3, "recovery-drain-p2p"),
+        (4, "recovery-drain-and-reset"),
+        (5, "recovery-recover-imex-domain"),
+        (6, "recovery-bus-reset"),
+        (7, "recovery-system-reboot"),
+        (9, "recovery-9"),
+    ],
+)
+def test_every_recovery_action_is_its_own_taint_value_on_the_gpus_rule_or_the_node(
+    action: int, value: str
+) -> None:
+    v = evaluate(
+        Snapshot(gpus=(reading(0, recovery_action=action), reading(1))),
+        previous=None,
+        settings=PolicySettings(),
+    )
+    (fault,) = v.faults
+    assert fault.reason == value and recovery_reason(action) == value
+    assert taint_value((fault,)) == value
+    # A reset of the GPU is one GPU's fault (its rule); every other action is beyond the GPU (the node taint).
+    assert per_gpu(fault) is (action in (1, 4))

@@ -1,0 +1,277 @@
+"""The per-GPU quarantine's budget over time (gpuguard.node.devicebudget.RuleBudget), driven directly with a
+clock and fake reads: when one more GPU fits, how often a deferred rule asks again, and the order check of
+the rules this node made blocking (when it runs, what it steps back, what it does when a read fails)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from gpuguard.config import NodeSettings
+from gpuguard.errors import NodeUpdateError
+from gpuguard.node.budget import VERIFY_SETTLE, Budget
+from gpuguard.node.devicebudget import RuleBudget
+from gpuguard.node.devices import ANN_NODE_GPUS, DeviceRule, rule_name
+from gpuguard.node.view import ANN_DEFERRED, ANN_SINCE, TAINT_KEY, NodeView
+
+NODE = NodeView(name="node-b", boot_id="boot-1")
+SETTINGS = NodeSettings(name="node-b", budget_recheck=60.0, max_quarantined="1")
+NOW = datetime(2026, 12, 3, 1, tzinfo=UTC)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def rule(node: str, device: str = "gpu-0", *, since: str = "2026-12-03T00:00:00Z", **kw: Any) -> DeviceRule:
+    base: dict[str, Any] = {
+        "name": rule_name(node, device),
+        "pool": node,
+        "device": device,
+        "effect": "NoSchedule",
+        "taint_value": "xid-79",
+        "resource_version": "5",
+        "annotations": {ANN_NODE_GPUS: "1", ANN_SINCE: since},
+    }
+    base.update(kw)
+    return DeviceRule(**base)
+
+
+class Fleet:
+    """The reads RuleBudget makes, counted, with a failure to inject."""
+
+    def __init__(self, budget: Budget | None, rules: list[DeviceRule] | None = None) -> None:
+        self.the_budget = budget
+        self.rules = rules or []
+        self.fail: NodeUpdateError | None = None
+        self.reads = 0
+
+    def budget(self) -> Budget | None:
+        self.reads += 1
+        if self.fail is not None:
+            raise self.fail
+        return self.the_budget
+
+    def all_rules(self) -> list[DeviceRule]:
+        if self.fail is not None:
+            raise self.fail
+        return list(self.rules)
+
+
+class Patches:
+    def __init__(self, *, lands: bool = True) -> None:
+        self.lands = lands
+        self.bodies: list[tuple[str, Mapping[str, Any]]] = []
+
+    def __call__(self, r: DeviceRule, body: Mapping[str, Any]) -> DeviceRule | None:
+        self.bodies.append((r.name, body))
+        if not self.lands:
+            return None
+        return DeviceRule(
+            name=r.name, pool=r.pool, device=r.device, effect="None", taint_value=r.taint_value,
+            annotations={**r.annotations, ANN_DEFERRED: "x"},
+        )  # fmt: skip
+
+
+def make(fleet: Fleet, clock: Clock, *, budget: bool = True) -> RuleBudget:
+    return RuleBudget(
+        SETTINGS,
+        all_rules=fleet.all_rules,
+        budget=fleet.budget if budget else None,
+        order=lambda: [],
+        now=lambda: NOW,
+        clock=clock,
+    )
+
+
+def test_a_deferred_rule_asks_for_room_at_most_once_per_recheck_interval_and_again_at_exactly_it() -> None:
+    clock, fleet = Clock(), Fleet(Budget(quarantined=1, limit=1))
+    b = make(fleet, clock)
+    deferred = rule("node-b", effect="None", annotations={ANN_DEFERRED: "x"})
+    assert b.room(NODE, deferred, node_gpus=8) is False
+    assert fleet.reads == 1
+    clock.t += SETTINGS.budget_recheck - 0.5
+    assert b.room(NODE, deferred, node_gpus=8) is False and fleet.reads == 1  # throttled: no read
+    fleet.the_budget = Budget(quarantined=0, limit=1)
+    clock.t += 0.5  # exactly the interval since the last read
+    assert b.room(NODE, deferred, node_gpus=8) is True and fleet.reads == 2
+
+
+def test_a_new_fault_asks_for_room_every_time_without_the_throttle() -> None:
+    clock, fleet = Clock(), Fleet(Budget(quarantined=0, limit=1))
+    b = make(fleet, clock)
+    assert b.room(NODE, None, node_gpus=8) and b.room(NODE, None, node_gpus=8)
+    assert fleet.reads == 2
+
+
+@pytest.mark.parametrize(
+    ("others", "node_gpus", "room"),
+    [
+        ([], 1, True),  # exactly the limit: 0 + 1 <= 1
+        ([rule("node-a")], 1, False),
+        ([rule("node-a", annotations={ANN_NODE_GPUS: "2"})], 2, True),  # 1/2 + 1/2
+        ([rule("node-a", annotations={ANN_NODE_GPUS: "2"})], 1, False),
+        (
+            [rule("node-a", effect="None", annotations={ANN_DEFERRED: "x"})],
+            1,
+            True,
+        ),  # deferred: costs nothing
+        ([rule("node-b")], 1, True),  # this very rule is not counted twice
+        ([], 0, True),  # a node that publishes no GPU: its one GPU counts as a whole node
+    ],
+)
+def test_one_more_gpu_fits_when_the_shares_and_it_stay_within_the_limit(
+    others: list[DeviceRule], node_gpus: int, room: bool
+) -> None:
+    b = make(Fleet(Budget(quarantined=0, limit=1), others), Clock())
+    assert b.room(NODE, rule("node-b"), node_gpus=node_gpus) is room
+
+
+def test_no_budget_at_all_is_always_room_and_no_order_check() -> None:
+    clock, fleet = Clock(), Fleet(Budget(quarantined=5, limit=1))
+    b = make(fleet, clock, budget=False)
+    assert b.room(NODE, rule("node-b"), node_gpus=1) is True
+    b.blocking(rule("node-b"))
+    assert not b.settling
+    assert b.verify(NODE, {rule("node-b").name: rule("node-b")}, Patches()) == []
+    assert fleet.reads == 0
+
+
+def test_a_budget_source_that_answers_none_is_room_and_settles_the_order_check() -> None:
+    clock, fleet = Clock(), Fleet(None)
+    b = make(fleet, clock)
+    assert b.room(NODE, None, node_gpus=1) is True
+    mine = rule("node-b")
+    b.blocking(mine)
+    patch = Patches()
+    assert b.verify(NODE, {mine.name: mine}, patch) == [] and b.settling
+    clock.t += VERIFY_SETTLE
+    assert b.verify(NODE, {mine.name: mine}, patch) == [] and not b.settling
+    assert patch.bodies == []
+
+
+def test_an_informational_rule_made_is_not_checked_in_the_order() -> None:
+    b = make(Fleet(Budget(quarantined=0, limit=1)), Clock())
+    b.blocking(rule("node-b", effect="None"))
+    assert not b.settling and b.verify(NODE, {}, Patches()) == []
+
+
+def test_the_order_check_steps_back_a_rule_past_the_limit_with_one_patch_and_returns_it() -> None:
+    clock = Clock()
+    earlier = rule("node-a", since="2026-12-03T00:00:00Z")
+    mine = rule("node-b", since="2026-12-03T00:00:01Z")
+    b = make(Fleet(Budget(quarantined=0, limit=1), [earlier]), clock)
+    b.blocking(mine)
+    patch = Patches()
+    stepped = b.verify(NODE, {mine.name: mine}, patch)
+    assert [(r.name, r.effect) for r in stepped] == [(mine.name, "None")]
+    assert patch.bodies == [
+        (
+            mine.name,
+            {
+                "metadata": {
+                    "annotations": {
+                        ANN_DEFERRED: "quarantine budget spent: 1 GPU nodes' worth quarantined before "
+                        "this rule, limit 1 (--max-quarantined 1)"
+                    },
+                    "resourceVersion": "5",
+                },
+                "spec": {"taint": {"key": TAINT_KEY, "value": "xid-79", "effect": "None"}},
+            },
+        )
+    ]
+    # Stepped back: nothing fresh is left, and the next room check for it waits the interval.
+    assert b.verify(NODE, {mine.name: mine}, patch) == [] and not b.settling
+    assert b.room(NODE, stepped[0], node_gpus=1) is False
+
+
+def test_the_first_in_the_order_stays_and_is_checked_once_more_after_the_settle_time() -> None:
+    clock = Clock()
+    fleet = Fleet(Budget(quarantined=0, limit=1), [])
+    b = make(fleet, clock)
+    mine = rule("node-b")
+    b.blocking(mine)
+    assert b.verify(NODE, {mine.name: mine}, Patches()) == [] and b.settling
+    reads = fleet.reads
+    clock.t += VERIFY_SETTLE - 1
+    assert b.verify(NODE, {mine.name: mine}, Patches()) == [] and fleet.reads == reads  # not due yet
+    # Another agent's earlier rule landed meanwhile: the settle check steps this one back.
+    fleet.rules = [rule("node-a", since="2026-12-02T23:59:59Z")]
+    clock.t += 1
+    stepped = b.verify(NODE, {mine.name: mine}, Patches())
+    assert [r.name for r in stepped] == [mine.name] and not b.settling
+
+
+def test_a_failed_list_during_the_order_check_keeps_the_rule_fresh_and_checks_again_later() -> None:
+    clock = Clock()
+    fleet = Fleet(Budget(quarantined=0, limit=1), [rule("node-a")])
+    b = make(fleet, clock)
+    mine = rule("node-b", since="2026-12-03T00:00:01Z")
+    b.blocking(mine)
+    fleet.fail = NodeUpdateError("list failed")
+    assert b.verify(NODE, {mine.name: mine}, Patches()) == [] and b.settling
+    fleet.fail = None
+    clock.t += VERIFY_SETTLE
+    assert [r.name for r in b.verify(NODE, {mine.name: mine}, Patches())] == [mine.name]
+
+
+def test_a_step_back_that_does_not_land_is_tried_again_at_the_settle_check() -> None:
+    clock = Clock()
+    b = make(Fleet(Budget(quarantined=0, limit=1), [rule("node-a")]), clock)
+    mine = rule("node-b", since="2026-12-03T00:00:01Z")
+    b.blocking(mine)
+    assert b.verify(NODE, {mine.name: mine}, Patches(lands=False)) == [] and b.settling
+    clock.t += VERIFY_SETTLE
+    assert [r.name for r in b.verify(NODE, {mine.name: mine}, Patches())] == [mine.name]
+    assert not b.settling
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        None,  # deleted (recovered) between the write and the check
+        rule("node-b", since="2026-12-03T00:00:01Z", effect="None"),
+        rule("node-b", since="2026-12-03T00:00:01Z", annotations={ANN_DEFERRED: "x", ANN_NODE_GPUS: "1"}),
+    ],
+    ids=["deleted", "informational", "deferred"],
+)
+def test_a_rule_that_changed_between_the_write_and_the_check_is_not_stepped_back(
+    changed: DeviceRule | None,
+) -> None:
+    clock = Clock()
+    b = make(Fleet(Budget(quarantined=0, limit=1), [rule("node-a")]), clock)
+    mine = rule("node-b", since="2026-12-03T00:00:01Z")
+    b.blocking(mine)
+    patch = Patches()
+    now = {mine.name: changed} if changed is not None else {}
+    assert b.verify(NODE, now, patch) == [] and patch.bodies == []
+    clock.t += VERIFY_SETTLE
+    assert b.verify(NODE, now, patch) == [] and not b.settling
+
+
+def test_with_nothing_fresh_the_check_reads_nothing_and_stops_settling() -> None:
+    clock = Clock()
+    fleet = Fleet(Budget(quarantined=0, limit=1))
+    b = make(fleet, clock)
+    assert b.verify(NODE, {}, Patches()) == [] and fleet.reads == 0 and not b.settling
+
+
+def test_this_nodes_rules_count_as_its_own_writes_answered_not_as_the_fleets_list_had_them() -> None:
+    """The fleet's list still has this node's rule blocking at an early since; the node's own answer has it
+    deferred: only the node's own copy counts, so the other node's rule is not pushed past the limit."""
+    clock = Clock()
+    stale_mine = rule("node-b", "gpu-1", since="2026-12-02T00:00:00Z")
+    fresh_mine = rule(
+        "node-b", "gpu-1", since="2026-12-02T00:00:00Z", effect="None", annotations={ANN_DEFERRED: "x"}
+    )
+    new = rule("node-b", "gpu-2", since="2026-12-03T00:00:01Z")
+    b = make(Fleet(Budget(quarantined=0, limit=1), [stale_mine]), clock)
+    b.blocking(new)
+    assert b.verify(NODE, {fresh_mine.name: fresh_mine, new.name: new}, Patches()) == []
