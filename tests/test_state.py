@@ -8,9 +8,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from gpuguard.model import Fault
-from gpuguard.state import FILE_NAME, RuleMemory, StateStore
+from gpuguard.state import FILE_NAME, MAX_RULES, RuleMemory, StateStore, read_boot_id
 
 XID = Fault("xid-79", "GPU has fallen off the bus (GPU 1, GPU-b)", uuid="GPU-b", gpu_index=1)
 LOST = Fault("gpu-lost", "GPU is lost (GPU 0, GPU-a)", uuid="GPU-a", gpu_index=0)
@@ -177,3 +178,127 @@ def test_a_state_file_of_an_older_gpuguard_without_rules_loads(tmp_path: Path) -
     (tmp_path / FILE_NAME).write_text(json.dumps(doc))
     store = StateStore(tmp_path, boot_id="b")
     assert store.load() == (XID,) and store.load_rules() == RuleMemory()
+
+
+def test_after_a_failed_write_the_store_is_disabled_and_never_tries_again(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    s = StateStore(blocker / "sub", boot_id="b")
+    with capture_logs() as logs:
+        s.save((XID,))
+        blocker.unlink()  # the directory could be made now: the store does not try again
+        s.save((XID, LOST))
+        s.save_rules(RULES)
+    assert not blocker.exists()
+    assert [e["event"] for e in logs] == ["state.unavailable"]
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        {"reason": 7, "detail": "x"},
+        {"reason": "xid-79", "detail": None},
+        {"reason": "xid-79", "detail": "x", "uuid": 5},
+        {"reason": "xid-79", "detail": "x", "gpu_index": "1"},
+        {"reason": "xid-79", "detail": "x", "gpu_index": True},
+        {"detail": "x"},
+    ],
+)
+def test_a_fault_with_a_mistyped_field_makes_the_file_corrupt(
+    tmp_path: Path, fault: dict[str, object]
+) -> None:
+    doc = {"kind": "gpuguard-state", "version": 1, "boot_id": "b", "faults": [fault]}
+    (tmp_path / FILE_NAME).write_text(json.dumps(doc))
+    assert StateStore(tmp_path, boot_id="b").load() == ()
+    assert any(p.name.startswith(f"{FILE_NAME}.corrupt-") for p in tmp_path.iterdir())
+
+
+def test_a_fault_without_uuid_or_index_is_the_nodes_and_loads(tmp_path: Path) -> None:
+    doc = {
+        "kind": "gpuguard-state",
+        "version": 1,
+        "boot_id": "b",
+        "faults": [{"reason": "xid-79", "detail": "d"}],
+    }
+    (tmp_path / FILE_NAME).write_text(json.dumps(doc))
+    assert StateStore(tmp_path, boot_id="b").load() == (Fault("xid-79", "d"),)
+
+
+def test_a_restored_faults_reason_is_cut_to_64_characters_and_its_detail_to_512(tmp_path: Path) -> None:
+    long = Fault("x" * 100, "d" * 600, uuid="GPU-a", gpu_index=0)
+    StateStore(tmp_path, boot_id="b").save((long,))
+    (restored,) = StateStore(tmp_path, boot_id="b").load()
+    assert restored == Fault("x" * 64, "d" * 512, uuid="GPU-a", gpu_index=0)
+
+
+def _with_rules(tmp_path: Path, part: object) -> StateStore:
+    StateStore(tmp_path, boot_id="b").save((XID,))
+    doc = json.loads((tmp_path / FILE_NAME).read_text())
+    doc["device_rules"] = part
+    (tmp_path / FILE_NAME).write_text(json.dumps(doc))
+    return StateStore(tmp_path, boot_id="b")
+
+
+@pytest.mark.parametrize(("count", "kept"), [(MAX_RULES, True), (MAX_RULES + 1, False)])
+def test_at_most_1024_remembered_rules_are_read(tmp_path: Path, count: int, kept: bool) -> None:
+    known = [{"rule": f"r-{i}", "uuid": f"GPU-{i}", "faults": [f"ecc/GPU-{i}"]} for i in range(count)]
+    store = _with_rules(tmp_path, {"known": known, "overridden": []})
+    assert len(store.load_rules().known) == (count if kept else 0)
+    assert store.load() == (XID,)
+
+
+@pytest.mark.parametrize(("length", "kept"), [(512, True), (513, False)])
+def test_a_remembered_rules_text_is_at_most_512_characters(tmp_path: Path, length: int, kept: bool) -> None:
+    part = {"known": [], "overridden": [{"uuid": "u" * length, "faults": ["k"]}]}
+    store = _with_rules(tmp_path, part)
+    assert store.load_rules().overridden == ({"u" * length: frozenset({"k"})} if kept else {})
+
+
+def test_the_rules_memory_is_written_in_a_fixed_order(tmp_path: Path) -> None:
+    StateStore(tmp_path, boot_id="b").save_rules(RULES)
+    doc = json.loads((tmp_path / FILE_NAME).read_text())
+    assert doc["device_rules"] == {
+        "known": [{"rule": "gpuguard-n-gpu-1", "uuid": "GPU-b", "faults": ["xid-79/GPU-b"]}],
+        "overridden": [{"uuid": "GPU-c", "faults": ["ecc/GPU-c"]}],
+    }
+    assert doc["faults"] == [] and doc["backend"] == "nvml"
+
+
+def test_a_save_before_any_load_keeps_the_files_rules(tmp_path: Path) -> None:
+    StateStore(tmp_path, boot_id="b").save_rules(RULES)
+    StateStore(tmp_path, boot_id="b").save((XID,))  # a new process's first call
+    again = StateStore(tmp_path, boot_id="b")
+    assert again.load() == (XID,) and again.load_rules() == RULES
+
+
+def test_an_unchanged_rules_memory_is_not_rewritten(tmp_path: Path) -> None:
+    s = StateStore(tmp_path, boot_id="b")
+    s.save_rules(RULES)
+    os.utime(tmp_path / FILE_NAME, ns=(1, 1))
+    s.save_rules(RuleMemory(known=dict(RULES.known), overridden=dict(RULES.overridden)))
+    assert (tmp_path / FILE_NAME).stat().st_mtime_ns == 1
+
+
+def test_a_file_of_another_backend_is_never_restored(tmp_path: Path) -> None:
+    StateStore(tmp_path, boot_id="b", backend="mock").save((XID,))
+    StateStore(tmp_path, boot_id="b", backend="mock").save_rules(RULES)
+    other = StateStore(tmp_path, boot_id="b")
+    assert other.load() == () and other.load_rules() == RuleMemory()
+    assert StateStore(tmp_path, boot_id="b", backend="mock").load() == (XID,)
+
+
+def test_the_hosts_boot_id_is_read_stripped_and_an_unreadable_one_is_empty(tmp_path: Path) -> None:
+    (tmp_path / "boot_id").write_text("0e9b6a2c-1d4e\n")
+    assert read_boot_id(str(tmp_path / "boot_id")) == "0e9b6a2c-1d4e"
+    assert read_boot_id(str(tmp_path / "missing")) == ""
+    assert read_boot_id(str(tmp_path)) == ""  # a directory: unreadable as a file
+
+
+def test_without_a_boot_id_nothing_is_written_or_read_and_it_says_so(tmp_path: Path) -> None:
+    with capture_logs() as logs:
+        s = StateStore(tmp_path, boot_id="")
+    s.save((XID,))
+    s.save_rules(RULES)
+    assert list(tmp_path.iterdir()) == [] and s.load() == ()
+    assert [e["event"] for e in logs] == ["state.no_boot_id"]
+    assert StateStore(None, boot_id="b").path is None
