@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from gpuguard import validation as v
 from gpuguard.config import NodeSettings, PolicySettings
 from gpuguard.errors import ConfigError
-from gpuguard.model import GpuReading, Snapshot, XidEvent
+from gpuguard.model import GpuReading, Snapshot, XidEvent, recovery_reason
 from gpuguard.node.budget import Budget, limit
 from gpuguard.node.plan import plan, plan_condition
 from gpuguard.node.view import (
@@ -481,3 +481,176 @@ def test_malformed_taint_keys_are_refused(key: str) -> None:
 
     with pytest.raises(ConfigError, match="is not a taint key"):
         taint_key(key)
+
+
+# -- gpuguard's own taints at the write boundary, and exact bounds -------------------------------------------
+
+
+@pytest.mark.parametrize("effect", ["NoSchedule", "PreferNoSchedule", "NoExecute"])
+def test_gpuguards_own_taint_passes_the_write_boundary_with_every_effect_it_may_be_set_to(
+    effect: str,
+) -> None:
+    body = patch(taints=[FOREIGN, {"key": TAINT_KEY, "value": "xid-79", "effect": effect}])
+    assert v.check_node_patch(body) is body
+    planned = plan(
+        NodeView(name="gpu-1", resource_version="1", boot_id="b"),
+        evaluate(
+            Snapshot(gpus=(GpuReading(0, "GPU-0", ecc_uncorrected=1),)),
+            previous=None,
+            settings=PolicySettings(),
+        ),
+        healthy_streak=0,
+        settings=NodeSettings(name="gpu-1", taint_effect=effect),
+        now=NOW,
+    )
+    assert planned is not None
+    assert v.check_node_patch(planned.patch("1"))["spec"]["taints"] == [
+        {"key": TAINT_KEY, "value": "ecc", "effect": effect}
+    ]
+
+
+@pytest.mark.parametrize(
+    ("action", "value"),
+    [
+        (0, "recovery-none"),
+        (1, "recovery-gpu-reset"),
+        (2, "recovery-node-reboot"),
+        (3, "recovery-drain-p2p"),
+        (4, "recovery-drain-and-reset"),
+        (5, "recovery-recover-imex-domain"),
+        (6, "recovery-bus-reset"),
+        (7, "recovery-system-reboot"),
+        (8, "recovery-8"),
+    ],
+)
+def test_every_recovery_action_name_is_a_valid_taint_value_on_the_node(action: int, value: str) -> None:
+    assert recovery_reason(action) == value and v.taint_value(value) == value
+    if action == 0:
+        return  # NONE is no fault
+    sick = evaluate(
+        Snapshot(gpus=(GpuReading(0, "GPU-0", recovery_action=action),)),
+        previous=None,
+        settings=PolicySettings(),
+    )
+    planned = plan(
+        NodeView(name="gpu-1", resource_version="1", boot_id="b"),
+        sick,
+        healthy_streak=0,
+        settings=NodeSettings(name="gpu-1"),
+        now=NOW,
+    )
+    assert planned is not None
+    assert v.check_node_patch(planned.patch("1"))["spec"]["taints"] == [
+        {"key": TAINT_KEY, "value": value, "effect": "NoSchedule"}
+    ]
+
+
+def test_a_fault_key_of_253_bytes_is_kept_and_a_longer_one_cut_at_a_character_boundary() -> None:
+    exact = "x" * 253
+    assert v.fault_key(exact) == exact
+    assert v.fault_key(exact + "y") == exact
+    assert v.fault_key("x" * 252 + "é") == "x" * 252  # é is two bytes: cut whole
+
+
+@pytest.mark.parametrize(("length", "valid"), [(253, True), (254, False)])
+def test_a_node_name_of_253_characters_is_the_longest_accepted(length: int, valid: bool) -> None:
+    name = ".".join(["a" * 63] * 4)[:length].rstrip(".")
+    name = name + "b" * (length - len(name))
+    assert len(name) == length
+    if valid:
+        assert v.node_name(name) == name
+    else:
+        assert "at most 253" in rejects(v.node_name, name)
+
+
+@pytest.mark.parametrize(("length", "valid"), [(63, True), (64, False)])
+def test_a_label_value_and_a_key_name_of_63_characters_is_the_longest_accepted(
+    length: int, valid: bool
+) -> None:
+    value, key = "a" * length, "gpuguard.io/" + "a" * length
+    if valid:
+        assert v.label_value(value) == value and v.our_key(key) == key and v.taint_key(key) == key
+    else:
+        assert "at most 63" in rejects(v.label_value, value)
+        assert "at most 63" in rejects(v.our_key, key)
+        assert "at most 63" in rejects(v.taint_key, key)
+
+
+@pytest.mark.parametrize(("length", "valid"), [(253, True), (254, False)])
+def test_a_taint_key_prefix_of_253_characters_is_the_longest_accepted(length: int, valid: bool) -> None:
+    key = "a" * length + "/gate"
+    if valid:
+        assert v.taint_key(key) == key
+    else:
+        rejects(v.taint_key, key)
+
+
+def test_clean_text_keeps_1024_bytes_and_cuts_one_more_to_1024_with_the_mark() -> None:
+    assert v.clean_text("x" * 1024) == "x" * 1024
+    assert v.clean_text("x" * 1025) == "x" * 1021 + "..."
+    assert v.clean_text("xy", max_bytes=4) == "xy" and v.clean_text("xyzzy", max_bytes=4) == "x..."
+    with pytest.raises(ValueError, match="at least 4"):
+        v.clean_text("x", max_bytes=3)
+
+
+@pytest.mark.parametrize(
+    ("text", "cleaned"),
+    [
+        ("a\nb", "a b"),
+        ("a \nb", "a b"),
+        ("a\n b", "a b"),
+        ("\x1ba", "a"),
+        ("a\x1b", "a"),
+        ("a\x00\x01b", "a b"),
+    ],
+)
+def test_clean_text_makes_one_space_of_a_run_of_unsafe_characters_and_none_beside_a_space(
+    text: str, cleaned: str
+) -> None:
+    assert v.clean_text(text) == cleaned
+
+
+def test_printable_escapes_unsafe_characters_and_keeps_the_rest() -> None:
+    assert v.printable("a\x1b[31mé\u202e\n") == "a\\x1b[31mé\\u202e\\n"
+
+
+@pytest.mark.parametrize(
+    ("total", "valid"),
+    [(v.MAX_ANNOTATION_BYTES, True), (v.MAX_ANNOTATION_BYTES + 1, False)],
+)
+def test_the_annotations_of_one_write_may_hold_16_kib_keys_included(total: int, valid: bool) -> None:
+    keys = [f"gpuguard.io/a{i}" for i in range(9)]
+    per = (total - sum(len(k) for k in keys)) // 9
+    values = {k: "x" * per for k in keys}
+    rest = total - sum(len(k) + per for k in keys)
+    values[keys[0]] += "x" * rest
+    body = patch(metadata={"annotations": values})
+    if valid:
+        assert v.check_node_patch(body) is body
+    else:
+        assert "more than 16384" in rejects(v.check_node_patch, body)
+
+
+@pytest.mark.parametrize(
+    ("condition", "valid"),
+    [
+        ({"type": "GPUHealthy", "status": "True", "reason": "R" * 1024}, True),
+        ({"type": "GPUHealthy", "status": "True", "reason": "R" * 1025}, False),
+        ({"type": "GPUHealthy", "status": "Unknown", "lastHeartbeatTime": "2026-12-02T12:00:00.5Z"}, True),
+        ({"type": "GPUHealthy", "status": "True", "lastTransitionTime": "2026-12-02 12:00:00"}, False),
+        ({"type": "GPUHealthy", "status": "True", "message": "m" * v.MAX_CONDITION_MESSAGE_BYTES}, True),
+        (
+            {"type": "GPUHealthy", "status": "True", "message": "m" * (v.MAX_CONDITION_MESSAGE_BYTES + 1)},
+            False,
+        ),
+        ({"type": "GPUHealthy", "status": "True", "reason": "GPU,Fault:1"}, True),
+        ({"type": "GPUHealthy", "status": "True", "reason": "1GPU"}, False),
+    ],
+)
+def test_a_conditions_reason_message_and_times_are_bounded_and_well_formed(
+    condition: dict[str, Any], valid: bool
+) -> None:
+    if valid:
+        assert v.check_condition(condition) is condition
+    else:
+        rejects(v.check_condition, condition)
