@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -401,11 +402,11 @@ def _missing_gpu_1_with(*others: GpuReading, xids: tuple[XidEvent, ...] = ()) ->
 
 
 @pytest.mark.parametrize(
-    ("case", "v", "taint_value"),
+    ("case", "judge", "taint_value"),
     [
         (
             "an Xid on GPU 1 outranks ECC on GPU 0",
-            evaluate(
+            lambda: evaluate(
                 snap(gpu(0, ecc_uncorrected=3), gpu(1), xids=(XidEvent(1, "GPU-1", 79),)),
                 previous=None,
                 settings=DEFAULT,
@@ -414,24 +415,24 @@ def _missing_gpu_1_with(*others: GpuReading, xids: tuple[XidEvent, ...] = ()) ->
         ),
         (
             "a missing GPU 1 outranks an Xid on GPU 0",
-            _missing_gpu_1_with(gpu(0), gpu(2), xids=(XidEvent(0, "GPU-0", 79),)),
+            lambda: _missing_gpu_1_with(gpu(0), gpu(2), xids=(XidEvent(0, "GPU-0", 79),)),
             "gpu-missing",
         ),
         (
             "a missing GPU 1 outranks an Xid on GPU 2",
-            _missing_gpu_1_with(gpu(0), gpu(2), xids=(XidEvent(2, "GPU-2", 79),)),
+            lambda: _missing_gpu_1_with(gpu(0), gpu(2), xids=(XidEvent(2, "GPU-2", 79),)),
             "gpu-missing",
         ),
         (
             "ECC on GPU 1 outranks a failed row remap on GPU 0",
-            evaluate(
+            lambda: evaluate(
                 snap(gpu(0, remap_failure=True), gpu(1, ecc_uncorrected=1)), previous=None, settings=DEFAULT
             ),
             "ecc",
         ),
         (
             "a lost GPU 1 outranks everything on GPU 0",
-            evaluate(
+            lambda: evaluate(
                 snap(gpu(0, ecc_uncorrected=1, remap_failure=True), gpu(1, lost=True), xids=(X79,)),
                 previous=None,
                 settings=DEFAULT,
@@ -440,7 +441,7 @@ def _missing_gpu_1_with(*others: GpuReading, xids: tuple[XidEvent, ...] = ()) ->
         ),
         (
             "NVML that does not start outranks the sticky faults it keeps",
-            evaluate(
+            lambda: evaluate(
                 snap(init_error="DRIVER_NOT_LOADED"),
                 previous=evaluate(snap(gpu(0, lost=True), gpu(1)), previous=None, settings=DEFAULT),
                 settings=DEFAULT,
@@ -449,7 +450,7 @@ def _missing_gpu_1_with(*others: GpuReading, xids: tuple[XidEvent, ...] = ()) ->
         ),
         (
             "of two faults of one severity, the lower GPU index: RESET_REQUIRED on GPU 0, unreadable GPU 1",
-            evaluate(
+            lambda: evaluate(
                 snap(gpu(0, transient_errors=("ecc:RESET_REQUIRED",)), gpu(1)),
                 previous=None,
                 settings=replace(DEFAULT, unreadable_after=1),
@@ -459,8 +460,9 @@ def _missing_gpu_1_with(*others: GpuReading, xids: tuple[XidEvent, ...] = ()) ->
     ],
 )
 def test_the_most_severe_fault_sets_the_taint_value_whichever_gpu_it_is_on(
-    case: str, v: Verdict, taint_value: str
+    case: str, judge: Callable[[], Verdict], taint_value: str
 ) -> None:
+    v = judge()  # judged in the test, not at collection: `make mutation` must see the code under test
     first = primary(v.faults)
     assert first is not None and first.reason == taint_value, case
     assert v.faults and all(f.reason for f in v.faults)
@@ -481,6 +483,8 @@ def test_the_most_severe_fault_sets_the_taint_value_whichever_gpu_it_is_on(
         (("xid-79", 0, "reset-required", 3), "reset-required"),
         (("gpu-missing", 0, "gpu-lost", 3), "gpu-lost"),
         (("gpu-lost", 0, "nvml-init", None), "nvml-init"),
+        (("xid-79", 0, "gpu-unreadable", 1), "gpu-unreadable"),
+        (("gpu-unreadable", 0, "reset-required", None), "reset-required"),
     ],
 )
 def test_the_primary_fault_is_ranked_by_severity_then_gpu_index_then_reason(
@@ -597,3 +601,74 @@ def test_every_gpu_judged_after_an_nvml_init_failure_is_not_present_and_keeps_it
     assert after.fatal_xids == () and after.ignored_xids == ()
     quiet = evaluate(snap(init_error="X"), previous=v[0], settings=replace(DEFAULT, allow_no_gpu=True))
     assert quiet.node_faults == () and [g.present for g in quiet.gpus] == [False, False]
+
+
+def test_two_unidentified_gpus_with_the_same_answer_are_one_node_fault() -> None:
+    lost = Snapshot(gpus=(gpu(0),), unidentified=((1, "handle:GPU_IS_LOST"), (2, "handle:GPU_IS_LOST")))
+    assert [f.reason for f in evaluate(lost, previous=None, settings=DEFAULT).node_faults] == ["gpu-lost"]
+    unknown = Snapshot(gpus=(gpu(0),), unidentified=((1, "uuid:UNKNOWN"), (2, "uuid:UNKNOWN")))
+    v = run(unknown, unknown, unknown)
+    assert [f.reason for f in v[-1].node_faults] == ["gpu-unreadable"]
+
+
+def test_an_unidentified_gpu_counts_among_the_gpus_nvml_reports() -> None:
+    s = Snapshot(gpus=(gpu(0),), unidentified=((1, "uuid:UNKNOWN"),))
+    v = evaluate(s, previous=None, settings=replace(DEFAULT, expected_gpus=2))
+    assert v.node_faults == () and v.expected_gpus == 2
+
+
+def test_a_known_gpu_gone_and_one_more_short_of_the_expected_count_are_two_faults() -> None:
+    settings = replace(DEFAULT, expected_gpus=4)
+    first = evaluate(snap(gpu(0), gpu(1), gpu(2)), previous=None, settings=settings)
+    assert [f.detail for f in first.node_faults] == ["expected 4 GPUs, NVML reports 3"]
+    second = evaluate(snap(gpu(0), gpu(2)), previous=first, settings=settings)
+    assert [f.detail for f in second.node_faults] == ["expected 4 GPUs, NVML reports 2"]
+    assert [f.reason for f in second.gpus[1].faults] == ["gpu-missing"]
+
+
+def test_a_gpu_keeps_the_name_it_had_when_a_later_reading_has_none() -> None:
+    v = run(snap(gpu(0, name="NVIDIA H100")), snap(gpu(0, name="")), snap(gpu(0, name="NVIDIA H200")))
+    assert [x.gpus[0].name for x in v] == ["NVIDIA H100", "NVIDIA H100", "NVIDIA H200"]
+
+
+def test_the_unreadable_streak_starts_over_after_a_check_that_read_the_gpu() -> None:
+    bad = gpu(0, unreadable=True, ecc_uncorrected=None)
+    settings = replace(DEFAULT, unreadable_after=2)
+    v: list[Verdict] = []
+    for s in (snap(bad), snap(gpu(0)), snap(bad), snap(bad)):
+        v.append(evaluate(s, previous=v[-1] if v else None, settings=settings))
+    assert [x.unreadable_streaks for x in v] == [(("GPU-0", 1),), (), (("GPU-0", 1),), (("GPU-0", 2),)]
+    assert [reasons(x) for x in v] == [[], [], [], ["gpu-unreadable"]]
+
+
+@pytest.mark.parametrize(
+    ("errors", "shown"),
+    [((), "(no answer)"), (("remap:UNKNOWN", "ecc:UNKNOWN"), "(ecc:UNKNOWN, remap:UNKNOWN)")],
+)
+def test_an_unreadable_gpus_fault_names_the_errors_or_says_no_answer(
+    errors: tuple[str, ...], shown: str
+) -> None:
+    bad = gpu(0, unreadable=True, ecc_uncorrected=None, transient_errors=errors)
+    (fault,) = evaluate(snap(bad), previous=None, settings=replace(DEFAULT, unreadable_after=1)).faults
+    assert fault.detail == f"every NVML query failed for 1 checks in a row {shown} (GPU 0, GPU-0)"
+
+
+def test_a_lost_gpu_is_neither_reset_required_nor_unreadable_nor_an_ecc_fault() -> None:
+    lost = gpu(0, lost=True, ecc_uncorrected=5, unreadable=True, transient_errors=("ecc:RESET_REQUIRED",))
+    v = evaluate(snap(lost), previous=None, settings=replace(DEFAULT, unreadable_after=1))
+    assert reasons(v) == ["gpu-lost"]
+
+
+def test_an_xid_in_a_mig_instance_names_the_gpu_and_compute_instance() -> None:
+    x = XidEvent(0, "GPU-0", 79, gpu_instance=1, compute_instance=2)
+    (fault,) = evaluate(snap(gpu(0), xids=(x,)), previous=None, settings=DEFAULT).faults
+    assert fault.detail == "GPU has fallen off the bus (GPU 0, GPU-0, MIG GPU instance 1, compute instance 2)"
+    unattributed = evaluate(snap(gpu(0), xids=(XidEvent(None, None, 79),)), previous=None, settings=DEFAULT)
+    assert unattributed.node_faults[0].detail == "GPU has fallen off the bus (GPU not identified by NVML)"
+
+
+def test_a_reset_clearable_xid_whose_fault_is_gone_is_forgotten() -> None:
+    """The rule keeps only keys of faults still recorded: a clearable key without its fault is dropped."""
+    prev = Verdict(reset_clearable=frozenset({"xid-79/GPU-9"}))
+    v = evaluate(act(1), previous=prev, settings=DEFAULT)
+    assert v.reset_clearable == frozenset()
