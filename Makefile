@@ -14,7 +14,7 @@ ifneq ($(VENV_OK),yes)
 $(shell rm -rf $(VENV))
 endif
 
-.PHONY: install run test builds e2e unit lint lint-code fakenvml testenv testenv-oldest kwok karpenter helm promtool image kube-up kube-down kube-status bench fleet-bench gpu-smoke clean
+.PHONY: install run test builds e2e unit mutation lint lint-code fakenvml testenv testenv-oldest kwok karpenter helm promtool image kube-up kube-down kube-status bench fleet-bench gpu-smoke clean
 
 install: $(STAMP)
 
@@ -111,6 +111,15 @@ e2e: install fakenvml testenv kwok
 
 unit: install fakenvml
 	$(BIN)/python -m pytest -q --ignore=tests/integration
+
+# Mutation testing of the pure decision modules (hack/mutation.py; not part of `make test`): every mutant
+# against the fast unit tests that run its line (chosen by coverage, pinned below), then the kill rate per
+# module; docs/reliability.md has the last report. About 15 minutes on 2 cores. A part:
+# MUTATION_ARGS="--module gpuguard/policy.py" or "--sample 60" (a seeded sample of each module).
+MUTATION_ARGS ?=
+mutation: install
+	$(BIN)/python -m pip install -q coverage==7.17.3
+	$(BIN)/python hack/mutation.py $(MUTATION_ARGS)
 
 # Every performance figure in docs/performance.md comes from here (the whole file; the sections other
 # commands measure, e.g. `make e2e`'s, are kept verbatim between their markers). About 13 minutes, then the

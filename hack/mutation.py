@@ -1,0 +1,587 @@
+"""`make mutation`: a small AST mutator over gpuguard's pure decision modules.
+
+Each mutant (one operator at one place: `<` for `<=`, `and` for `or`, a constant off by one, a `not` dropped,
+a return of None, a call statement removed, ...) runs against the fast unit tests that execute the mutated
+line, chosen from one coverage pass with a context per test. It is killed when one of them fails or runs past
+its timeout. Prints the kill rate per module; docs/reliability.md has the last report.
+
+Not mutated, as wording rather than behaviour: docstrings, annotations, log calls, the text of raised errors,
+the literal parts of f-strings and prose strings (a space and 20 characters or more). A survivor judged
+equivalent or cosmetic is listed in JUDGED with why and left out of the rate.
+
+Fast because nothing is imported per mutant: each worker collects the tests once (pytest, in a copy of the
+repository) and forks a child per mutant, which swaps the mutated function's code object into the live
+function (or re-runs the module's top-level assignments, or a function's defaults) and runs the selected
+test items. A mutant in a class body is the exception: its child imports everything afresh (slow, rare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import importlib
+import importlib.util
+import json
+import multiprocessing
+import os
+import py_compile
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = (
+    "gpuguard/policy.py",
+    "gpuguard/model.py",
+    "gpuguard/state.py",
+    "gpuguard/validation.py",
+    "gpuguard/xidcatalog.py",
+    "gpuguard/node/plan.py",
+    "gpuguard/node/view.py",
+    "gpuguard/node/devices.py",
+    "gpuguard/node/devicebudget.py",
+    "gpuguard/node/deviceorder.py",
+    "gpuguard/node/budget.py",
+)
+# The unit tests that run in-process in milliseconds (no fake NVML library, no subprocess, no chart).
+TESTS = (
+    "tests/test_policy.py",
+    "tests/test_node_plan.py",
+    "tests/test_devices.py",
+    "tests/test_devicebudget.py",
+    "tests/test_state.py",
+    "tests/test_validation.py",
+    "tests/test_reconciler.py",
+    "tests/test_other_nodes.py",
+    "tests/test_fleet.py",
+    "tests/test_devicewriters.py",
+    "tests/test_review_defects.py",
+    "tests/test_listwatch.py",
+    "tests/test_agent.py",
+    "tests/test_mock_backend.py",
+    "tests/test_fuzz.py",
+)
+# Survivors judged equivalent (no test could tell them apart) or cosmetic, by mutant key, with why.
+_NO_GPU = "equivalent: no GPU has this UUID, so the look-up misses either way"
+JUDGED: dict[str, str] = {
+    "gpuguard/policy.py cleared_without_reboot: 1 -> 2": "equivalent: the first part of a split is the same",
+    "gpuguard/policy.py _apply_recovery_rule: '' -> 'XXXX'": _NO_GPU,
+    "gpuguard/policy.py _apply_recovery_rule: '' -> 'XXXX' #2": _NO_GPU,
+    "gpuguard/policy.py _apply_recovery_rule: '' -> 'XXXX' #3": _NO_GPU,
+    "gpuguard/policy.py <module>: 0 -> 1": "equivalent: nvml-init ties gpu-lost and wins on its index (none)",
+    "gpuguard/policy.py <module>: 5 -> 6": "equivalent: row-remap stays the least severe",
+    "gpuguard/policy.py _ordered: 1 -> 2": "equivalent: any negative index puts the node's faults first",
+}
+
+_SWAP_CMP = {
+    ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot, ast.IsNot: ast.Is,
+}  # fmt: skip
+_SWAP_BIN = {
+    ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,
+    ast.Mod: ast.FloorDiv, ast.BitOr: ast.BitAnd, ast.BitAnd: ast.BitOr,
+}  # fmt: skip
+_SWAP_CALL = {"all": "any", "any": "all", "min": "max", "max": "min"}
+_FUNC = ast.FunctionDef | ast.AsyncFunctionDef
+
+
+@dataclass(frozen=True)
+class Mutant:
+    module: str
+    index: int  # the place's order in the walk
+    variant: int
+    line: int
+    lines: tuple[int, ...]  # the enclosing statement's lines, for the coverage look-up
+    # How the child applies it: "function" (swap the code of `target`), "defaults" (of `target`), "global"
+    # (re-run the module's top-level assignments), "fresh" (import everything again).
+    how: str
+    target: str
+    key: str  # stable across line shifts: module, enclosing function, the change
+    desc: str
+
+
+# -- generating mutants ----------------------------------------------------------------------------------
+
+Place = tuple[ast.AST, str, int | None, ast.AST, ast.stmt | None, str, str, str]
+
+
+def _places(tree: ast.Module) -> Iterator[Place]:
+    """(parent, field, position, node, enclosing statement, qualname, how, target) in a fixed order, leaving
+    out what is wording rather than behaviour."""
+
+    def walk(node: ast.AST, stmt: ast.stmt | None, qual: str, how: str, target: str) -> Iterator[Place]:
+        for name, value in ast.iter_fields(node):
+            if name in ("annotation", "returns", "type_comment", "decorator_list"):
+                continue
+            for pos, child in enumerate(value if isinstance(value, list) else [value]):
+                if not isinstance(child, ast.AST) or _skipped(node, child):
+                    continue
+                h, t, q = how, target, qual
+                if isinstance(node, ast.Module):
+                    simple = isinstance(child, ast.Assign | ast.AnnAssign | ast.AugAssign | ast.Expr)
+                    h, t, q = ("global" if simple else "fresh"), "", ""
+                elif isinstance(node, _FUNC) and how != "function":
+                    # A function's body runs when it is called (its code is swapped), its defaults when the
+                    # module is imported (they are replaced).
+                    q = t = f"{qual}.{node.name}" if qual else node.name
+                    h = "function" if name == "body" else "defaults"
+                elif isinstance(node, ast.ClassDef) and how != "function":
+                    h, t, q = "fresh", "", f"{qual}.{node.name}" if qual else node.name
+                s = child if isinstance(child, ast.stmt) else stmt
+                yield node, name, pos if isinstance(value, list) else None, child, s, q, h, t
+                yield from walk(child, s, q, h, t)
+
+    yield from walk(tree, None, "", "global", "")
+
+
+def _skipped(parent: ast.AST, node: ast.AST) -> bool:
+    if (
+        isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    ):
+        return True  # a docstring
+    if isinstance(node, ast.Raise | ast.Assert | ast.Import | ast.ImportFrom | ast.Global):
+        return True
+    call = node.value if isinstance(node, ast.Expr | ast.Assign) else node
+    if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute):
+        f = call.func
+        if (isinstance(f.value, ast.Name) and f.value.id == "log") or f.attr == "get_logger":
+            return True  # a log line, or the logger's name
+    return isinstance(parent, ast.JoinedStr) and isinstance(node, ast.Constant)
+
+
+def _variants(node: ast.AST) -> list[ast.AST]:
+    """The mutations of one node, each a replacement for it."""
+    out: list[ast.AST] = []
+    if isinstance(node, ast.Compare):
+        for i, op in enumerate(node.ops):
+            if type(op) in _SWAP_CMP:
+                cmp = copy.deepcopy(node)
+                cmp.ops[i] = _SWAP_CMP[type(op)]()
+                out.append(cmp)
+    elif isinstance(node, ast.BoolOp):
+        out.append(ast.BoolOp(op=ast.Or() if isinstance(node.op, ast.And) else ast.And(), values=node.values))
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not | ast.USub):
+        out.append(node.operand)
+    elif isinstance(node, ast.BinOp) and type(node.op) in _SWAP_BIN and not _is_text(node):
+        out.append(ast.BinOp(left=node.left, op=_SWAP_BIN[type(node.op)](), right=node.right))
+    elif isinstance(node, ast.AugAssign) and type(node.op) in (ast.Add, ast.Sub):
+        aug: ast.operator = ast.Sub() if isinstance(node.op, ast.Add) else ast.Add()
+        out.append(ast.AugAssign(target=node.target, op=aug, value=node.value))
+    elif isinstance(node, ast.Constant):
+        v = node.value
+        if isinstance(v, bool):
+            out.append(ast.Constant(not v))
+        elif isinstance(v, int | float):
+            out.append(ast.Constant(v + 1))
+        elif isinstance(v, str) and not (" " in v and len(v) >= 20):
+            out.append(ast.Constant(f"XX{v}XX"))
+    elif isinstance(node, ast.Return) and node.value is not None and not _is_none(node.value):
+        out.append(ast.Return(value=ast.Constant(None)))
+    elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+        out.append(ast.Pass())
+    elif isinstance(node, ast.Break | ast.Continue):
+        out.append(ast.Continue() if isinstance(node, ast.Break) else ast.Break())
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _SWAP_CALL:
+        out.append(ast.Call(func=ast.Name(_SWAP_CALL[node.func.id], ast.Load()), args=node.args, keywords=[]))
+    if isinstance(node, ast.If | ast.While | ast.IfExp) and not isinstance(
+        node.test, ast.Compare | ast.BoolOp
+    ):
+        cond = copy.deepcopy(node)
+        cond.test = ast.UnaryOp(op=ast.Not(), operand=cond.test)
+        out.append(cond)
+    return out
+
+
+def _is_text(node: ast.BinOp) -> bool:
+    sides = (node.left, node.right)
+    return any(
+        isinstance(s, ast.JoinedStr) or (isinstance(s, ast.Constant) and isinstance(s.value, str))
+        for s in sides
+    )
+
+
+def _is_none(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value is None
+
+
+def _stmt_lines(stmt: ast.stmt | None, node: ast.AST) -> tuple[int, ...]:
+    if stmt is None:
+        return (getattr(node, "lineno", 0),)
+    end = stmt.end_lineno or stmt.lineno
+    body = getattr(stmt, "body", None)
+    if isinstance(body, list) and body:
+        end = max(stmt.lineno, body[0].lineno - 1)  # a compound statement: its header only
+    return tuple(range(stmt.lineno, end + 1))
+
+
+def mutants(root: Path, module: str) -> list[Mutant]:
+    out: list[Mutant] = []
+    seen: dict[str, int] = {}
+    for index, (_, _, _, node, stmt, qual, how, target) in enumerate(
+        _places(ast.parse((root / module).read_text()))
+    ):
+        for variant, new in enumerate(_variants(node)):
+            desc = f"{_short(node)} -> {_short(new)}"
+            key = f"{module} {qual or '<module>'}: {desc}"
+            seen[key] = seen.get(key, 0) + 1
+            key += f" #{seen[key]}" if seen[key] > 1 else ""
+            line = getattr(node, "lineno", stmt.lineno if stmt else 0)
+            out.append(Mutant(module, index, variant, line, _stmt_lines(stmt, node), how, target, key, desc))
+    return out
+
+
+def _short(node: ast.AST) -> str:
+    text = " ".join(ast.unparse(node).split())
+    return text if len(text) <= 70 else text[:67] + "..."
+
+
+def mutated_tree(root: Path, m: Mutant) -> ast.Module:
+    tree = ast.parse((root / m.module).read_text())
+    for index, (parent, field, pos, node, *_) in enumerate(_places(tree)):
+        if index == m.index:
+            new = _variants(node)[m.variant]
+            if pos is None:
+                setattr(parent, field, new)
+            else:
+                getattr(parent, field)[pos] = new
+            return ast.fix_missing_locations(tree)
+    raise LookupError(m.key)
+
+
+# -- the coverage pass (a subprocess: the workers must not have imported the modules) --------------------
+
+
+def coverage_pass(root: Path, modules: list[str], tests: list[str], out: Path) -> None:
+    import coverage
+    import pytest
+
+    cov = coverage.Coverage(data_file=None, include=[str(root / m) for m in modules])
+
+    class Contexts:
+        def __init__(self) -> None:
+            self.seconds: dict[str, float] = {}
+            self.failed: set[str] = set()
+
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_protocol(self, item: Any, nextitem: Any) -> Iterator[None]:
+            cov.switch_context(item.nodeid)
+            start = time.perf_counter()
+            yield
+            self.seconds[item.nodeid] = time.perf_counter() - start
+            cov.switch_context("")
+
+        def pytest_runtest_logreport(self, report: Any) -> None:
+            if report.failed:
+                self.failed.add(report.nodeid)
+
+    plugin = Contexts()
+    os.chdir(root)
+    cov.start()
+    code = pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests], plugins=[plugin])
+    cov.stop()
+    data = cov.get_data()
+    lines = {
+        Path(path).resolve().relative_to(root.resolve()).as_posix(): {
+            str(n): sorted(c for c in ctx if c) for n, ctx in data.contexts_by_lineno(path).items()
+        }
+        for path in data.measured_files()
+    }
+    doc = {"exit": int(code), "seconds": plugin.seconds, "failed": sorted(plugin.failed), "lines": lines}
+    out.write_text(json.dumps(doc))
+
+
+# -- running mutants: a worker per core, a forked child per mutant ---------------------------------------
+
+
+def _module_name(path: str) -> str:
+    return path.removesuffix(".py").replace("/", ".")
+
+
+def _live(module: types.ModuleType, qualname: str) -> types.FunctionType:
+    """The function object a qualname names (the getter of a property, the function of a cached_property
+    or a static or class method)."""
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = vars(obj)[part]
+    for attr in ("fget", "func", "__func__"):
+        obj = getattr(obj, attr, obj)
+    if not isinstance(obj, types.FunctionType):
+        raise LookupError(qualname)
+    return obj
+
+
+def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            yield from _codes(c)
+
+
+def _apply(root: Path, m: Mutant, tree: ast.Module) -> None:
+    """Makes the live module behave as the mutant (in the child: the parent never sees it)."""
+    module = sys.modules[_module_name(m.module)]
+    path = str(root / m.module)
+    if m.how == "function":
+        live = _live(module, m.target)
+        (code,) = [c for c in _codes(compile(tree, path, "exec")) if c.co_qualname == m.target]
+        live.__code__ = code
+    elif m.how == "defaults":
+        live = _live(module, m.target)
+        node = next(
+            n for n in ast.walk(tree) if isinstance(n, _FUNC) and n.lineno == live.__code__.co_firstlineno
+        )
+        node.decorator_list = []
+        scratch = dict(vars(module))
+        exec(compile(ast.Module(body=[node], type_ignores=[]), path, "exec"), scratch)
+        live.__defaults__, live.__kwdefaults__ = (
+            scratch[node.name].__defaults__,
+            scratch[node.name].__kwdefaults__,
+        )
+    else:  # "global": the module's top-level assignments again, and every importer's copy rebound
+        simple: list[ast.stmt] = [
+            s for s in tree.body if isinstance(s, ast.Assign | ast.AnnAssign | ast.AugAssign)
+        ]
+        before = dict(vars(module))
+        exec(compile(ast.Module(body=simple, type_ignores=[]), path, "exec"), vars(module))
+        changed = {k: (v, vars(module)[k]) for k, v in before.items() if vars(module)[k] is not v}
+        for other in list(sys.modules.values()):
+            if other is module or not other.__name__.startswith(("gpuguard", "tests")):
+                continue
+            for name, value in list(vars(other).items()):
+                old, new = changed.get(name, (None, None))
+                if old is not None and value is old:
+                    setattr(other, name, new)
+
+
+def _fresh(root: Path, m: Mutant, tree: ast.Module, nodeids: list[str]) -> int:
+    """A mutant in a class body: its module and every test are imported again from an unchecked .pyc."""
+    src = root / m.module
+    pyc = Path(importlib.util.cache_from_source(str(src)))
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(ast.unparse(tree))
+    mode = py_compile.PycInvalidationMode.UNCHECKED_HASH
+    py_compile.compile(f.name, cfile=str(pyc), dfile=str(src), doraise=True, invalidation_mode=mode)
+    os.unlink(f.name)
+    for name in [n for n in sys.modules if n.startswith(("gpuguard", "tests"))]:
+        del sys.modules[name]
+    import pytest
+
+    try:
+        return int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *nodeids]))
+    finally:
+        pyc.unlink(missing_ok=True)
+
+
+class _Loop:
+    """The worker's pytest plugin: the session is collected once, then each mutant's child runs its items."""
+
+    def __init__(self, root: Path, tasks: Any, results: Any) -> None:
+        self.root, self.tasks, self.results = root, tasks, results
+
+    def pytest_runtestloop(self, session: Any) -> bool:
+        from _pytest.runner import runtestprotocol
+
+        items = {i.nodeid: i for i in session.items}
+        while (task := self.tasks.get()) is not None:
+            m, nodeids, timeout = task
+            started = time.monotonic()
+            pid = os.fork()
+            if pid == 0:
+                code = 99
+                try:
+                    tree = mutated_tree(self.root, m)
+                    if m.how == "fresh":
+                        code = _fresh(self.root, m, tree, nodeids)
+                    else:
+                        _apply(self.root, m, tree)
+                        failed = (
+                            r.failed
+                            for i in nodeids
+                            for r in runtestprotocol(items[i], nextitem=None, log=False)
+                        )
+                        code = int(any(failed))
+                finally:
+                    os._exit(code)
+            self.results.put((m.key, _wait(pid, timeout), time.monotonic() - started))
+        return True
+
+
+def _wait(pid: int, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        done, raw = os.waitpid(pid, os.WNOHANG)
+        if done:
+            status = os.waitstatus_to_exitcode(raw)
+            return "survived" if status == 0 else "error" if status in (5, 99) else "killed"
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "timeout"
+        time.sleep(0.005)
+
+
+def _worker(root: str, tree: str, tests: list[str], tasks: Any, results: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    shutil.copytree(
+        root, tree, ignore=shutil.ignore_patterns(".git", ".venv", "build", "__pycache__", ".*_cache")
+    )
+    os.chdir(tree)
+    sys.path.insert(0, tree)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    import pytest
+
+    args = ["-q", "-p", "no:cacheprovider", "-o", "addopts=", "-o", "timeout=0", *tests]
+    pytest.main(args, plugins=[_Loop(Path(tree), tasks, results)])
+
+
+def select(m: Mutant, lines: dict[str, list[str]], fast: set[str]) -> list[str]:
+    if m.how == "function":
+        chosen = {c for n in m.lines for c in lines.get(str(n), ())}
+    else:  # runs at import: every test that runs any of the module
+        chosen = {c for ctx in lines.values() for c in ctx}
+    return sorted(chosen & fast)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--root", type=Path, default=ROOT)
+    p.add_argument("--module", action="append", help="a module to mutate (default: the eleven)")
+    p.add_argument("--tests", action="append", help="a test file to run (default: the fast unit tests)")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument(
+        "--sample", type=int, default=0, help="at most this many mutants a module, a seeded sample"
+    )
+    p.add_argument("--seed", type=int, default=23)
+    p.add_argument("--max-test-seconds", type=float, default=2.0, help="slower tests are not run on mutants")
+    p.add_argument("--json", type=Path, help="write every mutant's result here")
+    p.add_argument("--coverage-pass", type=Path, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    root = a.root.resolve()
+    modules, tests = a.module or list(MODULES), a.tests or list(TESTS)
+    if a.coverage_pass:
+        coverage_pass(root, modules, tests, a.coverage_pass)
+        return 0
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="gpuguard-mutation-"))
+    try:
+        cmd = [sys.executable, __file__, "--root", str(root), "--coverage-pass", str(work / "coverage.json")]
+        cmd += [f"--module={m}" for m in modules] + [f"--tests={t}" for t in tests]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        cov = json.loads((work / "coverage.json").read_text())
+        fast = {t for t, s in cov["seconds"].items() if s <= a.max_test_seconds} - set(cov["failed"])
+        slow = len(cov["seconds"]) - len(fast) - len(cov["failed"])
+        n, bad, took = len(cov["seconds"]), len(cov["failed"]), time.monotonic() - started
+        print(f"coverage pass: {n} tests, {bad} failing and {slow} slower than {a.max_test_seconds} s "
+              f"(not run on mutants), {took:.0f} s", flush=True)  # fmt: skip
+        rng = random.Random(a.seed)
+        tasks = []
+        for module in modules:
+            ms = mutants(root, module)
+            if a.sample and len(ms) > a.sample:
+                ms = sorted(rng.sample(ms, a.sample), key=lambda m: (m.index, m.variant))
+            for m in ms:
+                ids = select(m, cov["lines"].get(module, {}), fast)
+                tasks.append(
+                    (m, ids, (60.0 if m.how == "fresh" else 10.0) + 3 * sum(cov["seconds"][t] for t in ids))
+                )
+        results = _run_all(root, work, tests, tasks, a.jobs)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    full = not a.sample and modules == list(MODULES)
+    _report([t[0] for t in tasks], results, time.monotonic() - started, a.json, full=full)
+    return 0
+
+
+def _run_all(root: Path, work: Path, tests: list[str], tasks: list[Any], jobs: int) -> dict[str, str]:
+    ctx = multiprocessing.get_context("fork")
+    queue, results = ctx.Queue(), ctx.Queue()
+    out = {m.key: "no-tests" for m, ids, _ in tasks if not ids}
+    for task in tasks:
+        if task[1]:
+            queue.put(task)
+    workers = [
+        ctx.Process(
+            target=_worker, args=(str(root), str(work / f"tree-{i}"), tests, queue, results), daemon=True
+        )
+        for i in range(jobs)
+    ]
+    for w in workers:
+        queue.put(None)
+        w.start()
+    while len(out) < len(tasks):
+        key, verdict, _ = results.get()
+        out[key] = verdict
+        if len(out) % 100 == 0:
+            print(f"  {len(out)}/{len(tasks)} mutants", flush=True)
+    for w in workers:
+        w.join()
+    return out
+
+
+@dataclass
+class _Tally:
+    mutants: int = 0
+    killed: int = 0
+    judged: int = 0
+    untested: int = 0
+
+    @property
+    def rate(self) -> float:
+        counted = self.mutants - self.judged
+        return 100.0 * self.killed / counted if counted else 100.0
+
+    def row(self, name: str) -> str:
+        return (
+            f"{name:32} {self.mutants:8} {self.killed:7} {self.judged:7} {self.untested:8} {self.rate:9.1f}%"
+        )
+
+
+def _report(
+    ms: list[Mutant], results: dict[str, str], seconds: float, out: Path | None, *, full: bool
+) -> None:
+    tally: dict[str, _Tally] = {}
+    survivors: list[tuple[Mutant, str]] = []
+    for m in ms:
+        verdict = results[m.key]
+        t = tally.setdefault(m.module, _Tally())
+        t.mutants += 1
+        if verdict in ("killed", "timeout"):
+            t.killed += 1
+        elif m.key in JUDGED:
+            t.judged += 1
+        else:
+            t.untested += verdict == "no-tests"
+            survivors.append((m, verdict))
+    total = _Tally(
+        *(sum(getattr(t, f) for t in tally.values()) for f in ("mutants", "killed", "judged", "untested"))
+    )
+    print(f"\n{'module':32} {'mutants':>8} {'killed':>7} {'judged':>7} {'no test':>8} {'kill rate':>10}")
+    print("\n".join([t.row(module) for module, t in tally.items()] + [total.row("all")]))
+    errors = sum(1 for v in results.values() if v == "error")
+    print(f"{seconds:.0f} s; {errors} mutants could not run (error)")
+    if survivors:
+        print("\nsurvivors (not judged):")
+        print("\n".join(f"  {m.module}:{m.line} [{verdict}] {m.key}" for m, verdict in survivors))
+    stale = set(JUDGED) - {m.key for m in ms}
+    if stale and full:
+        print(f"\n{len(stale)} judged keys match no mutant (the code moved on): {sorted(stale)[:5]}")
+    if out is not None:
+        out.write_text(json.dumps([{**asdict(m), "result": results[m.key]} for m in ms], indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
