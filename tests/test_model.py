@@ -1,0 +1,65 @@
+"""gpuguard.model: what a reading and a verdict mean when a backend leaves a field out, and the names a fault
+goes by (its key in the node's record, its message)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuguard.model import Fault, GpuReading, GpuVerdict, Verdict, recovery_reason, xid_reason
+
+
+def test_a_reading_left_to_its_defaults_is_a_healthy_watched_gpu_with_nothing_known_about_it() -> None:
+    r = GpuReading(index=0, uuid="GPU-0")
+    assert (r.name, r.pci_bus_id, r.xid_watch_note) == ("", "", "")
+    assert (r.ecc_uncorrected, r.ecc_supported, r.remap_failure, r.remap_pending) == (0, True, None, None)
+    assert (r.lost, r.transient_errors, r.unreadable, r.recovery_action, r.xid_watched) == (
+        False,
+        (),
+        False,
+        None,
+        True,
+    )
+
+
+def test_a_verdict_left_to_its_defaults_is_a_present_healthy_watched_gpu() -> None:
+    g = GpuVerdict(index=0, uuid="GPU-0")
+    assert (g.name, g.present, g.faults, g.xid_watched, g.xid_watch_note, g.recovery_action) == (
+        "",
+        True,
+        (),
+        True,
+        "",
+        None,
+    )
+    assert g.healthy and Verdict().healthy and Verdict().faults == ()
+
+
+@pytest.mark.parametrize(
+    ("fault", "key"),
+    [
+        (Fault("nvml-init", "d"), "nvml-init/node"),
+        (Fault("gpu-lost", "d", gpu_index=1), "gpu-lost/node"),
+        (Fault("xid-79", "d", uuid="GPU-1", gpu_index=1), "xid-79/GPU-1"),
+        (Fault("ecc", "d", uuid=""), "ecc/node"),
+    ],
+)
+def test_a_faults_key_is_its_reason_and_its_gpu_or_the_node(fault: Fault, key: str) -> None:
+    assert fault.key == key
+    assert fault.message == f"{fault.reason}: d"
+
+
+def test_the_node_faults_come_before_the_gpus_in_a_verdicts_faults() -> None:
+    node = Fault("nvml-init", "n")
+    gpu = Fault("ecc", "g", uuid="GPU-0", gpu_index=0)
+    v = Verdict(gpus=(GpuVerdict(0, "GPU-0", faults=(gpu,)),), node_faults=(node,))
+    assert v.faults == (node, gpu) and not v.healthy and not v.gpus[0].healthy
+
+
+def test_reasons_of_xids_and_recovery_actions() -> None:
+    assert xid_reason(79) == "xid-79"
+    assert [recovery_reason(a) for a in (0, 1, 7, 42)] == [
+        "recovery-none",
+        "recovery-gpu-reset",
+        "recovery-system-reboot",
+        "recovery-42",
+    ]
