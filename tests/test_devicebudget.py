@@ -275,3 +275,50 @@ def test_this_nodes_rules_count_as_its_own_writes_answered_not_as_the_fleets_lis
     b = make(Fleet(Budget(quarantined=0, limit=1), [stale_mine]), clock)
     b.blocking(new)
     assert b.verify(NODE, {fresh_mine.name: fresh_mine, new.name: new}, Patches()) == []
+
+
+def test_a_rule_that_settled_is_not_checked_again_with_the_next_fresh_rule() -> None:
+    """Kept at both checks, rule 1 settles; a later rule's check must not step it back, even if the fleet has
+    changed since (the order is only ever checked for rules just made blocking)."""
+    clock = Clock()
+    fleet = Fleet(Budget(quarantined=0, limit=2), [])
+    b = make(fleet, clock)
+    first = rule("node-b", "gpu-1", since="2026-12-03T00:00:01Z")
+    b.blocking(first)
+    b.verify(NODE, {first.name: first}, Patches())
+    clock.t += VERIFY_SETTLE
+    assert b.verify(NODE, {first.name: first}, Patches()) == [] and not b.settling
+    fleet.rules = [
+        rule("node-a", "gpu-0", since="2026-12-03T00:00:00Z"),
+        rule("node-c", since="2026-12-02T00:00:00Z"),
+    ]
+    second = rule("node-b", "gpu-2", since="2026-12-03T00:00:02Z")
+    b.blocking(second)
+    patch = Patches()
+    stepped = b.verify(NODE, {first.name: first, second.name: second}, patch)
+    assert [r.name for r in stepped] == [second.name] and [n for n, _ in patch.bodies] == [second.name]
+
+
+def test_a_failed_list_at_the_settle_check_keeps_checking() -> None:
+    clock = Clock()
+    fleet = Fleet(Budget(quarantined=0, limit=1), [])
+    b = make(fleet, clock)
+    mine = rule("node-b", since="2026-12-03T00:00:01Z")
+    b.blocking(mine)
+    assert b.verify(NODE, {mine.name: mine}, Patches()) == []
+    clock.t += VERIFY_SETTLE
+    fleet.fail = NodeUpdateError("list failed")
+    assert b.verify(NODE, {mine.name: mine}, Patches()) == [] and b.settling
+    fleet.fail = None
+    fleet.rules = [rule("node-a")]
+    clock.t += VERIFY_SETTLE
+    assert [r.name for r in b.verify(NODE, {mine.name: mine}, Patches())] == [mine.name]
+
+
+def test_a_rule_gone_before_its_first_check_leaves_nothing_to_settle() -> None:
+    clock = Clock()
+    b = make(Fleet(Budget(quarantined=0, limit=1), [rule("node-a")]), clock)
+    mine = rule("node-b", since="2026-12-03T00:00:01Z")
+    b.blocking(mine)
+    assert b.verify(NODE, {}, Patches()) == []
+    assert b.verify(NODE, {}, Patches()) == [] and not b.settling  # no wait for the settle time

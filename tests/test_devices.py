@@ -36,9 +36,18 @@ from gpuguard.model import (
 from gpuguard.node.budget import VERIFY_SETTLE, Budget
 from gpuguard.node.deviceorder import rule_since, rules_past_limit, rules_share
 from gpuguard.node.devicequarantine import DeviceQuarantine
-from gpuguard.node.devices import ANN_NODE_GPUS, DeviceRule, per_gpu, rule_body, rule_name, taint_value
+from gpuguard.node.devices import (
+    ANN_NODE_GPUS,
+    DeviceRule,
+    Split,
+    per_gpu,
+    rule_body,
+    rule_name,
+    split,
+    taint_value,
+)
 from gpuguard.node.devices import device_effect as device_effect_of
-from gpuguard.node.deviceslices import slice_devices
+from gpuguard.node.deviceslices import SliceDevice, slice_devices
 from gpuguard.node.devicewriters import DryRunDeviceSource
 from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.view import TAINT_KEY, NodeView, Taint
@@ -1092,3 +1101,32 @@ def test_every_recovery_action_is_its_own_taint_value_on_the_gpus_rule_or_the_no
     assert taint_value((fault,)) == value
     # A reset of the GPU is one GPU's fault (its rule); every other action is beyond the GPU (the node taint).
     assert per_gpu(fault) is (action in (1, 4))
+
+
+def test_a_rule_left_to_its_defaults_has_no_record_and_proves_no_reboot() -> None:
+    rule = DeviceRule(name="r", pool="p", device="d", effect="NoSchedule")
+    assert (rule.taint_value, rule.uid, rule.resource_version, rule.created, rule.reason) == (
+        "",
+        "",
+        "",
+        "",
+        "",
+    )
+    assert not rule.from_earlier_boot("boot-2") and rule.share == 1 and not rule.deferred
+
+
+def test_a_gpus_uuid_on_its_rule_is_at_most_128_bytes() -> None:
+    n = NodeView(name=NODE, boot_id="b")
+    dev = SliceDevice(driver=DRIVER, pool=NODE, device="gpu-0", uuid="U" * 200)
+    body = rule_body(n, dev, (), node_gpus=1, effect="NoSchedule", since="s")
+    assert body["metadata"]["annotations"]["gpuguard.io/uuid"] == "U" * 125 + "..."
+
+
+def test_with_quarantine_node_every_fault_stays_with_the_node() -> None:
+    sick = verdict(ecc_on=0)
+    devices = slice_devices([nvidia_slice(NODE)], driver=DRIVER, node=NODE)
+    assert split(sick, devices, mode="node", held=frozenset()) == Split(node_verdict=sick, by_gpu={})
+    moved = split(sick, devices, mode="auto", held=frozenset())
+    assert set(moved.by_gpu) == {UUIDS[0]} and moved.node_verdict.healthy
+    held = split(sick, devices, mode="auto", held=frozenset({UUIDS[0]}))
+    assert held.by_gpu == {} and held.node_verdict == sick

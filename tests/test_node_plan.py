@@ -11,9 +11,9 @@ from datetime import UTC, datetime
 import pytest
 
 from gpuguard.config import NodeSettings, PolicySettings
-from gpuguard.model import GpuReading, Snapshot, Verdict, XidEvent
+from gpuguard.model import Fault, GpuReading, Snapshot, Verdict, XidEvent
 from gpuguard.node.budget import Budget, budget_limit, limit, plan_yield, quarantine_rank
-from gpuguard.node.plan import plan
+from gpuguard.node.plan import evidence_gone, plan, plan_condition
 from gpuguard.node.view import (
     ANN_BOOT_ID,
     ANN_CORDONED,
@@ -28,6 +28,7 @@ from gpuguard.node.view import (
     NodeView,
     Taint,
     apply_change,
+    reason_text,
 )
 from gpuguard.policy import evaluate
 
@@ -765,3 +766,99 @@ def test_an_override_of_a_full_quarantine_has_no_deferred_record_to_drop() -> No
     n = replace(tainted(verdict(ecc=3)), taints=())
     change = decide(n, verdict(ecc=3))
     assert change is not None and change.annotations == {} and change.labels == {LABEL_QUARANTINED: None}
+
+
+# -- what is gpuguard's, recovery's Event, the condition ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("annotations", "labels"),
+    [({}, {LABEL_QUARANTINED: "true"}), ({ANN_SINCE: "2026-12-02T11:00:00Z"}, {})],
+    ids=["label-only", "one-annotation"],
+)
+def test_a_lone_piece_of_gpuguards_record_is_removed_at_recovery(
+    annotations: dict[str, str], labels: dict[str, str]
+) -> None:
+    n = node(annotations=annotations, labels=labels)
+    change = decide(n, HEALTHY, streak=3)
+    assert change is not None and change.action == "recover"
+    after = apply_change(n, change)
+    assert after.annotations == {} and after.labels == {}
+    assert (
+        change.event is not None
+        and change.event.message == "GPUs healthy again and the fault's evidence is gone"
+    )
+
+
+def test_recovery_is_a_normal_event_that_names_what_the_node_was_quarantined_for() -> None:
+    n = tainted(verdict(ecc=3))
+    change = decide(n, HEALTHY, streak=3)
+    assert change is not None and change.event is not None
+    assert (change.event.type, change.event.reason) == ("Normal", "GPURecovered")
+    assert change.event.message == (
+        "GPUs healthy again and the fault's evidence is gone (was: ecc: 3 uncorrected volatile ECC errors "
+        "(GPU 0, GPU-0))"
+    )
+
+
+def test_while_recovery_waits_a_cordon_lifted_by_someone_is_no_longer_claimed() -> None:
+    n = replace(tainted(verdict(ecc=3)), unschedulable=False)
+    change = decide(n, HEALTHY, streak=1)
+    assert change is not None and change.action == "release-cordon"
+    assert change.annotations == {ANN_CORDONED: None} and change.event is None
+
+
+def test_a_new_fault_recorded_on_a_tainted_node_is_a_warning_event() -> None:
+    n = tainted(verdict(ecc=3))
+    change = decide(n, verdict(ecc=3, xid=79))
+    assert change is not None and change.action == "add-faults" and change.event is not None
+    assert (change.event.type, change.event.reason) == ("Warning", "GPUUnhealthy")
+    assert change.event.message == "xid-79: GPU has fallen off the bus (GPU 1, GPU-1)"
+
+
+@pytest.mark.parametrize(
+    ("recorded", "gone"),
+    [
+        ("ecc/GPU-0", True),
+        ("ecc/GPU-0,xid-79/GPU-1", False),
+        ("xid-79/GPU-1", False),
+    ],
+)
+def test_evidence_is_gone_only_when_every_recorded_fault_clears_without_a_reboot(
+    recorded: str, gone: bool
+) -> None:
+    assert evidence_gone(node(annotations={ANN_FAULTS: recorded, ANN_BOOT_ID: "boot-a"})) is gone
+    assert evidence_gone(node(annotations={ANN_FAULTS: recorded, ANN_BOOT_ID: "boot-a"}, boot_id="boot-b"))
+
+
+def test_the_gpu_healthy_condition_is_written_whole() -> None:
+    healthy = plan_condition(None, HEALTHY, last_keys=None, now=NOW)
+    assert healthy == {
+        "type": "GPUHealthy",
+        "status": "True",
+        "reason": "GPUsHealthy",
+        "message": "2 GPUs healthy (gpuguard)",
+        "lastHeartbeatTime": "2026-12-02T12:00:00Z",
+        "lastTransitionTime": "2026-12-02T12:00:00Z",
+    }
+    sick = plan_condition("True", verdict(ecc=3), last_keys=None, now=NOW)
+    assert sick is not None and (sick["status"], sick["reason"]) == ("False", "GPUFault")
+    assert sick["message"] == "ecc: 3 uncorrected volatile ECC errors (GPU 0, GPU-0) (1 of 2 GPUs unhealthy)"
+    held = plan_condition("True", verdict(ecc=3), last_keys=None, now=NOW, device_tainted=1)
+    assert held is not None and held["message"].endswith(
+        "(1 of 2 GPUs unhealthy, 1 held out by device taints)"
+    )
+
+
+def test_the_reason_annotation_is_at_most_1024_bytes() -> None:
+    faults = tuple(Fault("xid-79", "x" * 300, uuid=f"GPU-{i}", gpu_index=i) for i in range(5))
+    text = reason_text(faults)
+    assert len(text.encode()) == 1024 and text.endswith("...")
+
+
+def test_a_node_view_left_to_its_defaults_holds_nothing_of_gpuguards() -> None:
+    n = NodeView(name="n")
+    assert (n.resource_version, n.uid, n.boot_id, n.gpu_condition, n.taints) == ("", "", "", None, ())
+    assert not n.record_from_earlier_boot and not n.holds_gpuguard_state() and n.our_taint is None
+    # A record without a boot ID proves no reboot, whatever the node's boot ID.
+    assert not node(annotations={ANN_FAULTS: "xid-79/GPU-1"}, boot_id="boot-b").record_from_earlier_boot

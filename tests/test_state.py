@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
 from structlog.testing import capture_logs
 
 from gpuguard.model import Fault
-from gpuguard.state import FILE_NAME, MAX_RULES, RuleMemory, StateStore, read_boot_id
+from gpuguard.state import FILE_NAME, MAX_BYTES, MAX_RULES, RuleMemory, StateStore, read_boot_id
 
 XID = Fault("xid-79", "GPU has fallen off the bus (GPU 1, GPU-b)", uuid="GPU-b", gpu_index=1)
 LOST = Fault("gpu-lost", "GPU is lost (GPU 0, GPU-a)", uuid="GPU-a", gpu_index=0)
@@ -302,3 +304,89 @@ def test_without_a_boot_id_nothing_is_written_or_read_and_it_says_so(tmp_path: P
     assert list(tmp_path.iterdir()) == [] and s.load() == ()
     assert [e["event"] for e in logs] == ["state.no_boot_id"]
     assert StateStore(None, boot_id="b").path is None
+
+
+def test_the_file_is_the_agents_alone_and_its_directory_is_made_with_its_parents(tmp_path: Path) -> None:
+    StateStore(tmp_path / "a" / "b", boot_id="b").save((XID,))
+    path = tmp_path / "a" / "b" / FILE_NAME
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    doc = json.loads(path.read_text())
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", doc["written"])
+
+
+def test_many_writes_leave_no_file_descriptor_open(tmp_path: Path) -> None:
+    s = StateStore(tmp_path, boot_id="b")
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(20):
+        s.save((Fault("xid-79", f"d{i}", uuid="GPU-b", gpu_index=1),))
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_write_that_fails_half_way_leaves_no_temp_file_and_disables_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(src: object, dst: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    s = StateStore(tmp_path, boot_id="b")
+    s.save((XID,))
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    s.save((XID, LOST))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "fault", [{"reason": ["xid-79"], "detail": "x"}, {"reason": "xid-79", "detail": ["x"]}]
+)
+def test_a_fault_whose_reason_or_detail_is_a_list_makes_the_file_corrupt(
+    tmp_path: Path, fault: object
+) -> None:
+    doc = {"kind": "gpuguard-state", "version": 1, "boot_id": "b", "faults": [fault]}
+    (tmp_path / FILE_NAME).write_text(json.dumps(doc))
+    assert StateStore(tmp_path, boot_id="b").load() == ()
+
+
+@pytest.mark.parametrize(("size", "loads"), [(MAX_BYTES, True), (MAX_BYTES + 1, False)])
+def test_at_most_1_mib_of_the_file_is_read(tmp_path: Path, size: int, loads: bool) -> None:
+    doc = {"kind": "gpuguard-state", "version": 1, "boot_id": "b", "backend": "nvml", "faults": [], "pad": ""}
+    base = len(json.dumps(doc, separators=(",", ":")).encode())
+    doc["pad"] = "x" * (size - base)
+    (tmp_path / FILE_NAME).write_text(json.dumps(doc, separators=(",", ":")))
+    assert (tmp_path / FILE_NAME).stat().st_size == size
+    StateStore(tmp_path, boot_id="b").load()
+    assert (tmp_path / FILE_NAME).exists() is loads
+
+
+def test_the_file_is_read_once_and_a_restore_is_logged_only_when_there_are_faults(tmp_path: Path) -> None:
+    StateStore(tmp_path, boot_id="b").save((XID,))
+    s = StateStore(tmp_path, boot_id="b")
+    with capture_logs() as logs:
+        assert s.load() == (XID,)
+        s.load_rules()
+        s.save((XID, LOST))
+    assert [e["event"] for e in logs] == ["state.restored"]
+    again = StateStore(tmp_path, boot_id="b")
+    with capture_logs() as logs:
+        again.load_rules()
+        again.load_rules()
+        again.save_rules(RULES)
+    assert [e["event"] for e in logs] == ["state.restored"]
+    StateStore(tmp_path / "empty", boot_id="b").save_rules(RULES)
+    with capture_logs() as logs:
+        StateStore(tmp_path / "empty", boot_id="b").load()
+    assert logs == []
+
+
+def test_no_directory_and_no_boot_id_says_nothing() -> None:
+    with capture_logs() as logs:
+        StateStore(None, boot_id="")
+    assert logs == []
+
+
+def test_the_hosts_boot_id_is_read_from_the_kernel_by_default() -> None:
+    kernel = Path("/proc/sys/kernel/random/boot_id")
+    if not kernel.exists():
+        pytest.skip("no /proc boot_id on this machine")
+    assert read_boot_id() == kernel.read_text().strip() != ""

@@ -654,3 +654,51 @@ def test_a_conditions_reason_message_and_times_are_bounded_and_well_formed(
         assert v.check_condition(condition) is condition
     else:
         rejects(v.check_condition, condition)
+
+
+@pytest.mark.parametrize(
+    ("check", "body", "says"),
+    [
+        (v.check_node_patch, [], "patch: not a mapping with string keys"),
+        (v.check_node_patch, {"status": {}}, "patch: gpuguard does not write 'status'"),
+        (v.check_node_patch, {"metadata": []}, "metadata: not a mapping with string keys"),
+        (v.check_node_patch, {"metadata": {"uid": "u"}}, "metadata: gpuguard does not write 'uid'"),
+        (
+            v.check_node_patch,
+            {"metadata": {"annotations": []}},
+            "metadata.annotations: not a mapping with string keys",
+        ),
+        (v.check_node_patch, {"metadata": {"labels": []}}, "metadata.labels: not a mapping with string keys"),
+        (v.check_node_patch, {"spec": []}, "spec: not a mapping with string keys"),
+        (v.check_node_patch, {"spec": {"podCIDR": "x"}}, "spec: gpuguard does not write 'podCIDR'"),
+        (v.check_node_patch, {"spec": {"taints": [[]]}}, "spec.taints[]: not a mapping with string keys"),
+        (v.check_condition, [], "condition: not a mapping with string keys"),
+        (
+            v.check_condition,
+            {"type": "GPUHealthy", "status": "True", "x": 1},
+            "condition: gpuguard does not write 'x'",
+        ),
+        (
+            v.check_condition,
+            {"type": "GPUHealthy", "status": "True", "message": "a\nb"},
+            "condition message: 'a\\nb' holds the control or format character U+000A",
+        ),
+    ],
+)
+def test_a_refused_write_names_the_field_it_refuses(check: Any, body: Any, says: str) -> None:
+    assert rejects(check, body) == says
+
+
+@pytest.mark.parametrize(("length", "shown"), [(60, None), (61, "... (61 characters)")])
+def test_a_long_value_in_an_error_is_shown_cut_to_60_characters(length: int, shown: str | None) -> None:
+    value = "A" * length
+    message = rejects(v.node_name, value)
+    if shown is None:
+        assert repr(value) in message
+    else:
+        assert f"{'A' * 60!r}{shown}" in message and repr(value) not in message
+
+
+@pytest.mark.parametrize("key", [None, 5, ["gpuguard.io/x"]])
+def test_a_taint_key_that_is_not_a_string_is_refused(key: Any) -> None:
+    rejects(v.taint_key, key)
