@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import copy
 import importlib
 import importlib.util
@@ -70,9 +71,16 @@ TESTS = (
     "tests/test_agent.py",
     "tests/test_mock_backend.py",
     "tests/test_fuzz.py",
+    "tests/test_budget.py",
+    "tests/test_model.py",
+    "tests/test_xidcatalog.py",
 )
 # Survivors judged equivalent (no test could tell them apart) or cosmetic, by mutant key, with why.
 _NO_GPU = "equivalent: no GPU has this UUID, so the look-up misses either way"
+_FALSY = "equivalent: the caller tests the answer for truth, and None is false like False"
+_CUT = "equivalent: the cut at the bound or below it leaves the same text"
+_EMPTY = "equivalent: a name no rule or node has, and no digit, counts like the empty one"
+_LOGGED = "cosmetic: the value only reaches a log line (its de-duplication key included)"
 JUDGED: dict[str, str] = {
     "gpuguard/policy.py cleared_without_reboot: 1 -> 2": "equivalent: the first part of a split is the same",
     "gpuguard/policy.py _apply_recovery_rule: '' -> 'XXXX'": _NO_GPU,
@@ -81,6 +89,58 @@ JUDGED: dict[str, str] = {
     "gpuguard/policy.py <module>: 0 -> 1": "equivalent: nvml-init ties gpu-lost and wins on its index (none)",
     "gpuguard/policy.py <module>: 5 -> 6": "equivalent: row-remap stays the least severe",
     "gpuguard/policy.py _ordered: 1 -> 2": "equivalent: any negative index puts the node's faults first",
+    "gpuguard/state.py StateStore._write: return False -> return None": _FALSY,
+    "gpuguard/state.py StateStore._write: False -> True": "equivalent: after a failed write the store is "
+    "disabled, so the faults it then takes for written are never compared or written again",
+    "gpuguard/state.py StateStore._replace: True -> False #2": "equivalent: mkdir runs only after the open "
+    "found no directory; exist_ok matters only if another process makes it in between",
+    "gpuguard/validation.py <module>: 1024 -> 1025 #3": "outside the eleven: MAX_EVENT_MESSAGE_BYTES is read "
+    "only by gpuguard/node/writers.py",
+    "gpuguard/validation.py clean_text: False -> True": "equivalent: a gap before the first kept character "
+    "adds no space (nothing is kept yet)",
+    "gpuguard/validation.py fault_key: len(encoded) <= MAX_FAULT_KEY_BYTES -> len(encoded) < "
+    "MAX_FAULT_KEY_BYTES": _CUT,
+    "gpuguard/validation.py taint_key: '' -> 'XXXX'": "equivalent: a key that is not a string has no name "
+    "part either, and is refused for that",
+    "gpuguard/validation.py taint_key: '' -> 'XXXX' #2": "equivalent: the separator is not read",
+    "gpuguard/node/devices.py <module>: '/apis/resource.k8s.io/v1' -> 'XX/apis/resource.k8s.io/v1XX'": "not "
+    "seen by the mutator: read once when devicewriters is imported; test_devicewriters' fake API server "
+    "answers only that path",
+    "gpuguard/node/devices.py <module>: 'NoSchedule' -> 'XXNoScheduleXX'": "equivalent: an effect missing "
+    "from the table is NoSchedule, the entry's own value",
+    "gpuguard/node/devices.py rule_name: '-.' -> 'XX-.XX'": "equivalent: the name is lower-case, so no X "
+    "to strip",
+    "gpuguard/node/devices.py rule_name: '-.' -> 'XX-.XX' #2": "equivalent: the name is lower-case, so no X "
+    "to strip",
+    "gpuguard/node/devices.py DeviceRule.share: '' -> 'XXXX'": _EMPTY,
+    "gpuguard/node/devices.py DeviceRule.share: 0 < len(raw) <= 4 -> 0 <= len(raw) <= 4": "equivalent: the "
+    "empty string is not digits",
+    "gpuguard/node/devices.py DeviceRule.share: 1 <= gpus <= 1024 -> 1 < gpus <= 1024": "equivalent: 1 GPU "
+    "and the fallback are both a whole node",
+    "gpuguard/node/devices.py DeviceRule.share: 1 -> 2 #3": "equivalent: 1 GPU and the fallback are both a "
+    "whole node",
+    "gpuguard/node/devicebudget.py <module>: DeviceRule | None -> DeviceRule & None": "a type alias: the "
+    "mutant raises at import, which no run of a test could miss (counted as an error by the mutator)",
+    "gpuguard/node/devicebudget.py RuleBudget.__init__: False -> True": "equivalent: the flag is read only "
+    "with a fresh rule, and blocking() sets it with the first",
+    "gpuguard/node/devicebudget.py RuleBudget.room: '' -> 'XXXX'": _EMPTY,
+    "gpuguard/node/deviceorder.py rules_past_limit: '' -> 'XXXX'": "equivalent: every invalid claim gets the "
+    "same stand-in, so they keep their order among themselves, after every valid one",
+    "gpuguard/node/budget.py quarantine_entry: 'creationTimestamp' -> 'XXcreationTimestampXX' #2": (
+        "cosmetic: the creation time shown in the reason a claim is ignored"
+    ),
+    "gpuguard/node/budget.py OtherNodes.quarantined: '' -> 'XXXX'": _LOGGED,
+    "gpuguard/node/budget.py OtherNodes.quarantined: 253 -> 254": _LOGGED,
+    "gpuguard/node/budget.py quarantine_rank: k < me -> k <= me": "equivalent: an entry equal to this node's "
+    "has its name, and is left out before the comparison",
+    "gpuguard/node/budget.py limit: '' -> 'XXXX' #2": "equivalent: every taint change has an Event",
+    "gpuguard/node/budget.py QuarantineBudget.written: return False -> return None": _FALSY,
+    "gpuguard/node/budget.py QuarantineBudget.written: return False -> return None #2": _FALSY,
+    "gpuguard/node/budget.py QuarantineBudget._check_order: return False -> return None": _FALSY,
+    "gpuguard/node/budget.py QuarantineBudget._check_order: return False -> return None #2": _FALSY,
+    "gpuguard/node/budget.py QuarantineBudget._check_order: return False -> return None #3": _FALSY,
+    "gpuguard/node/budget.py QuarantineBudget._check_order: '' -> 'XXXX'": "unreachable: a fully "
+    "quarantined node has gpuguard.io/since, written in the same patch as the taint",
 }
 
 _SWAP_CMP = {
@@ -158,6 +218,8 @@ def _skipped(parent: ast.AST, node: ast.AST) -> bool:
         f = call.func
         if (isinstance(f.value, ast.Name) and f.value.id == "log") or f.attr == "get_logger":
             return True  # a log line, or the logger's name
+    if isinstance(node, ast.If) and not node.orelse and all(_skipped(node, b) for b in node.body):
+        return True  # a condition for a log line only
     return isinstance(parent, ast.JoinedStr) and isinstance(node, ast.Constant)
 
 
@@ -338,17 +400,7 @@ def _apply(root: Path, m: Mutant, tree: ast.Module) -> None:
         (code,) = [c for c in _codes(compile(tree, path, "exec")) if c.co_qualname == m.target]
         live.__code__ = code
     elif m.how == "defaults":
-        live = _live(module, m.target)
-        node = next(
-            n for n in ast.walk(tree) if isinstance(n, _FUNC) and n.lineno == live.__code__.co_firstlineno
-        )
-        node.decorator_list = []
-        scratch = dict(vars(module))
-        exec(compile(ast.Module(body=[node], type_ignores=[]), path, "exec"), scratch)
-        live.__defaults__, live.__kwdefaults__ = (
-            scratch[node.name].__defaults__,
-            scratch[node.name].__kwdefaults__,
-        )
+        _set_defaults(module, dict(_defs(tree))[m.target], _live(module, m.target), path)
     else:  # "global": the module's top-level assignments again, and every importer's copy rebound
         simple: list[ast.stmt] = [
             s for s in tree.body if isinstance(s, ast.Assign | ast.AnnAssign | ast.AugAssign)
@@ -363,6 +415,31 @@ def _apply(root: Path, m: Mutant, tree: ast.Module) -> None:
                 old, new = changed.get(name, (None, None))
                 if old is not None and value is old:
                     setattr(other, name, new)
+        for qualname, node in _defs(tree):  # defaults read the constants when the module was imported
+            with contextlib.suppress(LookupError, KeyError):
+                _set_defaults(module, node, _live(module, qualname), path)
+
+
+def _defs(tree: ast.Module) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """The module's functions and its classes' methods, by qualname."""
+    for node in tree.body:
+        if isinstance(node, _FUNC):
+            yield node.name, node
+        elif isinstance(node, ast.ClassDef):
+            yield from ((f"{node.name}.{f.name}", f) for f in node.body if isinstance(f, _FUNC))
+
+
+def _set_defaults(module: types.ModuleType, node: ast.AST, live: types.FunctionType, path: str) -> None:
+    """`live` gets the default values `node` (a def) computes now."""
+    node = copy.copy(node)
+    assert isinstance(node, _FUNC)
+    node.decorator_list = []
+    scratch = dict(vars(module))
+    exec(compile(ast.Module(body=[node], type_ignores=[]), path, "exec"), scratch)
+    live.__defaults__, live.__kwdefaults__ = (
+        scratch[node.name].__defaults__,
+        scratch[node.name].__kwdefaults__,
+    )
 
 
 def _fresh(root: Path, m: Mutant, tree: ast.Module, nodeids: list[str]) -> int:
@@ -487,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
         n, bad, took = len(cov["seconds"]), len(cov["failed"]), time.monotonic() - started
         print(f"coverage pass: {n} tests, {bad} failing and {slow} slower than {a.max_test_seconds} s "
               f"(not run on mutants), {took:.0f} s", flush=True)  # fmt: skip
+        for t in cov["failed"]:
+            print(f"  failing without a mutant: {t}", flush=True)
         rng = random.Random(a.seed)
         tasks = []
         for module in modules:
