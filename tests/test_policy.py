@@ -599,7 +599,9 @@ def test_every_gpu_judged_after_an_nvml_init_failure_is_not_present_and_keeps_it
     assert [f.reason for f in after.node_faults] == ["nvml-init"]
     assert after.node_faults[0].detail == "NVML initialization failed: DRIVER_NOT_LOADED"
     assert after.fatal_xids == () and after.ignored_xids == ()
-    quiet = evaluate(snap(init_error="X"), previous=v[0], settings=replace(DEFAULT, allow_no_gpu=True))
+    quiet = evaluate(
+        snap(init_error="DRIVER_NOT_LOADED"), previous=v[0], settings=replace(DEFAULT, allow_no_gpu=True)
+    )
     assert quiet.node_faults == () and [g.present for g in quiet.gpus] == [False, False]
 
 
