@@ -528,8 +528,10 @@ def _worker(root: str, tree: str, tests: list[str], tasks: Any, results: Any) ->
 def select(m: Mutant, lines: dict[str, list[str]], fast: set[str]) -> list[str]:
     if m.how == "function":
         chosen = {c for n in m.lines for c in lines.get(str(n), ())}
-    else:  # runs at import: every test that runs any of the module
-        chosen = {c for ctx in lines.values() for c in ctx}
+    else:  # runs at import: every test that runs any of the module, and its own test file (a dataclass's
+        # defaults run in generated code, which no line of the module records)
+        own = f"tests/test_{Path(m.module).stem}.py::"
+        chosen = {c for ctx in lines.values() for c in ctx} | {t for t in fast if t.startswith(own)}
     return sorted(chosen & fast)
 
 

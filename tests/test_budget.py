@@ -278,3 +278,22 @@ def test_an_unquarantined_node_in_the_list_does_not_hide_the_claims_after_it() -
         }
     }
     assert OtherNodes(clock=lambda: NOW).quarantined([plain, claim]) == [("2026-12-02T10:00:00Z", "c")]
+
+
+def test_an_escalation_written_is_checked_in_the_order_like_a_taint() -> None:
+    fleet, clock = Fleet(order=[("2026-12-02T10:00:00Z", "a")]), Clock()
+    b = QuarantineBudget(fleet, SETTINGS, clock=clock)
+    deferred = full_node(labels={LABEL_QUARANTINED: "deferred"})
+    escalate = NodeChange(action="escalate")
+    b.begin(deferred)
+    assert b.gate(deferred, escalate, sick()) is escalate
+    assert b.written(full_node(), escalate) is True and b.settling
+    assert fleet.reads == ["budget", "order"]
+
+
+def test_a_write_that_left_the_node_not_fully_quarantined_checks_no_order() -> None:
+    fleet, clock = Fleet(order=[("2026-12-02T10:00:00Z", "a")]), Clock()
+    b = QuarantineBudget(fleet, SETTINGS, clock=clock)
+    change = plan(NodeView(name="b", boot_id="boot"), sick(), healthy_streak=0, settings=SETTINGS, now=NOW)
+    b.gate(NodeView(name="b"), change, sick())
+    assert b.written(NodeView(name="b"), TAINT) is False and fleet.reads == ["budget"]

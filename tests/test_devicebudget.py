@@ -39,6 +39,8 @@ def rule(node: str, device: str = "gpu-0", *, since: str = "2026-12-03T00:00:00Z
         "taint_value": "xid-79",
         "resource_version": "5",
         "annotations": {ANN_NODE_GPUS: "1", ANN_SINCE: since},
+        "driver": "gpu.nvidia.com",
+        "labels": {"gpuguard.io/node": node, "app.kubernetes.io/managed-by": "gpuguard"},
     }
     base.update(kw)
     return DeviceRule(**base)
@@ -283,7 +285,7 @@ def test_a_rule_that_settled_is_not_checked_again_with_the_next_fresh_rule() -> 
     clock = Clock()
     fleet = Fleet(Budget(quarantined=0, limit=2), [])
     b = make(fleet, clock)
-    first = rule("node-b", "gpu-1", since="2026-12-03T00:00:01Z")
+    first = rule("node-b", "gpu-1", annotations={ANN_NODE_GPUS: "2", ANN_SINCE: "2026-12-03T00:00:01Z"})
     b.blocking(first)
     b.verify(NODE, {first.name: first}, Patches())
     clock.t += VERIFY_SETTLE
@@ -292,7 +294,7 @@ def test_a_rule_that_settled_is_not_checked_again_with_the_next_fresh_rule() -> 
         rule("node-a", "gpu-0", since="2026-12-03T00:00:00Z"),
         rule("node-c", since="2026-12-02T00:00:00Z"),
     ]
-    second = rule("node-b", "gpu-2", since="2026-12-03T00:00:02Z")
+    second = rule("node-b", "gpu-2", annotations={ANN_NODE_GPUS: "2", ANN_SINCE: "2026-12-03T00:00:02Z"})
     b.blocking(second)
     patch = Patches()
     stepped = b.verify(NODE, {first.name: first, second.name: second}, patch)

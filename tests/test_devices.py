@@ -4,7 +4,6 @@ rules."""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import replace
 from datetime import UTC, datetime
 from fractions import Fraction
@@ -855,6 +854,9 @@ def test_a_rule_is_read_from_the_api_with_its_pool_device_taint_and_creation_tim
         resource_version="41",
         annotations=RULE_DOC["metadata"]["annotations"],  # type: ignore[index]
         created="2026-12-03T00:00:01Z",
+        driver=DRIVER,
+        key=TAINT_KEY,
+        labels={},
     )
     assert rule.uuid == "GPU-3"
     assert rule.faults == frozenset({"ecc/GPU-3", "xid-79/GPU-3"})  # the record split on ","
@@ -965,18 +967,12 @@ def test_the_device_taint_effect_follows_the_node_setting_and_a_soft_one_is_info
 # -- exact boundaries ----------------------------------------------------------------------------------------
 
 
-def test_a_rule_name_of_exactly_253_characters_is_kept_and_one_longer_is_cut_with_a_hash() -> None:
-    prefix = len("gpuguard--gpu-3")
+def test_a_rule_name_of_exactly_253_characters_is_made_and_a_longer_one_is_not() -> None:
+    prefix = len("gpuguard..gpu-3")
     exact = rule_name("n" * (253 - prefix), "gpu-3")
-    assert len(exact) == 253 and exact == f"gpuguard-{'n' * (253 - prefix)}-gpu-3"
-    longer = rule_name("n" * (254 - prefix), "gpu-3")
-    digest = hashlib.sha256(f"{'n' * (254 - prefix)}/gpu-3".encode()).hexdigest()[:16]
-    assert longer == f"{'gpuguard-' + 'n' * (253 - 17 - 9)}-{digest}"
-    assert len(longer) == 253
-
-
-def test_a_rule_name_is_lower_case_with_unsafe_characters_made_dashes_and_no_dash_at_either_end() -> None:
-    assert rule_name("Node_A", "GPU:3.") == "gpuguard-node-a-gpu-3"
+    assert exact == f"gpuguard.{'n' * (253 - prefix)}.gpu-3" and len(exact) == 253
+    assert rule_name("n" * (254 - prefix), "gpu-3") is None
+    assert rule_name("node-a", "gpu.3") is None  # not a DNS label: the last dot would not split it back
 
 
 @pytest.mark.parametrize(
@@ -1031,41 +1027,35 @@ def test_a_rules_since_ranks_within_five_minutes_of_now_and_of_its_creation(
 
 
 def test_the_order_skips_deferred_and_informational_rules_and_rules_of_fully_quarantined_nodes() -> None:
-    def rule(name: str, **kw: object) -> DeviceRule:
-        base: dict[str, object] = {"name": name, "pool": name, "device": "gpu-0", "effect": "NoSchedule"}
-        base["annotations"] = {ANN_NODE_GPUS: "1", "gpuguard.io/since": "2026-12-03T00:00:00Z"}
-        base.update(kw)
-        return DeviceRule(**base)  # type: ignore[arg-type]
+    def rule(pool: str, **kw: object) -> DeviceRule:
+        base: dict[str, object] = {
+            "annotations": {ANN_NODE_GPUS: "1", "gpuguard.io/since": "2026-12-03T00:00:00Z"}
+        }
+        return own_rule(pool, "gpu-0", **{**base, **kw})
 
     later = rule("b-later", annotations={ANN_NODE_GPUS: "1", "gpuguard.io/since": "2026-12-03T00:00:09Z"})
     rules = [
         rule("a-deferred", annotations={ANN_NODE_GPUS: "1", "gpuguard.io/quarantine-deferred": "x"}),
         rule("a-none", effect="None"),
-        rule("a-covered", pool="full-node"),
+        rule("full-node"),
         later,
     ]
     assert rules_past_limit([("2026-12-03T00:00:05Z", "full-node")], rules, 1, now=NOW) == {
-        "b-later": Fraction(1)
+        later.name: Fraction(1)
     }
     assert rules_past_limit([], [*rules[:2], later], 1, now=NOW) == {}
     # Exactly at the limit fits; the rule that would go over it is named with what precedes it.
     assert rules_past_limit([], [rule("a"), later], 2, now=NOW) == {}
-    assert rules_past_limit([], [rule("a"), later], 1, now=NOW) == {"b-later": Fraction(1)}
+    assert rules_past_limit([], [rule("a"), later], 1, now=NOW) == {later.name: Fraction(1)}
     # The same since: the name decides.
-    assert rules_past_limit([], [rule("z"), rule("y")], 1, now=NOW) == {"z": Fraction(1)}
+    assert rules_past_limit([], [rule("z"), rule("y")], 1, now=NOW) == {rule("z").name: Fraction(1)}
 
 
 def test_the_budget_share_of_rules_leaves_out_deferred_ones_and_those_of_covered_nodes() -> None:
     rules = [
-        DeviceRule(name="a", pool="n1", device="d", effect="NoSchedule", annotations={ANN_NODE_GPUS: "4"}),
-        DeviceRule(name="b", pool="n2", device="d", effect="NoSchedule", annotations={ANN_NODE_GPUS: "2"}),
-        DeviceRule(
-            name="c",
-            pool="n3",
-            device="d",
-            effect="None",
-            annotations={"gpuguard.io/quarantine-deferred": "x"},
-        ),
+        own_rule("n1", "d", annotations={ANN_NODE_GPUS: "4"}),
+        own_rule("n2", "d", annotations={ANN_NODE_GPUS: "2"}),
+        own_rule("n3", "d", effect="None", annotations={"gpuguard.io/quarantine-deferred": "x"}),
     ]
     assert rules_share(rules) == Fraction(3, 4)
     assert rules_share(rules, covered=["n2"]) == Fraction(1, 4)
