@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -68,3 +69,50 @@ def test_build_all_builds_every_binary_the_tests_use_in_two_lanes_beside_the_ima
     lines = [line.strip() for line in make_test.splitlines()[1:]]
     assert lines.index("$(MAKE) --no-print-directory lint-code") < lines.index("hack/build-all.sh")
     assert lines[-1] == "$(BIN)/python -m pytest -q"
+
+
+def _stub_root(tmp_path: Path, failing: str = "") -> Path:
+    """A copy of build-all.sh and gobuild.sh over stub build scripts that print their name (one fails)."""
+    root = tmp_path / "root"
+    (root / "hack" / "lib").mkdir(parents=True)
+    shutil.copy(ROOT / "hack" / "build-all.sh", root / "hack" / "build-all.sh")
+    shutil.copy(ROOT / "hack" / "lib" / "gobuild.sh", root / "hack" / "lib" / "gobuild.sh")
+    for name in [*GO_BUILDS, "image"]:
+        script = root / "hack" / name / "build.sh"
+        script.parent.mkdir()
+        script.write_text(f'#!/usr/bin/env bash\necho "{name} $*"\nexit {1 if name == failing else 0}\n')
+        script.chmod(0o755)
+    return root
+
+
+def _build_all(root: Path, cache: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "GPUGUARD_CACHE": str(cache), "GPUGUARD_SKIP_IMAGE": "1", **env}
+    return subprocess.run(
+        ["bash", str(root / "hack" / "build-all.sh")], env=full, capture_output=True, text=True, check=False
+    )
+
+
+def test_build_all_empties_the_go_build_cache_after_every_build_succeeded_and_keeps_the_modules(
+    tmp_path: Path,
+) -> None:
+    cache = tmp_path / "cache"
+    for part in ("go/build/00", "go/mod/k8s.io"):
+        (cache / part).mkdir(parents=True)
+    result = _build_all(_stub_root(tmp_path), cache)
+    assert result.returncode == 0, result.stderr
+    for name in ("kube", "kube-oldest", "helm4", "helm3", "kwok", "karpenter", "promtool"):
+        assert re.search(rf"^build-all: {name} wall \d+ s, cpu \d+ s$", result.stderr, re.M), name
+    assert not (cache / "go" / "build").exists()
+    assert (cache / "go" / "mod" / "k8s.io").is_dir()
+
+
+def test_build_all_keeps_the_go_build_cache_when_a_build_failed_or_when_asked(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    (cache / "go" / "build" / "00").mkdir(parents=True)
+    failed = _build_all(_stub_root(tmp_path, failing="kwok"), cache)
+    assert failed.returncode == 1
+    assert "build-all: kwok failed" in failed.stderr
+    assert (cache / "go" / "build" / "00").is_dir()
+    kept = _build_all(_stub_root(tmp_path / "again"), cache, GPUGUARD_KEEP_GOCACHE="1")
+    assert kept.returncode == 0, kept.stderr
+    assert (cache / "go" / "build" / "00").is_dir()
