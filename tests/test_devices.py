@@ -44,6 +44,7 @@ from gpuguard.node.devices import (
     rule_name,
     split,
     taint_value,
+    trim_rule,
 )
 from gpuguard.node.devices import device_effect as device_effect_of
 from gpuguard.node.deviceslices import SliceDevice, slice_devices
@@ -1120,3 +1121,64 @@ def test_with_quarantine_node_every_fault_stays_with_the_node() -> None:
     assert set(moved.by_gpu) == {UUIDS[0]} and moved.node_verdict.healthy
     held = split(sick, devices, mode="auto", held=frozenset({UUIDS[0]}))
     assert held.by_gpu == {} and held.node_verdict == sick
+
+
+def test_a_rule_kept_for_the_budget_holds_only_what_the_budget_reads_each_value_cut_to_256() -> None:
+    doc = {
+        "apiVersion": "resource.k8s.io/v1",
+        "metadata": {
+            "name": "gpuguard.n.gpu-0",
+            "uid": "u",
+            "resourceVersion": "7",
+            "creationTimestamp": "2026-12-03T00:00:00Z",
+            "generation": 3,
+            "labels": {"gpuguard.io/node": "n", "app.kubernetes.io/managed-by": "gpuguard", "x": "y"},
+            "annotations": {ANN_NODE_GPUS: "8", "gpuguard.io/since": "s" * 300, "gpuguard.io/reason": "r"},
+        },
+        "spec": {
+            "deviceSelector": {"driver": DRIVER, "pool": "n", "device": "gpu-0", "extra": "e"},
+            "taint": {"key": TAINT_KEY, "value": "ecc", "effect": "NoSchedule", "timeAdded": "t"},
+        },
+    }
+    assert trim_rule(doc) == {
+        "metadata": {
+            "name": "gpuguard.n.gpu-0",
+            "uid": "u",
+            "resourceVersion": "7",
+            "creationTimestamp": "2026-12-03T00:00:00Z",
+            "labels": {"gpuguard.io/node": "n", "app.kubernetes.io/managed-by": "gpuguard"},
+            "annotations": {ANN_NODE_GPUS: "8", "gpuguard.io/since": "s" * 256},
+        },
+        "spec": {
+            "deviceSelector": {"driver": DRIVER, "pool": "n", "device": "gpu-0"},
+            "taint": {"key": TAINT_KEY, "value": "ecc", "effect": "NoSchedule"},
+        },
+    }
+    empty: dict[str, dict[str, dict[str, str]]] = {
+        "metadata": {"labels": {}, "annotations": {}},
+        "spec": {"deviceSelector": {}, "taint": {}},
+    }
+    assert trim_rule({}) == empty and trim_rule({"metadata": None, "spec": None}) == empty
+
+
+def test_a_rule_selects_a_device_only_as_its_nodes_own_rule_for_that_driver_and_device() -> None:
+    dev = SliceDevice(driver=DRIVER, pool=NODE, device="gpu-0", uuid="GPU-x")
+    assert own_rule(NODE, "gpu-0").selects(dev)
+    assert not own_rule(NODE, "gpu-0", driver="example.com").selects(dev)
+    assert not own_rule(NODE, "gpu-1").selects(dev)
+    assert not own_rule("other", "gpu-0").selects(dev)
+    earlier = own_rule(NODE, "gpu-0", name=f"gpuguard-{NODE}-gpu-0")
+    assert earlier.own(NODE) and not own_rule(NODE, "gpu-0", name="gpuguard-other-gpu-0").own(NODE)
+    assert not own_rule(NODE, "gpu-0", labels={"gpuguard.io/node": NODE}).own(NODE)
+
+
+def test_a_node_counts_at_most_one_nodes_worth_in_the_order_however_many_rules_it_claims() -> None:
+    def claim(pool: str, device: str, since: str) -> DeviceRule:
+        return own_rule(pool, device, annotations={ANN_NODE_GPUS: "1", "gpuguard.io/since": since})
+
+    greedy = [claim("greedy", f"gpu-{i}", f"2026-12-03T00:00:0{i}Z") for i in range(3)]
+    honest = claim("honest", "gpu-0", "2026-12-03T00:00:05Z")
+    # greedy's three whole-node claims count one node; honest's rule fits a limit of 2.
+    assert rules_past_limit([], [*greedy, honest], 2, now=NOW) == {}
+    assert rules_past_limit([], [*greedy, honest], 1, now=NOW) == {honest.name: Fraction(1)}
+    assert rules_share([*greedy, honest]) == 2
