@@ -113,12 +113,11 @@ unit: install fakenvml
 	$(BIN)/python -m pytest -q --ignore=tests/integration
 
 # Mutation testing of the pure decision modules (hack/mutation.py; not part of `make test`): every mutant
-# against the fast unit tests that run its line (chosen by coverage, pinned below), then the kill rate per
+# against the fast unit tests that run its line (chosen by coverage, pinned in the dev extra), then the kill rate per
 # module; docs/reliability.md has the last report. About 20 minutes on 2 cores. A part:
 # MUTATION_ARGS="--module gpuguard/policy.py" or "--sample 60" (a seeded sample of each module).
 MUTATION_ARGS ?=
 mutation: install
-	$(BIN)/python -m pip install -q coverage==7.17.3
 	$(BIN)/python hack/mutation.py $(MUTATION_ARGS)
 
 # Every performance figure in docs/performance.md comes from here (the whole file; the sections other
