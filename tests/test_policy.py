@@ -674,3 +674,166 @@ def test_a_reset_clearable_xid_whose_fault_is_gone_is_forgotten() -> None:
     prev = Verdict(reset_clearable=frozenset({"xid-79/GPU-9"}))
     v = evaluate(act(1), previous=prev, settings=DEFAULT)
     assert v.reset_clearable == frozenset()
+
+
+# -- retired pages, calls past their deadline, node-wide query errors ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("count", "pending", "detail"),
+    [
+        (None, None, None),
+        (0, False, None),
+        (62, False, None),
+        (63, False, "63 pages retired, NVIDIA's limit is 63"),
+        (None, True, "pages are pending retirement (a GPU reset or reboot retires them)"),
+        (
+            64,
+            True,
+            "pages are pending retirement (a GPU reset or reboot retires them); 64 pages retired, NVIDIA's "
+            "limit is 63",
+        ),
+    ],
+)
+def test_pages_pending_retirement_or_63_retired_are_the_fault_retired_pages_and_fewer_are_only_shown(
+    count: int | None, pending: bool | None, detail: str | None
+) -> None:
+    v = evaluate(
+        snap(gpu(0), gpu(1, retired_pages=count, retired_pending=pending)), previous=None, settings=DEFAULT
+    )
+    assert v.gpus[1].retired_pages == count
+    expected = [] if detail is None else [("retired-pages", f"{detail} (GPU 1, GPU-1)", "GPU-1", 1)]
+    assert [(f.reason, f.detail, f.uuid, f.gpu_index) for f in v.faults] == expected
+
+
+def test_retired_pages_follow_the_reading_pending_pages_a_reset_retired_are_no_fault_any_more() -> None:
+    v = run(
+        snap(gpu(0, retired_pages=2, retired_pending=True)),
+        snap(gpu(0, retired_pages=3, retired_pending=False)),
+    )
+    assert [reasons(x) for x in v] == [["retired-pages"], []]
+    assert v[-1].gpus[0].retired_pages == 3
+
+
+@pytest.mark.parametrize(
+    ("faults", "first"),
+    [
+        # Retired pages rank with a failed row remap, below ECC: the index, then the name decides.
+        (("retired-pages", 0, "ecc", 3), "ecc"),
+        (("row-remap", 0, "retired-pages", 1), "row-remap"),
+        (("retired-pages", 0, "row-remap", 1), "retired-pages"),
+        (("retired-pages", 0, "xid-79", 3), "xid-79"),
+        # A call past its deadline: NVML's as NVML that does not start, a GPU's as a lost GPU.
+        (("gpu-lost", None, "nvml-unresponsive", None), "nvml-unresponsive"),
+        (("nvml-unresponsive", None, "nvml-init", None), "nvml-init"),
+        (("gpu-missing", 0, "gpu-unresponsive", 3), "gpu-unresponsive"),
+        (("gpu-unresponsive", 0, "gpu-lost", 0), "gpu-lost"),
+        (("gpu-unresponsive", 0, "gpu-lost", 1), "gpu-unresponsive"),
+    ],
+)
+def test_retired_pages_and_unresponsive_calls_rank_where_the_design_puts_them(
+    faults: tuple[str, int | None, str, int | None], first: str
+) -> None:
+    a, ai, b, bi = faults
+    fs = (Fault(a, "d", gpu_index=ai), Fault(b, "d", gpu_index=bi))
+    assert primary(fs) == primary(fs[::-1])
+    chosen = primary(fs)
+    assert chosen is not None and chosen.reason == first
+
+
+def test_a_gpu_whose_call_hangs_is_gpu_unresponsive_until_its_reading_answers() -> None:
+    hung = gpu(1, unresponsive="nvmlDeviceGetEccMode has not returned within 5 s")
+    v = run(snap(gpu(0), hung), snap(gpu(0), hung), snap(gpu(0), gpu(1)))
+    assert [(f.reason, f.detail, f.uuid) for f in v[0].faults] == [
+        ("gpu-unresponsive", "nvmlDeviceGetEccMode has not returned within 5 s", "GPU-1")
+    ]
+    assert [reasons(x) for x in v] == [["gpu-unresponsive"], ["gpu-unresponsive"], []]
+
+
+def test_an_unidentified_gpu_whose_call_hangs_is_unresponsive_and_never_also_unreadable() -> None:
+    """Checks past --unreadable-after: the hung GPU stays gpu-unresponsive only, and the GPU listed after it
+    is still judged (a lost one at once)."""
+    s = Snapshot(
+        gpus=(gpu(0),), unidentified=((1, "nvmlDeviceGetUUID:UNRESPONSIVE"), (2, "handle:GPU_IS_LOST"))
+    )
+    v = run(s, s, s, s)
+    assert [(f.reason, f.gpu_index) for f in v[-1].node_faults] == [("gpu-unresponsive", 1), ("gpu-lost", 2)]
+    assert v[-1].node_faults[0].detail == "nvmlDeviceGetUUID has not returned (GPU 1, not identified)"
+
+
+def test_a_pass_with_a_call_in_flight_fixes_no_expected_count_and_makes_no_zero_gpu_fault() -> None:
+    stuck = Snapshot(gpus=(gpu(0),), stuck_calls=("nvmlDeviceGetHandleByIndex(1)",))
+    v = run(stuck, snap(gpu(0), gpu(1)))
+    assert v[0].expected_gpus is None and v[0].healthy
+    assert v[1].expected_gpus == 2 and v[1].healthy
+    set_by_flag = evaluate(stuck, previous=None, settings=replace(DEFAULT, expected_gpus=2))
+    assert set_by_flag.expected_gpus == 2
+    assert [f.detail for f in set_by_flag.node_faults] == ["expected 2 GPUs, NVML reports 1"]
+    nothing_yet = Snapshot(stuck_calls=("nvmlDeviceGetCount",))
+    assert evaluate(nothing_yet, previous=None, settings=DEFAULT).node_faults == ()
+
+
+def test_nvml_unresponsive_with_no_gpu_read_yet_is_that_fault_not_also_gpu_missing() -> None:
+    s = Snapshot(unresponsive="nvmlDeviceGetCount has not returned within 10 s")
+    v = evaluate(s, previous=None, settings=DEFAULT)
+    assert [(f.reason, f.detail) for f in v.node_faults] == [
+        ("nvml-unresponsive", "nvmlDeviceGetCount has not returned within 10 s")
+    ]
+
+
+def test_a_node_wide_query_that_fails_is_nvml_init_only_after_the_bounded_number_of_checks_in_a_row() -> None:
+    settings = replace(DEFAULT, unreadable_after=2)
+    failing = Snapshot(gpus=(gpu(0),), node_error="nvmlDeviceGetCount:UNKNOWN")
+    v: list[Verdict] = []
+    for s in (failing, failing, snap(gpu(0)), failing):
+        v.append(evaluate(s, previous=v[-1] if v else None, settings=settings))
+    assert [x.node_error_streak for x in v] == [1, 2, 0, 1]
+    assert [[f.detail for f in x.node_faults] for x in v] == [
+        [],
+        ["nvmlDeviceGetCount failed for 2 checks in a row (UNKNOWN)"],
+        [],
+        [],
+    ]
+    assert [f.reason for f in v[1].node_faults] == ["nvml-init"]
+    # Before any GPU was read, a failing count is no "NVML reports no GPUs" either.
+    first = evaluate(Snapshot(node_error="nvmlDeviceGetCount:UNKNOWN"), previous=None, settings=settings)
+    assert first.node_faults == ()
+
+
+def test_an_unattributed_xid_stays_a_node_fault_while_nvml_does_not_start() -> None:
+    v = run(snap(gpu(0), xids=(XidEvent(None, None, 79),)), snap(init_error="UNKNOWN"))
+    assert [f.reason for f in v[-1].node_faults] == ["nvml-init", "xid-79"]
+    assert v[-1].gpus[0].faults == ()
+
+
+@pytest.mark.parametrize(
+    ("case", "xid", "readings", "fatal"),
+    [
+        (
+            "Xid 154 NVML could not attribute is the only word of the action",
+            XidEvent(None, None, 154),
+            (0, 0),
+            True,
+        ),
+        ("Xid 154 on a GPU whose field cannot be read", XidEvent(1, "GPU-1", 154), (0, None), True),
+        (
+            "Xid 154 on a GPU whose field reads is what the field says",
+            XidEvent(1, "GPU-1", 154),
+            (None, 0),
+            False,
+        ),
+        (
+            "another ignored Xid on a GPU whose field cannot be read",
+            XidEvent(1, "GPU-1", 13),
+            (0, None),
+            False,
+        ),
+    ],
+)
+def test_xid_154_is_a_fault_only_where_no_recovery_field_reads(
+    case: str, xid: XidEvent, readings: tuple[int | None, int | None], fatal: bool
+) -> None:
+    gpus = (gpu(0, recovery_action=readings[0]), gpu(1, recovery_action=readings[1]))
+    v = evaluate(snap(*gpus, xids=(xid,)), previous=None, settings=DEFAULT)
+    assert (v.fatal_xids, v.ignored_xids) == (((xid,), ()) if fatal else ((), (xid,))), case
+    assert reasons(v) == ([f"xid-{xid.code}"] if fatal else []), case
