@@ -59,6 +59,7 @@ TESTS = (
     "tests/test_policy.py",
     "tests/test_node_plan.py",
     "tests/test_devices.py",
+    "tests/test_devicetrust.py",
     "tests/test_devicebudget.py",
     "tests/test_state.py",
     "tests/test_validation.py",
