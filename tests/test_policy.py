@@ -837,3 +837,19 @@ def test_xid_154_is_a_fault_only_where_no_recovery_field_reads(
     v = evaluate(snap(*gpus, xids=(xid,)), previous=None, settings=DEFAULT)
     assert (v.fatal_xids, v.ignored_xids) == (((xid,), ()) if fatal else ((), (xid,))), case
     assert reasons(v) == ([f"xid-{xid.code}"] if fatal else []), case
+
+
+def test_an_unidentified_gpu_once_lost_stays_lost_when_it_answers_and_reset_required_does_not() -> None:
+    lost = Snapshot(gpus=(gpu(0),), unidentified=((1, "handle:GPU_IS_LOST"),))
+    v = run(lost, snap(gpu(0), gpu(1)))
+    assert [(f.reason, f.uuid, f.gpu_index) for f in v[-1].node_faults] == [("gpu-lost", None, 1)]
+    reset = Snapshot(gpus=(gpu(0),), unidentified=((1, "uuid:RESET_REQUIRED"),))
+    v = run(reset, snap(gpu(0), gpu(1)))
+    assert [reasons(x) for x in v] == [["reset-required"], []]
+
+
+def test_no_gpu_at_all_short_of_the_expected_count_is_one_gpu_missing_fault_not_two() -> None:
+    v = evaluate(snap(), previous=None, settings=replace(DEFAULT, expected_gpus=2))
+    assert [(f.reason, f.detail) for f in v.node_faults] == [
+        ("gpu-missing", "expected 2 GPUs, NVML reports 0")
+    ]
