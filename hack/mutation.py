@@ -125,8 +125,10 @@ JUDGED: dict[str, str] = {
     "gpuguard/node/devicebudget.py RuleBudget.__init__: False -> True": "equivalent: the flag is read only "
     "with a fresh rule, and blocking() sets it with the first",
     "gpuguard/node/devicebudget.py RuleBudget.room: '' -> 'XXXX'": _EMPTY,
-    "gpuguard/node/deviceorder.py rules_past_limit: '' -> 'XXXX'": "equivalent: every invalid claim gets the "
-    "same stand-in, so they keep their order among themselves, after every valid one",
+    "gpuguard/node/deviceorder.py rules_past_limit: '' -> 'XXXX' #2": (
+        "equivalent: the stand-in for an invalid since: every invalid claim gets the same one, so they keep "
+        "their order among themselves (by name), after every valid one"
+    ),
     "gpuguard/node/budget.py quarantine_entry: 'creationTimestamp' -> 'XXcreationTimestampXX' #2": (
         "cosmetic: the creation time shown in the reason a claim is ignored"
     ),

@@ -1182,3 +1182,19 @@ def test_a_node_counts_at_most_one_nodes_worth_in_the_order_however_many_rules_i
     assert rules_past_limit([], [*greedy, honest], 2, now=NOW) == {}
     assert rules_past_limit([], [*greedy, honest], 1, now=NOW) == {honest.name: Fraction(1)}
     assert rules_share([*greedy, honest]) == 2
+
+
+def test_a_rule_of_a_fully_quarantined_node_is_skipped_and_the_rules_after_it_still_take_their_place() -> (
+    None
+):
+    def rule(pool: str, since: str) -> DeviceRule:
+        return own_rule(pool, "gpu-0", annotations={ANN_NODE_GPUS: "1", "gpuguard.io/since": since})
+
+    covered, after = rule("a-full", "2026-12-03T00:00:00Z"), rule("b", "2026-12-03T00:00:09Z")
+    nodes = [("2026-12-03T00:00:05Z", "a-full")]
+    assert rules_past_limit(nodes, [covered, after], 1, now=NOW) == {after.name: Fraction(1)}
+    assert rules_past_limit(nodes, [covered, after], 2, now=NOW) == {}
+    # Two fully quarantined nodes count a whole node each, and neither is ever named.
+    two = [*nodes, ("2026-12-03T00:00:06Z", "c-full")]
+    assert rules_past_limit(two, [after], 2, now=NOW) == {after.name: Fraction(2)}
+    assert rules_past_limit(two, [], 1, now=NOW) == {}
