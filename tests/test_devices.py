@@ -890,6 +890,7 @@ def test_a_rule_with_fields_absent_reads_as_empty_strings_not_none(doc: dict[str
         rule.resource_version,
     )
     assert fields == ("", "", "", "", "", "", "")
+    assert (rule.driver, rule.key, rule.labels) == ("", "", {})
     assert (rule.created, rule.uuid, rule.faults, rule.deferred) == ("", "", frozenset(), False)
 
 
@@ -1096,13 +1097,15 @@ def test_every_recovery_action_is_its_own_taint_value_on_the_gpus_rule_or_the_no
 
 def test_a_rule_left_to_its_defaults_has_no_record_and_proves_no_reboot() -> None:
     rule = DeviceRule(name="r", pool="p", device="d", effect="NoSchedule")
-    assert (rule.taint_value, rule.uid, rule.resource_version, rule.created, rule.reason) == (
+    assert (rule.taint_value, rule.uid, rule.resource_version, rule.created, rule.reason, rule.driver) == (
+        "",
         "",
         "",
         "",
         "",
         "",
     )
+    assert (rule.key, rule.labels, rule.annotations) == (TAINT_KEY, {}, {})
     assert not rule.from_earlier_boot("boot-2") and rule.share == 1 and not rule.deferred
 
 

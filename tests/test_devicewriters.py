@@ -180,3 +180,49 @@ def test_a_dry_run_on_a_cluster_with_v1beta2_rules_plans_the_rule_and_writes_not
 
 def test_a_dry_run_without_a_cluster_does_not_look_for_the_rules_api() -> None:
     assert DryRunDeviceSource(None).api_version is None
+
+
+class PagedRulesApi(FakeResourceApi):
+    """v1 rules served in pages of the limit a list asks for (a `continue` token of the next offset)."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(("v1",))
+        self.queries: list[dict[str, str]] = []
+        for i in range(count):
+            name = f"gpuguard.node-{i:03}.gpu-0"
+            self.rules[name] = {
+                "metadata": {
+                    "name": name,
+                    "labels": {
+                        "gpuguard.io/node": f"node-{i:03}",
+                        "app.kubernetes.io/managed-by": "gpuguard",
+                    },
+                    "annotations": {"gpuguard.io/node-gpus": "8", "gpuguard.io/reason": "ecc: 1 error"},
+                },
+                "spec": {"deviceSelector": {"driver": DRIVER, "pool": f"node-{i:03}", "device": "gpu-0"}},
+            }
+
+    def request(self, method: str, path: str, *, body: Any = None, **kw: Any) -> Any:
+        if method != "GET" or not path.endswith("/devicetaintrules"):
+            return super().request(method, path, body=body, **kw)
+        query = dict(kw.get("query") or {})
+        self.queries.append(query)
+        items = list(self.rules.values())
+        start = int(query.get("continue") or 0)
+        end = start + int(query["limit"]) if "limit" in query else len(items)
+        more = {"continue": str(end)} if end < len(items) else {}
+        return {"items": items[start:end], "metadata": more}
+
+
+def test_every_nodes_rules_are_read_in_pages_of_100_each_kept_as_far_as_the_budget_reads_it() -> None:
+    api = PagedRulesApi(250)
+    rules = source(api).all_rules()
+    assert [q.get("continue") for q in api.queries] == [None, "100", "200"]
+    assert all(q["limit"] == "100" for q in api.queries)
+    assert len({r.name for r in rules}) == 250
+    assert all(r.annotations == {"gpuguard.io/node-gpus": "8"} for r in rules)
+    # gpuguard status reads them whole, in one list.
+    api.queries.clear()
+    whole = source(api).all_rules(whole=True)
+    assert [q.get("limit") for q in api.queries] == [None]
+    assert whole[0].reason == "ecc: 1 error" and len(whole) == 250
