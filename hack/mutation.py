@@ -5,9 +5,9 @@ a return of None, a call statement removed, ...) runs against the fast unit test
 line, chosen from one coverage pass with a context per test. It is killed when one of them fails or runs past
 its timeout. Prints the kill rate per module; docs/reliability.md has the last report.
 
-Not mutated, as wording rather than behaviour: docstrings, annotations, log calls, the text of raised errors,
-the literal parts of f-strings and prose strings (a space and 20 characters or more). A survivor judged
-equivalent or cosmetic is listed in JUDGED with why and left out of the rate.
+Not mutated, as wording rather than behaviour: docstrings, annotations, `__all__`, log calls, the text of
+raised errors, the literal parts of f-strings and prose strings (a space and 20 characters or more). A
+survivor judged equivalent or cosmetic is listed in JUDGED with why and left out of the rate.
 
 Fast because nothing is imported per mutant: each worker collects the tests once (pytest, in a copy of the
 repository) and forks a child per mutant, which swaps the mutated function's code object into the live
@@ -216,6 +216,10 @@ def _skipped(parent: ast.AST, node: ast.AST) -> bool:
         return True  # a docstring
     if isinstance(node, ast.Raise | ast.Assert | ast.Import | ast.ImportFrom | ast.Global):
         return True
+    if isinstance(node, ast.Assign) and any(
+        isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+    ):
+        return True  # the names a star import takes: read by mypy and ruff, by no running code
     call = node.value if isinstance(node, ast.Expr | ast.Assign) else node
     if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute):
         f = call.func

@@ -4,6 +4,7 @@ the test kills and the one it lets survive."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -31,3 +32,16 @@ def test_the_mutator_reports_the_mutant_a_test_kills_and_the_one_it_misses(tmp_p
     assert results == {"return not flag -> return None": "survived", "not flag -> flag": "killed"}
     assert "tiny.py                                 2       1       0        0      50.0%" in r.stdout
     assert "[survived] tiny.py negate: return not flag -> return None" in r.stdout
+
+
+def test_the_mutator_leaves_dunder_all_alone_and_mutates_the_code_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`__all__` names what a star import takes, read by mypy and ruff and by no running code: wording."""
+    spec = importlib.util.spec_from_file_location("mutation", ROOT / "hack" / "mutation.py")
+    assert spec is not None and spec.loader is not None
+    mutation = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "mutation", mutation)  # its dataclasses look their module up
+    spec.loader.exec_module(mutation)
+    (tmp_path / "tiny.py").write_text('__all__ = ["LIMIT"]\nLIMIT = 3\n')
+    assert [m.desc for m in mutation.mutants(tmp_path, "tiny.py")] == ["3 -> 4"]
