@@ -18,6 +18,7 @@ import click
 from gpuguard import __version__, validation
 from gpuguard.config import (
     DEFAULT_IGNORED_XIDS,
+    GPU_COUNT_LABEL,
     GPU_NODE_SELECTOR,
     Config,
     NodeSettings,
@@ -332,6 +333,29 @@ def watch(**kw: Any) -> int:
     help="Mock backend only: check the scenario as it stands this many seconds in (its events up to then, "
     "Xids included, have happened).",
 )
+@_opt(
+    "--node",
+    type=str,
+    default=None,
+    envvar=["GPUGUARD_NODE", "NODE_NAME"],
+    help="The node this check runs on: with a cluster named (in-cluster, --kubeconfig or KUBECONFIG) and "
+    "no --expected-gpus, its --expected-gpus-label is the GPU count to expect. Default: env NODE_NAME.",
+)
+@_opt(
+    "--kubeconfig",
+    type=str,
+    default=None,
+    help="The cluster to read --node from. Default: in-cluster config, then KUBECONFIG; never "
+    "~/.kube/config.",
+)
+@_opt(
+    "--expected-gpus-label",
+    type=str,
+    default=GPU_COUNT_LABEL,
+    show_default=True,
+    help="The node label holding how many GPUs the node has (GPU Feature Discovery's; an instance type's "
+    "count where the cloud labels one). Empty: never read the node.",
+)
 def check(output: str, at: float | None, **kw: Any) -> int:
     """One pass over the GPUs: exit 0 healthy, 1 unhealthy (or no GPU), 2 usage error, 3 no NVML library.
 
@@ -479,7 +503,9 @@ def _config(kw: dict[str, Any], *, watch: bool) -> Config:
         "policy": policy,
     }
     if not watch:
-        return Config(**common, node=NodeSettings(dry_run=True))
+        node = NodeSettings(dry_run=True, name=kw.get("node") or None, kubeconfig=kw.get("kubeconfig"))
+        label = (kw.get("expected_gpus_label") or "").strip()
+        return Config(**common, node=node, expected_gpus_label=label)
     node = NodeSettings(
         name=kw["node"] or None,
         taint_effect=kw["taint_effect"],

@@ -44,6 +44,9 @@ GATE_REMOVALS = ("gpuguard", "external")
 QUARANTINE_MODES = ("auto", "node", "gpu")
 # The label NVIDIA GPU Feature Discovery sets on GPU nodes; also the DaemonSet's nodeSelector.
 GPU_NODE_SELECTOR = "nvidia.com/gpu.present=true"
+# The label NVIDIA GPU Feature Discovery sets to the node's GPU count: `check` expects that many where it can
+# read its node (gpuguard.node.gpucount says why this source).
+GPU_COUNT_LABEL = "nvidia.com/gpu.count"
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,8 @@ class Config:
     """Seconds one NVML call may take before its GPU (or the node) is reported unresponsive
     (gpuguard.nvml.real.deadline says why 5)."""
     log_format: str = "auto"
+    expected_gpus_label: str = GPU_COUNT_LABEL
+    """`check` only: the node label holding the node's GPU count ("": the node is never read)."""
     policy: PolicySettings = field(default_factory=PolicySettings)
     node: NodeSettings = field(default_factory=NodeSettings)
     server: ServerSettings = field(default_factory=ServerSettings)
@@ -175,6 +180,7 @@ MIN_INTERVAL = 0.05
 _LABEL_KEY = r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 _LABEL_VALUE = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?"
 _SELECTOR = re.compile(rf"^{_LABEL_KEY}={_LABEL_VALUE}(,{_LABEL_KEY}={_LABEL_VALUE})*$")
+_LABEL_KEY_ONLY = re.compile(rf"^{_LABEL_KEY}$")
 _DRIVER = re.compile(r"^(?=.{1,63}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _BUDGET = re.compile(r"^(\d{1,6}|\d{1,3}(\.\d{1,3})?%)$")
 
@@ -195,6 +201,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("--nvml-call-timeout must be between 0 and 60 seconds")
     if cfg.log_format not in ("auto", "json", "console"):
         raise ConfigError("--log-format must be json or console")
+    if cfg.expected_gpus_label and not _LABEL_KEY_ONLY.match(cfg.expected_gpus_label):
+        raise ConfigError(f"--expected-gpus-label {cfg.expected_gpus_label!r}: not a label key")
     p = cfg.policy
     if p.ecc_threshold < 0:
         raise ConfigError("--ecc-threshold must be >= 0")

@@ -73,6 +73,7 @@ def check_once(cfg: Config, *, at: float | None = None) -> Check:
     """One pass over the GPUs (`gpuguard check`); `at`: a mock scenario as it stands that many seconds in."""
     if at is not None and cfg.backend != "mock":
         raise ConfigError("--at needs --backend mock: it moves a scenario's clock, not a real GPU's")
+    policy = replace(cfg.policy, expected_gpus=expected_gpus(cfg))
     backend = make_backend(cfg, start_at=at or 0.0)
     backend.open(lambda: None)
     try:
@@ -80,9 +81,30 @@ def check_once(cfg: Config, *, at: float | None = None) -> Check:
     finally:
         backend.close()
     # One pass: an unreadable or unidentified GPU fails the preflight at once (watch waits 3 checks).
-    verdict = evaluate(snapshot, previous=None, settings=replace(cfg.policy, unreadable_after=1))
+    verdict = evaluate(snapshot, previous=None, settings=replace(policy, unreadable_after=1))
     no_library = snapshot.init_error == "LIBRARY_NOT_FOUND" and not cfg.policy.allow_no_gpu
     return Check(verdict=verdict, no_library=no_library)
+
+
+def expected_gpus(cfg: Config) -> int | None:
+    """The GPU count `check` expects: --expected-gpus; else its node's label where it can read one
+    (gpuguard.node.gpucount: a cluster named, the node known, the container sees all the node's GPUs)."""
+    if cfg.policy.expected_gpus is not None or not cfg.expected_gpus_label or not cfg.node.name:
+        return cfg.policy.expected_gpus
+    from gpuguard.node import gpucount  # noqa: PLC0415 - the API client only where a node is read
+
+    if not gpucount.cluster_named(cfg.node.kubeconfig):
+        return None
+    if gpucount.sees_a_share():
+        log.info(
+            "check.expected_gpus_label_skipped",
+            node=cfg.node.name,
+            why="NVIDIA_VISIBLE_DEVICES lists this container's GPUs, not the node's",
+        )
+        return None
+    return gpucount.expected_from_node(
+        cfg.node.name, kubeconfig=cfg.node.kubeconfig, label=cfg.expected_gpus_label
+    )
 
 
 def watch(cfg: Config) -> bool:
