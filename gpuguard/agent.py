@@ -18,7 +18,7 @@ from gpuguard.metrics import Metrics
 from gpuguard.model import AgentStatus, Fault, Snapshot, Verdict
 from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.writers import DRY_RUN_NODE
-from gpuguard.nvml.base import Backend
+from gpuguard.nvml.base import Backend, wait_for
 from gpuguard.policy import evaluate
 from gpuguard.state import StateStore
 from gpuguard.xidcatalog import CATALOG
@@ -107,18 +107,15 @@ class Agent:
         log.info("agent.started", node=self._log_node, interval=self._interval, dry_run=self._dry_run)
         try:
             while not self.stop_event.is_set():
-                self._wake.clear()
                 self._safe_check()
                 next_poll = self._clock() + self._interval
                 if deadline is not None:
                     next_poll = min(next_poll, deadline)
-                while not self.stop_event.is_set() and not self._wake.is_set():
-                    left = next_poll - self._clock()
-                    if left <= 0:
-                        break
-                    # One wait per poll (an idle agent must cost next to nothing): an Xid or stop() sets
-                    # _wake and ends it at once.
-                    self._wake.wait(left)
+                if not self.stop_event.is_set():
+                    # Until the next poll; an Xid or stop() sets _wake and ends it at once. The backend
+                    # clears _wake as the next reading begins (nvml: on its reading thread, which reads
+                    # meanwhile), so a wake-up that comes during a check is never lost.
+                    self._safe_wait(next_poll)
                 if deadline is not None and self._clock() >= deadline:
                     break
         finally:
@@ -240,6 +237,15 @@ class Agent:
             # A bug or an unexpected backend failure must not kill the loop; if it persists, /healthz
             # turns "stalled" and kubelet restarts the agent.
             log.exception("check.failed", node=self._log_node)
+
+    def _safe_wait(self, until: float) -> None:
+        try:
+            self._backend.wait(until, self._wake)
+        except Exception:
+            # A pass read ahead failed in a way a check would have logged: log it, and let the next check
+            # read again (a wait that returns at once is not a spin: the check is the backend's own pass).
+            log.exception("check.failed", node=self._log_node)
+            wait_for(until, self._wake, self._clock)
 
     def _flush_ignored(self, now: float) -> None:
         """One line per code whose window ended with Xids it did not log: how many."""

@@ -645,3 +645,36 @@ def test_a_steady_gpu_is_read_every_pass_into_the_same_objects_and_a_change_or_a
         "changed_gpu_reads": [False, 1],
         "xid_once": [1, False, 0, False],
     }
+
+
+def _wakeups(pid: int) -> int:
+    """Voluntary context switches of every thread of a live process (a thread went to sleep: one wake-up)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        lines = status.splitlines()
+        total += sum(int(x.split()[1]) for x in lines if x.startswith("voluntary_ctxt_switches:"))
+    return total
+
+
+def test_an_idle_poll_wakes_the_reading_thread_once_and_the_agents_thread_once(
+    fakenvml: Path, tmp_path: Path
+) -> None:
+    """The reading thread keeps a plan between polls (it sleeps until the next poll's time and runs the pass
+    by itself), so an idle poll is two wake-ups in the whole process; handing each pass over woke the two
+    threads four to five times a poll (the request, the answer, the GIL between them), the idle CPU goal's
+    cost (docs/performance.md)."""
+    s = state_file(tmp_path, "".join(f"gpu {i} uuid=GPU-{i}\n" for i in range(8)))
+    p = WatchProcess("--backend", "nvml", "--dry-run", "--interval", "0.1", env=env(fakenvml, s)).start()
+    try:
+        p.wait_first_check(15)
+        time.sleep(0.5)  # past the start-up
+        before, t0 = _wakeups(p.pid), time.monotonic()
+        time.sleep(5.0)
+        per_poll = (_wakeups(p.pid) - before) / ((time.monotonic() - t0) / 0.1)
+    finally:
+        assert p.stop() == 0
+    assert per_poll < 3.0, f"{per_poll:.2f} wake-ups a poll"

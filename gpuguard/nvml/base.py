@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -19,5 +21,21 @@ class Backend(Protocol):
     def snapshot(self) -> Snapshot:
         """Read every GPU, plus the Xids delivered since the previous call (each Xid exactly once)."""
 
+    def wait(self, until: float, wake: threading.Event) -> None:
+        """Return at `until` (the agent's clock) or once `wake` is set, with `wake` cleared as the reading
+        the next snapshot() returns begins (a wake-up after that wakes the next wait). A backend that reads on
+        a thread of its own reads there meanwhile, so snapshot() then hands over what it read."""
+
     def close(self) -> None:
         """Stop background threads and release NVML. Idempotent."""
+
+
+def wait_for(until: float, wake: threading.Event, clock: Callable[[], float] = time.monotonic) -> None:
+    """Backend.wait for a backend that reads in snapshot() itself: one wait per poll (an idle agent must cost
+    next to nothing); `wake` (an Xid, stop()) ends it at once."""
+    while not wake.is_set():
+        left = until - clock()
+        if left <= 0:
+            break
+        wake.wait(left)
+    wake.clear()

@@ -17,7 +17,7 @@ import yaml
 
 from gpuguard.errors import ScenarioError
 from gpuguard.model import GpuReading, Snapshot, XidEvent
-from gpuguard.nvml.base import Wakeup
+from gpuguard.nvml.base import Wakeup, wait_for
 
 DEFAULT_SCENARIO = "demo.yaml"
 
@@ -227,6 +227,9 @@ class MockBackend:
             self._pending_xids.clear()
             gpus = tuple(self._gpus[i] for i in sorted(self._gpus))
         return Snapshot(gpus=tuple(_as_read(g) for g in gpus), xids=xids, driver_version="mock")
+
+    def wait(self, until: float, wake: threading.Event) -> None:
+        wait_for(until, wake, self._clock)
 
     def close(self) -> None:
         self._stop.set()

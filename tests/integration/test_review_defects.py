@@ -9,6 +9,7 @@ the defect's own reason."""
 
 from __future__ import annotations
 
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -21,7 +22,7 @@ from gpuguard.config import NodeSettings, PolicySettings
 from gpuguard.model import GpuReading, Snapshot
 from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.writers import KubeNodeWriter, load_api_client
-from gpuguard.nvml.base import Wakeup
+from gpuguard.nvml.base import Wakeup, wait_for
 from tests.integration.fixtures import USER_AGENT, admin, start_agent  # noqa: F401
 from tests.integration.kube import GPUS_OK, TAINT_KEY, Admin, eventually
 
@@ -214,6 +215,9 @@ class _FlippingNvml:
 
     def close(self) -> None:
         pass
+
+    def wait(self, until: float, wake: threading.Event) -> None:
+        wait_for(until, wake)
 
     def snapshot(self) -> Snapshot:
         self.n += 1

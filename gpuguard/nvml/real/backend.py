@@ -18,7 +18,7 @@ import pynvml
 import structlog
 
 from gpuguard.model import Snapshot
-from gpuguard.nvml.base import Wakeup
+from gpuguard.nvml.base import Wakeup, wait_for
 from gpuguard.nvml.real.common import XID_RECOVERY_ACTION, Device, error_name, handle_key, is_lost, text
 from gpuguard.nvml.real.deadline import (
     CALL_DEADLINE_S,
@@ -71,6 +71,8 @@ class NvmlBackend:
             heartbeat=6 * deadline,
         )
         self._wakeup: Wakeup = lambda: None
+        # What the reading thread read while the caller waited (wait()), handed over by the next snapshot().
+        self._ready: Snapshot | Hang | Exception | None = None
 
     @property
     def longest_wait(self) -> float:
@@ -84,10 +86,24 @@ class NvmlBackend:
         self._events.wakeup = wakeup
         self._events.prepare()
 
+    def wait(self, until: float, wake: threading.Event) -> None:
+        """The next pass runs on the reading thread at `until` (or at once on `wake`): the reading thread
+        keeps that plan from pass to pass, so an idle poll is one wake-up of it and one of the caller."""
+        if self._runner.hung(NODE) is not None:
+            wait_for(until, wake, self._clock)  # a node-wide call hangs: no pass until it returns
+            return
+        try:
+            self._ready = self._runner.next(self._read_pass, at=until, early=wake)
+        except Exception as exc:  # the pass's own failure: raised by the snapshot() that hands it over
+            self._ready = exc
+
     def snapshot(self) -> Snapshot:
+        ready, self._ready = self._ready, None
+        if isinstance(ready, Exception):
+            raise ready
         node = self._runner.hung(NODE)
-        if node is None:
-            result = self._runner.run(self._read_pass)
+        if node is None or ready is not None:
+            result = ready if ready is not None else self._runner.run(self._read_pass)
             if isinstance(result, Snapshot):
                 return result
             if result.key != NODE:
@@ -122,11 +138,12 @@ class NvmlBackend:
             return self._hung_snapshot(None, node_error=f"nvmlDeviceGetCount:{error_name(exc)}")
         p.at("nvmlEventSetFree")
         self._events.rebuild_if_asked()
+        hung = self._hung_by_uuid()
         if (
             count != self._count
-            or self._moved(p)
+            or self._moved(p, hung)
             or self._unidentified
-            or any(d.enumeration_error and not d.lost_at_enumeration for d in self._devices)
+            or any([d.enumeration_error and not d.lost_at_enumeration for d in self._devices])
         ):
             self._enumerate(count, p)
         self._events.ensure(p)
@@ -135,11 +152,17 @@ class NvmlBackend:
         for x in self._events.take_xids(keep=True):
             if x.code == XID_RECOVERY_ACTION and x.uuid in self._by_uuid:
                 self._by_uuid[x.uuid].recovery_probe_at = now  # the driver announces an action: read it
+        # Whether every registered GPU is watched now: asked once per pass, not once per GPU.
+        watched = self._events.all_watched()
         gpus = tuple(
-            unresponsive(d, hung[d.uuid], self._events.watch_state(d))
-            if d.uuid in hung
-            else read(d, *self._events.watch_state(d), mark=p.at, now=now)
-            for d in self._devices
+            [
+                unresponsive(d, hung[d.uuid], self._events.watch_state(d))
+                if d.uuid in hung
+                else read(d, True, "", p, now)
+                if watched and d.registered
+                else read(d, *self._events.watch_state(d), p, now)
+                for d in self._devices
+            ]
         )
         # Taken only now: a pass given up at its deadline must leave them to the check that reports the hang.
         if p.abandoned:
@@ -156,26 +179,25 @@ class NvmlBackend:
             and last.unidentified == unidentified
             and last.unresponsive is None
             and last.stuck_calls == stuck
-            and len(last.gpus) == len(gpus)
-            and all(a is b for a, b in zip(last.gpus, gpus, strict=True))
+            and last.gpus == gpus
         ):
-            # Every GPU read the same as at the previous pass (the same reading objects) and no Xid came:
-            # the same snapshot, so the agent's remembered evaluation applies without comparing fields.
+            # Every GPU read the same as at the previous pass (the same reading objects: the tuples compare
+            # by identity first) and no Xid came: the same snapshot, so the agent's remembered evaluation
+            # applies without comparing fields.
             return last
         self._last = Snapshot(
             gpus=gpus, xids=xids, driver_version=self._driver, unidentified=unidentified, stuck_calls=stuck
         )
         return self._last
 
-    def _moved(self, p: Pass) -> bool:
+    def _moved(self, p: Pass, hung: dict[str, Hang]) -> bool:
         """Whether any GPU's handle answers another UUID than it was enumerated with (a reorder, a swap, a
         re-plug): then the pass enumerates again before it records a reading, so no reading, Xid or loss is
         ever put on another GPU's UUID. One UUID read per GPU and pass."""
-        hung = self._hung_by_uuid()
         for d in self._devices:
             if d.lost_at_enumeration or d.enumeration_error or d.handle is None or d.uuid in hung:
                 continue
-            p.at("nvmlDeviceGetUUID", uuid=d.uuid, index=d.index)
+            p.at("nvmlDeviceGetUUID", d.uuid, d.index)
             try:
                 uuid = text(pynvml.nvmlDeviceGetUUID(d.handle))
             except pynvml.NVMLError:
@@ -212,10 +234,14 @@ class NvmlBackend:
             self._events.put_back(result.xids)
 
     def _stuck(self) -> tuple[str, ...]:
-        return tuple(sorted([h.detail for h in self._runner.hangs()] + self._events.stuck_calls()))
+        hangs, events = self._runner.hangs(), self._events.stuck_calls()
+        if not hangs and not events:
+            return ()
+        return tuple(sorted([h.detail for h in hangs] + events))
 
     def _hung_by_uuid(self) -> dict[str, Hang]:
-        return {h.uuid: h for h in self._runner.hangs() if h.uuid}
+        hangs = self._runner.hangs()
+        return {h.uuid: h for h in hangs if h.uuid} if hangs else {}
 
     def _hung_handles(self) -> set[int]:
         """Handles of GPUs with a call in flight: the event thread does not call into them."""
@@ -334,7 +360,7 @@ class NvmlBackend:
             if known is not None and handle_key(known.handle) == handle_key(handle):
                 devices.append(replace(known, index=i, lost_at_enumeration=False, enumeration_error=None))
             else:
-                devices.append(describe(i, handle, uuid, mark=p.at))
+                devices.append(describe(i, handle, uuid, p))
         for i, error in unidentified:
             if (i, error) not in self._unidentified:
                 log.warning("nvml.gpu_unidentified", gpu=i, error=error, xid_watched=False)

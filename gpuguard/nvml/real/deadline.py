@@ -2,8 +2,14 @@
 
 A failing GPU can block an NVML call in the driver for good (an ECC or UUID read that never returns), and
 Python cannot interrupt a thread inside a C call. So the backend's pass runs on a reading thread of its own
-(`Runner`), and the caller waits for it with a deadline that restarts at every call the pass marks
-(`Pass.at`): the deadline is per call, not per pass, so a node with many GPUs is never cut short.
+(`Runner`), and the caller waits for it with a deadline that restarts at every mark of the pass (`Pass.at`:
+each node-wide call, each GPU's UUID check and each GPU's reading, whose further calls only name
+themselves): the deadline is per call, or per GPU's few calls, never per pass, so a node with many GPUs is
+never cut short.
+
+A pass is run either now (`run`: the caller hands it over and waits) or by plan (`next`): the reading thread
+keeps the plan from pass to pass, sleeping until the next one's time or until the caller's wake-up event is
+set, so at each poll it wakes once by itself and the caller once, for the result.
 
 A call past its deadline is a `Hang`: the caller stops waiting and reports it (`gpu-unresponsive` for a
 GPU's call, `nvml-unresponsive` for a node-wide one), the thread is given up (it ends at its next mark
@@ -100,7 +106,31 @@ class Pass:
         return NODE if self.index is None else ("index", str(self.index))
 
 
-_Job = tuple[Callable[["Pass"], Any], "Pass", list[Any], threading.Lock] | None
+_LOOK = object()  # put on a reading thread's queue: a plan was set, look at it
+
+
+@dataclass(eq=False)
+class _Plan:
+    """A pass the reading thread runs by itself at `due`, or at once when `early` is set, and again `period`
+    after each start: an idle poll wakes the reading thread once (its time) and the waiting caller once (the
+    result), with no hand-over in between (each one costs a thread wake-up, and CPython's GIL one more)."""
+
+    job: Callable[[Pass], Any]
+    due: float
+    period: float
+    early: threading.Event
+    # A Pass alone: it began early (the caller's deadline runs from now); (Pass, result): it is done.
+    out: queue.SimpleQueue[Any]
+    current: Pass | None = None
+
+
+class _Reader:
+    """One reading thread: the one-off jobs it is handed, or the plan it keeps."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.plan: _Plan | None = None
+        self.thread: threading.Thread | None = None
 
 
 class Runner:
@@ -119,8 +149,7 @@ class Runner:
         self._discarded = discarded
         self._clock = clock
         self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[_Job] | None = None
-        self._thread: threading.Thread | None = None
+        self._reader: _Reader | None = None
         self._hangs: dict[tuple[str, ...], Hang] = {}
 
     @property
@@ -137,7 +166,7 @@ class Runner:
             return self._hangs.get(key)
 
     def run(self, job: Callable[[Pass], T]) -> T | Hang:
-        """job(pass) on the reading thread: its result, or the Hang that ended the wait."""
+        """job(pass) on the reading thread now: its result, or the Hang that ended the wait."""
         p = Pass(self._clock, self._limits)
         box: list[Any] = []
         # Held until the pass is done: a bare lock is the cheapest hand-back CPython has (an Event is a
@@ -145,77 +174,176 @@ class Runner:
         done = threading.Lock()
         done.acquire()
         with self._lock:
-            if self._jobs is None:
-                self._jobs = queue.SimpleQueue()
-                self._thread = threading.Thread(
-                    target=self._work, args=(self._jobs,), name="gpuguard-nvml-read", daemon=True
-                )
-                self._thread.start()
-            self._jobs.put((job, p, box, done))
+            reader = self._started()
+            plan, reader.plan = reader.plan, None
+            reader.jobs.put((job, p, box, done))
+        if plan is not None:
+            plan.early.set()  # the thread waits for its plan's time: end that wait (the plan is off)
         hang = None
         while hang is None and not done.acquire(timeout=max(0.0, p.since + p.limit - self._clock())):
-            hang = self._give_up(p, box)
+            hang = self._give_up(p, lambda: bool(box))
         if hang is not None:
-            log.warning(
-                "nvml.call_hung",
-                call=hang.call,
-                gpu=hang.index,
-                uuid=hang.uuid,
-                deadline_s=hang.limit,
-                stuck_threads=len(self.hangs()),
-                action="reported as unresponsive; skipped until it returns",
-            )
-            return hang
+            return self._hung(hang)
         if isinstance(box[0], BaseException):
             raise box[0]
         result: T = box[0]
         return result
 
+    def next(self, job: Callable[[Pass], T], *, at: float, early: threading.Event) -> T | Hang | None:
+        """The result of job(pass) planned for `at`, or begun sooner once `early` is set (and `early` cleared
+        as it begins): the reading thread runs it by itself, and again `at - now` after each start, so the
+        next call finds the thread already waiting for its time. The Hang that ended the wait; None when
+        `at` came before the plan's time (a wait shorter than the period: nothing was read)."""
+        with self._lock:
+            reader = self._started()
+            plan = reader.plan
+            if plan is None or plan.job != job or plan.early is not early:
+                plan = _Plan(
+                    job, due=at, period=max(0.0, at - self._clock()), early=early, out=queue.SimpleQueue()
+                )
+                reader.plan = plan
+                reader.jobs.put(_LOOK)
+        while True:
+            with self._lock:
+                p = plan.current
+            if p is not None:
+                until = p.since + p.limit
+            elif plan.due > at:
+                until = at
+            else:
+                until = max(plan.due, self._clock()) + self._limits[0]
+            try:
+                item = plan.out.get(timeout=max(0.0, until - self._clock()))
+            except queue.Empty:
+                if p is None:
+                    if plan.due > at and self._clock() >= at:
+                        return None
+                    continue  # not begun yet (a thread late to run): no call is in flight
+                hang = self._give_up(p, lambda p=p: plan.current is not p)  # type: ignore[misc]
+                if hang is not None:
+                    return self._hung(hang)
+                continue
+            if isinstance(item, Pass):
+                continue  # begun early: the deadline runs from its start
+            result = item[1]
+            if isinstance(result, BaseException):
+                raise result
+            out: T = result
+            return out
+
     def stop(self) -> None:
         """End the reading thread (not one given up: it ends when its call returns)."""
         with self._lock:
-            jobs, thread, self._jobs, self._thread = self._jobs, self._thread, None, None
-        if jobs is not None and thread is not None:
-            jobs.put(None)
-            thread.join(1.0)
+            reader, self._reader = self._reader, None
+        if reader is None:
+            return
+        plan, reader.plan = reader.plan, None
+        reader.jobs.put(None)
+        if plan is not None:
+            plan.early.set()
+        if reader.thread is not None:
+            reader.thread.join(1.0)
 
-    def _give_up(self, p: Pass, box: list[Any]) -> Hang | None:
+    def _started(self) -> _Reader:
+        """The current reading thread's reader (a new thread if there is none). Under self._lock."""
+        if self._reader is None:
+            reader = _Reader()
+            thread = threading.Thread(
+                target=self._work, args=(reader,), name="gpuguard-nvml-read", daemon=True
+            )
+            reader.thread = thread
+            self._reader = reader
+            thread.start()
+        return self._reader
+
+    def _hung(self, hang: Hang) -> Hang:
+        log.warning(
+            "nvml.call_hung",
+            call=hang.call,
+            gpu=hang.index,
+            uuid=hang.uuid,
+            deadline_s=hang.limit,
+            stuck_threads=len(self.hangs()),
+            action="reported as unresponsive; skipped until it returns",
+        )
+        return hang
+
+    def _give_up(self, p: Pass, finished: Callable[[], bool]) -> Hang | None:
         """The Hang if the call in flight is past its deadline (None: done, or a later call's time runs)."""
         with self._lock:
-            if box or self._clock() < p.since + p.limit:
+            if finished() or self._clock() < p.since + p.limit:
                 return None
             p.abandoned = True
-            self._jobs = self._thread = None  # this thread is given up: the next pass gets a fresh one
+            self._reader = None  # this thread is given up: the next pass gets a fresh one
             hang = Hang(call=p.call, key=p.key, uuid=p.uuid, index=p.index, limit=p.limit, since=p.since)
             self._hangs[p.key] = hang
             return hang
 
-    def _work(self, jobs: queue.SimpleQueue[_Job]) -> None:
+    def _work(self, reader: _Reader) -> None:
         while True:
-            item = jobs.get()
+            plan = reader.plan
+            if plan is not None:
+                if not self._planned(reader, plan):
+                    return
+                continue
+            item = reader.jobs.get()
             if item is None:
                 return
+            if item is _LOOK:
+                continue
             job, p, box, done = item
-            try:
-                result: Any = job(p)
-            except Abandoned:
-                result = None
-            except Exception as exc:  # handed to the caller, which logs it
-                result = exc
+            result = self._call(job, p)
             with self._lock:
                 if not p.abandoned:
                     box.append(result)
                     done.release()
                     continue
                 hang = self._hangs.pop(p.key, None)
-            if result is not None and not isinstance(result, BaseException):
-                self._discarded(result)
-            if hang is not None:
-                log.info(
-                    "nvml.call_returned",
-                    call=hang.call,
-                    gpu=hang.index,
-                    uuid=hang.uuid,
-                    after_s=round(self._clock() - hang.since, 3),
-                )
+            self._returned(result, hang)
             return
+
+    def _planned(self, reader: _Reader, plan: _Plan) -> bool:
+        """Wait for the plan's time (or `early`), run its pass, hand the result over. False: the thread is
+        given up (its pass passed a deadline) and ends."""
+        began_early = plan.early.wait(max(0.0, plan.due - self._clock()))
+        if reader.plan is not plan:
+            return True  # the plan was taken off meanwhile: a one-off job or a new plan is waiting
+        plan.early.clear()
+        p = Pass(self._clock, self._limits)
+        start = p.since
+        with self._lock:
+            plan.current = p
+        if began_early:
+            plan.out.put(p)
+        result = self._call(plan.job, p)
+        with self._lock:
+            if not p.abandoned:
+                plan.current = None
+                plan.due = start + plan.period
+                plan.out.put((p, result))
+                return True
+            hang = self._hangs.pop(p.key, None)
+        self._returned(result, hang)
+        return False
+
+    @staticmethod
+    def _call(job: Callable[[Pass], Any], p: Pass) -> Any:
+        try:
+            return job(p)
+        except Abandoned:
+            return None
+        except Exception as exc:  # handed to the caller, which logs it
+            return exc
+
+    def _returned(self, result: Any, hang: Hang | None) -> None:
+        """A given-up thread's pass came back: its result is not lost, and the call is logged as returned."""
+        if result is not None and not isinstance(result, BaseException):
+            self._discarded(result)
+        if hang is not None:
+            log.info(
+                "nvml.call_returned",
+                call=hang.call,
+                gpu=hang.index,
+                uuid=hang.uuid,
+                after_s=round(self._clock() - hang.since, 3),
+            )

@@ -53,7 +53,6 @@ STOP_TIMEOUT_S = SHORT_WAIT_MS / 1000 + 1
 # A wait that blocked at least this long before it failed counts as a good one (the backoff starts over).
 GOOD_WAIT_S = 1.0
 
-
 Attribute = Callable[[str | None, Any], Device | None]
 """The GPU an event names, by its UUID (None: not readable) or else its handle; None when not known."""
 
@@ -164,10 +163,12 @@ class EventPath:
             out.append("nvmlEventSetWait (an event thread given up) has not returned")
         return out
 
+    def all_watched(self) -> bool:  # watch_state is (True, "") for every registered GPU
+        return self._event_set is not None and not self._rebuild.is_set() and not self._stuck
+
     def watch_state(self, d: Device) -> tuple[bool, str]:
         """Whether this GPU's Xids are watched now, and if not, why."""
-        watched = bool(d.registered) and self._event_set is not None and not self._rebuild.is_set()
-        if watched and not self._stuck:
+        if d.registered and self.all_watched():
             return True, ""
         if self._stuck:
             return False, self._stuck

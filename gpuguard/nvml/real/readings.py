@@ -3,7 +3,6 @@ description read once when a GPU is first seen (name, PCI bus id, whether ECC ap
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -19,24 +18,17 @@ from gpuguard.nvml.real.common import (
     not_supported,
     text,
 )
-from gpuguard.nvml.real.deadline import Hang
-
-Mark = Callable[..., None]
-"""deadline.Pass.at: called before each NVML call, with the call's name and the GPU's uuid and index."""
+from gpuguard.nvml.real.deadline import Hang, Pass
 
 
-def _no_mark(call: str, **where: Any) -> None:
-    """No deadline bookkeeping (a caller that is not a deadline-bound pass)."""
-
-
-def describe(index: int, handle: Any, uuid: str, *, mark: Mark = _no_mark) -> Device:
-    mark("nvmlDeviceGetName", uuid=uuid, index=index)
+def describe(index: int, handle: Any, uuid: str, p: Pass) -> Device:
+    p.at("nvmlDeviceGetName", uuid, index)
     name = _optional(lambda: text(pynvml.nvmlDeviceGetName(handle)), "")
-    mark("nvmlDeviceGetPciInfo", uuid=uuid, index=index)
+    p.at("nvmlDeviceGetPciInfo", uuid, index)
     pci = _optional(lambda: text(pynvml.nvmlDeviceGetPciInfo(handle).busId), "")
     ecc_supported = True
     try:
-        mark("nvmlDeviceGetEccMode", uuid=uuid, index=index)
+        p.at("nvmlDeviceGetEccMode", uuid, index)
         current, _pending = pynvml.nvmlDeviceGetEccMode(handle)
         ecc_supported = bool(current)  # ECC disabled: counters are not applicable
     except pynvml.NVMLError as exc:
@@ -75,14 +67,19 @@ def last_reading(d: Device, watch: tuple[bool, str]) -> GpuReading:
 RECOVERY_PROBE_S = 600.0
 
 
-def read(d: Device, watched: bool, watch_note: str, *, mark: Mark = _no_mark, now: float = 0.0) -> GpuReading:
+def read(d: Device, watched: bool, watch_note: str, p: Pass, now: float) -> GpuReading:
     """This pass's reading of one GPU: every query asked again. The GpuReading object is the one of the
     previous pass when every value is the same (a steady GPU allocates nothing, and the snapshot and the
-    remembered evaluation compare by identity first)."""
+    remembered evaluation compare by identity first).
+
+    One deadline covers the GPU's whole reading (a few calls of microseconds each): it starts at the GPU,
+    and each call only names itself (`p.call`), so a hang is still the exact call on the exact GPU, for a
+    store per call instead of a clock read (the idle CPU goal, docs/performance.md)."""
     if d.lost_at_enumeration:
         return _reading(d, watched, watch_note, _LOST_VALUES)
     if d.enumeration_error:
         return _reading(d, watched, watch_note, (None, None, None, None, (d.enumeration_error,), True, None))
+    p.at("nvmlDeviceGetTotalEccErrors", d.uuid, d.index)
     ecc: int | None = None
     remap_failure: bool | None = None
     remap_pending: bool | None = None
@@ -91,7 +88,6 @@ def read(d: Device, watched: bool, watch_note: str, *, mark: Mark = _no_mark, no
     answered = 0
     try:
         if d.ecc_supported:
-            mark("nvmlDeviceGetTotalEccErrors", uuid=d.uuid, index=d.index)
             ecc = int(
                 pynvml.nvmlDeviceGetTotalEccErrors(
                     d.handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
@@ -107,7 +103,7 @@ def read(d: Device, watched: bool, watch_note: str, *, mark: Mark = _no_mark, no
             errors.append(f"ecc:{error_name(exc)}")
     try:
         if d.remap_supported:
-            mark("nvmlDeviceGetRemappedRows", uuid=d.uuid, index=d.index)
+            p.call = "nvmlDeviceGetRemappedRows"
             _corr, _unc, pending, failure = pynvml.nvmlDeviceGetRemappedRows(d.handle)
             remap_failure, remap_pending = bool(failure), bool(pending)
             answered += 1
@@ -120,7 +116,7 @@ def read(d: Device, watched: bool, watch_note: str, *, mark: Mark = _no_mark, no
             errors.append(f"remap:{error_name(exc)}")
     if d.recovery_supported or now >= d.recovery_probe_at:
         try:
-            mark("nvmlDeviceGetFieldValues", uuid=d.uuid, index=d.index)
+            p.call = "nvmlDeviceGetFieldValues"
             action, error = _recovery_action(d.handle)
             d.recovery_supported = error != "NOT_SUPPORTED"
             if not d.recovery_supported:
@@ -139,7 +135,7 @@ def read(d: Device, watched: bool, watch_note: str, *, mark: Mark = _no_mark, no
     if not answered and not errors:
         # Nothing else is polled on this GPU: probe it so a lost or broken GPU still shows.
         try:
-            mark("nvmlDeviceGetUUID", uuid=d.uuid, index=d.index)
+            p.call = "nvmlDeviceGetUUID"
             pynvml.nvmlDeviceGetUUID(d.handle)
             answered += 1
         except pynvml.NVMLError as exc:
@@ -149,7 +145,7 @@ def read(d: Device, watched: bool, watch_note: str, *, mark: Mark = _no_mark, no
     retired: tuple[int, bool] | None = None
     if d.retired_supported:
         try:
-            retired = _retired_pages(d, mark)
+            retired = _retired_pages(d, p)
             answered += 1
         except pynvml.NVMLError as exc:
             if is_lost(exc):
@@ -201,11 +197,11 @@ def _reading(d: Device, watched: bool, watch_note: str, values: _Values) -> GpuR
     return reading
 
 
-def _retired_pages(d: Device, mark: Mark) -> tuple[int, bool]:
+def _retired_pages(d: Device, p: Pass) -> tuple[int, bool]:
     """(pages retired, whether some are pending retirement): dynamic page retirement, pre-Ampere GPUs."""
-    mark("nvmlDeviceGetRetiredPagesPendingStatus", uuid=d.uuid, index=d.index)
+    p.call = "nvmlDeviceGetRetiredPagesPendingStatus"
     pending = bool(pynvml.nvmlDeviceGetRetiredPagesPendingStatus(d.handle))
-    mark("nvmlDeviceGetRetiredPages", uuid=d.uuid, index=d.index)
+    p.call = "nvmlDeviceGetRetiredPages"
     count = sum(len(pynvml.nvmlDeviceGetRetiredPages(d.handle, cause)) for cause in (0, 1))  # SBE, DBE
     return count, pending
 
