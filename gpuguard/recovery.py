@@ -1,7 +1,7 @@
-"""How faults end without a reboot (docs/design.md, "recovery"): the recovery-action rule (which faults the
-driver's own NVML_FI_DEV_GET_GPU_RECOVERY_ACTION proves gone), the reasons a healthy reading proves gone, and
-the rule for calls past their deadline (gpu-unresponsive, nvml-unresponsive). Pure, like the policy that
-calls it."""
+"""How faults end without a reboot (docs/design.md, "The node's state machine", -> HEALTHY): the
+recovery-action rule (which faults the driver's own NVML_FI_DEV_GET_GPU_RECOVERY_ACTION proves gone), the
+reasons a healthy reading proves gone, and the rule for calls past their deadline (gpu-unresponsive,
+nvml-unresponsive). Pure, like the policy that calls it."""
 
 from __future__ import annotations
 

@@ -364,7 +364,7 @@ def test_the_image_tag_and_extra_args_reach_the_containers(helm: Helm) -> None:
     )
     spec = _pod_spec(rendered)
     for c in spec["containers"] + spec["initContainers"]:
-        assert (c["image"], c["imagePullPolicy"]) == ("ghcr.io/gpuguard/gpuguard:0.2.0", "Always")
+        assert (c["image"], c["imagePullPolicy"]) == ("registry.example.com/gpuguard:0.2.0", "Always")
     assert _agent(rendered)["args"] == ["watch", "--dry-run"]
 
 

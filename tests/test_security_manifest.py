@@ -303,9 +303,12 @@ def _cel(path: Path) -> str:
 def test_the_readmes_deploy_command_applies_every_policy_and_the_events_priority_level() -> None:
     """The red team found the README applying the node policy only: a token could then taint every GPU."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    command = re.search(r"```sh\n(kubectl apply -f deploy/daemonset\.yaml.*?)```", readme, re.S)
+    # The first install: the manifest (through a sed that starts the agents in dry run) and the policies.
+    command = re.search(
+        r"```sh\n(sed [^\n]* deploy/daemonset\.yaml \| kubectl apply -f - .*?)```", readme, re.S
+    )
     assert command is not None, "the README's deploy command"
-    applied = set(re.findall(r"-f (deploy/\S+\.yaml)", command.group(1)))
+    applied = set(re.findall(r"(deploy/\S+\.yaml)", command.group(1)))
     wanted = {f"deploy/{p.name}" for p in (ROOT / "deploy").glob("admission-policy*.yaml")}
     assert wanted == {
         "deploy/admission-policy.yaml",

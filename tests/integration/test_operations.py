@@ -436,3 +436,45 @@ def test_the_plain_manifests_apply_and_delete_with_kubectl_and_why_the_namespace
     with pytest.raises(kubernetes.client.exceptions.ApiException) as exc:
         rbac.read_cluster_role("gpuguard")
     assert exc.value.status == 404
+
+
+def readme_deploy_blocks() -> list[str]:
+    """The ```sh blocks of the README's Deploy section, in order."""
+    deploy = README.read_text().split("\n## Deploy\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^```sh\n(.*?)^```$", deploy, re.M | re.S)
+
+
+def test_the_readmes_plain_manifest_deploy_starts_in_dry_run_and_enforces_with_the_file_as_shipped(
+    cluster: Any, admin: Admin, tmp_path: Path
+) -> None:
+    """The README's Deploy section run as written: the plain manifests with every admission policy and the
+    agents in dry run, then the file as shipped (enforcing); its Helm block is the page's install (above)."""
+    helm4 = build_helm(tmp_path / "helm-home")
+    env = tools_env(tmp_path, cluster, helm4.binary, helm4.env)
+    first, enforce, with_helm = readme_deploy_blocks()
+    assert with_helm == blocks()[0][1]
+
+    def run(text: str) -> str:
+        result = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", text],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert result.returncode == 0, f"{text}\n{result.stdout}\n{result.stderr}"
+        return result.stdout
+
+    def args() -> list[str]:
+        ds = admin.apps.read_namespaced_daemon_set("gpuguard", "gpuguard")
+        return list(ds.spec.template.spec.containers[0].args)
+
+    out = run(first)
+    assert args() == ["watch", "--dry-run"]
+    for name in ("own-node-only", "own-devices-only", "own-events-only"):
+        assert f"validatingadmissionpolicybinding.admissionregistration.k8s.io/gpuguard-{name} created" in out
+    assert "flowschema.flowcontrol.apiserver.k8s.io/gpuguard-events created" in out
+    run(enforce)
+    assert args() == ["watch"]
