@@ -9,6 +9,9 @@ agent setting it names, and every setting the chart can render must be one `gpug
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +198,9 @@ ENV_CASES: list[tuple[list[str], dict[str, str], set[str]]] = [
     (["--set", "flapWindow=0"], {"GPUGUARD_FLAP_WINDOW": "0"}, set()),
     (["--set", "flapWindow=null"], {}, {"GPUGUARD_FLAP_WINDOW"}),
     (["--set", "ignoredXids={13,43}"], {"GPUGUARD_IGNORE_XIDS": "13,43"}, set()),
+    # [] is "none", as --ignore-xids '' (the agent's empty variable means the same); null the built-in list.
+    (["--set-json", "ignoredXids=[]"], {"GPUGUARD_IGNORE_XIDS": ""}, set()),
+    (["--set", "ignoredXids=null"], {}, set()),
     (["--set", "fatalXids={13}"], {"GPUGUARD_FATAL_XIDS": "13"}, set()),
     (["--set", "eccThreshold=0"], {"GPUGUARD_ECC_THRESHOLD": "0"}, set()),
     (["--set", "eccThreshold=2"], {"GPUGUARD_ECC_THRESHOLD": "2"}, set()),
@@ -319,6 +325,28 @@ def test_the_watch_command_accepts_what_the_chart_renders(
     assert (ctx.params["max_quarantined"], ctx.params["flap_window"]) == ("12.5%", 30.0)
     assert ctx.params["state_dir"] == "/var/lib/gpuguard"
     assert (ctx.params["quarantine"], ctx.params["dra_driver"]) == ("node", "gpu.example.com")
+
+
+def test_an_empty_ignored_xids_list_means_no_ignored_xid_in_the_chart_as_on_the_command_line(
+    helm: Helm, tmp_path: Path
+) -> None:
+    """ignoredXids: [] and --ignore-xids '' both mean "every Xid is a fault"; null and no flag both mean the
+    built-in list (which ignores the application Xid 13)."""
+    scenario = tmp_path / "xid13.yaml"
+    scenario.write_text("devices: [{index: 0, uuid: GPU-a}]\nevents: [{at: 0.0, gpu: 0, xid: 13}]\n")
+
+    def check(env: dict[str, Any], *flags: str) -> int:
+        variables = {k: v for k, v in env.items() if k.startswith("GPUGUARD_") and isinstance(v, str)}
+        args = ["check", "--backend", "mock", "--scenario", str(scenario), "--at", "1", *flags]
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("GPUGUARD_")}
+        return subprocess.run(
+            [sys.executable, "-m", "gpuguard", *args], env=clean | variables, capture_output=True, check=False
+        ).returncode
+
+    assert check(_env(helm.render("--set-json", "ignoredXids=[]"))) == 1
+    assert check({}, "--ignore-xids", "") == 1
+    assert check(_env(helm.render())) == 0
+    assert check({}) == 0
 
 
 def test_the_agent_starts_with_every_setting_the_chart_renders(helm: Helm, tmp_path: Path) -> None:
