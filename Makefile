@@ -20,6 +20,7 @@ install: $(STAMP)
 
 # Everything the tests and linters need (the dev extra); it includes the runtime.
 $(STAMP): pyproject.toml
+	@echo "installing gpuguard with its dev extra into $(VENV) (pip; a minute or two the first time)..."
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
@@ -27,13 +28,16 @@ $(STAMP): pyproject.toml
 
 # gpuguard and its runtime dependencies only: what `make run` needs.
 $(RUNTIME_STAMP): pyproject.toml
+	@echo "installing gpuguard and its runtime dependencies into $(VENV) (pip; about a minute the first time)..."
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e .
+	@echo "installed: $(BIN)/gpuguard"
 	touch $@
 
 # The demo: 8 mock GPUs, dry run, no GPU and no cluster needed; healthy, then a fault, then the change it
 # would make to the node. Stops by itself after 8 s.
 run: $(RUNTIME_STAMP)
+	@echo "the demo: 8 mock GPUs in dry run for 8 s (healthy, an ignored Xid 13, an ECC error, a fatal Xid 79)"
 	$(BIN)/gpuguard watch --dry-run --backend mock --interval 0.5 --run-for 8 --listen 127.0.0.1:0 --log-format console
 
 # The fake libnvidia-ml.so.1 (tests/fakenvml), built with the machine's gcc against NVIDIA's nvml.h (the dev

@@ -190,7 +190,7 @@ class Agent:
         return AgentStatus(
             alive=alive,
             ready=self._last_check is not None and node.reconciled,
-            node=self._node_name,
+            node=self._log_node,  # the name the log lines use: "dry-run" in a dry run without --node
             verdict=self._verdict,
             tainted=node.tainted,
             cordoned=node.cordoned,

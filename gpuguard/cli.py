@@ -80,8 +80,8 @@ def _gpu_options(f: F) -> F:
                 "--ignore-xids",
                 type=str,
                 default=None,
-                help="Comma-separated Xids that are not faults; replaces the default list "
-                f"({','.join(map(str, sorted(DEFAULT_IGNORED_XIDS)))}).",
+                help="Comma-separated Xids that are not faults ('' for none); replaces the default list "
+                f"({', '.join(map(str, sorted(DEFAULT_IGNORED_XIDS)))}).",
             ),
             _opt(
                 "--fatal-xids",
@@ -114,7 +114,11 @@ def _gpu_options(f: F) -> F:
     return f
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# Help as wide as the terminal, up to 120 columns (click's own default stops at 80).
+HELP_WIDTH = 120
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": HELP_WIDTH})
 @click.version_option(__version__, "-V", "--version", prog_name="gpuguard", message="%(prog)s %(version)s")
 def cli() -> None:
     """gpuguard: taints and cordons its own Kubernetes node when a GPU goes bad."""
@@ -232,7 +236,8 @@ def cli() -> None:
     type=str,
     default="/var/lib/gpuguard",
     show_default=True,
-    help="Where faults that only a reboot clears are kept across agent restarts ('' to disable).",
+    help="Where faults that only a reboot clears are kept across agent restarts ('' to disable; a dry run "
+    "keeps none).",
 )
 @_opt(
     "--startup-jitter",

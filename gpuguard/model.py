@@ -40,6 +40,11 @@ RECOVERY_ACTIONS = {
 RECOVERY_PREFIX = "recovery-"
 
 
+def plural(count: int, noun: str) -> str:
+    """`1 GPU`, `2 GPUs`: a count with its noun as an operator reads it in a log line or a condition."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def xid_reason(code: int) -> str:
     return f"xid-{code}"
 

@@ -29,6 +29,7 @@ from gpuguard.model import (
     Snapshot,
     Verdict,
     XidEvent,
+    plural,
     recovery_reason,
     xid_reason,
 )
@@ -188,7 +189,7 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
         node_faults += (
             Fault(
                 GPU_MISSING,
-                f"expected {expected} GPUs, NVML reports {seen}",
+                f"expected {plural(expected or 0, 'GPU')}, NVML reports {seen}",
             ),
         )
     if (
@@ -370,7 +371,7 @@ def _ecc_fault(g: GpuReading, threshold: int, prev: GpuVerdict | None) -> Fault 
     if g.ecc_uncorrected > threshold:
         return Fault(
             ECC,
-            f"{g.ecc_uncorrected} uncorrected volatile ECC errors"
+            plural(g.ecc_uncorrected, "uncorrected volatile ECC error")
             + (f" (threshold {threshold})" if threshold else "")
             + f" (GPU {g.index}, {g.uuid})",
             uuid=g.uuid,

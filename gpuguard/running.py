@@ -135,7 +135,11 @@ def watch(cfg: Config) -> bool:
     # The start-up jitter (--startup-jitter): a fleet started at once reaches the API server spread out.
     delay = startup_delay(cfg, uptime=host_uptime())
     state = None
-    if cfg.state_dir and not cfg.node.dry_run:
+    if cfg.state_dir and cfg.node.dry_run:
+        # A dry run writes nothing, on the host either: a fault it kept would be restored, and written to
+        # the node, by the enforcing run that follows it on the same host.
+        log.info("state.off", directory=cfg.state_dir, note="a dry run keeps no durable fault state")
+    elif cfg.state_dir:
         state = StateStore(cfg.state_dir, boot_id=read_boot_id(cfg.boot_id_file), backend=cfg.backend)
     devices = device_source = rules_watch = None
     if cfg.node.quarantine != "node":
@@ -187,7 +191,7 @@ def watch(cfg: Config) -> bool:
     except OSError as exc:
         raise ConfigError(f"--listen {cfg.server.host}:{cfg.server.port}: {exc.strerror}") from None
     server.start()
-    log.info("server.listening", host=cfg.server.host, port=server.port)
+    log.info("server.listening", host=server.host, port=server.port)
     if delay > 0:
         log.info("node.startup_jitter", node=cfg.node.name, delay_s=round(delay, 3))
 

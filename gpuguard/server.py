@@ -121,6 +121,11 @@ class HealthServer:
     def port(self) -> int:
         return int(self._httpd.server_address[1])
 
+    @property
+    def host(self) -> str:
+        """The address bound (an empty --listen HOST: "::", every interface, IPv6 and IPv4, or "0.0.0.0")."""
+        return str(self._httpd.server_address[0])
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._serve, name="gpuguard-http", daemon=True)
         self._thread.start()

@@ -77,6 +77,7 @@ class StateStore:
         self._backend = backend
         self._last: tuple[Fault, ...] | None = None
         self._rules = RuleMemory()
+        self._restored: tuple[Fault, ...] = ()
         self._loaded = False
         # The agent's thread saves faults, the reconciler's thread the rules: one file, written whole.
         self._lock = threading.RLock()
@@ -93,17 +94,19 @@ class StateStore:
         return self._dir / FILE_NAME if self._dir else None
 
     def load(self) -> tuple[Fault, ...]:
-        """The sticky faults recorded during this boot (empty after a reboot or on any problem)."""
+        """The sticky faults recorded during this boot (empty after a reboot or on any problem). The file is
+        read once: the rules' memory (`load_rules`, read first at start) and the faults come from that read,
+        and `state.restored` is logged once."""
         with self._lock:
-            self._loaded = True
-            return self._load()
+            if not self._loaded:
+                self._loaded = True
+                self._restored = self._load()
+            return self._restored
 
     def load_rules(self) -> RuleMemory:
         """The per-GPU quarantine's memory recorded in this boot (empty after a reboot or on any problem)."""
         with self._lock:
-            if not self._loaded:
-                self._loaded = True
-                self._load()
+            self.load()
             return self._rules
 
     def save_rules(self, rules: RuleMemory) -> None:

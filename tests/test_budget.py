@@ -229,14 +229,14 @@ def test_a_deferral_by_a_count_budget_says_how_many_and_the_limit_and_keeps_the_
     )
     assert change is not None and change.action == "defer"
     assert change.annotations[ANN_DEFERRED] == (
-        "quarantine budget spent: 1 GPU nodes quarantined, limit 1 (--max-quarantined 1)"
+        "quarantine budget spent: 1 GPU node quarantined, limit 1 (--max-quarantined 1)"
     )
     assert change.event is not None and (change.event.type, change.event.reason) == (
         "Warning",
         "GPUQuarantineDeferred",
     )
     assert change.event.message == (
-        "ecc: 1 uncorrected volatile ECC errors (GPU 0, GPU-0); quarantine budget spent: 1 GPU nodes "
+        "ecc: 1 uncorrected volatile ECC error (GPU 0, GPU-0); quarantine budget spent: 1 GPU node "
         "quarantined, limit 1 (--max-quarantined 1): soft taint only"
     )
 
@@ -258,7 +258,7 @@ def test_a_step_back_of_a_node_without_a_recorded_reason_says_only_why() -> None
     change = plan_yield(n, ahead=1, limit=1, settings=SETTINGS)
     assert change is not None and change.event is not None
     assert change.event.message == (
-        "; quarantine budget spent: 1 GPU nodes were quarantined before this one, limit 1 "
+        "; quarantine budget spent: 1 GPU node was quarantined before this one, limit 1 "
         "(--max-quarantined 1): soft taint only"
     )
 

@@ -286,3 +286,61 @@ def test_env_vars_configure_every_flag(tmp_path: Path) -> None:
         },
     )
     assert r.returncode == 1 and "expected 4 GPUs" in r.stdout
+
+
+# -- wording an operator reads ------------------------------------------------------------------------------
+
+
+def test_help_fills_a_120_column_terminal_and_wraps_the_ignored_xids_between_codes() -> None:
+    from gpuguard.config import DEFAULT_IGNORED_XIDS
+
+    wide = run("watch", "--help", env={"COLUMNS": "120"})
+    assert wide.returncode == 0
+    widths = [len(line) for line in wide.stdout.splitlines()]
+    assert 80 < max(widths) <= 120, max(widths)
+    narrow = run("watch", "--help", env={"COLUMNS": "80"}).stdout
+    assert max(len(line) for line in narrow.splitlines()) <= 80
+    listed = " ".join(narrow.split()).split("replaces the default list (")[1].split(")")[0]
+    assert listed == ", ".join(map(str, sorted(DEFAULT_IGNORED_XIDS)))  # no code split across two lines
+
+
+def test_the_listening_line_names_the_address_bound_for_every_interface() -> None:
+    r = run(
+        "watch",
+        "--dry-run",
+        "--backend",
+        "mock",
+        "--run-for",
+        "0.3",
+        "--listen",
+        ":0",
+        "--log-format",
+        "json",
+    )
+    assert r.returncode == 0, r.stderr
+    line = next(json.loads(x) for x in r.stderr.splitlines() if '"server.listening"' in x)
+    assert line["host"] in ("::", "0.0.0.0") and line["port"] > 0
+
+
+def test_a_dry_run_says_it_keeps_no_state_and_writes_none(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    r = run(
+        "watch", "--dry-run", "--backend", "mock", "--run-for", "4", "--interval", "0.2",
+        "--state-dir", str(state), "--listen", "127.0.0.1:0", "--log-format", "json",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(x) for x in r.stderr.splitlines()]
+    off = [e for e in events if e["event"] == "state.off"]
+    assert len(off) == 1 and off[0]["directory"] == str(state), events[:3]
+    assert any(e["event"] == "node.tainted" for e in events)  # the demo's fault, 3 s in
+    assert list(state.iterdir()) == []
+
+
+@pytest.mark.parametrize(("flags", "name"), [((), "dry-run"), (("--node", "gpu-3"), "gpu-3")])
+def test_healthz_names_the_node_the_log_lines_name(tmp_path: Path, flags: tuple[str, ...], name: str) -> None:
+    s = write(tmp_path, "gpus: 1\n")
+    with watching(s, "--interval", "0.2", *flags) as (p, port):
+        doc, _ = wait_until(port, lambda d: d["last_check"] is not None, 5)
+        assert doc["node"] == name
+        assert {e["node"] for e in p.lines if e.get("event") == "agent.started"} == {name}

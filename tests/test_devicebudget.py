@@ -180,7 +180,7 @@ def test_the_order_check_steps_back_a_rule_past_the_limit_with_one_patch_and_ret
             {
                 "metadata": {
                     "annotations": {
-                        ANN_DEFERRED: "quarantine budget spent: 1 GPU nodes' worth quarantined before "
+                        ANN_DEFERRED: "quarantine budget spent: 1 GPU node's worth quarantined before "
                         "this rule, limit 1 (--max-quarantined 1)"
                     },
                     "resourceVersion": "5",

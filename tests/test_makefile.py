@@ -58,3 +58,12 @@ def test_a_venv_from_the_same_python_is_kept(tmp_path: Path) -> None:
 
 def test_make_clean_removes_the_venv_too(tmp_path: Path) -> None:
     assert "rm -rf .venv" in make_n(tmp_path, "clean")
+
+
+def test_make_run_says_what_it_is_doing_before_the_silent_install_and_before_the_demo(tmp_path: Path) -> None:
+    """pip -q prints nothing for about a minute on a fresh clone: a line first says what is happening."""
+    lines = make_n(tmp_path, "run").splitlines()
+    pip = next(i for i, line in enumerate(lines) if "pip install -q -e ." in line)
+    assert any(line.startswith("echo ") and "installing gpuguard" in line for line in lines[:pip]), lines
+    demo = next(i for i, line in enumerate(lines) if "gpuguard watch --dry-run" in line)
+    assert lines[demo - 1].startswith("echo ") and "demo" in lines[demo - 1], lines

@@ -862,3 +862,26 @@ def test_a_node_view_left_to_its_defaults_holds_nothing_of_gpuguards() -> None:
     assert not n.record_from_earlier_boot and not n.holds_gpuguard_state() and n.our_taint is None
     # A record without a boot ID proves no reboot, whatever the node's boot ID.
     assert not node(annotations={ANN_FAULTS: "xid-79/GPU-1"}, boot_id="boot-b").record_from_earlier_boot
+
+
+def test_the_conditions_counts_read_as_english_with_one_gpu_and_with_none() -> None:
+    one = evaluate(
+        Snapshot(gpus=(GpuReading(index=0, uuid="GPU-0"),)), previous=None, settings=PolicySettings()
+    )
+    healthy = plan_condition(None, one, last_keys=None, now=NOW)
+    assert healthy is not None and healthy["message"] == "1 GPU healthy (gpuguard)"
+    sick_one = evaluate(
+        Snapshot(gpus=(GpuReading(index=0, uuid="GPU-0", ecc_uncorrected=1),)),
+        previous=None,
+        settings=PolicySettings(),
+    )
+    sick = plan_condition("True", sick_one, last_keys=None, now=NOW)
+    assert sick is not None
+    assert sick["message"] == "ecc: 1 uncorrected volatile ECC error (GPU 0, GPU-0) (1 of 1 GPU unhealthy)"
+    # NVML down: no GPU was read, so no "0 of 0" count.
+    down = evaluate(
+        Snapshot(gpus=(), init_error="DRIVER_NOT_LOADED"), previous=None, settings=PolicySettings()
+    )
+    message = plan_condition("True", down, last_keys=None, now=NOW)
+    assert message is not None and message["message"].startswith("nvml-init: ")
+    assert "of 0" not in message["message"] and not message["message"].endswith(")"), message["message"]

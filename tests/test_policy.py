@@ -853,3 +853,15 @@ def test_no_gpu_at_all_short_of_the_expected_count_is_one_gpu_missing_fault_not_
     assert [(f.reason, f.detail) for f in v.node_faults] == [
         ("gpu-missing", "expected 2 GPUs, NVML reports 0")
     ]
+
+
+@pytest.mark.parametrize(
+    ("count", "text"), [(1, "1 uncorrected volatile ECC error "), (2, "2 uncorrected volatile ECC errors ")]
+)
+def test_the_ecc_faults_detail_counts_one_error_in_the_singular(count: int, text: str) -> None:
+    v = evaluate(
+        Snapshot(gpus=(GpuReading(index=0, uuid="GPU-0", ecc_uncorrected=count),)),
+        previous=None,
+        settings=PolicySettings(),
+    )
+    assert v.faults[0].message == f"ecc: {text}(GPU 0, GPU-0)"

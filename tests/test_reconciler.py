@@ -334,3 +334,36 @@ def test_with_external_gate_removal_the_condition_is_written_and_the_gate_left_a
     r.reconcile_now()
     assert [c["status"] for c in writer.conditions] == ["True"]
     assert writer.writes == 0 and writer.node.taints == (gate,)
+
+
+def test_a_fault_added_to_a_cordoned_node_is_logged_with_the_node_still_cordoned() -> None:
+    """`node.fault_added cordoned=...` is the node's cordon after the write: the taint's write cordoned it,
+    the added fault leaves it so."""
+    from structlog.testing import capture_logs
+
+    w, r = make()
+    xid = evaluate(
+        Snapshot(
+            gpus=(GpuReading(index=0, uuid="GPU-a", ecc_uncorrected=2), GpuReading(index=1, uuid="GPU-b"))
+        ),
+        previous=None,
+        settings=PolicySettings(),
+    )
+    both = evaluate(
+        Snapshot(
+            gpus=(
+                GpuReading(index=0, uuid="GPU-a", ecc_uncorrected=2),
+                GpuReading(index=1, uuid="GPU-b", ecc_uncorrected=1),
+            )
+        ),
+        previous=xid,
+        settings=PolicySettings(),
+    )
+    with capture_logs() as logs:
+        for v in (xid, both):
+            r.submit(v, 0)
+            r.reconcile_now()
+    lines = {e["event"]: e for e in logs if e["event"] in ("node.tainted", "node.fault_added")}
+    assert (lines["node.tainted"]["cordoned"], lines["node.tainted"]["uncordoned"]) == (True, False)
+    assert (lines["node.fault_added"]["cordoned"], lines["node.fault_added"]["uncordoned"]) == (True, False)
+    assert w.node.unschedulable

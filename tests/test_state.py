@@ -390,3 +390,17 @@ def test_the_hosts_boot_id_is_read_from_the_kernel_by_default() -> None:
     if not kernel.exists():
         pytest.skip("no /proc boot_id on this machine")
     assert read_boot_id() == kernel.read_text().strip() != ""
+
+
+def test_the_rules_memory_read_first_at_start_reads_the_file_and_logs_the_restore_once(
+    tmp_path: Path,
+) -> None:
+    """At start the per-GPU quarantine reads the rules' memory before the agent reads the faults: one
+    read and one `state.restored` line between them, not one each."""
+    StateStore(tmp_path, boot_id="b").save((XID,))
+    StateStore(tmp_path, boot_id="b").save_rules(RULES)
+    s = StateStore(tmp_path, boot_id="b")
+    with capture_logs() as logs:
+        assert s.load_rules() == RULES
+        assert s.load() == (XID,)
+    assert [e["event"] for e in logs] == ["state.restored"]

@@ -28,7 +28,7 @@ import structlog
 from gpuguard import validation
 from gpuguard.config import NodeSettings
 from gpuguard.errors import NodeUpdateError
-from gpuguard.model import Verdict
+from gpuguard.model import Verdict, plural
 from gpuguard.node.plan import record_faults
 from gpuguard.node.view import (
     ANN_CORDONED,
@@ -219,9 +219,13 @@ def limit(
         return record_faults(node, verdict.faults)
     if change.action != "taint":
         return change
-    of = f" of {budget.gpu_nodes}" if budget.gpu_nodes is not None else ""
+    count = (
+        f"{budget.quarantined} of {plural(budget.gpu_nodes, 'GPU node')}"
+        if budget.gpu_nodes is not None
+        else plural(budget.quarantined, "GPU node")
+    )
     why = (
-        f"quarantine budget spent: {budget.quarantined}{of} GPU nodes quarantined, "
+        f"quarantine budget spent: {count} quarantined, "
         f"limit {budget.limit} (--max-quarantined {settings.max_quarantined})"
     )
     annotations = {k: v for k, v in change.annotations.items() if k != ANN_CORDONED}
@@ -246,7 +250,8 @@ def plan_yield(node: NodeView, *, ahead: int, limit: int, settings: NodeSettings
     if ours is None or not node.fully_quarantined or ahead < limit:
         return None
     why = (
-        f"quarantine budget spent: {ahead} GPU nodes were quarantined before this one, limit {limit} "
+        f"quarantine budget spent: {plural(ahead, 'GPU node')} {'was' if ahead == 1 else 'were'} quarantined "
+        f"before this one, limit {limit} "
         f"(--max-quarantined {settings.max_quarantined})"
     )
     annotations: dict[str, str | None] = {ANN_DEFERRED: why}

@@ -128,8 +128,9 @@ class RuleBudget:
     ) -> DeviceRule | None:
         """A blocking rule past the budget (agents that faulted at the same instant all saw room) steps back
         to the deferred state: effect None and gpuguard.io/quarantine-deferred, until a re-check has room."""
+        worth = "GPU node's worth" if ahead == 1 else "GPU nodes' worth"
         why = (
-            f"quarantine budget spent: {float(ahead):g} GPU nodes' worth quarantined before this rule, "
+            f"quarantine budget spent: {float(ahead):g} {worth} quarantined before this rule, "
             f"limit {limit} (--max-quarantined {self._settings.max_quarantined})"
         )
         body = {

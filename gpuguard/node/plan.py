@@ -16,7 +16,7 @@ from datetime import datetime
 
 from gpuguard import validation
 from gpuguard.config import NodeSettings
-from gpuguard.model import Fault, Verdict
+from gpuguard.model import Fault, Verdict, plural
 from gpuguard.node.view import (
     ANN_BOOT_ID,
     ANN_CORDONED,
@@ -255,7 +255,7 @@ def plan_condition(
         "status": status,
         "reason": "GPUsHealthy" if verdict.healthy else "GPUFault",
         "message": (
-            f"{len(verdict.gpus)} GPUs healthy (gpuguard)"
+            f"{plural(len(verdict.gpus), 'GPU')} healthy (gpuguard)"
             if verdict.healthy
             else _out(verdict, device_tainted)
         ),
@@ -267,7 +267,9 @@ def plan_condition(
 def _out(verdict: Verdict, device_tainted: int) -> str:
     bad = sum(1 for g in verdict.gpus if not g.healthy)
     held = f", {device_tainted} held out by device taints" if device_tainted else ""
-    return reason_text(verdict.faults) + f" ({bad} of {len(verdict.gpus)} GPUs unhealthy{held})"
+    if not verdict.gpus:  # NVML down, or no GPU seen: no count to give
+        return reason_text(verdict.faults) + (f" ({held.removeprefix(', ')})" if held else "")
+    return reason_text(verdict.faults) + f" ({bad} of {plural(len(verdict.gpus), 'GPU')} unhealthy{held})"
 
 
 def evidence_gone(node: NodeView, verdict: Verdict | None = None) -> bool:

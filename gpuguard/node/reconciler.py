@@ -421,7 +421,8 @@ class NodeReconciler:
             uuid=first.uuid if first else None,
             detail=first.message if first else None,
             faults=len(verdict.faults),
-            cordoned=bool(change.unschedulable),
+            # The node's cordon after this write (a fault added to a cordoned node: still cordoned).
+            cordoned=before.unschedulable if change.unschedulable is None else change.unschedulable,
             uncordoned=change.unschedulable is False,
             dry_run=self._settings.dry_run,
         )
