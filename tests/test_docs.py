@@ -361,3 +361,59 @@ def test_design_md_lists_every_module_the_import_contracts_name_and_every_module
         assert re.search(
             rf"\b{re.escape(name.split('/')[-1])}\b", prose.split("The layers are checked")[1]
         ), name
+
+
+# -- operations.md: what to do for every reason gpuguard writes -------------------------------------------
+
+
+def _reasons_written() -> set[str]:
+    """Every reason a Fault of gpuguard's can carry, read from the code: the first argument of each
+    `Fault(...)` in the package, a model constant or `xid_reason`/`recovery_reason` (each action of
+    model.RECOVERY_ACTIONS but none, and `recovery-<N>` for an action newer than the table)."""
+    import ast
+
+    from gpuguard import model
+
+    reasons: set[str] = set()
+    for path in (ROOT / "gpuguard").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Fault" and node.args):
+                continue
+            arg = node.args[0]
+            if isinstance(arg, ast.Name) and arg.id.isupper():
+                reasons.add(getattr(model, arg.id))
+            elif isinstance(arg, ast.Call) and getattr(arg.func, "id", None) == "xid_reason":
+                reasons.add("xid-N")
+            elif isinstance(arg, ast.Call) and getattr(arg.func, "id", None) == "recovery_reason":
+                reasons |= {model.recovery_reason(a) for a in model.RECOVERY_ACTIONS if a} | {"recovery-<N>"}
+            elif isinstance(arg, ast.Name):  # a variable: what it is assigned from, checked below
+                reasons.add(f"<{arg.id}>")
+    return reasons
+
+
+def test_releasing_a_node_says_what_to_do_for_every_reason_gpuguard_writes() -> None:
+    reasons = _reasons_written()
+    variables = {r for r in reasons if r.startswith("<")}
+    # policy.py's `reason` comes from a table of model constants, each of which is named in a Fault too.
+    assert variables == {"<reason>"}, variables
+    reasons -= variables
+    assert {"ecc", "xid-N", "reset-required", "gpu-unreadable", "recovery-gpu-reset"} <= reasons
+    section = _section(OPERATIONS.read_text(), "Releasing a node after repair")
+    named = set(re.findall(r"`([a-z0-9<>N-]+)`", section))
+    assert not reasons - named, f"no 'what to do' for {sorted(reasons - named)}"
+
+
+# -- every kubectl and helm line of the docs is run --------------------------------------------------------
+
+
+def test_every_kubectl_and_helm_block_of_the_docs_is_one_a_test_runs() -> None:
+    """tests/integration/test_operations.py runs every ```sh block of operations.md in order, and the
+    README's Deploy blocks (the plain manifests; the Helm install is operations.md's first block). A
+    kubectl or helm line in a block anywhere else would be run by nobody."""
+    run = _sh_blocks(OPERATIONS.read_text()) + _sh_blocks(_section(README.read_text(), "Deploy"))
+    stray = []
+    for path in DOC_FILES:
+        for block in re.findall(r"^```(?:sh|bash|shell|console)\n(.*?)^```$", path.read_text(), re.M | re.S):
+            if re.search(r"(^|[|;&]\s*)(kubectl|helm) ", block, re.M) and block not in run:
+                stray.append(f"{path.name}: {block.splitlines()[0]}")
+    assert not stray, stray

@@ -184,3 +184,50 @@ def test_the_podmonitor_gives_the_alerts_their_job_and_node_labels() -> None:
 
 def _default_kinds(helm: Helm) -> set[str]:
     return {d["kind"] for d in helm.render()}
+
+
+# -- runbooks ------------------------------------------------------------------------------------------------
+
+OPERATIONS = ROOT / "docs" / "operations.md"
+
+
+def _runbook(alert: str) -> str:
+    """The text of docs/operations.md under the heading `### <alert>`."""
+    text = OPERATIONS.read_text()
+    start = re.search(rf"^### {alert}$", text, re.M)
+    assert start, f"docs/operations.md has no heading for {alert}"
+    end = re.search(r"^#{2,3} ", text[start.end() :], re.M)
+    return text[start.end() : start.end() + (end.start() if end else len(text))]
+
+
+def test_every_alert_has_a_runbook_url_to_its_own_heading_in_operations_md() -> None:
+    for rule in rules():
+        alert = rule["alert"]
+        assert rule["annotations"].get("runbook_url") == f"docs/operations.md#{alert.lower()}", alert
+        assert len(_runbook(alert).split()) > 20, f"{alert}'s runbook says next to nothing"
+
+
+def test_the_budget_alerts_say_how_to_raise_the_budget_and_their_runbook_shows_it() -> None:
+    budget = [r for r in rules() if "BudgetSpent" in r["alert"]]
+    assert len(budget) == 2
+    for rule in budget:
+        assert "budget.maxQuarantined" in rule["annotations"]["description"]
+        assert "GPUGUARD_MAX_QUARANTINED" in rule["annotations"]["description"]
+    node_runbook = _runbook("GpuguardQuarantineBudgetSpent")
+    assert re.search(r"```sh\nhelm upgrade .*--set budget\.maxQuarantined=", node_runbook, re.S)
+    assert "GPUGUARD_MAX_QUARANTINED" in node_runbook
+    assert "budget.maxQuarantined" in _runbook("GpuguardGPUQuarantineBudgetSpent")
+
+
+def test_a_runbook_base_url_goes_in_front_of_every_runbook_url(helm: Helm) -> None:
+    base = "https://docs.example.com/gpuguard/"
+    docs = helm.render(
+        "--set", "monitoring.prometheusRule.enabled=true",
+        "--set", f"monitoring.prometheusRule.runbookBaseURL={base}",
+    )  # fmt: skip
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    urls = [r["annotations"]["runbook_url"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert urls == [f"{base}docs/operations.md#{r['alert'].lower()}" for r in rules()]
+    bad = helm.run("template", "gpuguard", str(ROOT / "deploy" / "helm" / "gpuguard"), "--set",
+                   "monitoring.prometheusRule.runbookBaseURL=not a url")  # fmt: skip
+    assert bad.returncode != 0 and "runbookBaseURL" in bad.stderr

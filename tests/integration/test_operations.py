@@ -10,6 +10,7 @@ scope, enough for `kubectl apply` and `helm upgrade` to create the objects.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -70,6 +71,12 @@ class Runbook:
         assert heading == section, (
             f"the page's next block is under {heading!r}, the test expected {section!r}"
         )
+        out = self.shell(text, **env)
+        self.ran.append(text)
+        return out
+
+    def shell(self, text: str, **env: str) -> str:
+        """Run `text` with bash -euo pipefail in the page's environment; its stdout (exit 0 asserted)."""
         result = subprocess.run(
             ["bash", "-euo", "pipefail", "-c", text],
             env=self.env | env,
@@ -79,8 +86,7 @@ class Runbook:
             timeout=180,
             check=False,
         )
-        assert result.returncode == 0, f"{section}:\n{text}\n{result.stdout}\n{result.stderr}"
-        self.ran.append(text)
+        assert result.returncode == 0, f"{text}\n{result.stdout}\n{result.stderr}"
         return result.stdout
 
 
@@ -265,6 +271,20 @@ def test_the_operations_runbook_works_as_written(
         assert row.endswith("ecc: 2 uncorrected volatile ECC errors (GPU 1, GPU-it-1)")
         assert "None" not in status
 
+        # The commands the chart's NOTES.txt prints after the install: the agents, and the tainted node.
+        notes = subprocess.run(
+            ["helm", "get", "notes", "gpuguard", "--namespace", "gpuguard"],
+            env=book.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        told = [line.strip() for line in notes.splitlines() if line.strip().startswith("kubectl ")]
+        assert len(told) == 2, notes
+        outputs = [book.shell(line) for line in told]
+        assert re.search(rf"^{node}\s+.*gpuguard\.io/gpu-unhealthy", outputs[1], re.M), outputs[1]
+
         # -- Releasing a node after repair: by hand; gpuguard does not put it back for the same fault.
         book.run("Releasing a node after repair", NODE=node)
         n = admin.node(node)
@@ -289,6 +309,27 @@ def test_the_operations_runbook_works_as_written(
         "condition GPUHealthy",
     } <= set(before)
 
+    # -- Alerts: the budget raised through the chart, and where the agents run (none here: no kubelet).
+    book.run("Alerts")
+    assert _agent_env(admin)["GPUGUARD_MAX_QUARANTINED"] == "20%"
+    book.run("Alerts")
+
+    # -- Upgrading and rolling back, here to the same chart: a new revision that keeps the values set
+    # (--reset-then-reuse-values), then back to the revision before it.
+    out = book.run("Upgrading and rolling back")
+    history = _helm(book, "history")
+    assert history[-1]["status"] == "deployed" and history[-1]["description"] == "Upgrade complete"
+    assert "gpuguard" in out and "DESIRED" in out  # the history, then the DaemonSet
+    assert _agent_env(admin)["GPUGUARD_MAX_QUARANTINED"] == "20%"
+    assert apps.read_namespaced_daemon_set("gpuguard", "gpuguard").spec.template.spec.containers[0].args == [
+        "watch"
+    ]
+    out = book.run("Upgrading and rolling back")
+    assert out.strip().splitlines()[-1] == "registry.example.com/gpuguard:0.1.0"  # after helm's "success"
+    after = _helm(book, "history")
+    assert after[-1]["description"] == f"Rollback to {history[-1]['revision'] - 1}", after[-1]
+    assert _agent_env(admin)["GPUGUARD_MAX_QUARANTINED"] == "20%"
+
     # -- Uninstalling cleanly.
     out = book.run("Uninstalling cleanly")
     assert f"{node}: removed " in out
@@ -305,6 +346,24 @@ def test_the_operations_runbook_works_as_written(
 
     assert book.pending == [], "a block of docs/operations.md was not run"
     assert len(book.ran) == len(blocks())
+
+
+def _agent_env(admin: Admin) -> dict[str, str]:
+    ds = admin.apps.read_namespaced_daemon_set("gpuguard", "gpuguard")
+    return {e.name: e.value for e in ds.spec.template.spec.containers[0].env if e.value is not None}
+
+
+def _helm(book: Runbook, *args: str) -> Any:
+    """`helm ARGS -o json` on the page's release, parsed."""
+    result = subprocess.run(
+        ["helm", *args, "gpuguard", "--namespace", "gpuguard", "-o", "json"],
+        env=book.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return json.loads(result.stdout)
 
 
 def _split(out: str, node: str) -> tuple[str, str, str]:
