@@ -126,6 +126,10 @@ def test_a_new_fault_asks_for_room_every_time_without_the_throttle() -> None:
             True,
         ),  # deferred: costs nothing
         ([rule("node-b")], 1, True),  # this very rule is not counted twice
+        # This node's other rules already claim its whole node: one more GPU of it costs nothing more.
+        ([rule("node-b", "gpu-1")], 8, True),
+        ([rule("node-b", "gpu-1", annotations={ANN_NODE_GPUS: "2"})], 4, True),  # 1/2 + min(1/4, 1/2)
+        ([rule("node-b", "gpu-1", annotations={ANN_NODE_GPUS: "2"}), rule("node-a")], 8, False),
         ([], 0, True),  # a node that publishes no GPU: its one GPU counts as a whole node
     ],
 )

@@ -702,3 +702,20 @@ def test_a_long_value_in_an_error_is_shown_cut_to_60_characters(length: int, sho
 @pytest.mark.parametrize("key", [None, 5, ["gpuguard.io/x"]])
 def test_a_taint_key_that_is_not_a_string_is_refused(key: Any) -> None:
     rejects(v.taint_key, key)
+
+
+@pytest.mark.parametrize(
+    ("name", "label"),
+    [
+        ("gpu-0", True),
+        ("a" * 63, True),  # the most a label may hold
+        ("a" * 64, False),
+        ("", False),
+        ("GPU-0", False),
+        ("gpu.0", False),
+        ("-gpu", False),
+        ("gpu-", False),
+    ],
+)
+def test_a_dra_device_name_is_a_dns_label_of_at_most_63_characters(name: str, label: bool) -> None:
+    assert v.is_dns_label(name) is label
