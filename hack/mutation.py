@@ -77,18 +77,11 @@ TESTS = (
     "tests/test_xidcatalog.py",
 )
 # Survivors judged equivalent (no test could tell them apart) or cosmetic, by mutant key, with why.
-_NO_GPU = "equivalent: no GPU has this UUID, so the look-up misses either way"
 _FALSY = "equivalent: the caller tests the answer for truth, and None is false like False"
 _CUT = "equivalent: the cut at the bound or below it leaves the same text"
 _EMPTY = "equivalent: a name no rule or node has, and no digit, counts like the empty one"
 _LOGGED = "cosmetic: the value only reaches a log line (its de-duplication key included)"
 JUDGED: dict[str, str] = {
-    "gpuguard/policy.py cleared_without_reboot: 1 -> 2": "equivalent: the first part of a split is the same",
-    "gpuguard/policy.py _apply_recovery_rule: '' -> 'XXXX'": _NO_GPU,
-    "gpuguard/policy.py _apply_recovery_rule: '' -> 'XXXX' #2": _NO_GPU,
-    "gpuguard/policy.py _apply_recovery_rule: '' -> 'XXXX' #3": _NO_GPU,
-    "gpuguard/policy.py <module>: 0 -> 1": "equivalent: nvml-init ties gpu-lost and wins on its index (none)",
-    "gpuguard/policy.py <module>: 5 -> 6": "equivalent: row-remap stays the least severe",
     "gpuguard/policy.py _ordered: 1 -> 2": "equivalent: any negative index puts the node's faults first",
     "gpuguard/state.py StateStore._write: return False -> return None": _FALSY,
     "gpuguard/state.py StateStore._write: False -> True": "equivalent: after a failed write the store is "
@@ -109,10 +102,6 @@ JUDGED: dict[str, str] = {
     "answers only that path",
     "gpuguard/node/devices.py <module>: 'NoSchedule' -> 'XXNoScheduleXX'": "equivalent: an effect missing "
     "from the table is NoSchedule, the entry's own value",
-    "gpuguard/node/devices.py rule_name: '-.' -> 'XX-.XX'": "equivalent: the name is lower-case, so no X "
-    "to strip",
-    "gpuguard/node/devices.py rule_name: '-.' -> 'XX-.XX' #2": "equivalent: the name is lower-case, so no X "
-    "to strip",
     "gpuguard/node/devices.py DeviceRule.share: '' -> 'XXXX'": _EMPTY,
     "gpuguard/node/devices.py DeviceRule.share: 0 < len(raw) <= 4 -> 0 <= len(raw) <= 4": "equivalent: the "
     "empty string is not digits",
@@ -137,11 +126,7 @@ JUDGED: dict[str, str] = {
     "gpuguard/node/budget.py quarantine_rank: k < me -> k <= me": "equivalent: an entry equal to this node's "
     "has its name, and is left out before the comparison",
     "gpuguard/node/budget.py limit: '' -> 'XXXX' #2": "equivalent: every taint change has an Event",
-    "gpuguard/node/budget.py QuarantineBudget.written: return False -> return None": _FALSY,
     "gpuguard/node/budget.py QuarantineBudget.written: return False -> return None #2": _FALSY,
-    "gpuguard/node/budget.py QuarantineBudget._check_order: return False -> return None": _FALSY,
-    "gpuguard/node/budget.py QuarantineBudget._check_order: return False -> return None #2": _FALSY,
-    "gpuguard/node/budget.py QuarantineBudget._check_order: return False -> return None #3": _FALSY,
     "gpuguard/node/budget.py QuarantineBudget._check_order: '' -> 'XXXX'": "unreachable: a fully "
     "quarantined node has gpuguard.io/since, written in the same patch as the taint",
 }
