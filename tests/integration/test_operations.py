@@ -34,6 +34,7 @@ pytestmark = pytest.mark.timeout(900)
 # Commands the page names in its prose (inline code) rather than in a block, and the test that runs them.
 EXERCISED_ELSEWHERE = {
     "gpuguard uninstall --node NAME": "test_uninstall_of_one_node_and_its_dry_run_do_what_the_page_says",
+    "gpuguard check": "test_check_label.py::test_check_fails_a_node_labelled_with_8_gpus_whose_library_shows_7",  # noqa: E501
     "kubectl delete": "test_the_plain_manifests_apply_and_delete_with_kubectl_and_why_the_namespace_comes_first",  # noqa: E501
     "kubectl delete nodeclaim NAME": "test_karpenter.py::test_karpenter_launches_gated_nodes_once_and_pods_land_only_where_gpuguard_verified_the_gpus",  # noqa: E501
     # tests/integration/test_device_admission.py
