@@ -1,8 +1,8 @@
 """An upgrade from an older chart and its rollback, as docs/operations.md "Upgrading and rolling back" says,
-with Helm 4 and Helm 3 against a real kube-apiserver: version A of the chart (an earlier commit, extracted
-with git archive) installed with the page's install command, the page's upgrade to the working tree's chart,
-then the page's rollback, with the DaemonSet, the RBAC, the admission policies and the priority levels
-checked after each step."""
+with Helm 4 and Helm 3 against a real kube-apiserver: version A of the chart (an earlier commit's, kept as
+tests/integration/data/chart-0.2.0-39d03d5.tar.gz so that a shallow clone runs it too) installed with the
+page's install command, the page's upgrade to the working tree's chart, then the page's rollback, with the
+DaemonSet, the RBAC, the admission policies and the priority levels checked after each step."""
 
 from __future__ import annotations
 
@@ -24,20 +24,17 @@ pytestmark = pytest.mark.timeout(900)
 # Version A of the upgrade test: the chart before the per-GPU quarantine. Its ClusterRole has no
 # ResourceSlices or DeviceTaintRules, its one admission policy is off by default, and it has no policy or
 # priority level for Events: an upgrade to the working tree's chart adds all of them, a rollback removes them.
-CHART_A = "39d03d53d49a6e9cef3fe4ada288c7a8b6ae70a0"
+CHART_A = "39d03d53d49a6e9cef3fe4ada288c7a8b6ae70a0"  # the commit the archive below was made from
 ADMISSION = ("own-node-only", "own-devices-only", "own-events-only")
 
 
-def chart_at(commit: str, dest: Path) -> Path:
-    """deploy/helm/gpuguard as of `commit`, extracted with git archive."""
-    archive = subprocess.run(
-        ["git", "archive", commit, "deploy/helm/gpuguard"], cwd=ROOT, capture_output=True, check=False
-    )
-    assert archive.returncode == 0, (
-        f"git archive {commit}: {archive.stderr.decode()} (a shallow clone lacks it: git fetch --unshallow)"
-    )
+CHART_A_ARCHIVE = ROOT / "tests" / "integration" / "data" / "chart-0.2.0-39d03d5.tar.gz"
+
+
+def chart_at(archive: Path, dest: Path) -> Path:
+    """deploy/helm/gpuguard as `archive` holds it (`git archive COMMIT deploy/helm/gpuguard | gzip`)."""
     dest.mkdir()
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    subprocess.run(["tar", "-xzf", str(archive), "-C", str(dest)], check=True)
     return dest / "deploy" / "helm" / "gpuguard"
 
 
@@ -67,7 +64,7 @@ def test_an_upgrade_from_an_older_chart_and_the_rollback_work_as_the_page_says(
 ) -> None:
     helm = build_helm(tmp_path / "helm-home", major=helm_major)
     book = Runbook(tools_env(tmp_path, cluster, helm.binary, helm.env))
-    old = chart_at(CHART_A, tmp_path / "a")
+    old = chart_at(CHART_A_ARCHIVE, tmp_path / "a")
     upgrade, rollback = [b for section, b in blocks() if section == "Upgrading and rolling back"]
 
     def sh(text: str) -> subprocess.CompletedProcess[str]:
