@@ -35,6 +35,8 @@ from typing import Any
 
 import structlog
 
+from gpuguard import files
+from gpuguard.errors import ConfigError
 from gpuguard.model import Fault
 
 log = structlog.get_logger("gpuguard.state")
@@ -44,8 +46,9 @@ KIND = "gpuguard-state"
 FILE_NAME = "state.json"
 HOST_BOOT_ID = "/proc/sys/kernel/random/boot_id"
 MAX_BYTES = 1 << 20
-# At most this many rules remembered: a node has at most a few dozen GPUs.
+# At most this many rules remembered, and faults restored: a node has at most a few dozen GPUs.
 MAX_RULES = 1024
+MAX_FAULTS = 1024
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,8 @@ class RuleMemory:
 def read_boot_id(path: str = HOST_BOOT_ID) -> str:
     """The host's boot ID (the same value the kubelet reports as status.nodeInfo.bootID); "" if unreadable."""
     try:
-        return Path(path).read_text().strip()
-    except OSError:
+        return files.read_text(path, limit=4 * files.KIB, what="boot ID file").strip()
+    except ConfigError:
         return ""
 
 
@@ -124,10 +127,14 @@ class StateStore:
         if path is None or self._disabled or not path.exists():
             return ()
         try:
-            raw = path.read_bytes()[:MAX_BYTES]
+            raw = files.read_bytes(path, limit=MAX_BYTES, what="state file")
             doc = json.loads(raw)
             faults = _parse(doc)
-        except (OSError, ValueError, TypeError, KeyError) as exc:
+        except ConfigError as exc:  # not a regular file, larger than MAX_BYTES, unreadable
+            self._move_aside(path, str(exc))
+            return ()
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            # RecursionError: JSON nested deeper than the interpreter's stack (json.loads raises it).
             self._move_aside(path, f"{type(exc).__name__}: {exc}")
             return ()
         if doc.get("boot_id") != self._boot_id:
@@ -234,8 +241,15 @@ def _parse(doc: Any) -> tuple[Fault, ...]:
         raise ValueError("not a gpuguard state file")
     if doc.get("version") != VERSION:
         raise ValueError(f"unsupported version {doc.get('version')!r}")
+    if not isinstance(doc.get("boot_id"), str) or not isinstance(doc.get("backend", ""), str):
+        raise TypeError("boot_id and backend must be strings")
+    raw = doc.get("faults")
+    if not isinstance(raw, list) or len(raw) > MAX_FAULTS:
+        raise TypeError(f"faults must be a list of at most {MAX_FAULTS} objects")
     faults = []
-    for f in doc["faults"]:
+    for f in raw:
+        if not isinstance(f, dict):
+            raise TypeError("each fault must be an object")
         uuid, index = f.get("uuid"), f.get("gpu_index")
         if not isinstance(f["reason"], str) or not isinstance(f["detail"], str):
             raise TypeError("fault reason/detail must be strings")

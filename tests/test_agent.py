@@ -218,3 +218,23 @@ def test_ignored_xids_are_logged_once_per_code_and_window_then_counted(
     out = capsys.readouterr().out
     assert len(re.findall(r"\bxid\.ignored\b(?!_)", out)) == 1, out
     assert out.count("xid.ignored_unlogged") == 1 and "count=49" in out
+
+
+@pytest.mark.parametrize("faults", ['"x"', "[1]", '["xid-79"]', "[[1]]"])
+def test_an_agent_whose_state_file_holds_faults_of_the_wrong_type_starts_and_moves_it_aside(  # type: ignore[no-untyped-def]
+    tmp_path, faults: str
+) -> None:
+    """The restore at start raised AttributeError in state.py: in a DaemonSet, a crash loop."""
+    from gpuguard.state import FILE_NAME, StateStore
+
+    (tmp_path / FILE_NAME).write_text(
+        f'{{"kind": "gpuguard-state", "version": 1, "boot_id": "boot-1", "faults": {faults}}}'
+    )
+    agent, _clock, _writer, r, _ = make("gpus: 2")
+    agent._state = StateStore(tmp_path, boot_id="boot-1")
+    agent.restore()
+    agent.check_once()
+    r.reconcile_now()
+    assert agent.checks == 1
+    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == [FILE_NAME, f"{FILE_NAME}.corrupt"]
+    assert StateStore(tmp_path, boot_id="boot-1").load() == ()  # and the new file is well-formed

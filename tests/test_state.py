@@ -404,3 +404,62 @@ def test_the_rules_memory_read_first_at_start_reads_the_file_and_logs_the_restor
         assert s.load_rules() == RULES
         assert s.load() == (XID,)
     assert [e["event"] for e in logs] == ["state.restored"]
+
+
+def _doc(**fields: object) -> dict[str, object]:
+    return {"kind": "gpuguard-state", "version": 1, "boot_id": "b", "backend": "nvml", "faults": [], **fields}
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        _doc(faults="x"),
+        _doc(faults=[1]),
+        _doc(faults=["xid-79"]),
+        _doc(faults=[[1]]),
+        _doc(faults=[None]),
+        _doc(faults={"reason": "xid-79"}),
+        _doc(faults=None),
+        _doc(faults=7),
+        _doc(faults=[{"reason": "xid-79", "detail": "x"}] * 1025),
+        _doc(boot_id=["b"]),
+        _doc(boot_id=None),
+        _doc(backend={"nvml": 1}),
+        _doc(backend=1),
+    ],
+    ids=lambda d: ",".join(f"{k}={json.dumps(v)[:20]}" for k, v in d.items() if v != _doc()[k]),
+)
+def test_a_state_file_with_a_wrong_typed_field_is_moved_aside_not_a_crash(
+    tmp_path: Path, doc: dict[str, object]
+) -> None:
+    """The agent's start restores this file: an exception here was a crash loop in a DaemonSet."""
+    (tmp_path / FILE_NAME).write_text(json.dumps(doc))
+    s = StateStore(tmp_path, boot_id="b")
+    with capture_logs() as logs:
+        assert s.load() == ()
+    assert [e["event"] for e in logs] == ["state.corrupt"]
+    assert not (tmp_path / FILE_NAME).exists()
+    s.save((XID,))
+    assert StateStore(tmp_path, boot_id="b").load() == (XID,)
+
+
+def test_a_state_file_nested_deeper_than_the_stack_is_moved_aside(tmp_path: Path) -> None:
+    (tmp_path / FILE_NAME).write_text("[" * 200_000)
+    assert StateStore(tmp_path, boot_id="b").load() == ()
+    assert not (tmp_path / FILE_NAME).exists()
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_state_path_that_is_not_a_regular_file_is_moved_aside_without_blocking(
+    tmp_path: Path, kind: str
+) -> None:
+    """A FIFO would block a plain open() for ever (no writer); it is refused at once."""
+    path = tmp_path / FILE_NAME
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    with capture_logs() as logs:
+        assert StateStore(tmp_path, boot_id="b").load() == ()
+    assert logs[0]["event"] == "state.corrupt" and "not a regular file" in logs[0]["error"]
+    assert not path.exists()
