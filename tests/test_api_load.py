@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gpuguard import cli, kubeapi, running
+from gpuguard import cli, kubeapi, kubeconfig, running
 from gpuguard.config import Config, NodeSettings, PolicySettings
 from gpuguard.errors import ConfigError
 from gpuguard.model import GpuReading, Snapshot
@@ -195,7 +195,7 @@ def test_a_read_that_reserves_its_write_pays_for_both_and_the_write_waits_for_no
 ) -> None:
     t = FakeTime()
     limiter = kubeapi.RateLimiter(2, 2, clock=t.clock, sleep=t.sleep)
-    client = kubeapi.Client(kubeapi.Credentials(server=server), user_agent="t", rate_limiter=limiter)
+    client = kubeapi.Client(kubeconfig.Credentials(server=server), user_agent="t", rate_limiter=limiter)
     writer = KubeNodeWriter("gpu-1", api=client)
     Recorder.replies = [(200, {}, json.dumps(NODE).encode())] * 5
     node = writer.read(reserve_write=True)
@@ -212,7 +212,7 @@ def test_a_write_without_a_reserving_read_pays_its_own_token(server: str) -> Non
     loop with no read in it was never held to the rate."""
     t = FakeTime()
     limiter = kubeapi.RateLimiter(2, 2, clock=t.clock, sleep=t.sleep)
-    client = kubeapi.Client(kubeapi.Credentials(server=server), user_agent="t", rate_limiter=limiter)
+    client = kubeapi.Client(kubeconfig.Credentials(server=server), user_agent="t", rate_limiter=limiter)
     writer = KubeNodeWriter("gpu-1", api=client)
     Recorder.replies = [(200, {}, json.dumps(NODE).encode())] * 5
     node = writer.read()  # 1 token: reserves nothing

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from gpuguard import kubeapi
+from gpuguard import kubeapi, kubeconfig
 from gpuguard.node.budget import Budget
 from gpuguard.node.fleet import WatchedBudget
 from gpuguard.node.view import NodeView
@@ -17,7 +17,7 @@ def test_until_the_watch_is_established_the_budget_and_the_order_are_listed_by_t
     fallback = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1"))
     fallback.quarantine_budget = Budget(quarantined=3, limit=3, gpu_nodes=30)
     fallback.order = [("2026-01-01T00:00:00Z", "gpu-0")]
-    api = kubeapi.Client(kubeapi.Credentials(server="https://127.0.0.1:9"), user_agent="test")
+    api = kubeapi.Client(kubeconfig.Credentials(server="https://127.0.0.1:9"), user_agent="test")
     fleet = WatchedBudget("gpu-1", "10%", api=api, fallback=fallback, gpu_node_selector="")
     assert not fleet.synced
     assert fleet.budget("10%", exclude="gpu-1") == Budget(quarantined=3, limit=3, gpu_nodes=30)
@@ -29,7 +29,7 @@ class _ServerEndsEachWatch(kubeapi.Client):
     """An API server whose watches end at once (as at their timeoutSeconds), with nothing quarantined."""
 
     def __init__(self, watches: int) -> None:
-        super().__init__(kubeapi.Credentials(server="https://127.0.0.1:9"), user_agent="test")
+        super().__init__(kubeconfig.Credentials(server="https://127.0.0.1:9"), user_agent="test")
         self.fleet: WatchedBudget | None = None
         self.lists = 0
         self.watches: list[tuple[int, float]] = []

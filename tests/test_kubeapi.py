@@ -21,6 +21,7 @@ import urllib3.util.connection
 import yaml
 
 from gpuguard import kubeapi
+from gpuguard import kubeconfig as kc
 from gpuguard.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
 from gpuguard.node.budget import Budget
 from gpuguard.node.view import EventSpec, NodeView
@@ -54,7 +55,7 @@ def test_a_token_kubeconfig_with_a_relative_ca_path_is_read_without_the_kubernet
     path = kubeconfig(
         tmp_path, {"token": "abc"}, {"server": "https://k:6443", "certificate-authority": "ca.pem"}
     )
-    creds = kubeapi.from_kubeconfig(str(path))
+    creds = kc.from_kubeconfig(str(path))
     assert creds.server == "https://k:6443" and creds.token == "abc"
     assert creds.ca_file == str(tmp_path.resolve() / "ca.pem")  # relative to the kubeconfig, as kubectl does
     assert creds.authorization is None and not creds.insecure
@@ -67,7 +68,7 @@ def test_embedded_certificates_become_private_files(tmp_path: Path) -> None:
         {"client-certificate-data": data["cert"], "client-key-data": data["key"]},
         {"server": "https://k", "certificate-authority-data": data["ca"]},
     )
-    creds = kubeapi.from_kubeconfig(str(path))
+    creds = kc.from_kubeconfig(str(path))
     assert creds.ca_file and creds.cert_file and creds.key_file
     assert Path(creds.key_file).read_text() == "PEM key" and Path(creds.cert_file).read_text() == "PEM cert"
     assert Path(creds.ca_file).read_text() == "PEM ca"
@@ -103,7 +104,7 @@ def test_a_broken_kubeconfig_is_one_clear_config_error(tmp_path: Path, text: str
     path = tmp_path / "kubeconfig"
     path.write_bytes(text.encode("latin-1"))
     with pytest.raises(ConfigError, match=message) as err:
-        kubeapi.from_kubeconfig(str(path))
+        kc.from_kubeconfig(str(path))
     assert str(path) in str(err.value) and "\n" not in str(err.value)
 
 
@@ -126,7 +127,7 @@ def test_an_exec_plugin_user_goes_through_the_kubernetes_loader_and_its_token_is
             "interactiveMode": "Never",
         }
     }
-    creds = kubeapi.from_kubeconfig(str(kubeconfig(tmp_path, user)))
+    creds = kc.from_kubeconfig(str(kubeconfig(tmp_path, user)))
     assert creds.authorization is not None and creds.authorization() == "Bearer from-exec"
     assert creds.server == "https://10.0.0.1:6443"
 
@@ -138,7 +139,7 @@ def test_in_cluster_reads_the_service_account_files_and_brackets_ipv6(
     (tmp_path / "ca.crt").write_text("PEM")
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "fd00::1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
-    creds = kubeapi.in_cluster(str(tmp_path))
+    creds = kc.in_cluster(str(tmp_path))
     assert creds.server == "https://[fd00::1]:443"
     assert creds.token_file == str(tmp_path / "token") and creds.ca_file == str(tmp_path / "ca.crt")
 
@@ -150,10 +151,10 @@ def test_in_cluster_without_a_token_is_a_config_error(
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
     with pytest.raises(ConfigError, match="token is missing or empty"):
-        kubeapi.in_cluster(str(tmp_path))
+        kc.in_cluster(str(tmp_path))
     monkeypatch.delenv("KUBERNETES_SERVICE_PORT")
     with pytest.raises(ConfigError, match="KUBERNETES_SERVICE_PORT"):
-        kubeapi.in_cluster(str(tmp_path))
+        kc.in_cluster(str(tmp_path))
 
 
 def test_the_cli_never_imports_the_kubernetes_package_for_a_token_kubeconfig(tmp_path: Path) -> None:
@@ -212,7 +213,7 @@ NODE = {"metadata": {"name": "gpu/1", "resourceVersion": "7", "uid": "u"}, "spec
 
 
 def test_a_request_carries_the_token_user_agent_and_json_body(server: str) -> None:
-    client = kubeapi.Client(kubeapi.Credentials(server=server, token="t0k"), user_agent="gpuguard/x")
+    client = kubeapi.Client(kc.Credentials(server=server, token="t0k"), user_agent="gpuguard/x")
     Recorder.replies = [(200, {}, json.dumps(NODE).encode())]
     doc = client.request(
         "PATCH", "/api/v1/nodes/n", body={"a": 1}, content_type="application/merge-patch+json"
@@ -226,7 +227,7 @@ def test_a_request_carries_the_token_user_agent_and_json_body(server: str) -> No
 
 
 def test_a_node_name_and_a_query_are_escaped(server: str) -> None:
-    client = kubeapi.Client(kubeapi.Credentials(server=server), user_agent="t")
+    client = kubeapi.Client(kc.Credentials(server=server), user_agent="t")
     client.request("GET", kubeapi.path_of("api/v1/nodes", "a/b?c"), query={"labelSelector": "x=y,z"})
     assert Recorder.seen[0]["path"] == "/api/v1/nodes/a%2Fb%3Fc?labelSelector=x%3Dy%2Cz"
     assert "Authorization" not in Recorder.seen[0]["headers"]
@@ -235,7 +236,7 @@ def test_a_node_name_and_a_query_are_escaped(server: str) -> None:
 def test_a_rotated_token_file_is_read_again(server: str, tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("first\n")
-    client = kubeapi.Client(kubeapi.Credentials(server=server, token_file=str(token)), user_agent="t")
+    client = kubeapi.Client(kc.Credentials(server=server, token_file=str(token)), user_agent="t")
     client.request("GET", "/x")
     client.request("GET", "/x")
     token.write_text("second\n")
@@ -247,7 +248,7 @@ def test_a_rotated_token_file_is_read_again(server: str, tmp_path: Path) -> None
 def test_a_token_file_gone_mid_rotation_keeps_the_last_token(server: str, tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("first")
-    client = kubeapi.Client(kubeapi.Credentials(server=server, token_file=str(token)), user_agent="t")
+    client = kubeapi.Client(kc.Credentials(server=server, token_file=str(token)), user_agent="t")
     client.request("GET", "/x")
     token.unlink()
     client.request("GET", "/x")
@@ -268,7 +269,7 @@ def test_a_token_file_gone_mid_rotation_keeps_the_last_token(server: str, tmp_pa
 def test_the_writer_translates_each_answer_into_gpuguards_errors(  # noqa: PLR0917 - the parameter table
     server: str, status: int, headers: dict[str, str], body: bytes, error: type[Exception], text: str
 ) -> None:
-    client = kubeapi.Client(kubeapi.Credentials(server=server), user_agent="t")
+    client = kubeapi.Client(kc.Credentials(server=server), user_agent="t")
     writer = KubeNodeWriter("n", api=client)
     Recorder.replies = [(status, headers, body)]
     with pytest.raises(error, match=text) as err:
@@ -278,13 +279,13 @@ def test_the_writer_translates_each_answer_into_gpuguards_errors(  # noqa: PLR09
 
 
 def test_no_answer_at_all_is_transient() -> None:
-    client = kubeapi.Client(kubeapi.Credentials(server="http://127.0.0.1:9"), user_agent="t")
+    client = kubeapi.Client(kc.Credentials(server="http://127.0.0.1:9"), user_agent="t")
     with pytest.raises(TransientApiError, match="read node n"):
         KubeNodeWriter("n", api=client, timeout=2).read()
 
 
 def test_the_writer_speaks_the_node_endpoints(server: str) -> None:
-    client = kubeapi.Client(kubeapi.Credentials(server=server), user_agent="t")
+    client = kubeapi.Client(kc.Credentials(server=server), user_agent="t")
     writer = KubeNodeWriter("gpu/1", api=client)
     no_headers: dict[str, str] = {}
     quarantined_label = {"gpuguard.io/quarantined": "true"}
@@ -338,7 +339,7 @@ def test_the_writer_speaks_the_node_endpoints(server: str) -> None:
 def test_an_event_goes_to_the_event_namespace_with_its_message_bounded(server: str) -> None:
     """A fault's text can be long (every GPU of a node, NVML's own strings): the Event carries at most
     MAX_EVENT_MESSAGE_BYTES of it, and goes only where the Role lets the agent write Events."""
-    client = kubeapi.Client(kubeapi.Credentials(server=server), user_agent="t")
+    client = kubeapi.Client(kc.Credentials(server=server), user_agent="t")
     node = NodeView(name="gpu-1", uid="u-1")
     KubeNodeWriter("gpu-1", api=client).record_event(
         node, EventSpec("Warning", "GPUUnhealthy", "Xid 79 on GPU-\u00e9" + "x" * (1 << 20) + "\x1b[2J")
@@ -355,7 +356,7 @@ def test_an_event_goes_to_the_event_namespace_with_its_message_bounded(server: s
 
 def test_a_server_that_is_not_a_url_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="not an http"):
-        kubeapi.Client(kubeapi.Credentials(server="10.0.0.1:6443"), user_agent="t")
+        kubeapi.Client(kc.Credentials(server="10.0.0.1:6443"), user_agent="t")
 
 
 def test_connections_to_the_api_server_probe_a_silent_peer_with_tcp_keepalive(
@@ -372,7 +373,7 @@ def test_connections_to_the_api_server_probe_a_silent_peer_with_tcp_keepalive(
         return sock
 
     monkeypatch.setattr(urllib3.util.connection, "create_connection", recording)
-    client = kubeapi.Client(kubeapi.Credentials(server=server), user_agent="t")
+    client = kubeapi.Client(kc.Credentials(server=server), user_agent="t")
     Recorder.replies = [(200, {}, json.dumps(NODE).encode())]
     client.request("GET", "/api/v1/nodes/n")
     assert opened == [(1, 60)]  # probes after a minute of silence

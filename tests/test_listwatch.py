@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gpuguard import kubeapi
+from gpuguard import kubeapi, kubeconfig
 from gpuguard.errors import NodeUpdateError, TransientApiError
 from gpuguard.node.listwatch import ListWatch
 
@@ -22,7 +22,7 @@ class _Script(kubeapi.Client):
     an HTTP status to fail with, or "stop" (the caller's stop())."""
 
     def __init__(self, script: list[object], stop: threading.Event, gate: threading.Event | None) -> None:
-        super().__init__(kubeapi.Credentials(server="https://127.0.0.1:9"), user_agent="test")
+        super().__init__(kubeconfig.Credentials(server="https://127.0.0.1:9"), user_agent="test")
         self.script, self.stop, self.gate = script, stop, gate
         self.calls: list[str] = []
 
@@ -92,7 +92,7 @@ class _Pages(kubeapi.Client):
     """A collection of 250 items served in pages of the limit asked for."""
 
     def __init__(self) -> None:
-        super().__init__(kubeapi.Credentials(server="https://127.0.0.1:9"), user_agent="test")
+        super().__init__(kubeconfig.Credentials(server="https://127.0.0.1:9"), user_agent="test")
         self.queries: list[dict[str, str]] = []
 
     def request(self, method: str, path: str, **kw: Any) -> Any:

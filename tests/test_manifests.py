@@ -534,7 +534,7 @@ def test_the_namespace_admits_the_host_path_and_applies_without_warnings() -> No
 
 
 def test_the_pod_mounts_a_short_lived_projected_token_instead_of_the_automatic_one() -> None:
-    from gpuguard import kubeapi
+    from gpuguard import kubeconfig
 
     spec = _pod_spec()
     assert spec["automountServiceAccountToken"] is False
@@ -554,7 +554,7 @@ def test_the_pod_mounts_a_short_lived_projected_token_instead_of_the_automatic_o
     assert files["ca.crt"]["configMap"]["name"] == "kube-root-ca.crt" and files["ca.crt"]["key"] == "ca.crt"
     assert files["namespace"]["fieldRef"]["fieldPath"] == "metadata.namespace"
     # The directory and files gpuguard's in-cluster config reads.
-    assert kubeapi.SA_DIR == SA_DIR and {"token", "ca.crt"} <= set(files)
+    assert kubeconfig.SA_DIR == SA_DIR and {"token", "ca.crt"} <= set(files)
 
 
 def test_the_image_is_a_pinned_version() -> None:

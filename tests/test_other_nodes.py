@@ -21,6 +21,7 @@ import structlog
 import yaml
 
 from gpuguard import kubeapi
+from gpuguard import kubeconfig as kc
 from gpuguard.node.budget import SINCE_SKEW, OtherNodes, quarantine_entry, quarantine_rank
 from gpuguard.node.writers import KubeNodeWriter
 from tests.fakes import http_server
@@ -76,7 +77,7 @@ def api_server() -> Iterator[str]:
 
 
 def writer(server: str) -> KubeNodeWriter:
-    client = kubeapi.Client(kubeapi.Credentials(server=server), user_agent="t")
+    client = kubeapi.Client(kc.Credentials(server=server), user_agent="t")
     return KubeNodeWriter("me", api=client, others=OtherNodes(clock=lambda: NOW))
 
 

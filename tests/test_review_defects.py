@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpuguard import cli, kubeapi
+from gpuguard import cli, kubeconfig
 from gpuguard.config import Config, NodeSettings, PolicySettings, parse_listen
 from gpuguard.model import AgentStatus, Fault, GpuReading, Snapshot, XidEvent
 from gpuguard.node.budget import budget_limit
@@ -246,9 +246,9 @@ def test_defect_15_a_plain_kubeconfig_honours_https_proxy_and_no_proxy(
 ) -> None:
     path = _kubeconfig(tmp_path, "https://api.cluster.example:6443", {"token": "t"})
     clean_env.setenv("HTTPS_PROXY", "http://proxy.corp.example:3128")
-    assert kubeapi.from_kubeconfig(path).proxy == "http://proxy.corp.example:3128"
+    assert kubeconfig.from_kubeconfig(path).proxy == "http://proxy.corp.example:3128"
     clean_env.setenv("NO_PROXY", "localhost,.cluster.example")
-    assert kubeapi.from_kubeconfig(path).proxy is None
+    assert kubeconfig.from_kubeconfig(path).proxy is None
 
 
 def test_defect_15_an_exec_plugin_kubeconfig_honours_no_proxy(
@@ -265,11 +265,11 @@ def test_defect_15_an_exec_plugin_kubeconfig_honours_no_proxy(
     }
     path = _kubeconfig(tmp_path, "https://10.20.30.40:6443", {"exec": plugin})
     clean_env.setenv("HTTPS_PROXY", "http://proxy.corp.example:3128")
-    creds = kubeapi.from_kubeconfig(path)
+    creds = kubeconfig.from_kubeconfig(path)
     assert creds.proxy == "http://proxy.corp.example:3128"
     assert creds.authorization is not None and creds.authorization() == "Bearer t"
     clean_env.setenv("NO_PROXY", "10.0.0.0/8")
-    assert kubeapi.from_kubeconfig(path).proxy is None
+    assert kubeconfig.from_kubeconfig(path).proxy is None
 
 
 def test_defect_15_empty_environment_values_behave_like_the_empty_flags(
