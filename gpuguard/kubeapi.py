@@ -27,7 +27,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -35,8 +34,9 @@ import urllib3
 from urllib3.connection import HTTPConnection
 from urllib3.exceptions import HTTPError
 
+from gpuguard import files
 from gpuguard.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
-from gpuguard.kubeconfig import Credentials, credentials
+from gpuguard.kubeconfig import MAX_TOKEN, Credentials, bearer_token, credentials
 
 _MAX_MESSAGE = 300
 
@@ -244,11 +244,14 @@ class Client:
             if cached is not None and cached[0] == mtime:
                 return cached[1]
             try:
-                token = Path(path).read_text().strip()
-            except OSError:
+                token = bearer_token(
+                    files.read_text(path, limit=MAX_TOKEN, what="token file").strip(), f"token file {path}"
+                )
+            except ConfigError as exc:
                 if cached is not None:
                     return cached[1]  # mid-rotation: the old token is still valid for a while
-                raise
+                # No token to send: as good as no answer (retried); the line names the file and the problem.
+                raise TransientApiError(str(exc)) from None
             self._token_cache = (mtime, token)
             return token
 

@@ -13,6 +13,7 @@ import binascii
 import ipaddress
 import os
 import shutil
+import ssl
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -23,7 +24,14 @@ from urllib.request import getproxies
 
 import yaml
 
+from gpuguard import files
 from gpuguard.errors import ConfigError
+
+# Bounds of what is read (gpuguard.files): a kubeconfig with the embedded certificates of a hundred clusters
+# is a few hundred KiB; a token about 1 KiB; a CA bundle, a certificate or a key a few KiB.
+MAX_KUBECONFIG = 4 * files.MIB
+MAX_TOKEN = 64 * files.KIB
+MAX_PEM = files.MIB
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 # What a kubeconfig user may hold for gpuguard to read it itself; anything else goes to the kubernetes loader.
@@ -67,6 +75,9 @@ def credentials(kubeconfig: str | None) -> Credentials:
     env = os.environ.get("KUBECONFIG", "")
     paths = [p for p in env.split(os.pathsep) if p]
     if len(paths) > 1:
+        for listed in paths:  # bounded before the loader reads them (a missing one is skipped, as kubectl)
+            if os.path.lexists(listed):
+                files.check_file(listed, limit=MAX_KUBECONFIG, what="kubeconfig")
         return _via_kubernetes(None)  # kubectl merges the list; so does the kubernetes loader
     return from_kubeconfig(paths[0] if paths else str(Path.home() / ".kube" / "config"))
 
@@ -77,11 +88,13 @@ def in_cluster(sa_dir: str = SA_DIR) -> Credentials:
     if not host or not port:
         raise ConfigError("in-cluster config: KUBERNETES_SERVICE_HOST/KUBERNETES_SERVICE_PORT are not set")
     token, ca = Path(sa_dir, "token"), Path(sa_dir, "ca.crt")
-    for f in (token, ca):
+    for f, limit in ((token, MAX_TOKEN), (ca, MAX_PEM)):
         if not f.is_file() or f.stat().st_size == 0:
             raise ConfigError(
                 f"in-cluster config: {f} is missing or empty (is a ServiceAccount token mounted?)"
             )
+        files.check_file(f, limit=limit, what="in-cluster config:")
+    _check_ca(str(ca), f"in-cluster config: {ca}")
     if ":" in host:
         host = f"[{host}]"  # IPv6
     return Credentials(server=f"https://{host}:{port}", ca_file=str(ca), token_file=str(token))
@@ -89,61 +102,153 @@ def in_cluster(sa_dir: str = SA_DIR) -> Credentials:
 
 def from_kubeconfig(path: str) -> Credentials:
     """The current context of a kubeconfig: token, token file or client certificate read here; any other
-    kind of user (exec plugin, auth provider, basic auth, impersonation) through the kubernetes loader."""
-    try:
-        doc = yaml.safe_load(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"kubeconfig {path}: {_one_line(exc)}") from None
+    kind of user (exec plugin, auth provider, basic auth, impersonation) through the kubernetes loader.
+    ConfigError, one line naming the file and what is wrong in it, for anything that cannot work."""
+    doc = _parse(files.read_text(path, limit=MAX_KUBECONFIG, what="kubeconfig"), path)
     if not isinstance(doc, dict):
         raise ConfigError(f"kubeconfig {path}: not a kubeconfig (no mapping at the top)")
     current = doc.get("current-context")
     if not current:
         raise ConfigError(f"kubeconfig {path}: no current-context")
-    context = _named(doc, "contexts", "context", str(current), path)
-    cluster = _named(doc, "clusters", "cluster", str(context.get("cluster")), path)
-    user_name = context.get("user")
-    user = _named(doc, "users", "user", str(user_name), path) if user_name else {}
+    if not isinstance(current, str):
+        raise ConfigError(f"kubeconfig {path}: current-context must be a name (a string)")
+    context = _named(doc, "contexts", "context", current, path)
+    cluster_name, user_name = context.get("cluster"), context.get("user")
+    for field, value in (("cluster", cluster_name), ("user", user_name)):
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"kubeconfig {path}: context {current!r}: {field} must be a name (a string)")
+    cluster = _named(doc, "clusters", "cluster", str(cluster_name), path)
+    user = _named(doc, "users", "user", user_name, path) if user_name else {}
     if set(user) - _OWN_USER_KEYS or set(cluster) - _OWN_CLUSTER_KEYS:
         return _via_kubernetes(path)
     base = Path(path).resolve().parent
     server = cluster.get("server")
     if not isinstance(server, str) or not server:
-        raise ConfigError(f"kubeconfig {path}: cluster {context.get('cluster')!r} has no server")
+        raise ConfigError(f"kubeconfig {path}: cluster {cluster_name!r} has no server")
+    insecure = cluster.get("insecure-skip-tls-verify", False)
+    if not isinstance(insecure, bool):  # the string "false" is true to bool(): never guess towards no TLS
+        raise ConfigError(f"kubeconfig {path}: insecure-skip-tls-verify must be true or false")
+    token, token_file = _text(user, "token", path), _text(user, "tokenFile", path)
+    if token:
+        bearer_token(token, f"kubeconfig {path}: token")
+    if token_file:
+        token_file = str(base / token_file)
+        files.check_file(token_file, limit=MAX_TOKEN, what=f"kubeconfig {path}: tokenFile")
+    ca = _file_or_data(cluster, "certificate-authority", base, path)
+    cert = _file_or_data(user, "client-certificate", base, path)
+    key = _file_or_data(user, "client-key", base, path)
+    if ca is not None:
+        _check_ca(ca[0], f"kubeconfig {path}: {ca[1]}")
+    if (cert is None) != (key is None):
+        raise ConfigError(
+            f"kubeconfig {path}: a client certificate needs both client-certificate and client-key"
+        )
+    if cert is not None and key is not None:
+        _check_client_cert(cert, key, f"kubeconfig {path}")
     env = getproxies()
     return Credentials(
         server=server,
         # As kubectl (client-go) does: HTTPS_PROXY/HTTP_PROXY by the server's scheme, unless NO_PROXY matches.
         proxy=_unless_bypassed(server, env.get(urlparse(server).scheme) or env.get("all"), env.get("no", "")),
-        ca_file=_file_or_data(cluster, "certificate-authority", base, path),
-        insecure=bool(cluster.get("insecure-skip-tls-verify", False)),
-        token=str(user["token"]) if user.get("token") else None,
-        token_file=str(base / user["tokenFile"]) if user.get("tokenFile") else None,
-        cert_file=_file_or_data(user, "client-certificate", base, path),
-        key_file=_file_or_data(user, "client-key", base, path),
+        ca_file=ca[0] if ca else None,
+        insecure=insecure,
+        token=token or None,
+        token_file=token_file or None,
+        cert_file=cert[0] if cert else None,
+        key_file=key[0] if key else None,
     )
 
 
+def bearer_token(token: str, where: str) -> str:
+    """`token` when it can be sent in an Authorization header (visible ASCII, no space); ConfigError naming
+    `where` otherwise: a newline in it would be a second header, refused by urllib3 at every request."""
+    if not token or not all("!" <= ch <= "~" for ch in token):
+        raise ConfigError(f"{where}: not a bearer token (empty, or holds spaces or control characters)")
+    return token
+
+
+def _parse(text: str, path: str) -> Any:
+    """The kubeconfig's YAML; one line naming the file, the line and the problem when it is not YAML."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"kubeconfig {path}: not valid YAML{where}: {exc.problem or exc.context}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"kubeconfig {path}: not valid YAML: {_one_line(exc)[:200]}") from None
+    except RecursionError:
+        raise ConfigError(f"kubeconfig {path}: nested too deeply") from None
+    except (ValueError, TypeError, AttributeError, OverflowError) as exc:
+        # PyYAML's constructors raise these for values Python cannot build (2001-02-30, !!float x).
+        raise ConfigError(f"kubeconfig {path}: a value YAML cannot build: {_one_line(exc)[:120]}") from None
+
+
 def _named(doc: dict[str, Any], section: str, key: str, name: str, path: str) -> dict[str, Any]:
-    for entry in doc.get(section) or []:
+    entries = doc.get(section) or []
+    if not isinstance(entries, list):
+        raise ConfigError(f"kubeconfig {path}: {section} must be a list")
+    for entry in entries:
         if isinstance(entry, dict) and entry.get("name") == name:
             value = entry.get(key) or {}
             if not isinstance(value, dict):
-                break
+                raise ConfigError(f"kubeconfig {path}: {key} {name!r} must be a mapping")
             return value
     raise ConfigError(f"kubeconfig {path}: no {key} named {name!r} in {section}")
 
 
-def _file_or_data(entry: Mapping[str, Any], key: str, base: Path, path: str) -> str | None:
-    data = entry.get(f"{key}-data")
+def _text(entry: Mapping[str, Any], key: str, path: str) -> str | None:
+    value = entry.get(key)
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"kubeconfig {path}: {key} must be a string")
+    return value
+
+
+def _file_or_data(entry: Mapping[str, Any], key: str, base: Path, path: str) -> tuple[str, str] | None:
+    """(the file TLS reads, how an error names it: the file, or `key`-data) or None."""
+    data = _text(entry, f"{key}-data", path)
     if data:
         try:
-            raw = base64.b64decode(str(data), validate=True)
+            raw = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
             raise ConfigError(f"kubeconfig {path}: {key}-data is not base64") from None
-        return _private_file(raw)
-    if entry.get(key):
-        return str(base / str(entry[key]))
+        if len(raw) > MAX_PEM:
+            raise ConfigError(f"kubeconfig {path}: {key}-data is more than {files.size_text(MAX_PEM)}")
+        return _private_file(raw), f"{key}-data"
+    name = _text(entry, key, path)
+    if name:
+        file = str(base / name)
+        files.check_file(file, limit=MAX_PEM, what=f"kubeconfig {path}: {key}")
+        return file, f"{key} {file}"
     return None
+
+
+def _check_ca(file: str, where: str, *, kind: str = "CA certificate") -> None:
+    """The file holds PEM certificates: found now, naming it, not as an SSLError at the first request."""
+    try:
+        ssl.create_default_context(cafile=file)
+    except (ssl.SSLError, OSError, ValueError) as exc:
+        raise ConfigError(f"{where}: not a PEM {kind}{_ssl_reason(exc)}") from None
+
+
+def _check_client_cert(cert: tuple[str, str], key: tuple[str, str], where: str) -> None:
+    """The client certificate and its key load together; else one line naming the file at fault, not
+    `SSLError: [SSL] PEM lib (_ssl.c:3905)` at every request. (file, how an error names it) each."""
+    _check_ca(cert[0], f"{where}: {cert[1]}", kind="certificate")
+    try:
+        ssl.create_default_context().load_cert_chain(cert[0], key[0])
+    except (ssl.SSLError, OSError, ValueError) as exc:
+        raise ConfigError(
+            f"{where}: {key[1]}: not a PEM private key that matches {cert[1]}{_ssl_reason(exc)}"
+        ) from None
+
+
+def _ssl_reason(exc: Exception) -> str:
+    """OpenSSL's reason where it has one (" (KEY_VALUES_MISMATCH)"); "PEM lib (_ssl.c:3905)" says nothing."""
+    reason = getattr(exc, "reason", None) if isinstance(exc, ssl.SSLError) else getattr(exc, "strerror", None)
+    return f" ({' '.join(str(reason).split())[:120]})" if reason else ""
 
 
 _tmpdir: str | None = None
@@ -171,8 +276,10 @@ def _via_kubernetes(path: str | None) -> Credentials:
     configuration: Any = client.Configuration()
     try:
         loader.load_kube_config(config_file=path, client_configuration=configuration)
-    except (ConfigException, OSError, TypeError, ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(f"kubeconfig {path or '$KUBECONFIG'}: {_one_line(exc)}") from None
+    except (ConfigException, OSError, TypeError, ValueError, AttributeError, KeyError, yaml.YAMLError) as exc:
+        raise ConfigError(f"kubeconfig {path or '$KUBECONFIG'}: {_one_line(exc)[:300]}") from None
+    except RecursionError:
+        raise ConfigError(f"kubeconfig {path or '$KUBECONFIG'}: nested too deeply") from None
 
     def authorization() -> str | None:
         # The whole header value ("Bearer ..." or basic auth); refreshes an expired exec-plugin token first.

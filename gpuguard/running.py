@@ -9,12 +9,11 @@ import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from types import FrameType
 
 import structlog
 
-from gpuguard import logs
+from gpuguard import files, logs
 from gpuguard.config import Config
 from gpuguard.errors import ConfigError
 from gpuguard.model import AgentStatus, Verdict
@@ -57,8 +56,8 @@ def startup_delay(
 def host_uptime(path: str = "/proc/uptime") -> float | None:
     """Seconds since the host booted (/proc/uptime is the host's, also in a container); None if unreadable."""
     try:
-        return float(Path(path).read_text().split()[0])
-    except (OSError, ValueError, IndexError):
+        return float(files.read_text(path, limit=4 * files.KIB, what="uptime file").split()[0])
+    except (ConfigError, ValueError, IndexError):
         return None
 
 

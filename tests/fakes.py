@@ -213,3 +213,33 @@ class FakeDeviceSource:
         if rule.resource_version != doc["metadata"]["resourceVersion"]:
             raise ConflictError("resourceVersion mismatch")
         del self.store[rule.name]
+
+
+def self_signed_pem(name: str = "gpuguard-test") -> tuple[bytes, bytes]:
+    """A throwaway self-signed certificate and its key, both PEM: it serves as a CA file and as a client
+    certificate with its key (the kubeconfig loader now checks that these load)."""
+    import datetime  # noqa: PLC0415 - only the tests that need a certificate pay for cryptography
+
+    from cryptography import x509  # noqa: PLC0415
+    from cryptography.hazmat.primitives import hashes, serialization  # noqa: PLC0415
+    from cryptography.hazmat.primitives.asymmetric import ec  # noqa: PLC0415
+    from cryptography.x509.oid import NameOID  # noqa: PLC0415
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem

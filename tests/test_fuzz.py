@@ -1,9 +1,11 @@
-"""Hostile input, tried: the scenario parser, the flag parsers and the CLI, and the HTTP server, each fed
-generated input by hypothesis (bounded: the file runs in well under a minute; the number of inputs tried is
-printed at the end, and recorded in docs/security.md).
+"""Hostile input, tried: the scenario parser, the state file, the kubeconfig, the flag parsers and the CLI,
+and the HTTP server, each fed generated input by hypothesis (bounded: the file runs in well under a minute;
+the number of inputs tried is printed at the end, and recorded in docs/security.md).
 
 The contracts:
 - parse_scenario returns a Scenario or raises ScenarioError, one line;
+- the state file restores a tuple of faults or is moved aside, whatever the type of any of its fields;
+- a kubeconfig is Credentials or one ConfigError line naming the file, whatever the type of any field;
 - parse_xids / parse_listen return a value or raise ConfigError, one line; `gpuguard watch|check` with any
   flag values exits 0, 1 (check: unhealthy) or 2 with exactly one line on stderr, never a traceback;
 - the HTTP server answers every request within its deadline with a 4xx (or 200 for a well-formed GET or
@@ -260,6 +262,161 @@ def test_binary_junk_is_a_scenario_or_a_one_line_scenario_error(data: bytes) -> 
 def test_a_scenario_nested_a_hundred_thousand_deep_is_a_scenario_error() -> None:
     for text in ("[" * 100_000, "a:\n" + "".join(" " * i + "b:\n" for i in range(1, 3000))):
         check_scenario(text, "deep nesting")
+
+
+# -- the state file and the kubeconfig: every field of the real shape, each of any type ----------------------
+
+ANY = STRUCTURES | SCALARS
+
+
+def maybe(draw: st.DrawFn, real: st.SearchStrategy[Any], odds: int = 3) -> Any:
+    """The field's real kind most of the time (so the checks past it are reached), anything 1 in odds+1."""
+    # Hypothesis leans to the bounds of a range (0 and odds): neither is the wrong kind.
+    return draw(ANY) if draw(st.integers(0, odds)) == 1 else draw(real)
+
+
+@st.composite
+def state_docs(draw: st.DrawFn) -> Any:
+    fault = st.fixed_dictionaries(
+        {"reason": st.text(max_size=70), "detail": st.text(max_size=20)},
+        optional={"uuid": st.text(max_size=10) | st.none(), "gpu_index": st.integers(-1, 8) | st.none()},
+    )
+    rule = st.fixed_dictionaries(
+        {"rule": st.text(max_size=10), "uuid": st.text(max_size=10), "faults": st.lists(st.text(max_size=5))}
+    )
+    doc: dict[str, Any] = {
+        "kind": maybe(draw, st.just("gpuguard-state")),
+        "version": maybe(draw, st.just(1)),
+        "boot_id": maybe(draw, st.just("b")),
+        "backend": maybe(draw, st.just("nvml")),
+        "faults": maybe(
+            draw, st.lists(st.builds(dict, fault) | ANY if draw(st.booleans()) else fault, max_size=4)
+        ),
+    }
+    if draw(st.booleans()):
+        doc["device_rules"] = maybe(
+            draw,
+            st.fixed_dictionaries(
+                {"known": st.lists(rule | ANY, max_size=3), "overridden": st.lists(rule | ANY, max_size=3)}
+            ),
+        )
+    for key in draw(st.sets(st.sampled_from(sorted(doc)), max_size=2)):
+        del doc[key]
+    return doc if draw(st.integers(0, 9)) else draw(ANY)
+
+
+@fuzz(500)
+@given(state_docs())
+def test_a_state_file_with_any_field_of_any_type_restores_or_is_moved_aside(doc: Any) -> None:
+    """The agent's start reads this file: anything but a tuple of faults (or a logged move aside) is a crash
+    loop in a DaemonSet."""
+    from gpuguard.model import Fault
+    from gpuguard.state import FILE_NAME, StateStore
+
+    TRIED["state file: wrong-typed fields"] += 1
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / FILE_NAME).write_text(json.dumps(doc))
+        store = StateStore(tmp, boot_id="b")
+        faults = store.load()
+        store.load_rules()
+        assert isinstance(faults, tuple) and all(isinstance(f, Fault) for f in faults)
+        left = sorted(p.name.split("-")[0] for p in Path(tmp).iterdir())
+        SEEN[
+            "state file " + ("restored" if faults else "moved aside" if left != [FILE_NAME] else "empty")
+        ] += 1
+
+
+@fuzz(300)
+@given(st.binary(max_size=3000))
+def test_a_state_file_of_any_bytes_restores_or_is_moved_aside(data: bytes) -> None:
+    from gpuguard.state import FILE_NAME, StateStore
+
+    TRIED["state file: bytes"] += 1
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / FILE_NAME).write_bytes(data)
+        assert isinstance(StateStore(tmp, boot_id="b").load(), tuple)
+
+
+@st.composite
+def kubeconfig_docs(draw: st.DrawFn) -> Any:
+    def fields(choices: dict[str, st.SearchStrategy[Any]]) -> dict[str, Any]:
+        # Each field present one time in three, wrong-typed one time in ten: most documents reach the end.
+        return {k: maybe(draw, real, 9) for k, real in choices.items() if draw(st.integers(0, 2)) == 0}
+
+    user = fields(
+        {
+            "token": st.text(string.ascii_letters, min_size=1, max_size=10) | st.text(max_size=10),
+            "tokenFile": st.sampled_from(["token", "/dev/zero", "/nope", ""]),
+            "client-certificate-data": st.text(max_size=10),
+            "client-key": st.text(max_size=5),
+            "exec": st.just({"command": "true"}),
+        }
+    )
+    cluster = fields(
+        {
+            "certificate-authority": st.sampled_from(["ca.pem", "/dev/zero", "/nope"]),
+            "certificate-authority-data": st.text(max_size=12),
+            "insecure-skip-tls-verify": st.booleans(),
+        }
+    )
+    cluster["server"] = maybe(
+        draw, st.sampled_from(["https://k:6443", "http://127.0.0.1:9", "", "k:6443"]), 9
+    )
+    context = {"cluster": maybe(draw, st.just("c"), 9)}
+    if draw(st.integers(0, 3)) != 1:
+        context["user"] = maybe(draw, st.just("u"), 9)
+    if draw(st.integers(0, 4)) == 1:
+        return draw(ANY)
+    return {
+        "current-context": maybe(draw, st.just("x"), 9),
+        "contexts": maybe(draw, st.just([{"name": "x", "context": maybe(draw, st.just(context), 9)}]), 9),
+        "clusters": maybe(draw, st.just([{"name": "c", "cluster": maybe(draw, st.just(cluster), 9)}]), 9),
+        "users": maybe(draw, st.just([{"name": "u", "user": maybe(draw, st.just(user), 9)}]), 9),
+    }
+
+
+@fuzz(500)
+@given(kubeconfig_docs())
+def test_a_kubeconfig_with_any_field_of_any_type_is_credentials_or_a_one_line_config_error(doc: Any) -> None:
+    """A kubeconfig gpuguard reads itself; one that needs the kubernetes loader is recorded, not loaded
+    (the loader's own errors are mapped in `_via_kubernetes`, tried in tests/test_kubeapi.py)."""
+    from gpuguard import kubeconfig
+
+    TRIED["kubeconfig: wrong-typed fields"] += 1
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kubeconfig"
+        path.write_text(yaml.safe_dump(doc))
+        (Path(tmp) / "token").write_text("t0k")
+        with mock.patch.object(kubeconfig, "_via_kubernetes", return_value=None) as loader:
+            try:
+                creds = kubeconfig.from_kubeconfig(str(path))
+            except ConfigError as exc:
+                one_line(str(exc))
+                assert str(exc).startswith(f"kubeconfig {path}"), str(exc)
+                SEEN["kubeconfig: config error"] += 1
+                return
+        if loader.called:
+            SEEN["kubeconfig: to the kubernetes loader"] += 1
+            return
+        assert isinstance(creds, kubeconfig.Credentials) and isinstance(creds.server, str)
+        assert isinstance(creds.insecure, bool)
+        SEEN["kubeconfig: credentials"] += 1
+
+
+@fuzz(300)
+@given(st.binary(max_size=2000))
+def test_a_kubeconfig_of_any_bytes_is_credentials_or_a_one_line_config_error(data: bytes) -> None:
+    from gpuguard import kubeconfig
+
+    TRIED["kubeconfig: bytes"] += 1
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kubeconfig"
+        path.write_bytes(data)
+        with mock.patch.object(kubeconfig, "_via_kubernetes", return_value=None):
+            try:
+                kubeconfig.from_kubeconfig(str(path))
+            except ConfigError as exc:
+                one_line(str(exc))
 
 
 # -- the flag parsers and the CLI ----------------------------------------------------------------------------

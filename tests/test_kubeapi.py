@@ -27,7 +27,7 @@ from gpuguard.node.budget import Budget
 from gpuguard.node.view import EventSpec, NodeView
 from gpuguard.node.writers import EVENT_NAMESPACE, KubeNodeWriter
 from gpuguard.validation import MAX_EVENT_MESSAGE_BYTES
-from tests.fakes import http_server
+from tests.fakes import http_server, self_signed_pem
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,6 +46,12 @@ def kubeconfig(tmp_path: Path, user: dict[str, Any], cluster: dict[str, Any] | N
     return path
 
 
+_WELL_FORMED = (
+    "current-context: x\ncontexts: [{name: x, context: {cluster: c, user: u}}]\n"
+    "clusters: [{name: c, cluster: {server: 'https://k'}}]\nusers: [{name: u, user: {token: abc}}]\n"
+)
+
+
 # -- loaders -----------------------------------------------------------------------------------------------
 
 
@@ -55,6 +61,7 @@ def test_a_token_kubeconfig_with_a_relative_ca_path_is_read_without_the_kubernet
     path = kubeconfig(
         tmp_path, {"token": "abc"}, {"server": "https://k:6443", "certificate-authority": "ca.pem"}
     )
+    (tmp_path / "ca.pem").write_bytes(self_signed_pem()[0])
     creds = kc.from_kubeconfig(str(path))
     assert creds.server == "https://k:6443" and creds.token == "abc"
     assert creds.ca_file == str(tmp_path.resolve() / "ca.pem")  # relative to the kubeconfig, as kubectl does
@@ -62,7 +69,9 @@ def test_a_token_kubeconfig_with_a_relative_ca_path_is_read_without_the_kubernet
 
 
 def test_embedded_certificates_become_private_files(tmp_path: Path) -> None:
-    data = {k: base64.b64encode(f"PEM {k}".encode()).decode() for k in ("ca", "cert", "key")}
+    ca, (cert, key) = self_signed_pem("ca")[0], self_signed_pem("client")
+    pems = {"ca": ca, "cert": cert, "key": key}
+    data = {k: base64.b64encode(v).decode() for k, v in pems.items()}
     path = kubeconfig(
         tmp_path,
         {"client-certificate-data": data["cert"], "client-key-data": data["key"]},
@@ -70,8 +79,8 @@ def test_embedded_certificates_become_private_files(tmp_path: Path) -> None:
     )
     creds = kc.from_kubeconfig(str(path))
     assert creds.ca_file and creds.cert_file and creds.key_file
-    assert Path(creds.key_file).read_text() == "PEM key" and Path(creds.cert_file).read_text() == "PEM cert"
-    assert Path(creds.ca_file).read_text() == "PEM ca"
+    assert Path(creds.key_file).read_bytes() == key and Path(creds.cert_file).read_bytes() == cert
+    assert Path(creds.ca_file).read_bytes() == ca
     assert stat.S_IMODE(os.stat(creds.key_file).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(Path(creds.key_file).parent).st_mode) == 0o700
 
@@ -97,7 +106,28 @@ def test_embedded_certificates_become_private_files(tmp_path: Path) -> None:
             "clusters: [{name: c, cluster: {server: 'https://k', certificate-authority-data: '!!'}}]\n",
             "not base64",
         ),
-        ("\xff\xfe", "kubeconfig"),
+        ("\xff\xfe", "not UTF-8 text"),
+        ("[1, 2", r"not valid YAML at line 1, column 6: expected ',' or '\]'"),
+        ("current-context: [x]\n", "current-context must be a name"),
+        ("current-context: x\ncontexts: 5\n", "contexts must be a list"),
+        ("current-context: x\ncontexts: [{name: x, context: [c]}]\n", "context 'x' must be a mapping"),
+        ("current-context: x\ncontexts: [{name: x, context: {cluster: [c]}}]\n", "cluster must be a name"),
+        (_WELL_FORMED.replace("token: abc", "tokenFile: 5"), "tokenFile must be a string"),
+        (_WELL_FORMED.replace("token: abc", "token: [abc]"), "token must be a string"),
+        (_WELL_FORMED.replace("token: abc", 'token: "a\\nb"'), "token: not a bearer token"),
+        (
+            _WELL_FORMED.replace("token: abc", "tokenFile: /dev/zero"),
+            "tokenFile /dev/zero: not a regular file",
+        ),
+        (
+            _WELL_FORMED.replace("server:", "insecure-skip-tls-verify: 'false', server:"),
+            "must be true or false",
+        ),
+        (_WELL_FORMED.replace("server:", "certificate-authority: /nope, server:"), "/nope: no such file"),
+        (_WELL_FORMED.replace("server:", "certificate-authority-data: [1], server:"), "must be a string"),
+        ("a: " + "[" * 100_000, "nested too deeply|not valid YAML"),
+        ("users: !!python/object:os.system ls\n", "not valid YAML"),
+        ("x: 2001-02-30\n", "a value YAML cannot build"),
     ],
 )
 def test_a_broken_kubeconfig_is_one_clear_config_error(tmp_path: Path, text: str, message: str) -> None:
@@ -106,6 +136,30 @@ def test_a_broken_kubeconfig_is_one_clear_config_error(tmp_path: Path, text: str
     with pytest.raises(ConfigError, match=message) as err:
         kc.from_kubeconfig(str(path))
     assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_kubeconfig_larger_than_4_mib_or_not_a_file_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    big = tmp_path / "kubeconfig"
+    big.write_text(_WELL_FORMED + "#" * (4 << 20))
+    with pytest.raises(ConfigError, match=r"more than the 4 MiB allowed$"):
+        kc.from_kubeconfig(str(big))
+    with pytest.raises(ConfigError, match=r"^kubeconfig /dev/zero: not a regular file$"):
+        kc.from_kubeconfig("/dev/zero")
+
+
+def test_the_well_formed_kubeconfig_of_these_tests_loads(tmp_path: Path) -> None:
+    (tmp_path / "kubeconfig").write_text(_WELL_FORMED)
+    assert kc.from_kubeconfig(str(tmp_path / "kubeconfig")).token == "abc"
+
+
+def test_a_token_file_that_cannot_be_read_is_a_transient_error_naming_it_not_an_oserror(
+    tmp_path: Path,
+) -> None:
+    client = kubeapi.Client(
+        kc.Credentials(server="http://127.0.0.1:9", token_file="/dev/zero"), user_agent="t"
+    )
+    with pytest.raises(TransientApiError, match=r"^token file /dev/zero: not a regular file$"):
+        client.request("GET", "/api")
 
 
 def test_a_missing_kubeconfig_names_the_file(tmp_path: Path) -> None:
@@ -136,7 +190,7 @@ def test_in_cluster_reads_the_service_account_files_and_brackets_ipv6(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tmp_path / "token").write_text("tok\n")
-    (tmp_path / "ca.crt").write_text("PEM")
+    (tmp_path / "ca.crt").write_bytes(self_signed_pem()[0])
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "fd00::1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
     creds = kc.in_cluster(str(tmp_path))
@@ -147,7 +201,7 @@ def test_in_cluster_reads_the_service_account_files_and_brackets_ipv6(
 def test_in_cluster_without_a_token_is_a_config_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / "ca.crt").write_text("PEM")
+    (tmp_path / "ca.crt").write_bytes(self_signed_pem()[0])
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
     with pytest.raises(ConfigError, match="token is missing or empty"):

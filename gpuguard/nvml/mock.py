@@ -15,6 +15,7 @@ from typing import Any, TypeGuard
 
 import yaml
 
+from gpuguard import files
 from gpuguard.errors import ScenarioError
 from gpuguard.model import GpuReading, Snapshot, XidEvent
 from gpuguard.nvml.base import Wakeup, wait_for
@@ -33,6 +34,8 @@ _ACTIONS: dict[str, type] = {
     "row_remap_pending": bool,
 }
 _MAX_GPUS = 1024
+# A scenario of 1,024 GPUs and tens of thousands of events fits; /dev/zero or a stray log file does not.
+MAX_BYTES = 4 * files.MIB
 
 
 @dataclass(frozen=True)
@@ -53,14 +56,8 @@ def load_scenario(path: str | Path | None) -> Scenario:
     if path is None:
         text = resources.files("gpuguard.examples").joinpath(DEFAULT_SCENARIO).read_text("utf-8")
         return parse_scenario(text, source=f"<embedded {DEFAULT_SCENARIO}>")
-    p = Path(path)
-    try:
-        text = p.read_text("utf-8")
-    except FileNotFoundError:
-        raise ScenarioError(f"scenario {p}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ScenarioError(f"scenario {p}: cannot read: {exc}") from None
-    return parse_scenario(text, source=str(p))
+    text = files.read_text(path, limit=MAX_BYTES, what="scenario", error=ScenarioError)
+    return parse_scenario(text, source=str(path))
 
 
 def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
