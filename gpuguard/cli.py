@@ -2,13 +2,15 @@
 
 The only module that reads flags and the environment. Every flag can also come from env
 `GPUGUARD_<FLAG_NAME>` (e.g. GPUGUARD_INTERVAL); --node also from NODE_NAME (the downward API).
-Exit codes: 0 ok/healthy, 1 unhealthy (check), 2 usage or configuration error: one line, no traceback.
+Exit codes: 0 ok/healthy, 1 unhealthy (check), 2 usage or configuration error: one line, no traceback;
+3 no NVML library; 4 (status, uninstall) the API server is unreachable or refused the request.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -27,11 +29,13 @@ from gpuguard.config import (
     parse_listen,
     parse_xids,
 )
-from gpuguard.errors import ConfigError, GpuguardError
+from gpuguard.errors import ConfigError, GpuguardError, NodeUpdateError, TransientApiError
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
 # The NVML library (libnvidia-ml.so.1) cannot be loaded at all: not a sick GPU, a node or container set-up.
 EXIT_NO_NVML = 3
+# `status` and `uninstall`: the API server did not answer, or refused the request (not a usage error).
+EXIT_API = 4
 NO_NVML_HINT = (
     "the NVML library libnvidia-ml.so.1 cannot be loaded: check that the NVIDIA driver is installed on the "
     "host, that this container runs with the NVIDIA container toolkit (runtimeClassName nvidia, or the GPU "
@@ -395,13 +399,13 @@ def status(kubeconfig: str | None, output: str) -> int:
     """The cluster view for an operator: nodes quarantined by gpuguard, and GPUs held out by its DRA device
     taint rules (the per-GPU quarantine), with reason, since and GPU."""
     from gpuguard.node.devicewriters import quarantined_gpus  # noqa: PLC0415
-    from gpuguard.node.writers import load_api_client, quarantined_nodes  # noqa: PLC0415
+    from gpuguard.node.writers import quarantined_nodes  # noqa: PLC0415
 
+    api = _client("status", kubeconfig)
     try:
-        api = load_api_client(kubeconfig)
         rows = [_printable(r) for r in (*quarantined_nodes(api), *quarantined_gpus(api))]
     except GpuguardError as exc:
-        raise ConfigError(f"status: {exc}") from None
+        return _api_failed("status", api, exc)
     from gpuguard import report  # noqa: PLC0415
 
     click.echo(json.dumps(rows, indent=2) if output == "json" else report.status_table(rows))
@@ -435,12 +439,11 @@ def uninstall(kubeconfig: str | None, nodes: tuple[str, ...], all_nodes: bool, d
     gpuguard made, from the nodes named (--node) or all (--all), and gpuguard's DRA DeviceTaintRules of
     those nodes. Run it after removing the DaemonSet."""
     from gpuguard.cleanup import clean_node, clean_rules, node_names  # noqa: PLC0415
-    from gpuguard.node.writers import load_api_client  # noqa: PLC0415
 
     if bool(nodes) == all_nodes:
         raise ConfigError("uninstall: name the nodes with --node NAME, or pass --all")
+    api = _client("uninstall", kubeconfig)
     try:
-        api = load_api_client(kubeconfig)
         names = list(nodes) if nodes else list(node_names(api))
         for name in names:
             plan = clean_node(api, name, dry_run=dry_run)
@@ -449,8 +452,33 @@ def uninstall(kubeconfig: str | None, nodes: tuple[str, ...], all_nodes: bool, d
         for rule in clean_rules(api, nodes or None, dry_run=dry_run):
             click.echo(f"{rule}: {'would delete' if dry_run else 'deleted'} device taint rule")
     except GpuguardError as exc:
-        raise ConfigError(f"uninstall: {exc}") from None
+        return _api_failed("uninstall", api, exc)
     return EXIT_OK
+
+
+def _client(command: str, kubeconfig: str | None) -> Any:
+    """The API client of `status` and `uninstall`; a kubeconfig that cannot work is a usage error (exit 2)."""
+    from gpuguard.node.writers import load_api_client  # noqa: PLC0415
+
+    try:
+        return load_api_client(kubeconfig)
+    except GpuguardError as exc:
+        raise ConfigError(f"{command}: {exc}") from None
+
+
+def _api_failed(command: str, api: Any, exc: GpuguardError) -> int:
+    """One line on stderr saying what happened to the request; exit 4 (not 2: the command was right)."""
+    if not isinstance(exc, NodeUpdateError):
+        raise ConfigError(f"{command}: {exc}") from None
+    server = getattr(getattr(api, "creds", None), "server", "")
+    if isinstance(exc, TransientApiError) and exc.status is None:
+        what = f"the API server {server} is unreachable"
+    elif isinstance(exc, TransientApiError):
+        what = f"the API server {server} is unavailable (HTTP {exc.status})"
+    else:
+        what = f"the API server {server} refused the request (HTTP {exc.status})"
+    click.echo(f"gpuguard: error: {command}: {what}: {' '.join(str(exc).split())}", err=True)
+    return EXIT_API
 
 
 @cli.command()
@@ -488,7 +516,37 @@ def _given(name: str) -> bool:
 
 
 def _config(kw: dict[str, Any], *, watch: bool) -> Config:
-    kw = _empty_env_values(kw)
+    try:
+        return _settings(_empty_env_values(kw), watch=watch)
+    except ConfigError as exc:
+        raise ConfigError(_named_by_source(str(exc))) from None
+
+
+def _named_by_source(message: str) -> str:
+    """A validation error names the flag (config.py knows nothing else): where the value came from the
+    environment, it names the variable the operator set instead (GPUGUARD_RUN_FOR=0 is not --run-for)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return message
+    for param in ctx.command.params:
+        name = param.name or ""
+        flags = [o for o in getattr(param, "opts", ()) if o.startswith("--")]
+        source = ctx.get_parameter_source(name)
+        from_env = source == click.core.ParameterSource.ENVIRONMENT or (
+            name in _EMPTY_MEANS_EMPTY
+            and source == click.core.ParameterSource.DEFAULT
+            and os.environ.get(_env(name)) == ""
+        )
+        if not flags or not from_env:
+            continue
+        envvar = param.envvar
+        names = [str(v) for v in envvar] if isinstance(envvar, list | tuple) else [str(envvar or _env(name))]
+        variable = next((v for v in names if v in os.environ), names[0])
+        message = re.sub(rf"(?<![\w-]){re.escape(flags[0])}(?![\w-])", variable, message)
+    return message
+
+
+def _settings(kw: dict[str, Any], *, watch: bool) -> Config:
     ignored = (
         DEFAULT_IGNORED_XIDS
         if kw["ignore_xids"] is None

@@ -126,6 +126,12 @@ def test_check_json_output(tmp_path: Path) -> None:
         (["watch", "--interval", "0.01", "--dry-run", "--backend", "mock"], {}, "--interval must be between"),
         (["watch", "--dry-run", "--backend", "gpu"], {}, "--backend"),
         (["watch", "--dry-run", "--backend", "mock", "--scenario", "/nonexistent.yaml"], {}, "no such file"),
+        (
+            ["check", "--backend", "mock", "--scenario", "/dev/zero"],
+            {},
+            "scenario /dev/zero: not a regular file",
+        ),
+        (["check", "--backend", "mock", "--scenario", "/tmp"], {}, "scenario /tmp: not a regular file"),
         (["watch", "--backend", "mock"], {}, "no node name"),
         (
             ["watch", "--dry-run", "--backend", "mock", "--node", "Bad_Name!"],
@@ -140,13 +146,18 @@ def test_check_json_output(tmp_path: Path) -> None:
         (
             ["watch", "--dry-run", "--backend", "mock"],
             {"GPUGUARD_GATE_TAINT_KEY": "gpuguard.io/gpu-unhealthy"},
-            "--gate-taint-key must not be gpuguard.io/gpu-unhealthy",
+            "GPUGUARD_GATE_TAINT_KEY must not be gpuguard.io/gpu-unhealthy",
         ),
         (["watch", "--dry-run", "--backend", "mock"], {"GPUGUARD_GATE_REMOVAL": "kubelet"}, "--gate-removal"),
         (["watch", "--dry-run", "--scenario", "x.yaml"], {}, "--scenario needs --backend mock"),
         (["watch", "--dry-run", "--backend", "mock"], {"GPUGUARD_INTERVAL": "fast"}, "--interval"),
-        (["watch", "--dry-run", "--backend", "mock"], {"GPUGUARD_ECC_THRESHOLD": "-1"}, "--ecc-threshold"),
+        (
+            ["watch", "--dry-run", "--backend", "mock"],
+            {"GPUGUARD_ECC_THRESHOLD": "-1"},
+            "GPUGUARD_ECC_THRESHOLD must be >= 0",
+        ),
         (["check", "--backend", "mock", "--expected-gpus", "-3"], {}, "--expected-gpus"),
+        (["watch", "--dry-run", "--backend", "mock", "--ecc-threshold", "-1"], {}, "--ecc-threshold"),
         (["watch", "--nope"], {}, "No such option"),
         (["frobnicate"], {}, "No such command"),
     ],
@@ -159,6 +170,19 @@ def test_bad_input_is_one_line_and_exit_2_without_a_traceback(
     assert message in r.stderr
     assert "Traceback" not in r.stderr + r.stdout
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_scenario_larger_than_4_mib_ends_at_once_with_one_line_and_exit_2(tmp_path: Path) -> None:
+    """A scenario is read only up to its bound: /dev/zero grew the process to 4.4 GB in 10 s."""
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"gpus: 1\n" + b"#" * (4 << 20))
+    started = time.monotonic()
+    r = run("check", "--backend", "mock", "--scenario", str(big))
+    assert time.monotonic() - started < 10
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert (
+        r.stderr == f"gpuguard: error: scenario {big}: {(4 << 20) + 8} bytes, more than the 4 MiB allowed\n"
+    )
 
 
 def test_a_malformed_scenario_names_the_event_and_exits_2(tmp_path: Path) -> None:
@@ -344,3 +368,84 @@ def test_healthz_names_the_node_the_log_lines_name(tmp_path: Path, flags: tuple[
         doc, _ = wait_until(port, lambda d: d["last_check"] is not None, 5)
         assert doc["node"] == name
         assert {e["node"] for e in p.lines if e.get("event") == "agent.started"} == {name}
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "line"),
+    [
+        ([], {"GPUGUARD_RUN_FOR": "0"}, "GPUGUARD_RUN_FOR must be > 0"),
+        (["--run-for", "0"], {}, "--run-for must be > 0"),
+        ([], {"GPUGUARD_NODE_RESYNC": "0"}, "GPUGUARD_NODE_RESYNC must be between 0 and 86400 seconds"),
+        ([], {"GPUGUARD_IGNORE_XIDS": "79,x"}, "GPUGUARD_IGNORE_XIDS: 'x' is not an Xid code"),
+        ([], {"GPUGUARD_LISTEN": ":70000"}, "GPUGUARD_LISTEN port must be 0..65535"),
+        ([], {"NODE_NAME": "Bad_Name"}, "NODE_NAME: 'Bad_Name' is not a valid Kubernetes node name"),
+        (
+            ["--node", "Bad_Name"],
+            {"NODE_NAME": "ok"},
+            "--node: 'Bad_Name' is not a valid Kubernetes node name",
+        ),
+    ],
+)
+def test_a_value_from_the_environment_is_named_by_its_variable_not_by_the_flag(
+    args: list[str], env: dict[str, str], line: str
+) -> None:
+    r = run("watch", "--dry-run", "--backend", "mock", *args, env=env)
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"gpuguard: error: {line}"), r.stderr
+    assert len(r.stderr.splitlines()) == 1
+
+
+def _kubeconfig(tmp_path: Path, user: str, server: str = "https://127.0.0.1:1") -> Path:
+    path = tmp_path / "kubeconfig"
+    path.write_text(
+        "apiVersion: v1\ncurrent-context: x\ncontexts: [{name: x, context: {cluster: c, user: u}}]\n"
+        f"clusters: [{{name: c, cluster: {{server: '{server}'}}}}]\nusers: [{{name: u, user: {user}}}]\n"
+    )
+    return path
+
+
+@pytest.mark.parametrize("bad", ["cert", "key", "other key"])
+def test_a_bad_client_certificate_is_one_line_naming_the_file_not_an_ssl_error(
+    tmp_path: Path, bad: str
+) -> None:
+    from tests.fakes import self_signed_pem
+
+    cert_pem, key_pem = self_signed_pem()
+    if bad == "cert":
+        cert_pem = b"-----BEGIN CERTIFICATE-----\nnot base64 at all\n"
+    elif bad == "key":
+        key_pem = b"junk"
+    else:
+        key_pem = self_signed_pem()[1]
+    (tmp_path / "cert.pem").write_bytes(cert_pem)
+    (tmp_path / "key.pem").write_bytes(key_pem)
+    path = _kubeconfig(tmp_path, "{client-certificate: cert.pem, client-key: key.pem}")
+    r = run("status", "--kubeconfig", str(path))
+    assert r.returncode == 2, r.stderr
+    cert, key = tmp_path.resolve() / "cert.pem", tmp_path.resolve() / "key.pem"
+    prefix = f"gpuguard: error: status: kubeconfig {path}: "
+    if bad == "cert":
+        assert r.stderr.startswith(f"{prefix}client-certificate {cert}: not a PEM certificate"), r.stderr
+    else:
+        expected = f"{prefix}client-key {key}: not a PEM private key that matches client-certificate {cert}"
+        assert r.stderr.startswith(expected), r.stderr
+    assert "_ssl.c" not in r.stderr and "SSLError" not in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_a_malformed_kubeconfig_names_the_file_and_the_line_not_a_unicode_string(tmp_path: Path) -> None:
+    path = tmp_path / "kubeconfig"
+    path.write_text("current-context: x\ncontexts: [\n  {name: x\n")
+    r = run("status", "--kubeconfig", str(path))
+    assert r.returncode == 2
+    assert r.stderr == (
+        f"gpuguard: error: status: kubeconfig {path}: not valid YAML at line 4, column 1: "
+        "expected ',' or '}', but got '<stream end>'\n"
+    )
+
+
+def test_status_with_the_api_server_unreachable_exits_4_and_says_so(tmp_path: Path) -> None:
+    """Exit 2 is a usage error; the command was right, the cluster did not answer."""
+    r = run("status", "--kubeconfig", str(_kubeconfig(tmp_path, "{token: abc}")))
+    assert r.returncode == 4, r.stderr
+    assert r.stderr.startswith("gpuguard: error: status: the API server https://127.0.0.1:1 is unreachable: ")
+    assert len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stderr
