@@ -198,6 +198,7 @@ class Agent:
             last_check=self._last_check_wall,
             gpu_quarantines=node.gpus,
             nvml_stuck_calls=self._stuck_calls,
+            api=None if self._dry_run else self._reconciler.api.health,
         )
 
     def _note_stuck(self, stuck: tuple[str, ...]) -> None:

@@ -294,6 +294,13 @@ def cli() -> None:
     help="Seconds between re-reads of the node while gpuguard holds anything on it.",
 )
 @_opt(
+    "--refusal-backoff",
+    type=float,
+    default=NodeSettings.refusal_backoff,
+    hidden=True,
+    help="Seconds a request the API server refused is not sent again (tests shorten it).",
+)
+@_opt(
     "--boot-id-file",
     type=str,
     default="/proc/sys/kernel/random/boot_id",
@@ -582,6 +589,7 @@ def _settings(kw: dict[str, Any], *, watch: bool) -> Config:
         max_quarantined=kw["max_quarantined"].strip(),
         gpu_node_selector=kw["gpu_node_selector"].strip(),
         node_resync=kw["node_resync"],
+        refusal_backoff=kw["refusal_backoff"],
         budget_recheck=kw["budget_recheck"],
         budget_count_spread=kw["budget_count_spread"],
         slice_refresh=kw["slice_refresh"],

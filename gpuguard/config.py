@@ -131,6 +131,9 @@ class NodeSettings:
     dra_driver: str = "gpu.nvidia.com"
     """The DRA driver whose ResourceSlices publish the node's GPUs (NVIDIA's k8s-dra-driver-gpu); the pool
     is the node's name, the device's `uuid` attribute the GPU's UUID."""
+    refusal_backoff: float = 300.0
+    """Seconds a request the API server refused (401, 403, 404, 422: RBAC, an admission policy) is not sent
+    again: one ERROR line and one request per 5 minutes instead of one per check (gpuguard.node.apistate)."""
     retry_max_wait: float = 2.0
     """Cap of the exponential backoff between retries of a transient API failure: a repaired API server
     sees the pending write within this long of coming back."""
@@ -241,6 +244,8 @@ def validate(cfg: Config) -> None:
         n.max_quarantined.endswith("%") and float(n.max_quarantined[:-1]) > 100
     ):
         raise ConfigError("--max-quarantined must be a count (e.g. 5) or a percentage 0..100% (e.g. 10%)")
+    if not 0 < n.refusal_backoff <= 86400:
+        raise ConfigError("--refusal-backoff must be between 0 and 86400 seconds")
     if not 0 < n.node_resync <= 86400:
         raise ConfigError("--node-resync must be between 0 and 86400 seconds")
     if n.gpu_node_selector and not _SELECTOR.match(n.gpu_node_selector):

@@ -8,18 +8,21 @@ from contextlib import contextmanager
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from gpuguard import __version__
-from gpuguard.errors import NodeUpdateError
+from gpuguard.errors import NodeUpdateError, PermanentApiError
 from gpuguard.model import Verdict
 
 
 @contextmanager
 def counted(metrics: Metrics | None, verb: str) -> Iterator[None]:
-    """One Kubernetes API request in gpuguard_api_requests_total{verb,code} (the error's status, or 200)."""
+    """One Kubernetes API request in gpuguard_api_requests_total{verb,code} (the error's status, or 200); a
+    refused one (a 4xx other than 409) also in gpuguard_api_refused_total{verb,code}."""
     try:
         yield
     except NodeUpdateError as exc:
         if metrics is not None:
             metrics.api_requests.labels(verb, str(exc.status or "error")).inc()
+            if isinstance(exc, PermanentApiError):
+                metrics.api_refused.labels(verb, str(exc.status or "error")).inc()
         raise
     if metrics is not None:
         metrics.api_requests.labels(verb, "200").inc()
@@ -107,6 +110,13 @@ class Metrics:
         self.api_requests = Counter(
             "gpuguard_api_requests_total",
             "Kubernetes API requests made.",
+            ["verb", "code"],
+            registry=registry,
+        )
+        self.api_refused = Counter(
+            "gpuguard_api_refused_total",
+            "Kubernetes API requests refused (401, 403, 404, 422: RBAC, an admission policy); each refused "
+            "request is sent again at most once per 5 minutes.",
             ["verb", "code"],
             registry=registry,
         )

@@ -220,6 +220,17 @@ class GpuQuarantine:
 
 
 @dataclass(frozen=True)
+class ApiHealth:
+    """The API server as the agent last met it (/healthz "api"): "ok"; "unreachable" (no answer, a timeout,
+    5xx or 429 past its retries); "refused" (a request refused with a 4xx other than 409, within its
+    backoff). `since`: when it became so (None: since the start); `error`: the last failure's line."""
+
+    state: str = "ok"
+    since: datetime | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class AgentStatus:
     """Everything /healthz and /readyz report, read atomically (made by the agent, served by the server)."""
 
@@ -238,3 +249,5 @@ class AgentStatus:
     device_taint_api: str | None = None
     # NVML calls past their deadline and still in flight (Snapshot.stuck_calls of the last check).
     nvml_stuck_calls: tuple[str, ...] = ()
+    # The API server as the reconciler last met it; None: no API server (a dry run).
+    api: ApiHealth | None = None

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from datetime import UTC
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -95,11 +95,18 @@ def health_body(s: AgentStatus) -> dict[str, Any]:
         "device_taint_api": s.device_taint_api,
         # NVML calls that have not returned within their deadline, one stuck thread each.
         "nvml_stuck_calls": list(s.nvml_stuck_calls),
+        # The API server as the agent last met it: ok | unreachable | refused, since when (null: since the
+        # start), the last error; null in a dry run (no API server).
+        "api": None
+        if s.api is None
+        else {"state": s.api.state, "since": _time(s.api.since), "error": s.api.error},
         "dry_run": s.dry_run,
-        "last_check": s.last_check.astimezone(UTC).isoformat().replace("+00:00", "Z")
-        if s.last_check
-        else None,
+        "last_check": _time(s.last_check),
     }
+
+
+def _time(when: datetime | None) -> str | None:
+    return when.astimezone(UTC).isoformat().replace("+00:00", "Z") if when else None
 
 
 class HealthServer:

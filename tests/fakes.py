@@ -25,6 +25,7 @@ class FakeNodeWriter:
         self.reads = 0
         self.reserved_reads = 0  # reads that reserved the next write's rate-limit token
         self.patches: list[NodeChange] = []
+        self.patch_attempts = 0  # patches sent, refused or not
         self.events: list[EventSpec] = []
         self._read_errors: deque[NodeUpdateError] = deque()
         self._patch_errors: deque[NodeUpdateError] = deque()
@@ -58,6 +59,7 @@ class FakeNodeWriter:
 
     def patch(self, node: NodeView, change: NodeChange) -> NodeView:
         with self._lock:
+            self.patch_attempts += 1
             if self._patch_errors:
                 raise self._patch_errors.popleft()
             if node.resource_version != self.node.resource_version:
@@ -218,12 +220,12 @@ class FakeDeviceSource:
 def self_signed_pem(name: str = "gpuguard-test") -> tuple[bytes, bytes]:
     """A throwaway self-signed certificate and its key, both PEM: it serves as a CA file and as a client
     certificate with its key (the kubeconfig loader now checks that these load)."""
-    import datetime  # noqa: PLC0415 - only the tests that need a certificate pay for cryptography
+    import datetime
 
-    from cryptography import x509  # noqa: PLC0415
-    from cryptography.hazmat.primitives import hashes, serialization  # noqa: PLC0415
-    from cryptography.hazmat.primitives.asymmetric import ec  # noqa: PLC0415
-    from cryptography.x509.oid import NameOID  # noqa: PLC0415
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
 
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])

@@ -238,3 +238,23 @@ def test_an_agent_whose_state_file_holds_faults_of_the_wrong_type_starts_and_mov
     assert agent.checks == 1
     assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == [FILE_NAME, f"{FILE_NAME}.corrupt"]
     assert StateStore(tmp_path, boot_id="boot-1").load() == ()  # and the new file is well-formed
+
+
+def test_healthz_carries_the_api_state_of_the_reconciler_and_none_in_a_dry_run() -> None:
+    from gpuguard.errors import TransientApiError
+
+    agent, _clock, _writer, r, _ = make("gpus: 1")
+    agent.check_once()
+    r.reconcile_now()
+    api = agent.status().api
+    assert api is not None and api.state == "ok"
+    r.api.unreachable(TransientApiError("read node n: timed out"))
+    api = agent.status().api
+    assert api is not None and (api.state, api.error) == ("unreachable", "read node n: timed out")
+    assert api.since is not None
+    backend = MockBackend(parse_scenario("gpus: 1"), start_timer=False)
+    dry = NodeReconciler(DryRunNodeWriter(NodeView(name="n")), NodeSettings(name="n", dry_run=True))
+    dry_agent = Agent(
+        backend=backend, reconciler=dry, policy=PolicySettings(), interval=1, node_name="n", dry_run=True
+    )
+    assert dry_agent.status().api is None

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import MutableMapping
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+from structlog.testing import capture_logs
+
 from gpuguard.config import NodeSettings, PolicySettings
 from gpuguard.errors import ConflictError, PermanentApiError, TransientApiError
 from gpuguard.model import GpuReading, Snapshot
+from gpuguard.node.apistate import REFUSAL_BACKOFF
 from gpuguard.node.budget import QuarantineBudget
 from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.view import TAINT_KEY, NodeView, Taint
 from gpuguard.policy import evaluate
 from tests.fakes import FakeNodeWriter
 
+ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = NodeSettings(name="gpu-1", retry_max_wait=0.01)
 SICK = evaluate(
     Snapshot(gpus=(GpuReading(index=0, uuid="GPU-0", ecc_uncorrected=2),)),
@@ -367,3 +379,160 @@ def test_a_fault_added_to_a_cordoned_node_is_logged_with_the_node_still_cordoned
     assert (lines["node.tainted"]["cordoned"], lines["node.tainted"]["uncordoned"]) == (True, False)
     assert (lines["node.fault_added"]["cordoned"], lines["node.fault_added"]["uncordoned"]) == (True, False)
     assert w.node.unschedulable
+
+
+class Clock:
+    """One clock for the reconciler's monotonic time and its wall time (the `since` it writes)."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def wall(self) -> datetime:
+        return datetime(2026, 12, 4, tzinfo=UTC) + timedelta(seconds=self.t)
+
+
+def make_clocked(**kw: object) -> tuple[FakeNodeWriter, NodeReconciler, Clock]:
+    clock = Clock()
+    writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))
+    r = NodeReconciler(writer, SETTINGS, clock=clock, now=clock.wall, **kw)  # type: ignore[arg-type]
+    return writer, r, clock
+
+
+def events(logs: list[MutableMapping[str, Any]], prefix: str = "") -> list[str]:
+    return [str(e["event"]) for e in logs if str(e["event"]).startswith(prefix) and e["log_level"] != "debug"]
+
+
+def test_a_refused_patch_is_sent_once_per_backoff_although_each_plan_carries_a_new_since() -> None:
+    """The refusal was remembered by the patch's bytes: a new gpuguard.io/since at every plan made every
+    check (every 3 s) send it again, with an ERROR line each time."""
+    writer, r, clock = make_clocked()
+    writer.inject_error(*[PermanentApiError("patch node gpu-1: HTTP 403: denied", status=403)] * 100)
+    with capture_logs() as logs:
+        for _ in range(100):  # 297 s of checks, 3 s apart: all within the backoff
+            r.submit(SICK, 0)
+            r.reconcile_now()
+            clock.t += 2.97
+    assert writer.patch_attempts == 1
+    assert [e for e in events(logs) if e != "node.conflict"] == ["node.write_rejected"]
+    (line,) = [e for e in logs if e["event"] == "node.write_rejected"]
+    assert (
+        line["log_level"] == "error" and line["retry_in_s"] == 300 and line["request"] == "patch node gpu-1"
+    )
+    assert r.api.health.state == "refused" and r.api.health.error == "patch node gpu-1: HTTP 403: denied"
+    clock.t += 3.1  # 300 s after the refusal: sent once more, refused once more, one more line
+    with capture_logs() as logs:
+        for _ in range(3):
+            r.submit(SICK, 0)
+            r.reconcile_now()
+    assert writer.patch_attempts == 2 and events(logs) == ["node.write_rejected"]
+    writer._patch_errors.clear()  # the policy is fixed
+    clock.t += 300
+    with capture_logs() as logs:
+        r.submit(SICK, 0)
+        r.reconcile_now()
+    assert writer.writes == 1 and r.status.tainted
+    assert "node.request_accepted" in events(logs) and "node.write_rejected" not in events(logs)
+    (accepted,) = [e for e in logs if e["event"] == "node.request_accepted"]
+    assert accepted["refused_for_s"] == 600
+    assert r.api.health.state == "ok"
+
+
+def test_a_different_write_is_not_held_back_by_an_earlier_refusal() -> None:
+    writer, r, _clock = make_clocked()
+    writer.inject_error(PermanentApiError("denied", status=403))
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert writer.patch_attempts == 1
+    other = evaluate(
+        Snapshot(gpus=(GpuReading(index=0, uuid="GPU-0", ecc_uncorrected=2, lost=True),)),
+        previous=None,
+        settings=PolicySettings(),
+    )
+    r.submit(other, 0)
+    r.reconcile_now()
+    assert writer.patch_attempts == 2 and writer.writes == 1
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_refused_first_read_is_sent_once_per_backoff_with_one_error_line(status: int) -> None:
+    writer, r, clock = make_clocked()
+    writer.inject_error(
+        *[PermanentApiError(f"read node gpu-1: HTTP {status}", status=status)] * 100, on="read"
+    )
+    with capture_logs() as logs:
+        for _ in range(50):
+            r.submit(HEALTHY, 1)
+            r.reconcile_now()
+            clock.t += 3
+    assert writer.reads == 1
+    assert events(logs) == ["node.read_rejected"]
+    assert [e["log_level"] for e in logs] == ["error"]
+    assert r.api.health.state == "refused" and not r.status.reconciled
+    clock.t += 150  # 300 s after the refusal
+    writer._read_errors.clear()
+    with capture_logs() as logs:
+        r.submit(HEALTHY, 1)
+        r.reconcile_now()
+    assert writer.reads == 2 and r.status.reconciled
+    assert events(logs, "node.re") == ["node.request_accepted"] and r.api.health.state == "ok"
+
+
+def test_the_shipped_refusal_backoff_is_the_5_minutes_the_docs_state() -> None:
+    assert REFUSAL_BACKOFF == 300.0
+    assert NodeReconciler(FakeNodeWriter(NodeView(name="n")), SETTINGS).api.backoff == 300.0
+    assert NodeSettings().refusal_backoff == 300.0
+    for doc in ("docs/design.md", "docs/security.md", "docs/reliability.md"):
+        assert "5 minutes" in (ROOT / doc).read_text()
+
+
+def test_an_outage_is_logged_when_it_starts_every_30_s_while_it_lasts_and_when_it_ends() -> None:
+    """After api.unavailable nothing was logged for about 60 s (the retry deadline)."""
+    writer, r, clock = make_clocked(retry_deadline=60.0)
+
+    def slow_sleep(seconds: float) -> None:
+        clock.t += seconds  # the retries' waits pass on the test's clock, in no real time
+
+    r._sleep = slow_sleep  # type: ignore[method-assign]
+    writer.inject_error(*[TransientApiError("read node gpu-1: timed out")] * 10_000, on="read")
+    # tenacity measures the retry deadline with time.monotonic: the test's clock for the length of the call.
+    with mock.patch("time.monotonic", clock), capture_logs() as logs:
+        r.submit(SICK, 0)
+        r.reconcile_now()
+    lines = [e for e in logs if e["event"].startswith("api.") and e["log_level"] != "debug"]
+    assert [e["event"] for e in lines][:2] == ["api.unavailable", "api.still_unavailable"]
+    assert {e["event"] for e in lines[1:]} == {"api.still_unavailable"}
+    downs = [e["down_for_s"] for e in lines[1:]]
+    assert all(30 <= b - a <= 32 for a, b in zip([0, *downs], downs, strict=False)), downs
+    assert r.api.health.state == "unreachable" and r.api.health.error == "read node gpu-1: timed out"
+    writer._read_errors.clear()
+    with capture_logs() as logs:
+        r.submit(SICK, 0)
+        r.reconcile_now()
+    assert events(logs, "api.") == ["api.available"] and writer.writes == 1
+    assert r.api.health.state == "ok"
+
+
+# Words in the names of the lines an API incident (an outage, a refusal) logs.
+_INCIDENT = re.compile(
+    r"\.(\w*_)?(rejected|failed|broken|unavailable|deferred|unreadable|available|accepted|watching)$"
+)
+
+
+def test_every_line_an_api_incident_logs_is_explained_in_operations_md() -> None:
+    code = set()
+    for path in [*(ROOT / "gpuguard" / "node").glob("*.py"), ROOT / "gpuguard" / "state.py"]:
+        code |= set(re.findall(r'log\.\w+\(\s*"([a-z_]+\.[a-z_]+)"', path.read_text()))
+        code |= set(re.findall(r'"(node\.(?:read|write)_rejected)"', path.read_text()))
+    doc = (ROOT / "docs" / "operations.md").read_text()
+    section = doc.split("## When the API server refuses or does not answer", 1)[1].split("\n## ", 1)[0]
+    table = set(re.findall(r"^\| `([a-z_.]+)` \|", section, re.M))
+    # Not the API's doing: a bug's traceback, the budget's own deferral (docs/operations.md explains it).
+    incident = {e for e in code if _INCIDENT.search(e)} - {
+        "node.reconcile_failed",
+        "node.quarantine_deferred",
+    }
+    assert incident - table == set(), "logged in an incident, not explained in docs/operations.md"
+    assert table - code == set(), "explained in docs/operations.md, logged nowhere"

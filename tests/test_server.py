@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from gpuguard.config import PolicySettings
 from gpuguard.metrics import Metrics
-from gpuguard.model import AgentStatus, GpuQuarantine, GpuReading, Snapshot
+from gpuguard.model import AgentStatus, ApiHealth, GpuQuarantine, GpuReading, Snapshot
 from gpuguard.policy import evaluate
 from gpuguard.server import HealthServer
 
@@ -43,6 +43,9 @@ class State:
             ),
         ),
         device_taint_api="resource.k8s.io/v1",
+        api=ApiHealth(
+            "unreachable", datetime(2026, 12, 2, 11, 59, 0, tzinfo=UTC), "read node gpu-1: timeout"
+        ),
     )
 
 
@@ -103,6 +106,7 @@ def test_healthz_has_exactly_the_documented_keys(server: HealthServer) -> None:
         ],
         "device_taint_api": "resource.k8s.io/v1",
         "nvml_stuck_calls": [],
+        "api": {"state": "unreachable", "since": "2026-12-02T11:59:00Z", "error": "read node gpu-1: timeout"},
         "dry_run": False,
         "last_check": "2026-12-02T12:00:01Z",
     }

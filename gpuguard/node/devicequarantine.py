@@ -48,6 +48,10 @@ from gpuguard.policy import cleared_without_reboot
 from gpuguard.state import RuleMemory
 
 log = structlog.get_logger("gpuguard.node.devices")
+# What an operator reads in the error lines: what happens to the fault (it never goes unquarantined).
+_INSTEAD = "this GPU's fault gets the node taint instead of a DeviceTaintRule"
+_READ_REFUSED = "the API server refused reading ResourceSlices or DeviceTaintRules (RBAC?): " + _INSTEAD
+_UNPUBLISHED = "the GPU is in no ResourceSlice of --dra-driver: " + _INSTEAD
 T = TypeVar("T")
 
 
@@ -177,7 +181,7 @@ class DeviceQuarantine:
         result = split(verdict, self._devices, mode=self.mode, held=frozenset(self._held))
         if self.mode == "gpu":
             for uuid in wanted - set(result.by_gpu):
-                log.error("device.unpublished", node=node.name, uuid=uuid, note="node taint instead")
+                log.error("device.unpublished", node=node.name, uuid=uuid, note=_UNPUBLISHED)
         by_uuid = {r.uuid: r for r in self._rules.values() if r.uuid}
         for uuid, faults in result.by_gpu.items():
             self._hold(node, self._devices[uuid], faults, by_uuid.get(uuid))
@@ -211,7 +215,7 @@ class DeviceQuarantine:
             # 403: a ClusterRole from before the per-GPU quarantine. Every fault gets the node taint until a
             # read succeeds (next --node-resync): never no quarantine at all because of the GPUs' one.
             if self._devices or self._read_error != str(exc):
-                log.error("device.read_rejected", node=node.name, error=str(exc), note="node taint")
+                log.error("device.read_rejected", node=node.name, error=str(exc), note=_READ_REFUSED)
             self._read_error = str(exc)
             self._devices, self._node_gpus = {}, 0
             return
@@ -249,7 +253,7 @@ class DeviceQuarantine:
             docs = self._source.slices()
         except PermanentApiError as exc:
             if self._read_error != str(exc):  # the same refusal as the first read's: said already
-                log.error("device.read_rejected", node=self._node_name, error=str(exc), note="node taint")
+                log.error("device.read_rejected", node=self._node_name, error=str(exc), note=_READ_REFUSED)
             self._read_error = str(exc)
             return
         except GpuguardError as exc:
@@ -341,7 +345,7 @@ class DeviceQuarantine:
         except PermanentApiError as exc:
             self._held.add(dev.uuid)
             log.error(
-                "device.budget_unreadable", node=node.name, uuid=dev.uuid, error=str(exc), note="node taint"
+                "device.budget_unreadable", node=node.name, uuid=dev.uuid, error=str(exc), note=_INSTEAD
             )
             return
         effect = NONE_EFFECT if deferred else device_effect(self._settings.taint_effect)
@@ -369,9 +373,7 @@ class DeviceQuarantine:
         except PermanentApiError as exc:
             # Refused (the admission policy, a server without DeviceTaintRules): the node taint stands in.
             self._held.add(dev.uuid)
-            log.error(
-                "device.rule_rejected", node=node.name, uuid=dev.uuid, error=str(exc), note="node taint"
-            )
+            log.error("device.rule_rejected", node=node.name, uuid=dev.uuid, error=str(exc), note=_INSTEAD)
             return
         if rule is None:
             self._held.add(dev.uuid)

@@ -98,4 +98,10 @@ class WatchedRules:
 
     def _broken(self, exc: NodeUpdateError) -> None:
         # The source's lists until the watch is back (ListWatch.run).
-        log.warning("device.watch_broken", node=self._node, error=str(exc), note="rules listed per fault")
+        log.warning(
+            "device.watch_broken",
+            node=self._node,
+            error=str(exc),
+            note="lost the watch of the DeviceTaintRules; reconnecting. Meanwhile a GPU fault lists the "
+            "rules for the budget itself: no quarantine is delayed",
+        )

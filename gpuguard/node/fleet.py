@@ -163,7 +163,13 @@ class WatchedBudget:
 
     def _broken(self, exc: NodeUpdateError) -> None:
         # The fallback's lists until the watch is back (ListWatch.run).
-        log.warning("fleet.watch_broken", node=self._node, error=str(exc), note="budget listed per fault")
+        log.warning(
+            "fleet.watch_broken",
+            node=self._node,
+            error=str(exc),
+            note="lost the watch of other nodes' quarantines; reconnecting. Meanwhile a fault reads the "
+            "budget from the API server itself (one list): no quarantine is delayed",
+        )
 
     def _validate(self) -> None:
         """Validate the claims now, on the watch's thread: `OtherNodes` remembers the valid ones by item, so

@@ -22,10 +22,11 @@ from gpuguard.config import NodeSettings
 from gpuguard.errors import ConflictError, NodeUpdateError, PermanentApiError, TransientApiError
 from gpuguard.metrics import Metrics
 from gpuguard.model import GpuQuarantine, Verdict
+from gpuguard.node.apistate import ApiState, Intent
 from gpuguard.node.budget import QuarantineBudget
 from gpuguard.node.devicequarantine import DeviceQuarantine
 from gpuguard.node.plan import plan, plan_condition
-from gpuguard.node.view import EventSpec, NodeChange, NodeView, join_keys
+from gpuguard.node.view import ANN_REASON, ANN_SINCE, EventSpec, NodeChange, NodeView, join_keys
 from gpuguard.node.writers import DRY_RUN_NODE, NodeWriter
 from gpuguard.policy import primary
 
@@ -68,9 +69,11 @@ class NodeReconciler:
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         start_delay: float = 0.0,
+        api: ApiState | None = None,
     ) -> None:
         """start_delay: seconds the first request waits after the first verdict unless a verdict with a
-        fault comes first (the start-up jitter, drawn by the caller from --startup-jitter)."""
+        fault comes first (the start-up jitter, drawn by the caller from --startup-jitter). `api`: what the
+        API server answered (refusals and their backoff, outages); its own by default."""
         self._writer = writer
         self._start_delay = start_delay
         self._clock = clock
@@ -98,10 +101,10 @@ class NodeReconciler:
         self._thread: threading.Thread | None = None
         self._node: NodeView | None = None
         self._status = NodeStatus()
-        self._api_down = False
-        self._rejected: tuple[str, float] | None = None
+        self.api = api or ApiState(self._name, backoff=settings.refusal_backoff, clock=clock)
+        self._read_intent = Intent("get", f"node {self._name}")
+        self._intent: Intent | None = None  # the request in flight, named if it is refused
         self._override_logged: frozenset[str] = frozenset()
-        self._attempt: NodeChange | None = None
         self._first_verdict_at: float | None = None
         self.writes = 0
 
@@ -197,13 +200,15 @@ class NodeReconciler:
             settled = not self._blocked
             if self.devices is not None:
                 self.devices.refresh()  # after the node write: nothing added before the taint
-            if self._api_down:
-                self._api_down = False
-                log.info("api.available", node=self._name)
         except TransientApiError as exc:
-            log.warning("node.write_deferred", node=self._name, error=str(exc))
+            log.warning(
+                "node.write_deferred",
+                node=self._name,
+                error=str(exc),
+                note="no answer within the retries: the change is sent again at the next check",
+            )
         except PermanentApiError as exc:
-            self._reject(str(exc))
+            self.api.refused(self._intent or Intent("request", f"for node {self._name}"), exc)
         finally:
             if not self._status.reconciled and self._node is not None:
                 # The first reconcile is over (its device reads, writes, condition and Event too, or their
@@ -255,8 +260,12 @@ class NodeReconciler:
         if latest is None:
             return
         verdict, streak, flapping, gpu_streaks = latest
+        self._intent = None
         node = self._node
         if node is None or self._resync_due(node):
+            if self.api.blocked(self._read_intent):
+                self._blocked = True  # the read was refused recently: do not send it again yet
+                return
             node = self._read()
         if self.budget is not None:
             self.budget.begin(node)
@@ -273,14 +282,10 @@ class NodeReconciler:
                 self._set_node(node)
                 self._update_condition(node, full, flapping)
                 return
-            if (
-                self._rejected is not None
-                and self._rejected[0] == _signature(change)
-                and (time.monotonic() < self._rejected[1])
-            ):
+            intent = self._intent = self._patch_intent(change)
+            if self.api.blocked(intent):
                 self._blocked = True  # refused recently: do not hammer it, but do not settle either
                 return
-            self._attempt = change
             before = node
             try:
                 node = self._writer.patch(node, change)
@@ -294,7 +299,7 @@ class NodeReconciler:
                 self._node = None  # the write may or may not have landed: read again next time
                 raise
             self.writes += 1
-            self._rejected = None
+            self.api.accepted(intent)
             self._set_node(node)
             self._log_change(before, change, verdict)
             self._update_condition(node, full, flapping)
@@ -330,6 +335,7 @@ class NodeReconciler:
         return due and (node.holds_gpuguard_state(self._settings.gate_taint_key) or rules)
 
     def _read(self) -> NodeView:
+        self._intent = self._read_intent
         try:
             # Every read here is the basis of a plan and its write (a 409 re-read, a resync, the first
             # read): it reserves the write's token of a client-side rate limit.
@@ -337,8 +343,20 @@ class NodeReconciler:
         except TransientApiError:
             self._node = None
             raise
+        self.api.accepted(self._read_intent)
         self._set_node(node)
         return node
+
+    def _patch_intent(self, change: NodeChange) -> Intent:
+        """Which marks the write puts on the node, not its bytes: the `since` and `reason` annotations are
+        a new time stamp and the faults' detail (an ECC count) at every plan; the fault keys, the taints,
+        the cordon and the labels are what is asked for."""
+        body = change.patch("")
+        annotations = body["metadata"].get("annotations") or {}
+        for key in (ANN_SINCE, ANN_REASON):
+            if annotations.get(key):
+                annotations[key] = "set"
+        return Intent("patch", f"node {self._name}", json.dumps(body, sort_keys=True))
 
     def _set_node(self, node: NodeView) -> None:
         """The node as the API server last answered (a read, or the answer to our write)."""
@@ -438,11 +456,6 @@ class NodeReconciler:
                 note="not re-added for the same fault; a new fault taints again",
             )
 
-    def _reject(self, message: str) -> None:
-        log.error("node.write_rejected", node=self._name, error=message, retry_in_s=300)
-        if self._attempt is not None:
-            self._rejected = (_signature(self._attempt), time.monotonic() + 300)
-
     def _wait(self, state: tenacity.RetryCallState) -> float:
         base = tenacity.wait_exponential_jitter(
             multiplier=0.1, jitter=0.1, max=self._settings.retry_max_wait
@@ -460,9 +473,8 @@ class NodeReconciler:
         exc = state.outcome.exception() if state.outcome else None
         if self._metrics is not None:
             self._metrics.api_retries.inc()
-        if not self._api_down:
-            self._api_down = True
-            log.warning("api.unavailable", node=self._name, error=str(exc))
+        if isinstance(exc, NodeUpdateError):
+            self.api.unreachable(exc)
         log.debug("api.retry", attempt=state.attempt_number, error=str(exc))
 
 
@@ -474,7 +486,3 @@ class _StopOn(tenacity.stop.stop_base):
 
     def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
         return self._event.is_set()
-
-
-def _signature(change: NodeChange) -> str:
-    return json.dumps(change.patch(""), sort_keys=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import kubernetes
@@ -345,3 +346,101 @@ def test_an_api_server_outage_delays_the_taint_but_not_the_agent(
     print(
         f"taint landed {landed:.2f}s after the API server was ready; {len(health)} /healthz probes, all 200"
     )
+
+
+def _refuse_cordon_of(node: str) -> list[dict[str, Any]]:
+    """A ValidatingAdmissionPolicy that refuses any write that leaves `node` cordoned: gpuguard's quarantine
+    patch (taint and cordon in one) is refused, as an operator's stricter policy would refuse it."""
+    name = f"gpuguard-test-refuse-{node}"
+    return [
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicy",
+            "metadata": {"name": name},
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {
+                    "resourceRules": [
+                        {
+                            "apiGroups": [""],
+                            "apiVersions": ["v1"],
+                            "operations": ["UPDATE"],
+                            "resources": ["nodes"],
+                        }
+                    ]
+                },
+                "matchConditions": [{"name": "this-node", "expression": f"object.metadata.name == '{node}'"}],
+                "validations": [
+                    {
+                        "expression": "!has(object.spec.unschedulable) || !object.spec.unschedulable",
+                        "message": f"test policy: node {node} may not be cordoned",
+                    }
+                ],
+            },
+        },
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicyBinding",
+            "metadata": {"name": name},
+            "spec": {"policyName": name, "validationActions": ["Deny"]},
+        },
+    ]
+
+
+def _logged_at(line: dict[str, Any]) -> float:
+    return datetime.fromisoformat(str(line["timestamp"]).replace("Z", "+00:00")).timestamp()
+
+
+def test_a_patch_an_admission_policy_refuses_is_one_error_line_then_the_stated_backoff(
+    admin: Admin, start_agent: Any
+) -> None:
+    """The refusal was remembered by the patch's bytes, which carry a new gpuguard.io/since each time: it was
+    sent again at every check (9 patches and 9 ERROR lines in 25 s). The backoff is shortened to 8 s here
+    (--refusal-backoff); tests/test_reconciler.py pins the shipped 300 s."""
+    backoff = 8.0
+    agent, node, state = start_agent(args=("--refusal-backoff", str(backoff), "--interval", "0.5"))
+    policy, binding = _refuse_cordon_of(node)
+    admission: Any = kubernetes.client.AdmissionregistrationV1Api(admin.api)
+    admission.create_validating_admission_policy(policy)
+    admission.create_validating_admission_policy_binding(binding)
+    try:
+
+        def enforced() -> bool:
+            try:
+                admin.core.patch_node(
+                    node,
+                    {"spec": {"unschedulable": True}},
+                    dry_run="All",
+                    _content_type="application/merge-patch+json",
+                )
+            except kubernetes.client.exceptions.ApiException as exc:
+                return exc.status == 403 and "may not be cordoned" in str(exc.body)
+            return False
+
+        eventually(enforced, 30, interval=0.1, what="the test policy to be enforced")
+        state.write_text(GPUS_OK.replace("GPU-it-1", "GPU-it-1 ecc=3"))
+        eventually(lambda: agent.events("node.write_rejected"), 15, what="the first refusal")
+        first = _logged_at(agent.events("node.write_rejected")[0])
+        time.sleep(max(0.0, first + backoff - 1.0 - time.time()))
+        assert len(agent.events("node.write_rejected")) == 1  # 7 s of checks every 0.5 s: not sent again
+        time.sleep(max(0.0, first + 1.6 * backoff - time.time()))
+        refused = agent.events("node.write_rejected")
+        assert len(refused) == 2, refused  # sent once more after the backoff, refused once more
+        assert backoff <= _logged_at(refused[1]) - first <= backoff + 2.0
+        assert all(r["level"] == "error" and "may not be cordoned" in r["error"] for r in refused)
+        assert [r["event"] for r in agent.lines if r.get("level") == "error"] == ["node.write_rejected"] * 2
+        code, body = agent.healthz()
+        assert (
+            code == 200
+            and body["api"]["state"] == "refused"
+            and "may not be cordoned" in body["api"]["error"]
+        )
+        assert admin.our_taint(node) is None
+    finally:
+        admission.delete_validating_admission_policy_binding(binding["metadata"]["name"])
+        admission.delete_validating_admission_policy(policy["metadata"]["name"])
+    taint = eventually(lambda: admin.our_taint(node), backoff + 15, what="the taint once the policy is gone")
+    assert taint is not None and admin.node(node)["spec"]["unschedulable"] is True
+    assert len(agent.events("node.request_accepted")) == 1
+    assert len(agent.events("node.write_rejected")) <= 3  # at most one more refusal before the binding went
+    assert agent.healthz()[1]["api"]["state"] == "ok"
