@@ -114,6 +114,7 @@ def watch(cfg: Config) -> bool:
 
     from gpuguard.agent import Agent  # noqa: PLC0415
     from gpuguard.metrics import Metrics  # noqa: PLC0415
+    from gpuguard.node.apistate import ApiState  # noqa: PLC0415
     from gpuguard.node.budget import QuarantineBudget  # noqa: PLC0415
     from gpuguard.node.devicequarantine import DeviceQuarantine  # noqa: PLC0415
     from gpuguard.node.devicewatch import WatchedRules  # noqa: PLC0415
@@ -128,7 +129,11 @@ def watch(cfg: Config) -> bool:
     backend = make_backend(cfg)
     metrics = Metrics(REGISTRY, dry_run=cfg.node.dry_run)
     writer = make_writer(cfg.node, metrics)
-    fleet = watched(cfg.node, writer)  # the budget off the fault's path: a watch and a background count
+    # What the API server answered, one view for the reconciler and the budget's watch (/healthz "api").
+    api_state = ApiState(cfg.node.name or "", backoff=cfg.node.refusal_backoff)
+    fleet = watched(
+        cfg.node, writer, api_state
+    )  # the budget off the fault's path: a watch and a background count
     budget_source = fleet or writer
     budget = QuarantineBudget(budget_source, cfg.node)
     # The start-up jitter (--startup-jitter): a fleet started at once reaches the API server spread out.
@@ -164,7 +169,7 @@ def watch(cfg: Config) -> bool:
         if rules_watch is not None:
             devices.on_devices = rules_watch.found
     reconciler = NodeReconciler(
-        writer, cfg.node, budget=budget, devices=devices, metrics=metrics, start_delay=delay
+        writer, cfg.node, budget=budget, devices=devices, metrics=metrics, start_delay=delay, api=api_state
     )
     agent = Agent(
         backend=backend,

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from typing import Any
+from unittest import mock
+
+from structlog.testing import capture_logs
 
 from gpuguard import kubeapi, kubeconfig
+from gpuguard.errors import TransientApiError
+from gpuguard.node.apistate import ApiState
 from gpuguard.node.budget import Budget
 from gpuguard.node.fleet import WatchedBudget
 from gpuguard.node.view import NodeView
@@ -75,3 +80,36 @@ def test_a_fleet_of_5000_agents_starting_at_once_lists_the_gpu_nodes_no_faster_t
     assert isinstance(watch, click.Command)
     option = next(p for p in watch.params if p.name == "budget_count_spread")
     assert option.default == spread
+
+
+class _ServerDownThenUp(_ServerEndsEachWatch):
+    """No answer for the first `down` lists, then an API server whose watches end at once."""
+
+    def __init__(self, down: int) -> None:
+        super().__init__(watches=1)
+        self.down = down
+
+    def request(self, method: str, path: str, **kw: Any) -> Any:
+        if self.lists < self.down:
+            self.lists += 1
+            raise TransientApiError("list quarantined nodes: connection refused")
+        return super().request(method, path, **kw)
+
+
+def test_an_idle_nodes_budget_watch_tells_the_api_state_of_an_outage_and_its_end() -> None:
+    """Nothing else of a healthy node talks to the API server: without this, /healthz said "ok" throughout."""
+    api = _ServerDownThenUp(down=3)
+    fallback = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1"))
+    state = ApiState("gpu-1", outage_every=0.0)
+    fleet = WatchedBudget("gpu-1", "10%", api=api, fallback=fallback, gpu_node_selector="", api_state=state)
+    api.fleet = fleet
+    seen: list[str] = []
+    with (
+        mock.patch.object(fleet._stop, "wait", lambda seconds: seen.append(state.health.state)),
+        capture_logs() as logs,
+    ):
+        fleet._watch_loop()
+    assert seen == ["unreachable"] * 3
+    assert state.health.state == "ok"
+    api_lines = [e["event"] for e in logs if e["event"].startswith("api.")]
+    assert api_lines == ["api.unavailable", "api.still_unavailable", "api.still_unavailable", "api.available"]

@@ -28,7 +28,8 @@ import structlog
 
 from gpuguard import kubeapi
 from gpuguard.config import NodeSettings
-from gpuguard.errors import NodeUpdateError
+from gpuguard.errors import NodeUpdateError, TransientApiError
+from gpuguard.node.apistate import ApiState
 from gpuguard.node.budget import Budget, BudgetSource, OtherNodes, budget_limit
 from gpuguard.node.listwatch import ListWatch
 from gpuguard.node.view import LABEL_QUARANTINED
@@ -63,8 +64,12 @@ class WatchedBudget:
         timeout: float = 10.0,
         first_count: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        api_state: ApiState | None = None,
     ) -> None:
+        """`api_state`: told when the watch fails and when it is up again, so that an idle node's /healthz
+        and log show an API outage too (nothing else of an idle node talks to the API server)."""
         self._node = node
+        self._api_state = api_state
         self._spec = spec
         self._api = api
         self._fallback = fallback
@@ -153,10 +158,18 @@ class WatchedBudget:
         self._wake.set()
 
     def _watch_loop(self) -> None:
-        self._watched.run(lambda: _NODES, stop=self._stop, watching=self._watching, broken=self._broken)
+        self._watched.run(
+            lambda: _NODES, stop=self._stop, watching=self._watching, broken=self._broken, failed=self._failed
+        )
+
+    def _failed(self, exc: NodeUpdateError) -> None:
+        if self._api_state is not None and isinstance(exc, TransientApiError):
+            self._api_state.unreachable(exc)
 
     def _watching(self) -> None:
         """`fleet.watching` once a watch is established at start, and after a broken one."""
+        if self._api_state is not None:
+            self._api_state.answered()
         log.info(
             "fleet.watching", node=self._node, selector=self._selector, quarantined=self._watched.count()
         )
@@ -218,7 +231,9 @@ class WatchedBudget:
             log.info("fleet.gpu_nodes_counted", node=self._node, gpu_nodes=total)
 
 
-def watched(settings: NodeSettings, writer: KubeNodeWriter | DryRunNodeWriter) -> WatchedBudget | None:
+def watched(
+    settings: NodeSettings, writer: KubeNodeWriter | DryRunNodeWriter, api_state: ApiState | None = None
+) -> WatchedBudget | None:
     """The watched budget for a writer to the API server with a budget to keep (not "100%"); else None:
     the writer is the source (a dry run has no fleet; an unlimited budget is never read)."""
     if not isinstance(writer, KubeNodeWriter) or settings.max_quarantined == "100%":
@@ -233,6 +248,7 @@ def watched(settings: NodeSettings, writer: KubeNodeWriter | DryRunNodeWriter) -
         others=writer.others,
         timeout=settings.api_timeout,
         first_count=settings.budget_count_spread,
+        api_state=api_state,
     )
 
 

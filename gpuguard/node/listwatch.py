@@ -166,11 +166,13 @@ class ListWatch:
         watching: Callable[[], None],
         broken: Callable[[NodeUpdateError], None],
         gate: threading.Event | None = None,
+        failed: Callable[[NodeUpdateError], None] | None = None,
     ) -> None:
         """A thread's body until `stop` is set: list, then watch and resume from the last resourceVersion,
         listing again after 410. After a failure the collection is not synced (callers answer from their
         lists meanwhile) and the next try waits the backoff. `watching`: called when a watch is established
-        at start and after a failure; `broken`: once per failure, until a watch is established again.
+        at start and after a failure; `broken`: once per failure, until a watch is established again;
+        `failed`: at every failed try (the API server's state, gpuguard.node.apistate).
 
         `gate`, for a collection that may not be served: nothing is listed or watched (no request, no
         wake-up) until it is set; `path()` None (no version serves it) or a 404 clears it, to wait for the
@@ -199,6 +201,8 @@ class ListWatch:
                 if not failing:
                     failing = True
                     broken(exc)
+                if failed is not None:
+                    failed(exc)
                 if exc.status == 410:
                     rv = None
                 elif exc.status == 404 and gate is not None:
