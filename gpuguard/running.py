@@ -121,7 +121,7 @@ def watch(cfg: Config) -> bool:
     from gpuguard.node.devicewriters import KubeDeviceSource, make_device_source  # noqa: PLC0415
     from gpuguard.node.fleet import watched  # noqa: PLC0415
     from gpuguard.node.reconciler import NodeReconciler  # noqa: PLC0415
-    from gpuguard.node.writers import make_writer  # noqa: PLC0415
+    from gpuguard.node.writers import DRY_RUN_NODE, make_writer  # noqa: PLC0415
     from gpuguard.server import HealthServer  # noqa: PLC0415
     from gpuguard.state import StateStore, read_boot_id  # noqa: PLC0415
 
@@ -130,7 +130,7 @@ def watch(cfg: Config) -> bool:
     metrics = Metrics(REGISTRY, dry_run=cfg.node.dry_run)
     writer = make_writer(cfg.node, metrics)
     # What the API server answered, one view for the reconciler and the budget's watch (/healthz "api").
-    api_state = ApiState(cfg.node.name or "", backoff=cfg.node.refusal_backoff)
+    api_state = ApiState(cfg.node.name or DRY_RUN_NODE, backoff=cfg.node.refusal_backoff)
     fleet = watched(
         cfg.node, writer, api_state
     )  # the budget off the fault's path: a watch and a background count

@@ -300,6 +300,7 @@ class NodeReconciler:
                 raise
             self.writes += 1
             self.api.accepted(intent)
+            self._intent = None  # a refusal after this (the budget's order list) is not this write's
             self._set_node(node)
             self._log_change(before, change, verdict)
             self._update_condition(node, full, flapping)
@@ -344,6 +345,7 @@ class NodeReconciler:
             self._node = None
             raise
         self.api.accepted(self._read_intent)
+        self._intent = None
         self._set_node(node)
         return node
 
