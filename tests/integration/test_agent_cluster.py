@@ -332,6 +332,7 @@ def test_an_api_server_outage_delays_the_taint_but_not_the_agent(
         state.write_text(GPUS_OK + "xid 1 79\n")  # a fault while the API server is down
         eventually(lambda: agent.healthz()[1]["healthy"] is False, 5, what="fault seen while API down")
         time.sleep(10)
+        down = agent.healthz()[1]["api"]  # /healthz says what the log says
         control_plane.start_apiserver()
         control_plane.wait_ready(60)
         ready_at = time.monotonic()
@@ -343,6 +344,8 @@ def test_an_api_server_outage_delays_the_taint_but_not_the_agent(
     assert landed < 5.0, f"taint landed {landed:.1f}s after /readyz"
     assert health and set(health) == {200}, f"/healthz was not 200 throughout: {sorted(set(health))}"
     assert agent.events("api.unavailable")
+    assert down["state"] == "unreachable" and down["since"] and down["error"], down
+    assert agent.events("api.available") and agent.healthz()[1]["api"]["state"] == "ok"
     print(
         f"taint landed {landed:.2f}s after the API server was ready; {len(health)} /healthz probes, all 200"
     )
