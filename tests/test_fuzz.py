@@ -5,7 +5,8 @@ the number of inputs tried is printed at the end, and recorded in docs/security.
 The contracts:
 - parse_scenario returns a Scenario or raises ScenarioError, one line;
 - the state file restores a tuple of faults or is moved aside, whatever the type of any of its fields;
-- a kubeconfig is Credentials or one ConfigError line naming the file, whatever the type of any field;
+- a kubeconfig is Credentials or one ConfigError line naming the file, whatever the type of any field; a
+  token file is a token that can be sent or one line naming the file;
 - parse_xids / parse_listen return a value or raise ConfigError, one line; `gpuguard watch|check` with any
   flag values exits 0, 1 (check: unhealthy) or 2 with exactly one line on stderr, never a traceback;
 - the HTTP server answers every request within its deadline with a 4xx (or 200 for a well-formed GET or
@@ -417,6 +418,30 @@ def test_a_kubeconfig_of_any_bytes_is_credentials_or_a_one_line_config_error(dat
                 kubeconfig.from_kubeconfig(str(path))
             except ConfigError as exc:
                 one_line(str(exc))
+
+
+@fuzz(300)
+@given(st.binary(max_size=300) | st.text(max_size=100).map(str.encode))
+def test_a_token_file_of_any_bytes_is_a_sendable_token_or_a_one_line_transient_error(data: bytes) -> None:
+    """The ServiceAccount token is read again at each rotation: a newline or a control character in it
+    would be refused by urllib3 as a header at every request, outside the errors the writer handles."""
+    from gpuguard import kubeapi, kubeconfig
+    from gpuguard.errors import TransientApiError
+
+    TRIED["token file: bytes"] += 1
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "token"
+        path.write_bytes(data)
+        creds = kubeconfig.Credentials(server="http://127.0.0.1:9", token_file=str(path))
+        client = kubeapi.Client(creds, user_agent="fuzz")
+        try:
+            header = client._authorization()
+        except TransientApiError as exc:
+            one_line(str(exc))
+            assert str(exc).startswith(f"token file {path}"), str(exc)
+            return
+        assert header is not None and header.startswith("Bearer ")
+        assert all("!" <= ch <= "~" for ch in header[len("Bearer ") :]), header
 
 
 # -- the flag parsers and the CLI ----------------------------------------------------------------------------
