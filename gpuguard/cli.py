@@ -404,7 +404,8 @@ def check(output: str, at: float | None, **kw: Any) -> int:
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
 def status(kubeconfig: str | None, output: str) -> int:
     """The cluster view for an operator: nodes quarantined by gpuguard, and GPUs held out by its DRA device
-    taint rules (the per-GPU quarantine), with reason, since and GPU."""
+    taint rules (the per-GPU quarantine), with reason, since and GPU. Exit 0; 2 a kubeconfig that cannot
+    work; 4 the API server is unreachable or refused the request."""
     from gpuguard.node.devicewriters import quarantined_gpus  # noqa: PLC0415
     from gpuguard.node.writers import quarantined_nodes  # noqa: PLC0415
 

@@ -449,3 +449,6 @@ def test_status_with_the_api_server_unreachable_exits_4_and_says_so(tmp_path: Pa
     assert r.returncode == 4, r.stderr
     assert r.stderr.startswith("gpuguard: error: status: the API server https://127.0.0.1:1 is unreachable: ")
     assert len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stderr
+    assert "4 the API server is unreachable or refused the request" in " ".join(
+        run("status", "--help").stdout.split()
+    )
