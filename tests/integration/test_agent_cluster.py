@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import kubernetes
@@ -23,8 +24,11 @@ from tests.integration.kube import (
     GPUS_OK,
     TAINT_KEY,
     Admin,
+    Agent,
     eventually,
     token_client,
+    token_kubeconfig,
+    unique_node,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -447,3 +451,32 @@ def test_a_patch_an_admission_policy_refuses_is_one_error_line_then_the_stated_b
     assert len(agent.events("node.request_accepted")) == 1
     assert len(agent.events("node.write_rejected")) <= 3  # at most one more refusal before the binding went
     assert agent.healthz()[1]["api"]["state"] == "ok"
+
+
+def test_a_refused_first_read_of_the_node_is_one_error_line_per_backoff(
+    admin: Admin, control_plane: Any, fakenvml: Path, tmp_path: Path
+) -> None:
+    """A token the API server does not accept (401): the first read of the node recorded nothing and was
+    sent again at every check, one ERROR line each."""
+    backoff = 6.0
+    node = unique_node(admin, "refused-read")
+    kubeconfig = token_kubeconfig(
+        tmp_path / "kubeconfig", server=control_plane.url, ca_path=control_plane.ca_path, token="not-a-token"
+    )
+    state = tmp_path / "gpus"
+    state.write_text(GPUS_OK)
+    agent = Agent(
+        node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml, args=("--refusal-backoff", str(backoff))
+    ).start()
+    try:
+        eventually(lambda: agent.events("node.read_rejected"), 15, what="the first refusal")
+        first = _logged_at(agent.events("node.read_rejected")[0])
+        time.sleep(max(0.0, first + 1.6 * backoff - time.time()))
+        refused = agent.events("node.read_rejected")
+        assert len(refused) == 2, refused  # 48 checks in 9.6 s, 2 reads: at the start and after the backoff
+        assert backoff <= _logged_at(refused[1]) - first <= backoff + 2.0
+        assert refused[0]["status"] == 401 and refused[0]["request"] == f"get node {node}"
+        assert [r["event"] for r in agent.lines if r.get("level") == "error"] == ["node.read_rejected"] * 2
+        assert agent.healthz()[1]["api"]["state"] == "refused"
+    finally:
+        agent.stop()
