@@ -93,7 +93,10 @@ class ApiState:
             self._refused[intent] = (now + self.backoff, first)
             if len(self._refused) > _MAX_REFUSED:
                 del self._refused[min(self._refused, key=lambda i: self._refused[i][0])]
+            down, self._down_since = self._down_since, None  # a refusal is an answer: an outage is over
             self._set("refused", str(exc))
+        if down is not None:
+            log.info("api.available", node=self._node, down_for_s=round(now - down, 1))
         log.error(
             "node.write_rejected" if intent.verb != "get" else "node.read_rejected",
             node=self._node,
@@ -144,7 +147,7 @@ class ApiState:
             elif now - self._down_logged >= self._outage_every:
                 self._down_logged = now
             else:
-                self._health = ApiHealth("unreachable", self._health.since, str(exc))
+                self._set("unreachable", str(exc))
                 return
             down_for = now - (self._down_since or now)
         if first:

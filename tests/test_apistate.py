@@ -1,0 +1,66 @@
+"""node/apistate.py over time, on a clock: the state /healthz shows and the lines an operator reads."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from structlog.testing import capture_logs
+
+from gpuguard.errors import PermanentApiError, TransientApiError
+from gpuguard.node.apistate import ApiState, Intent
+
+PATCH = Intent("patch", "node gpu-1", '{"spec":{"unschedulable":true}}')
+READ = Intent("get", "node gpu-1")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def wall(self) -> datetime:
+        return datetime.fromtimestamp(self.t, UTC)
+
+
+def make() -> tuple[ApiState, Clock]:
+    clock = Clock()
+    return ApiState("gpu-1", backoff=300.0, outage_every=30.0, clock=clock, wall=clock.wall), clock
+
+
+def test_a_refusal_blocks_its_intent_for_the_backoff_and_no_other() -> None:
+    state, clock = make()
+    state.refused(PATCH, PermanentApiError("denied", status=403))
+    assert state.blocked(PATCH) and not state.blocked(READ)
+    assert not state.blocked(Intent("patch", "node gpu-1", '{"spec":{"unschedulable":false}}'))
+    clock.t += 299.9
+    assert state.blocked(PATCH) and state.health.state == "refused"
+    clock.t += 0.1
+    assert not state.blocked(PATCH)
+    assert state.health.state == "ok" and state.health.since == datetime.fromtimestamp(400.0, UTC)
+
+
+def test_health_says_since_when_and_keeps_the_start_of_a_state_it_stays_in() -> None:
+    state, clock = make()
+    assert (state.health.state, state.health.since, state.health.error) == ("ok", None, None)
+    state.unreachable(TransientApiError("timed out"))
+    clock.t += 10
+    state.unreachable(TransientApiError("connection refused"))
+    assert state.health.state == "unreachable" and state.health.error == "connection refused"
+    assert state.health.since == datetime.fromtimestamp(100.0, UTC)
+    clock.t += 5
+    with capture_logs() as logs:
+        state.accepted(READ)
+    assert [e["event"] for e in logs] == ["api.available"] and logs[0]["down_for_s"] == 15.0
+    assert state.health.state == "ok" and state.health.error is None
+
+
+def test_a_refusal_during_an_outage_ends_the_outage_the_server_answered() -> None:
+    state, clock = make()
+    state.unreachable(TransientApiError("timed out"))
+    clock.t += 3
+    with capture_logs() as logs:
+        state.refused(PATCH, PermanentApiError("denied", status=403))
+    assert [e["event"] for e in logs] == ["api.available", "node.write_rejected"]
+    assert state.health.state == "refused" and state.health.error == "denied"
