@@ -381,6 +381,7 @@ def _refuse_cordon_of(node: str) -> list[dict[str, Any]]:
                     {
                         "expression": "!has(object.spec.unschedulable) || !object.spec.unschedulable",
                         "message": f"test policy: node {node} may not be cordoned",
+                        "reason": "Forbidden",  # 403, as deploy/admission-policy.yaml answers (else 422)
                     }
                 ],
             },
