@@ -82,6 +82,8 @@ _CUT = "equivalent: the cut at the bound or below it leaves the same text"
 _EMPTY = "equivalent: a name no rule or node has, and no digit, counts like the empty one"
 _LOGGED = "cosmetic: the value only reaches a log line (its de-duplication key included)"
 JUDGED: dict[str, str] = {
+    "gpuguard/policy.py evaluate: 0 -> 1 #7": "equivalent: a shortfall needs an expected count of at least "
+    "1, so `expected or 0` in its text never falls back",
     "gpuguard/policy.py _ordered: 1 -> 2": "equivalent: any negative index puts the node's faults first",
     "gpuguard/state.py StateStore._write: return False -> return None": _FALSY,
     "gpuguard/state.py StateStore._write: False -> True": "equivalent: after a failed write the store is "
@@ -125,7 +127,7 @@ JUDGED: dict[str, str] = {
     "gpuguard/node/budget.py OtherNodes.quarantined: 253 -> 254": _LOGGED,
     "gpuguard/node/budget.py quarantine_rank: k < me -> k <= me": "equivalent: an entry equal to this node's "
     "has its name, and is left out before the comparison",
-    "gpuguard/node/budget.py limit: '' -> 'XXXX' #2": "equivalent: every taint change has an Event",
+    "gpuguard/node/budget.py limit: '' -> 'XXXX'": "equivalent: every taint change has an Event",
     "gpuguard/node/budget.py QuarantineBudget.written: return False -> return None #2": _FALSY,
     "gpuguard/node/budget.py QuarantineBudget._check_order: '' -> 'XXXX'": "unreachable: a fully "
     "quarantined node has gpuguard.io/since, written in the same patch as the taint",

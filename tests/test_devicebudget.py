@@ -5,6 +5,7 @@ the rules this node made blocking (when it runs, what it steps back, what it doe
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -328,3 +329,30 @@ def test_a_rule_gone_before_its_first_check_leaves_nothing_to_settle() -> None:
     b.blocking(mine)
     assert b.verify(NODE, {}, Patches()) == []
     assert b.verify(NODE, {}, Patches()) == [] and not b.settling  # no wait for the settle time
+
+
+@pytest.mark.parametrize(
+    ("ahead", "worth"), [(["node-a"], "1 GPU node's worth"), (["node-a", "node-c"], "2 GPU nodes' worth")]
+)
+def test_a_stepped_back_rule_says_how_many_nodes_worth_came_before_it(ahead: list[str], worth: str) -> None:
+    earlier = [rule(n, since=f"2026-12-03T00:00:0{i}Z") for i, n in enumerate(ahead)]
+    mine = rule("node-b", since="2026-12-03T00:00:09Z")
+    limit = len(ahead)
+    settings = replace(SETTINGS, max_quarantined=str(limit))
+    fleet = Fleet(Budget(quarantined=0, limit=limit), earlier)
+    b = RuleBudget(
+        settings,
+        all_rules=fleet.all_rules,
+        budget=fleet.budget,
+        order=lambda: [],
+        now=lambda: NOW,
+        clock=Clock(),
+    )
+    b.blocking(mine)
+    patch = Patches()
+    assert [r.name for r in b.verify(NODE, {mine.name: mine}, patch)] == [mine.name]
+    ((_, body),) = patch.bodies
+    assert body["metadata"]["annotations"][ANN_DEFERRED] == (
+        f"quarantine budget spent: {worth} quarantined before this rule, limit {limit} "
+        f"(--max-quarantined {limit})"
+    )

@@ -885,3 +885,17 @@ def test_the_conditions_counts_read_as_english_with_one_gpu_and_with_none() -> N
     message = plan_condition("True", down, last_keys=None, now=NOW)
     assert message is not None and message["message"].startswith("nvml-init: ")
     assert "of 0" not in message["message"] and not message["message"].endswith(")"), message["message"]
+
+
+def test_with_no_gpu_to_count_the_condition_names_only_the_gpus_device_taints_hold_out() -> None:
+    down = evaluate(Snapshot(init_error="DRIVER_NOT_LOADED"), previous=None, settings=PolicySettings())
+    alone = plan_condition("True", down, last_keys=None, now=NOW)
+    assert (
+        alone is not None and alone["message"] == "nvml-init: NVML initialization failed: DRIVER_NOT_LOADED"
+    )
+    held = plan_condition("True", down, last_keys=None, now=NOW, device_tainted=2)
+    assert held is not None
+    assert (
+        held["message"]
+        == "nvml-init: NVML initialization failed: DRIVER_NOT_LOADED (2 held out by device taints)"
+    )
