@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gpuguard.health import health_body
 from gpuguard.model import AgentStatus, Verdict
 
 
@@ -24,8 +25,6 @@ def verdict_table(verdict: Verdict) -> str:
 
 def verdict_json(verdict: Verdict) -> str:
     """The GPUs exactly as /healthz shows them, plus the node's own reasons."""
-    from gpuguard.server import health_body  # noqa: PLC0415 - the HTTP server's imports only for -o json
-
     status = AgentStatus(
         alive=True,
         ready=True,
