@@ -61,6 +61,7 @@ from bench.cluster import (  # noqa: E402
 )
 from bench.fleet import Fleet  # noqa: E402
 from bench.nvml_bench import gpu_lines  # noqa: E402
+from gpuguard.node.devices import rule_name  # noqa: E402
 
 # How long an agent may take to answer /readyz: on a quiet machine about a second (the start-up row), but the
 # bench's machine is shared and under a load of hundreds a Python process can take minutes to start.
@@ -318,6 +319,13 @@ def latency_phase(
     }
 
 
+def rule_of(node: str) -> str:
+    """The DeviceTaintRule the agent writes for GPU 3 of `node` (the agent's own naming)."""
+    name = rule_name(node, "gpu-3")
+    assert name is not None
+    return name
+
+
 def device_phase(cl: Cluster, *, rounds: int = 25, lanes: int = 1, interval: float = 3.0) -> dict[str, Any]:
     """Xid -> DeviceTaintRule visible: `lanes` nodes whose 8 GPUs NVIDIA's DRA driver publishes (a
     ResourceSlice, driver gpu.nvidia.com, pool = the node, `uuid` = the fake NVML GPUs'), agents with the
@@ -356,7 +364,7 @@ def device_phase(cl: Cluster, *, rounds: int = 25, lanes: int = 1, interval: flo
         for a in agents:
             a.wait_ready(READY_TIMEOUT)
         for n in nodes:
-            rules.wait_current(f"gpuguard-{n}-gpu-3", absent, 15)
+            rules.wait_current(rule_of(n), absent, 15)
             node_watches[n].wait_current(n, untainted, 15)
         return agents
 
@@ -372,7 +380,7 @@ def device_phase(cl: Cluster, *, rounds: int = 25, lanes: int = 1, interval: flo
             with (work / f"{n}.state").open("a") as f:
                 f.write("xid 3 79\n")
             try:
-                lat.append(rules.wait_change(f"gpuguard-{n}-gpu-3", tainted, after=t0, timeout=10) - t0)
+                lat.append(rules.wait_change(rule_of(n), tainted, after=t0, timeout=10) - t0)
             except TimeoutError as exc:
                 raise TimeoutError(f"{exc}; the agent's last lines: {agent.lines[-8:]}") from exc
             if tainted(node_watches[n].current.get(n)):
