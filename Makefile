@@ -118,7 +118,7 @@ unit: install fakenvml
 
 # Mutation testing of the pure decision modules (hack/mutation.py; not part of `make test`): every mutant
 # against the fast unit tests that run its line (chosen by coverage, pinned in the dev extra), then the kill rate per
-# module; docs/reliability.md has the last report. About 20 minutes on 2 cores. A part:
+# module; docs/reliability.md has the last report. About 7 minutes on 2 cores. A part:
 # MUTATION_ARGS="--module gpuguard/policy.py" or "--sample 60" (a seeded sample of each module).
 MUTATION_ARGS ?=
 mutation: install
