@@ -36,6 +36,9 @@ EXERCISED_ELSEWHERE = {
     "gpuguard uninstall --node NAME": "test_uninstall_of_one_node_and_its_dry_run_do_what_the_page_says",
     "gpuguard check": "test_check_label.py::test_check_fails_a_node_labelled_with_8_gpus_whose_library_shows_7",  # noqa: E501
     "kubectl delete": "test_the_plain_manifests_apply_and_delete_with_kubectl_and_why_the_namespace_comes_first",  # noqa: E501
+    "kubectl auth can-i patch nodes --as system:serviceaccount:gpuguard:gpuguard": (
+        "test_the_operations_runbook_works_as_written"
+    ),
     "kubectl delete nodeclaim NAME": "test_karpenter.py::test_karpenter_launches_gated_nodes_once_and_pods_land_only_where_gpuguard_verified_the_gpus",  # noqa: E501
     # tests/integration/test_device_admission.py
     "kubectl get devicetaintrules -l app.kubernetes.io/managed-by=gpuguard": (
@@ -227,6 +230,20 @@ def test_the_operations_runbook_works_as_written(
     out = book.run("Which protections are installed")  # the chart's default: every one of them
     for name in ("own-node-only", "own-devices-only", "own-events-only", "events"):
         assert f"gpuguard-{name} " in out, name
+    # The check the page's prose gives for a refused write ("When the API server refuses ..."): the
+    # chart's ClusterRole lets the agent's ServiceAccount patch nodes, and nothing lets it delete one.
+    can_i = "kubectl auth can-i patch nodes --as system:serviceaccount:gpuguard:gpuguard"
+    assert can_i in " ".join(DOC.read_text().split())
+    assert book.shell(can_i).strip() == "yes"
+    denied = subprocess.run(
+        ["bash", "-c", can_i.replace("patch", "delete")],
+        env=book.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (denied.returncode, denied.stdout.strip()) == (1, "no"), denied
 
     # -- A first week in dry run, then enforce.
     out = book.run("A first week in dry run")
@@ -383,7 +400,8 @@ def test_the_readme_installs_with_the_pages_exact_commands() -> None:
 def test_every_command_the_page_names_in_its_prose_is_run_by_a_test() -> None:
     text = DOC.read_text()
     prose = re.sub(r"^```.*?^```$", "", text, flags=re.M | re.S)
-    named = set(re.findall(r"`((?:kubectl|helm|gpuguard) [^`]*)`", prose))
+    # A command the prose wraps over two lines is the same command.
+    named = {" ".join(c.split()) for c in re.findall(r"`((?:kubectl|helm|gpuguard) [^`]*)`", prose)}
     in_blocks = "\n".join(b for _, b in blocks())
     assert {c for c in named if c not in in_blocks} <= set(EXERCISED_ELSEWHERE), named
 
