@@ -17,8 +17,8 @@ from typing import Any
 
 import tenacity
 
-from gpuguard import kubeapi
 from gpuguard.errors import ConflictError, GpuguardError
+from gpuguard.kube import client as kubeclient
 from gpuguard.node.devicewriters import KubeDeviceSource
 from gpuguard.node.view import ANN_CORDONED, CONDITION_TYPE, DOMAIN
 
@@ -90,7 +90,7 @@ def plan_cleanup(obj: Mapping[str, Any]) -> Cleanup:
     )
 
 
-def _request(api: kubeapi.Client, what: str, method: str, path: str, **kw: Any) -> Any:
+def _request(api: kubeclient.Client, what: str, method: str, path: str, **kw: Any) -> Any:
     """One request; a 409 is _Conflict, any other failure the client's GpuguardError naming what was tried."""
     try:
         return api.request(method, path, what=what, **kw)
@@ -98,7 +98,7 @@ def _request(api: kubeapi.Client, what: str, method: str, path: str, **kw: Any) 
         raise _Conflict(str(exc)) from exc
 
 
-def node_names(api: kubeapi.Client, *, timeout: float = 10.0) -> Iterator[str]:
+def node_names(api: kubeclient.Client, *, timeout: float = 10.0) -> Iterator[str]:
     """Every node's name, a page of 500 at a time."""
     query = {"limit": "500"}
     while True:
@@ -111,7 +111,7 @@ def node_names(api: kubeapi.Client, *, timeout: float = 10.0) -> Iterator[str]:
         query = {"limit": "500", "continue": token}
 
 
-def clean_node(api: kubeapi.Client, name: str, *, dry_run: bool = False, timeout: float = 10.0) -> Cleanup:
+def clean_node(api: kubeclient.Client, name: str, *, dry_run: bool = False, timeout: float = 10.0) -> Cleanup:
     """Take gpuguard's marks off one node (or, dry_run, only say which); the plan that was applied."""
     path = f"/api/v1/nodes/{name}"
 
@@ -148,7 +148,7 @@ def clean_node(api: kubeapi.Client, name: str, *, dry_run: bool = False, timeout
 
 
 def clean_rules(
-    api: kubeapi.Client, nodes: tuple[str, ...] | None, *, dry_run: bool = False, timeout: float = 10.0
+    api: kubeclient.Client, nodes: tuple[str, ...] | None, *, dry_run: bool = False, timeout: float = 10.0
 ) -> list[str]:
     """Delete gpuguard's DeviceTaintRules (the per-GPU quarantine) of the named nodes, or of every node
     (None): only rules labelled app.kubernetes.io/managed-by=gpuguard, an administrator's stay. The names,

@@ -1,6 +1,6 @@
-"""gpuguard's error hierarchy. Adapters raise these where the library's codes are known (`gpuguard.kubeapi`
-maps HTTP statuses and connection failures itself), with `raise ... from exc`; only the CLI maps them to exit
-codes.
+"""gpuguard's error hierarchy. Adapters raise these where the library's codes are known
+(`gpuguard.kube.client` maps HTTP statuses and connection failures itself), with `raise ... from
+exc`; only the CLI maps them to exit codes.
 
     GpuguardError
     ├── ConfigError            bad flag, env value or file: exit 2, one line, no traceback

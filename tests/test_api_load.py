@@ -1,5 +1,6 @@
 """What keeps a fleet of agents gentle on the API server: the start-up jitter (the reconciler's first request
-waits, a fault does not), the client-side rate limit (a token bucket in gpuguard.kubeapi) and their settings.
+waits, a fault does not), the client-side rate limit (a token bucket in gpuguard.kube.ratelimit) and their
+settings.
 The fleet itself (5,000 agents against a real API server) is bench/fleet.py; a small version of it runs in
 tests/integration/test_fleet.py."""
 
@@ -14,16 +15,19 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gpuguard import cli, kubeapi, kubeconfig, running
+from gpuguard import cli, running
 from gpuguard.config import Config, NodeSettings, PolicySettings
 from gpuguard.errors import ConfigError
+from gpuguard.kube import client as kubeclient
+from gpuguard.kube import kubeconfig
+from gpuguard.kube.ratelimit import RateLimiter
 from gpuguard.model import GpuReading, Snapshot
 from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.view import NodeView
 from gpuguard.node.writers import KubeNodeWriter
 from gpuguard.policy import evaluate
 from tests.fakes import FakeNodeWriter
-from tests.test_kubeapi import NODE, Recorder, server  # noqa: F401 - the fixture
+from tests.test_kube_client import NODE, Recorder, server  # noqa: F401 - the fixture
 
 SETTINGS = NodeSettings(name="gpu-1", retry_max_wait=0.01)
 CONDITION = {"type": "GPUHealthy", "status": "True", "reason": "GPUsHealthy", "message": "ok"}
@@ -156,7 +160,7 @@ class FakeTime:
 
 def test_the_burst_goes_at_once_then_requests_are_spaced_at_the_rate() -> None:
     t = FakeTime()
-    limiter = kubeapi.RateLimiter(5, 3, clock=t.clock, sleep=t.sleep)
+    limiter = RateLimiter(5, 3, clock=t.clock, sleep=t.sleep)
     waits = [limiter.acquire() for _ in range(5)]
     assert waits[:3] == [0, 0, 0]
     assert waits[3:] == pytest.approx([0.2, 0.2])
@@ -165,7 +169,7 @@ def test_the_burst_goes_at_once_then_requests_are_spaced_at_the_rate() -> None:
 
 
 def test_concurrent_callers_each_wait_for_their_own_token() -> None:
-    limiter = kubeapi.RateLimiter(50, 1)
+    limiter = RateLimiter(50, 1)
     done: list[float] = []
     t0 = time.monotonic()
 
@@ -186,7 +190,7 @@ def test_concurrent_callers_each_wait_for_their_own_token() -> None:
 
 def test_qps_zero_is_no_limit() -> None:
     t = FakeTime()
-    limiter = kubeapi.RateLimiter(0, 1, clock=t.clock, sleep=t.sleep)
+    limiter = RateLimiter(0, 1, clock=t.clock, sleep=t.sleep)
     assert [limiter.acquire() for _ in range(100)] == [0.0] * 100 and not t.slept
 
 
@@ -194,8 +198,8 @@ def test_a_read_that_reserves_its_write_pays_for_both_and_the_write_waits_for_no
     server: str,  # noqa: F811
 ) -> None:
     t = FakeTime()
-    limiter = kubeapi.RateLimiter(2, 2, clock=t.clock, sleep=t.sleep)
-    client = kubeapi.Client(kubeconfig.Credentials(server=server), user_agent="t", rate_limiter=limiter)
+    limiter = RateLimiter(2, 2, clock=t.clock, sleep=t.sleep)
+    client = kubeclient.Client(kubeconfig.Credentials(server=server), user_agent="t", rate_limiter=limiter)
     writer = KubeNodeWriter("gpu-1", api=client)
     Recorder.replies = [(200, {}, json.dumps(NODE).encode())] * 5
     node = writer.read(reserve_write=True)
@@ -211,8 +215,8 @@ def test_a_write_without_a_reserving_read_pays_its_own_token(server: str) -> Non
     """Before, the bucket itself charged a read two tokens and any patch none, whoever sent it: a patch
     loop with no read in it was never held to the rate."""
     t = FakeTime()
-    limiter = kubeapi.RateLimiter(2, 2, clock=t.clock, sleep=t.sleep)
-    client = kubeapi.Client(kubeconfig.Credentials(server=server), user_agent="t", rate_limiter=limiter)
+    limiter = RateLimiter(2, 2, clock=t.clock, sleep=t.sleep)
+    client = kubeclient.Client(kubeconfig.Credentials(server=server), user_agent="t", rate_limiter=limiter)
     writer = KubeNodeWriter("gpu-1", api=client)
     Recorder.replies = [(200, {}, json.dumps(NODE).encode())] * 5
     node = writer.read()  # 1 token: reserves nothing
@@ -233,7 +237,7 @@ def test_defect_a_rate_limited_conflict_loop_keeps_its_read_and_write_together()
     """A 409 loop against a writer at 50 writes/s: a limit that made the write wait after its read let the
     other writer land in between every time (tests/integration/test_agent_cluster.py, concurrent writers)."""
     t = FakeTime()
-    limiter = kubeapi.RateLimiter(5, 4, clock=t.clock, sleep=t.sleep)
+    limiter = RateLimiter(5, 4, clock=t.clock, sleep=t.sleep)
     gaps = []
     for _ in range(10):  # read (reserving its write), then patch: ten rounds of a conflict loop
         limiter.acquire(2.0)

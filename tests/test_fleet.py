@@ -9,8 +9,9 @@ from unittest import mock
 
 from structlog.testing import capture_logs
 
-from gpuguard import kubeapi, kubeconfig
 from gpuguard.errors import TransientApiError
+from gpuguard.kube import client as kubeclient
+from gpuguard.kube import kubeconfig
 from gpuguard.node.apistate import ApiState
 from gpuguard.node.budget import Budget
 from gpuguard.node.fleet import WatchedBudget
@@ -22,7 +23,7 @@ def test_until_the_watch_is_established_the_budget_and_the_order_are_listed_by_t
     fallback = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1"))
     fallback.quarantine_budget = Budget(quarantined=3, limit=3, gpu_nodes=30)
     fallback.order = [("2026-01-01T00:00:00Z", "gpu-0")]
-    api = kubeapi.Client(kubeconfig.Credentials(server="https://127.0.0.1:9"), user_agent="test")
+    api = kubeclient.Client(kubeconfig.Credentials(server="https://127.0.0.1:9"), user_agent="test")
     fleet = WatchedBudget("gpu-1", "10%", api=api, fallback=fallback, gpu_node_selector="")
     assert not fleet.synced
     assert fleet.budget("10%", exclude="gpu-1") == Budget(quarantined=3, limit=3, gpu_nodes=30)
@@ -30,7 +31,7 @@ def test_until_the_watch_is_established_the_budget_and_the_order_are_listed_by_t
     assert (fallback.budget_lists, fallback.order_lists) == (1, 1)
 
 
-class _ServerEndsEachWatch(kubeapi.Client):
+class _ServerEndsEachWatch(kubeclient.Client):
     """An API server whose watches end at once (as at their timeoutSeconds), with nothing quarantined."""
 
     def __init__(self, watches: int) -> None:

@@ -380,8 +380,8 @@ def kubeconfig_docs(draw: st.DrawFn) -> Any:
 @given(kubeconfig_docs())
 def test_a_kubeconfig_with_any_field_of_any_type_is_credentials_or_a_one_line_config_error(doc: Any) -> None:
     """A kubeconfig gpuguard reads itself; one that needs the kubernetes loader is recorded, not loaded
-    (the loader's own errors are mapped in `_via_kubernetes`, tried in tests/test_kubeapi.py)."""
-    from gpuguard import kubeconfig
+    (the loader's own errors are mapped in `_via_kubernetes`, tried in tests/test_kube_client.py)."""
+    from gpuguard.kube import kubeconfig
 
     TRIED["kubeconfig: wrong-typed fields"] += 1
     with tempfile.TemporaryDirectory() as tmp:
@@ -407,7 +407,7 @@ def test_a_kubeconfig_with_any_field_of_any_type_is_credentials_or_a_one_line_co
 @fuzz(300)
 @given(st.binary(max_size=2000))
 def test_a_kubeconfig_of_any_bytes_is_credentials_or_a_one_line_config_error(data: bytes) -> None:
-    from gpuguard import kubeconfig
+    from gpuguard.kube import kubeconfig
 
     TRIED["kubeconfig: bytes"] += 1
     with tempfile.TemporaryDirectory() as tmp:
@@ -425,15 +425,16 @@ def test_a_kubeconfig_of_any_bytes_is_credentials_or_a_one_line_config_error(dat
 def test_a_token_file_of_any_bytes_is_a_sendable_token_or_a_one_line_transient_error(data: bytes) -> None:
     """The ServiceAccount token is read again at each rotation: a newline or a control character in it
     would be refused by urllib3 as a header at every request, outside the errors the writer handles."""
-    from gpuguard import kubeapi, kubeconfig
     from gpuguard.errors import TransientApiError
+    from gpuguard.kube import client as kubeclient
+    from gpuguard.kube import kubeconfig
 
     TRIED["token file: bytes"] += 1
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "token"
         path.write_bytes(data)
         creds = kubeconfig.Credentials(server="http://127.0.0.1:9", token_file=str(path))
-        client = kubeapi.Client(creds, user_agent="fuzz")
+        client = kubeclient.Client(creds, user_agent="fuzz")
         try:
             header = client._authorization()
         except TransientApiError as exc:

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from structlog.testing import capture_logs
 
-from gpuguard import kubeapi
 from gpuguard.errors import PermanentApiError, TransientApiError
+from gpuguard.kube import client as kubeclient
 from gpuguard.node.gpucount import MAX_GPUS, expected_from_node, parse_count
 from tests.test_cli import run, write
 
@@ -45,7 +45,7 @@ def test_a_label_value_is_a_count_only_when_it_is_an_integer_from_1_to_1024(
     assert parse_count(value) == count
 
 
-class _Api(kubeapi.Client):
+class _Api(kubeclient.Client):
     """A client whose one read answers `node` (or raises `error`), recording the paths read."""
 
     def __init__(self, node: Any = None, error: Exception | None = None) -> None:

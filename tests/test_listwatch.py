@@ -12,12 +12,13 @@ from typing import Any
 
 import pytest
 
-from gpuguard import kubeapi, kubeconfig
 from gpuguard.errors import NodeUpdateError, TransientApiError
-from gpuguard.node.listwatch import ListWatch
+from gpuguard.kube import client as kubeclient
+from gpuguard.kube import kubeconfig
+from gpuguard.kube.listwatch import ListWatch
 
 
-class _Script(kubeapi.Client):
+class _Script(kubeclient.Client):
     """Lists answer at once; each watch does what the script says next: "end" (the server's timeoutSeconds),
     an HTTP status to fail with, or "stop" (the caller's stop())."""
 
@@ -88,7 +89,7 @@ def test_with_a_gate_a_404_lists_again_only_after_the_gate_is_set_again() -> Non
     assert said == ["broken 404", "watching"]
 
 
-class _Pages(kubeapi.Client):
+class _Pages(kubeclient.Client):
     """A collection of 250 items served in pages of the limit asked for."""
 
     def __init__(self) -> None:

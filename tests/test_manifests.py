@@ -534,7 +534,7 @@ def test_the_namespace_admits_the_host_path_and_applies_without_warnings() -> No
 
 
 def test_the_pod_mounts_a_short_lived_projected_token_instead_of_the_automatic_one() -> None:
-    from gpuguard import kubeconfig
+    from gpuguard.kube import kubeconfig
 
     spec = _pod_spec()
     assert spec["automountServiceAccountToken"] is False

@@ -20,8 +20,8 @@ import pytest
 import structlog
 import yaml
 
-from gpuguard import kubeapi
-from gpuguard import kubeconfig as kc
+from gpuguard.kube import client as kubeclient
+from gpuguard.kube import kubeconfig as kc
 from gpuguard.node.budget import SINCE_SKEW, OtherNodes, quarantine_entry, quarantine_rank
 from gpuguard.node.writers import KubeNodeWriter
 from tests.fakes import http_server
@@ -77,7 +77,7 @@ def api_server() -> Iterator[str]:
 
 
 def writer(server: str) -> KubeNodeWriter:
-    client = kubeapi.Client(kc.Credentials(server=server), user_agent="t")
+    client = kubeclient.Client(kc.Credentials(server=server), user_agent="t")
     return KubeNodeWriter("me", api=client, others=OtherNodes(clock=lambda: NOW))
 
 

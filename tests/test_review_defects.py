@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 import yaml
 
-from gpuguard import cli, kubeconfig
+from gpuguard import cli
 from gpuguard.config import Config, NodeSettings, PolicySettings, parse_listen
+from gpuguard.kube import kubeconfig
 from gpuguard.model import AgentStatus, Fault, GpuReading, Snapshot, XidEvent
 from gpuguard.node.budget import budget_limit
 from gpuguard.node.reconciler import NodeReconciler

@@ -17,10 +17,10 @@ from typing import Any
 
 import structlog
 
-from gpuguard import kubeapi
 from gpuguard.errors import NodeUpdateError
+from gpuguard.kube import client as kubeclient
+from gpuguard.kube.listwatch import ListWatch
 from gpuguard.node.devices import LABEL_MANAGED_BY, LABEL_NODE, LIST_PAGE, MANAGED_BY, DeviceRule, trim_rule
-from gpuguard.node.listwatch import ListWatch
 
 log = structlog.get_logger("gpuguard.node.devices")
 
@@ -36,7 +36,7 @@ class WatchedRules:
         self,
         node: str,
         *,
-        api: kubeapi.Client,
+        api: kubeclient.Client,
         fallback: Callable[[], list[DeviceRule]],
         path: Callable[[], str | None],
         timeout: float = 10.0,

@@ -1,5 +1,6 @@
 """The `DeviceSource`s: `KubeDeviceSource` (ResourceSlices and DeviceTaintRules of resource.k8s.io/v1 on
-the API server, through `gpuguard.kubeapi`, which raises gpuguard's errors itself) and `DryRunDeviceSource`
+the API server, through `gpuguard.kube.client`, which raises gpuguard's errors itself) and
+`DryRunDeviceSource`
 (reads the real slices where a cluster is named, writes nothing: logs the exact rule and keeps it in memory).
 `make_device_source` is the one place that knows which one a setting asks for."""
 
@@ -12,9 +13,9 @@ from typing import Any
 
 import structlog
 
-from gpuguard import kubeapi
 from gpuguard.config import NodeSettings
 from gpuguard.errors import GpuguardError, PermanentApiError
+from gpuguard.kube import client as kubeclient
 from gpuguard.metrics import Metrics, counted
 from gpuguard.node.devices import (
     API,
@@ -49,7 +50,7 @@ class KubeDeviceSource:
         self,
         node: str,
         *,
-        api: kubeapi.Client,
+        api: kubeclient.Client,
         driver: str,
         timeout: float = 10.0,
         metrics: Metrics | None = None,
@@ -75,7 +76,7 @@ class KubeDeviceSource:
         return self._api_version
 
     @property
-    def api(self) -> kubeapi.Client:
+    def api(self) -> kubeclient.Client:
         return self._api
 
     @property
@@ -190,7 +191,7 @@ class KubeDeviceSource:
             with self._counted("get"):
                 doc = self._api.request(
                     "GET",
-                    kubeapi.path_of(self._rules_path[1:], name),
+                    kubeclient.path_of(self._rules_path[1:], name),
                     timeout=self._timeout,
                     what=f"read rule {name}",
                 )
@@ -204,7 +205,7 @@ class KubeDeviceSource:
         with self._counted("patch"):
             doc = self._api.request(
                 "PATCH",
-                kubeapi.path_of(self._rules_path[1:], rule.name),
+                kubeclient.path_of(self._rules_path[1:], rule.name),
                 body=body,
                 content_type="application/merge-patch+json",
                 timeout=self._timeout,
@@ -222,7 +223,7 @@ class KubeDeviceSource:
             with self._counted("delete"):
                 self._api.request(
                     "DELETE",
-                    kubeapi.path_of(self._rules_path[1:], rule.name),
+                    kubeclient.path_of(self._rules_path[1:], rule.name),
                     body=body,
                     timeout=self._timeout,
                     what=f"delete device taint rule {rule.name}",
@@ -341,7 +342,7 @@ def make_device_source(
     return DryRunDeviceSource(real)
 
 
-def quarantined_gpus(api: kubeapi.Client, *, timeout: float = 10.0) -> list[dict[str, Any]]:
+def quarantined_gpus(api: kubeclient.Client, *, timeout: float = 10.0) -> list[dict[str, Any]]:
     """For `gpuguard status`: every GPU gpuguard holds out with a DeviceTaintRule (one list request; none
     where the API server serves no DeviceTaintRules). Rows shaped like `writers.quarantined_nodes`'s, plus the
     device and the GPU's UUID."""

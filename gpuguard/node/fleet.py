@@ -26,12 +26,12 @@ from collections.abc import Callable
 
 import structlog
 
-from gpuguard import kubeapi
 from gpuguard.config import NodeSettings
 from gpuguard.errors import NodeUpdateError, TransientApiError
+from gpuguard.kube import client as kubeclient
+from gpuguard.kube.listwatch import ListWatch
 from gpuguard.node.apistate import ApiState
 from gpuguard.node.budget import Budget, BudgetSource, OtherNodes, budget_limit
-from gpuguard.node.listwatch import ListWatch
 from gpuguard.node.view import LABEL_QUARANTINED
 from gpuguard.node.writers import DryRunNodeWriter, KubeNodeWriter
 
@@ -57,7 +57,7 @@ class WatchedBudget:
         node: str,
         spec: str,
         *,
-        api: kubeapi.Client,
+        api: kubeclient.Client,
         fallback: BudgetSource,
         gpu_node_selector: str,
         others: OtherNodes | None = None,

@@ -22,9 +22,10 @@ import re
 
 import structlog
 
-from gpuguard import kubeapi, validation
+from gpuguard import validation
 from gpuguard.config import GPU_COUNT_LABEL
 from gpuguard.errors import GpuguardError
+from gpuguard.kube import client as kubeclient
 from gpuguard.node.writers import load_api_client
 
 log = structlog.get_logger(__name__)
@@ -64,14 +65,14 @@ def expected_from_node(
     *,
     kubeconfig: str | None,
     label: str = GPU_COUNT_LABEL,
-    api: kubeapi.Client | None = None,
+    api: kubeclient.Client | None = None,
 ) -> int | None:
     """The count `label` holds on `node`; None (with a log line saying why) when it cannot be used."""
     try:
         client = api if api is not None else load_api_client(kubeconfig)
         obj = client.request(
             "GET",
-            kubeapi.path_of("api/v1/nodes", node),
+            kubeclient.path_of("api/v1/nodes", node),
             timeout=READ_TIMEOUT_S,
             what=f"read node {node}",
         )

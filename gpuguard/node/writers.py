@@ -1,6 +1,6 @@
-"""The writers: `KubeNodeWriter` (the API server, through `gpuguard.kubeapi`, which raises gpuguard's errors
-itself) and `DryRunNodeWriter` (logs the exact patch, applies it to an in-memory copy, needs no cluster).
-`make_writer` is the one place that knows which one a setting asks for. Both are also the budget's
+"""The writers: `KubeNodeWriter` (the API server, through `gpuguard.kube.client`, which raises gpuguard's
+errors itself) and `DryRunNodeWriter` (logs the exact patch, applies it to an in-memory copy, needs no
+cluster). `make_writer` is the one place that knows which one a setting asks for. Both are also the budget's
 `BudgetSource`: the API server lists the fleet (the fallback of `fleet.WatchedBudget`, which keeps the
 budget in memory); a dry run has no fleet (every quarantine is full)."""
 
@@ -16,9 +16,11 @@ from typing import Any, Protocol
 
 import structlog
 
-from gpuguard import __version__, kubeapi, validation
+from gpuguard import __version__, validation
 from gpuguard.config import GPU_NODE_SELECTOR, NodeSettings
 from gpuguard.errors import ConfigError, GpuguardError, PermanentApiError
+from gpuguard.kube import client as kubeclient
+from gpuguard.kube.ratelimit import RateLimiter
 from gpuguard.metrics import Metrics, counted
 from gpuguard.node.budget import Budget, OtherNodes, count_budget
 from gpuguard.node.view import (
@@ -97,14 +99,14 @@ class DryRunNodeWriter:
 
 
 class KubeNodeWriter:
-    """The API server, through `gpuguard.kubeapi` (whose client raises transient/permanent/conflict errors
+    """The API server, through `gpuguard.kube.client` (whose client raises transient/permanent/conflict errors
     itself). Counts each request in gpuguard_api_requests_total{verb,code}."""
 
     def __init__(
         self,
         name: str,
         *,
-        api: kubeapi.Client,
+        api: kubeclient.Client,
         timeout: float = 10.0,
         event_namespace: str = EVENT_NAMESPACE,
         metrics: Metrics | None = None,
@@ -114,7 +116,7 @@ class KubeNodeWriter:
         self._name = name
         self._gpu_nodes = gpu_node_selector
         self._api = api
-        self._path = kubeapi.path_of("api/v1/nodes", name)
+        self._path = kubeclient.path_of("api/v1/nodes", name)
         self._timeout = timeout
         self._event_namespace = event_namespace
         self._metrics = metrics
@@ -122,7 +124,7 @@ class KubeNodeWriter:
         self._write_reserved = False
 
     @property
-    def api(self) -> kubeapi.Client:
+    def api(self) -> kubeclient.Client:
         return self._api
 
     @property
@@ -182,7 +184,7 @@ class KubeNodeWriter:
             "lastTimestamp": stamp,
             "count": 1,
         }
-        path = kubeapi.path_of("api/v1/namespaces", self._event_namespace, "events")
+        path = kubeclient.path_of("api/v1/namespaces", self._event_namespace, "events")
         with self._counted("create"):
             self._api.request("POST", path, body=body, timeout=self._timeout, what="create event")
 
@@ -256,11 +258,13 @@ def _checked_condition(node: NodeView, condition: Mapping[str, str]) -> None:
         raise PermanentApiError(f"patch node {node.name} status: refused before sending: {exc}") from exc
 
 
-def load_api_client(kubeconfig: str | None, *, rate_limit: tuple[float, int] | None = None) -> kubeapi.Client:
+def load_api_client(
+    kubeconfig: str | None, *, rate_limit: tuple[float, int] | None = None
+) -> kubeclient.Client:
     """In-cluster config, then KUBECONFIG, then ~/.kube/config; or the file given. ConfigError otherwise.
     rate_limit: (qps, burst) of the client-side limit (--api-qps, --api-burst); None: no limit."""
-    limiter = kubeapi.RateLimiter(*rate_limit) if rate_limit is not None else None
-    return kubeapi.load(kubeconfig, user_agent=USER_AGENT, rate_limiter=limiter)
+    limiter = RateLimiter(*rate_limit) if rate_limit is not None else None
+    return kubeclient.load(kubeconfig, user_agent=USER_AGENT, rate_limiter=limiter)
 
 
 def make_writer(settings: NodeSettings, metrics: Metrics | None = None) -> KubeNodeWriter | DryRunNodeWriter:
@@ -287,7 +291,7 @@ def make_writer(settings: NodeSettings, metrics: Metrics | None = None) -> KubeN
     return DryRunNodeWriter(initial)
 
 
-def quarantined_nodes(api: kubeapi.Client, *, timeout: float = 10.0) -> list[dict[str, Any]]:
+def quarantined_nodes(api: kubeclient.Client, *, timeout: float = 10.0) -> list[dict[str, Any]]:
     """For `gpuguard status`: every node gpuguard has quarantined (fully or deferred), one list request."""
     doc = api.request(
         "GET",

@@ -15,8 +15,8 @@ import controlplane
 import kubernetes
 import pytest
 
-from gpuguard import kubeapi
 from gpuguard.cleanup import clean_rules
+from gpuguard.kube import client as kubeclient
 from tests.integration.kube import (
     TAINT_KEY,
     Admin,
@@ -179,7 +179,7 @@ def test_uninstall_deletes_gpuguards_rules_of_the_named_nodes_and_no_one_elses(
     agent_api(admin, control_plane, there).create_cluster_custom_object(GROUP, VERSION, PLURAL, other)
     theirs = rule(here, "gpu-2", labels={"team": "infra"})
     custom(admin).create_cluster_custom_object(GROUP, VERSION, PLURAL, theirs)
-    api = kubeapi.load(str(control_plane.kubeconfig_path), user_agent="test")
+    api = kubeclient.load(str(control_plane.kubeconfig_path), user_agent="test")
     name = mine["metadata"]["name"]
     assert clean_rules(api, (here,), dry_run=True) == [f"{here}/gpu-1 ({name})"]
     assert custom(admin).get_cluster_custom_object(GROUP, VERSION, PLURAL, name)  # a dry run deletes nothing

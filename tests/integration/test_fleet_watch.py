@@ -12,7 +12,7 @@ from typing import Any
 import kubernetes
 import pytest
 
-from gpuguard import kubeapi
+from gpuguard.kube import client as kubeclient
 from gpuguard.node import budget as budget_module
 from gpuguard.node.budget import Budget
 from gpuguard.node.devices import DeviceRule
@@ -65,7 +65,7 @@ def test_another_agents_quarantine_reaches_the_budget_by_watch_and_leaves_it_on_
         admin.make_node(n, labels=labels)
     now = rfc3339(time.time() + 1)  # not before the nodes were created: that claim would be ignored
     selector = f"gpuguard-test/pool={pool}"
-    api = kubeapi.load(str(control_plane.kubeconfig_path), user_agent="gpuguard-test/fleet")
+    api = kubeclient.load(str(control_plane.kubeconfig_path), user_agent="gpuguard-test/fleet")
     writer = KubeNodeWriter(me, api=api, gpu_node_selector=selector)
     uncounted = WatchedBudget(
         me, "50%", api=api, fallback=writer, gpu_node_selector=selector, first_count=3600
@@ -116,7 +116,7 @@ def test_every_gpuguard_rule_reaches_the_budget_by_watch_and_leaves_it_when_dele
 ) -> None:
     """node/devicewatch.py: the per-GPU quarantine's budget reads gpuguard's DeviceTaintRules of every node
     from memory once the source has found where they are served; before that, and never else, it lists."""
-    api = kubeapi.load(str(control_plane.kubeconfig_path), user_agent="gpuguard-test/rules")
+    api = kubeclient.load(str(control_plane.kubeconfig_path), user_agent="gpuguard-test/rules")
     source = KubeDeviceSource(f"rw-{uuid.uuid4().hex[:8]}", api=api, driver=DRIVER)
     listed: list[int] = []
 

@@ -21,7 +21,7 @@ import kubernetes
 import pytest
 import yaml
 
-from gpuguard import kubeapi
+from gpuguard.kube import client as kubeclient
 from gpuguard.node.budget import VERIFY_SETTLE
 from gpuguard.node.devicewriters import quarantined_gpus
 from tests.dra import DRIVER, gpu_uuid, nvidia_slice
@@ -362,7 +362,7 @@ def test_one_bad_gpu_of_eight_costs_one_gpu_through_a_dra_device_taint(
         # The agent's /healthz names the GPU it holds out; `gpuguard status` lists it.
         _, health = agent.healthz()
         assert [g["device"] for g in health["gpu_quarantines"]] == ["gpu-3"]
-        admin_api = kubeapi.load(str(full_control_plane.kubeconfig_path), user_agent="test")
+        admin_api = kubeclient.load(str(full_control_plane.kubeconfig_path), user_agent="test")
         rows = [r for r in quarantined_gpus(admin_api) if r["node"] == node]
         assert [(r["device"], r["state"], r["reason"]) for r in rows] == [
             ("gpu-3", "gpu-quarantined", "xid-79")

@@ -1,5 +1,5 @@
 """One collection of the API server kept in memory, the way gpuguard's budget reads the fleet: a list, then a
-watch from its resourceVersion (with bookmarks, for `kubeapi.WATCH_SECONDS`), resumed from the last
+watch from its resourceVersion (with bookmarks, for `kubeclient.WATCH_SECONDS`), resumed from the last
 resourceVersion when the server ends it, listed again after 410 Gone, with a backoff after a failure
 (`run`, a thread's body). `fleet.WatchedBudget` keeps the quarantined nodes in one, `devicewatch.WatchedRules`
 gpuguard's DeviceTaintRules; each says what to log and, for the rules, when there is something to watch.
@@ -15,8 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from gpuguard import kubeapi
 from gpuguard.errors import NodeUpdateError
+from gpuguard.kube import client as kubeclient
 
 # After a failed list or watch: waits from 1 s doubling to 60 s (jittered), so that a restarted API server is
 # not met by every agent at once.
@@ -30,7 +30,7 @@ class ListWatch:
 
     def __init__(
         self,
-        api: kubeapi.Client,
+        api: kubeclient.Client,
         *,
         selector: str,
         what: str,
@@ -116,7 +116,7 @@ class ListWatch:
         """One watch from `rv` until the server ends it (or `stop` is set at an event); the last
         resourceVersion seen, or None when it is too old (410: list again). `established`: called once the
         server has accepted the watch. NodeUpdateError when it fails."""
-        seconds = random.randint(*kubeapi.WATCH_SECONDS)  # noqa: S311 - spreads the fleet's re-watches
+        seconds = random.randint(*kubeclient.WATCH_SECONDS)  # noqa: S311 - spreads the fleet's re-watches
         query = {
             "watch": "1",
             "labelSelector": self._selector,

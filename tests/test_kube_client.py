@@ -20,9 +20,9 @@ import pytest
 import urllib3.util.connection
 import yaml
 
-from gpuguard import kubeapi
-from gpuguard import kubeconfig as kc
 from gpuguard.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
+from gpuguard.kube import client as kubeclient
+from gpuguard.kube import kubeconfig as kc
 from gpuguard.node.budget import Budget
 from gpuguard.node.view import EventSpec, NodeView
 from gpuguard.node.writers import EVENT_NAMESPACE, KubeNodeWriter
@@ -155,7 +155,7 @@ def test_the_well_formed_kubeconfig_of_these_tests_loads(tmp_path: Path) -> None
 def test_a_token_file_that_cannot_be_read_is_a_transient_error_naming_it_not_an_oserror(
     tmp_path: Path,
 ) -> None:
-    client = kubeapi.Client(
+    client = kubeclient.Client(
         kc.Credentials(server="http://127.0.0.1:9", token_file="/dev/zero"), user_agent="t"
     )
     with pytest.raises(TransientApiError, match=r"^token file /dev/zero: not a regular file$"):
@@ -164,7 +164,7 @@ def test_a_token_file_that_cannot_be_read_is_a_transient_error_naming_it_not_an_
 
 def test_a_missing_kubeconfig_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="nope"):
-        kubeapi.load(str(tmp_path / "nope"), user_agent="t")
+        kubeclient.load(str(tmp_path / "nope"), user_agent="t")
 
 
 def test_an_exec_plugin_user_goes_through_the_kubernetes_loader_and_its_token_is_sent(tmp_path: Path) -> None:
@@ -267,7 +267,7 @@ NODE = {"metadata": {"name": "gpu/1", "resourceVersion": "7", "uid": "u"}, "spec
 
 
 def test_a_request_carries_the_token_user_agent_and_json_body(server: str) -> None:
-    client = kubeapi.Client(kc.Credentials(server=server, token="t0k"), user_agent="gpuguard/x")
+    client = kubeclient.Client(kc.Credentials(server=server, token="t0k"), user_agent="gpuguard/x")
     Recorder.replies = [(200, {}, json.dumps(NODE).encode())]
     doc = client.request(
         "PATCH", "/api/v1/nodes/n", body={"a": 1}, content_type="application/merge-patch+json"
@@ -281,8 +281,8 @@ def test_a_request_carries_the_token_user_agent_and_json_body(server: str) -> No
 
 
 def test_a_node_name_and_a_query_are_escaped(server: str) -> None:
-    client = kubeapi.Client(kc.Credentials(server=server), user_agent="t")
-    client.request("GET", kubeapi.path_of("api/v1/nodes", "a/b?c"), query={"labelSelector": "x=y,z"})
+    client = kubeclient.Client(kc.Credentials(server=server), user_agent="t")
+    client.request("GET", kubeclient.path_of("api/v1/nodes", "a/b?c"), query={"labelSelector": "x=y,z"})
     assert Recorder.seen[0]["path"] == "/api/v1/nodes/a%2Fb%3Fc?labelSelector=x%3Dy%2Cz"
     assert "Authorization" not in Recorder.seen[0]["headers"]
 
@@ -290,7 +290,7 @@ def test_a_node_name_and_a_query_are_escaped(server: str) -> None:
 def test_a_rotated_token_file_is_read_again(server: str, tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("first\n")
-    client = kubeapi.Client(kc.Credentials(server=server, token_file=str(token)), user_agent="t")
+    client = kubeclient.Client(kc.Credentials(server=server, token_file=str(token)), user_agent="t")
     client.request("GET", "/x")
     client.request("GET", "/x")
     token.write_text("second\n")
@@ -302,7 +302,7 @@ def test_a_rotated_token_file_is_read_again(server: str, tmp_path: Path) -> None
 def test_a_token_file_gone_mid_rotation_keeps_the_last_token(server: str, tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("first")
-    client = kubeapi.Client(kc.Credentials(server=server, token_file=str(token)), user_agent="t")
+    client = kubeclient.Client(kc.Credentials(server=server, token_file=str(token)), user_agent="t")
     client.request("GET", "/x")
     token.unlink()
     client.request("GET", "/x")
@@ -323,7 +323,7 @@ def test_a_token_file_gone_mid_rotation_keeps_the_last_token(server: str, tmp_pa
 def test_the_writer_translates_each_answer_into_gpuguards_errors(  # noqa: PLR0917 - the parameter table
     server: str, status: int, headers: dict[str, str], body: bytes, error: type[Exception], text: str
 ) -> None:
-    client = kubeapi.Client(kc.Credentials(server=server), user_agent="t")
+    client = kubeclient.Client(kc.Credentials(server=server), user_agent="t")
     writer = KubeNodeWriter("n", api=client)
     Recorder.replies = [(status, headers, body)]
     with pytest.raises(error, match=text) as err:
@@ -333,13 +333,13 @@ def test_the_writer_translates_each_answer_into_gpuguards_errors(  # noqa: PLR09
 
 
 def test_no_answer_at_all_is_transient() -> None:
-    client = kubeapi.Client(kc.Credentials(server="http://127.0.0.1:9"), user_agent="t")
+    client = kubeclient.Client(kc.Credentials(server="http://127.0.0.1:9"), user_agent="t")
     with pytest.raises(TransientApiError, match="read node n"):
         KubeNodeWriter("n", api=client, timeout=2).read()
 
 
 def test_the_writer_speaks_the_node_endpoints(server: str) -> None:
-    client = kubeapi.Client(kc.Credentials(server=server), user_agent="t")
+    client = kubeclient.Client(kc.Credentials(server=server), user_agent="t")
     writer = KubeNodeWriter("gpu/1", api=client)
     no_headers: dict[str, str] = {}
     quarantined_label = {"gpuguard.io/quarantined": "true"}
@@ -393,7 +393,7 @@ def test_the_writer_speaks_the_node_endpoints(server: str) -> None:
 def test_an_event_goes_to_the_event_namespace_with_its_message_bounded(server: str) -> None:
     """A fault's text can be long (every GPU of a node, NVML's own strings): the Event carries at most
     MAX_EVENT_MESSAGE_BYTES of it, and goes only where the Role lets the agent write Events."""
-    client = kubeapi.Client(kc.Credentials(server=server), user_agent="t")
+    client = kubeclient.Client(kc.Credentials(server=server), user_agent="t")
     node = NodeView(name="gpu-1", uid="u-1")
     KubeNodeWriter("gpu-1", api=client).record_event(
         node, EventSpec("Warning", "GPUUnhealthy", "Xid 79 on GPU-\u00e9" + "x" * (1 << 20) + "\x1b[2J")
@@ -410,7 +410,7 @@ def test_an_event_goes_to_the_event_namespace_with_its_message_bounded(server: s
 
 def test_a_server_that_is_not_a_url_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="not an http"):
-        kubeapi.Client(kc.Credentials(server="10.0.0.1:6443"), user_agent="t")
+        kubeclient.Client(kc.Credentials(server="10.0.0.1:6443"), user_agent="t")
 
 
 def test_connections_to_the_api_server_probe_a_silent_peer_with_tcp_keepalive(
@@ -427,7 +427,7 @@ def test_connections_to_the_api_server_probe_a_silent_peer_with_tcp_keepalive(
         return sock
 
     monkeypatch.setattr(urllib3.util.connection, "create_connection", recording)
-    client = kubeapi.Client(kc.Credentials(server=server), user_agent="t")
+    client = kubeclient.Client(kc.Credentials(server=server), user_agent="t")
     Recorder.replies = [(200, {}, json.dumps(NODE).encode())]
     client.request("GET", "/api/v1/nodes/n")
     assert opened == [(1, 60)]  # probes after a minute of silence

@@ -2,7 +2,7 @@
 reads itself (a token, a token file or a client certificate), and the kubernetes package's loader for the
 kubeconfigs only it understands (exec plugins, auth providers, merged KUBECONFIG lists), imported only then:
 importing it loads all of its generated models, +42 MB of RSS and ~280 ms of start-up on every GPU node (make
-bench). The result is `Credentials`, which `gpuguard.kubeapi.Client` connects with.
+bench). The result is `Credentials`, which `gpuguard.kube.client.Client` connects with.
 """
 
 from __future__ import annotations

@@ -12,11 +12,7 @@ Errors are mapped here, where the codes are known, into gpuguard's own (`gpuguar
 error page) are a `TransientApiError` (with Retry-After); any other status >= 400 a `PermanentApiError`.
 Callers never translate library exceptions again.
 
-Each client also holds a client-side rate limit (`RateLimiter`, client-go's token bucket; a request takes one
-token, and a caller that reserves a later request's token says so: `request(tokens=...)`, the node writer's
-read-modify-write): a fault's few requests fit in its burst and wait for nothing, while an
-agent whose loop goes wrong (a conflict storm, a retry bug) is held to a few requests a second instead of
-hammering the API server once per agent of a 5,000-node fleet.
+Each client also holds a client-side rate limit (`gpuguard.kube.ratelimit.RateLimiter`).
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ import json
 import os
 import socket
 import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -36,7 +31,8 @@ from urllib3.exceptions import HTTPError
 
 from gpuguard import files
 from gpuguard.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
-from gpuguard.kubeconfig import MAX_TOKEN, Credentials, bearer_token, credentials
+from gpuguard.kube.kubeconfig import MAX_TOKEN, Credentials, bearer_token, credentials
+from gpuguard.kube.ratelimit import RateLimiter
 
 _MAX_MESSAGE = 300
 
@@ -61,45 +57,6 @@ SOCKET_OPTIONS = [*HTTPConnection.default_socket_options, *_keepalive()]
 # the watch cache, spread over the hour by the draw. A connection that died silently meanwhile (a NAT or load
 # balancer dropped it) is found by TCP keepalive (above) within about two minutes, not at the end of the hour.
 WATCH_SECONDS = (2880, 3600)
-
-
-class RateLimiter:
-    """A token bucket (client-go's client-side limit): on average `qps` requests a second, up to `burst` at
-    once. Thread-safe; each caller reserves its token and sleeps for its own share, so requests leave in the
-    order they asked. qps 0: no limit."""
-
-    def __init__(
-        self,
-        qps: float,
-        burst: int,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        if qps < 0 or burst < 1:
-            raise ConfigError("a rate limit needs qps >= 0 and burst >= 1")
-        self.qps, self.burst = qps, burst
-        self._clock, self._sleep = clock, sleep
-        self._tokens = float(burst)
-        self._last = clock()
-        self._lock = threading.Lock()
-        self.waited = 0.0
-        """Seconds callers have slept here in all (the bench reports it)."""
-
-    def acquire(self, tokens: float = 1.0) -> float:
-        """Take `tokens`, sleeping until they are there; the seconds slept."""
-        if self.qps == 0 or tokens <= 0:
-            return 0.0
-        with self._lock:
-            now = self._clock()
-            self._tokens = min(float(self.burst), self._tokens + (now - self._last) * self.qps)
-            self._last = now
-            self._tokens -= tokens
-            wait = -self._tokens / self.qps if self._tokens < 0 else 0.0
-            self.waited += wait
-        if wait > 0:
-            self._sleep(wait)
-        return wait
 
 
 class Client:
