@@ -2,11 +2,12 @@
 server, cheap enough that 5,000 of them run on two cores beside the API server.
 
 What is real, per simulated node: its own `NodeReconciler` (the product's code: plan, budget gate, writes,
-409 re-plans, tenacity retries, the order check) over its own `KubeNodeWriter`, whose client comes from its
-own `load_api_client` call on a kubeconfig with the node's own Pod-bound ServiceAccount token (its own
-keep-alive connection, its own client-side rate limiter; deploy/admission-policy.yaml lets a token write only
-its node); its own start-up delay drawn from --startup-jitter; and its first GPU-node count (the metadata
-list of node/fleet.py's `WatchedBudget._count`, with its token, at a moment drawn from --budget-count-spread).
+409 re-plans, tenacity retries, the order check) over its own `KubeNodeWriter`, built as the agent builds it
+(`running.Connection`, `writers.make_writer`) from a kubeconfig with the node's own Pod-bound ServiceAccount
+token (its own keep-alive connection, its own client-side rate limiter; deploy/admission-policy.yaml lets a
+token write only its node); its own start-up delay drawn from --startup-jitter; and its first GPU-node count
+(the metadata list of node/fleet.py's `WatchedBudget._count`, with its token, at a moment drawn from
+--budget-count-spread).
 
 What is simulated:
 - no thread per node: the reconciles run on a bounded pool of threads per process ("pool", 32), each node's
@@ -124,7 +125,8 @@ class Worker:
         from gpuguard.config import NodeSettings
         from gpuguard.node.budget import QuarantineBudget
         from gpuguard.node.reconciler import NodeReconciler
-        from gpuguard.node.writers import KubeNodeWriter, load_api_client
+        from gpuguard.node.writers import KubeNodeWriter, make_writer
+        from gpuguard.running import Connection
 
         opts = options or {}
         self.counter = _Counting()
@@ -144,12 +146,15 @@ class Worker:
         self.selector = base.gpu_node_selector
         self.source: Any = None
         for name, kubeconfig in names:
-            api = load_api_client(kubeconfig, rate_limit=(qps, burst)) if qps else load_api_client(kubeconfig)
-            if getattr(api, "rate_limiter", None) is not None:
-                self.limiters.append(api.rate_limiter)
+            # qps 0: a limiter that never waits, as --api-qps 0.
+            settings = NodeSettings(
+                name=name, kubeconfig=kubeconfig, max_quarantined=spec, api_qps=qps, api_burst=burst
+            )
+            writer = make_writer(settings, Connection(settings))
+            assert isinstance(writer, KubeNodeWriter)  # not a dry run: the API server's writer
+            api = writer.api
+            self.limiters.append(api.rate_limiter)
             self.apis[name] = api
-            writer = KubeNodeWriter(name, api=api, timeout=10.0)
-            settings = NodeSettings(name=name, max_quarantined=spec)
             if self.source is None:
                 first = (
                     NodeSettings(name=name, max_quarantined=spec, budget_count_spread=0)
@@ -250,7 +255,7 @@ class Worker:
         """The agent's first GPU-node count (node/fleet.py's `_count`): the same metadata list with the
         node's token and the agent's user agent, through its rate limiter; the answer is read and dropped
         (decoding thousands of them would starve this process; the API server's work is the same)."""
-        from gpuguard.node.writers import USER_AGENT
+        from gpuguard.kube.client import USER_AGENT
 
         api = self.apis[name]
         if api.rate_limiter is not None:

@@ -960,8 +960,8 @@ def document(  # noqa: PLR0917 - one call site, every part named there
         _para(
             f"Fleet: {f['nodes']} Node objects labelled `nvidia.com/gpu.present=true`, each with its own "
             "Pod and",
-            "Pod-bound token, its own `load_api_client` client, `KubeNodeWriter` and `NodeReconciler` (a "
-            "thread",
+            "Pod-bound token, its own client (`running.Connection`), `KubeNodeWriter` and `NodeReconciler` "
+            "(a thread",
             f"each), in {f['processes']} processes (`bench/fleet.py`). GPUs are not simulated per node: "
             "verdicts",
             "come from `policy.evaluate` on 8 readings and are submitted at one CLOCK_MONOTONIC instant by",

@@ -466,10 +466,10 @@ def uninstall(kubeconfig: str | None, nodes: tuple[str, ...], all_nodes: bool, d
 
 def _client(command: str, kubeconfig: str | None) -> Any:
     """The API client of `status` and `uninstall`; a kubeconfig that cannot work is a usage error (exit 2)."""
-    from gpuguard.node.writers import load_api_client  # noqa: PLC0415
+    from gpuguard.kube import client as kubeclient  # noqa: PLC0415
 
     try:
-        return load_api_client(kubeconfig)
+        return kubeclient.load(kubeconfig)
     except GpuguardError as exc:
         raise ConfigError(f"{command}: {exc}") from None
 

@@ -10,15 +10,30 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import structlog
 
 from gpuguard import files, logs
-from gpuguard.config import Config
+from gpuguard.config import Config, NodeSettings
 from gpuguard.errors import ConfigError
 from gpuguard.model import AgentStatus, Verdict
 from gpuguard.nvml.base import Backend
 from gpuguard.policy import evaluate
+
+if TYPE_CHECKING:  # the watch's parts: imported where they are built, not by `check`
+    from prometheus_client import CollectorRegistry
+
+    from gpuguard.agent import Agent
+    from gpuguard.kube import client as kubeclient
+    from gpuguard.metrics import Metrics
+    from gpuguard.node.budget import QuarantineBudget
+    from gpuguard.node.devicequarantine import DeviceQuarantine
+    from gpuguard.node.devicewatch import WatchedRules
+    from gpuguard.node.devicewriters import DryRunDeviceSource, KubeDeviceSource
+    from gpuguard.node.fleet import WatchedBudget
+    from gpuguard.node.reconciler import NodeReconciler
+    from gpuguard.node.writers import DryRunNodeWriter, KubeNodeWriter
 
 log = structlog.get_logger("gpuguard.running")
 
@@ -106,10 +121,53 @@ def expected_gpus(cfg: Config) -> int | None:
     )
 
 
-def watch(cfg: Config) -> bool:
-    """`gpuguard watch`: until SIGTERM/SIGINT or --run-for. True when it stopped because libnvidia-ml.so.1
-    never became loadable within --nvml-load-timeout (the CLI exits 3 so kubelet restarts the container)."""
-    # Imported here, not above: `gpuguard check` (an initContainer preflight) needs none of them.
+class Connection:
+    """The agent's one client to the API server, made at its first use and then shared by everything that
+    sends a request (the node writer, the device source, the budget's and the rules' watches), so that one
+    client-side rate limit (--api-qps, --api-burst) holds all of the agent's requests. A kubeconfig that
+    cannot be used raises at each use (gpuguard.errors), as its reader does."""
+
+    def __init__(self, settings: NodeSettings) -> None:
+        self._settings = settings
+        self._client: kubeclient.Client | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> kubeclient.Client:
+        from gpuguard.kube import client as kubeclient  # noqa: PLC0415 - not for `check`
+        from gpuguard.kube.ratelimit import RateLimiter  # noqa: PLC0415
+
+        with self._lock:
+            if self._client is None:
+                s = self._settings
+                self._client = kubeclient.load(s.kubeconfig, rate_limiter=RateLimiter(s.api_qps, s.api_burst))
+            return self._client
+
+
+@dataclass
+class Parts:
+    """What `watch` runs, built from one Config by `build` (tests and the bench build it the same way)."""
+
+    agent: Agent
+    reconciler: NodeReconciler
+    metrics: Metrics
+    writer: KubeNodeWriter | DryRunNodeWriter
+    budget: QuarantineBudget
+    fleet: WatchedBudget | None
+    device_source: KubeDeviceSource | DryRunDeviceSource | None
+    devices: DeviceQuarantine | None
+    rules_watch: WatchedRules | None
+    delay: float
+
+    def status(self) -> AgentStatus:
+        """The agent's status plus what the device source found (which DeviceTaintRule API is served)."""
+        s = self.agent.status()
+        if self.device_source is None:
+            return s
+        return replace(s, device_taint_api=self.device_source.api_version)
+
+
+def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
+    """Every part of `watch` from one Config, wired: nothing started, no request sent."""
     from prometheus_client import REGISTRY  # noqa: PLC0415
 
     from gpuguard.agent import Agent  # noqa: PLC0415
@@ -122,13 +180,12 @@ def watch(cfg: Config) -> bool:
     from gpuguard.node.fleet import watched  # noqa: PLC0415
     from gpuguard.node.reconciler import NodeReconciler  # noqa: PLC0415
     from gpuguard.node.writers import DRY_RUN_NODE, make_writer  # noqa: PLC0415
-    from gpuguard.server import HealthServer  # noqa: PLC0415
     from gpuguard.state import StateStore, read_boot_id  # noqa: PLC0415
 
-    logs.configure(cfg.log_format)
     backend = make_backend(cfg)
-    metrics = Metrics(REGISTRY, dry_run=cfg.node.dry_run)
-    writer = make_writer(cfg.node, metrics)
+    metrics = Metrics(REGISTRY if registry is None else registry, dry_run=cfg.node.dry_run)
+    connect = Connection(cfg.node)
+    writer = make_writer(cfg.node, connect, metrics)
     # What the API server answered, one view for the reconciler and the budget's watch (/healthz "api").
     api_state = ApiState(cfg.node.name or DRY_RUN_NODE, backoff=cfg.node.refusal_backoff)
     fleet = watched(
@@ -148,14 +205,15 @@ def watch(cfg: Config) -> bool:
     devices = device_source = rules_watch = None
     if cfg.node.quarantine != "node":
         node_name = cfg.node.name or ""
-        device_source = make_device_source(cfg.node, metrics)
+        device_source = make_device_source(cfg.node, connect, metrics)
         if isinstance(device_source, KubeDeviceSource) and cfg.node.max_quarantined != "100%":
             # Every gpuguard rule for the budget, from memory: no list in the fault's path.
+            source = device_source
             rules_watch = WatchedRules(
                 node_name,
-                api=device_source.api,
-                fallback=device_source.all_rules,
-                path=lambda: device_source.rules_path,
+                api=source.api,
+                fallback=source.all_rules,
+                path=lambda: source.rules_path,
                 timeout=cfg.node.api_timeout,
             )
         devices = DeviceQuarantine(
@@ -184,20 +242,39 @@ def watch(cfg: Config) -> bool:
         library_wait=None if cfg.backend != "nvml" or cfg.policy.allow_no_gpu else cfg.nvml_load_timeout,
         call_wait=float(getattr(backend, "longest_wait", 0.0)),
     )
+    return Parts(
+        agent=agent,
+        reconciler=reconciler,
+        metrics=metrics,
+        writer=writer,
+        budget=budget,
+        fleet=fleet,
+        device_source=device_source,
+        devices=devices,
+        rules_watch=rules_watch,
+        delay=delay,
+    )
 
-    def status() -> AgentStatus:
-        # The agent's status plus what the device source found (which DeviceTaintRule API is served).
-        s = agent.status()
-        return s if device_source is None else replace(s, device_taint_api=device_source.api_version)
 
+def watch(cfg: Config) -> bool:
+    """`gpuguard watch`: until SIGTERM/SIGINT or --run-for. True when it stopped because libnvidia-ml.so.1
+    never became loadable within --nvml-load-timeout (the CLI exits 3 so kubelet restarts the container)."""
+    # Imported here, not above: `gpuguard check` (an initContainer preflight) needs none of them.
+    from prometheus_client import REGISTRY  # noqa: PLC0415
+
+    from gpuguard.server import HealthServer  # noqa: PLC0415
+
+    logs.configure(cfg.log_format)
+    parts = build(cfg, registry=REGISTRY)
+    agent, fleet, rules_watch = parts.agent, parts.fleet, parts.rules_watch
     try:
-        server = HealthServer(status, host=cfg.server.host, port=cfg.server.port, registry=REGISTRY)
+        server = HealthServer(parts.status, host=cfg.server.host, port=cfg.server.port, registry=REGISTRY)
     except OSError as exc:
         raise ConfigError(f"--listen {cfg.server.host}:{cfg.server.port}: {exc.strerror}") from None
     server.start()
     log.info("server.listening", host=server.host, port=server.port)
-    if delay > 0:
-        log.info("node.startup_jitter", node=cfg.node.name, delay_s=round(delay, 3))
+    if parts.delay > 0:
+        log.info("node.startup_jitter", node=cfg.node.name, delay_s=round(parts.delay, 3))
 
     def _stop(signum: int, frame: FrameType | None) -> None:
         agent.stop()

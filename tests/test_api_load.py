@@ -281,3 +281,37 @@ def test_the_flags_and_their_variables_reach_the_settings(monkeypatch: pytest.Mo
     assert result.exit_code == 0, result.output
     (cfg,) = seen
     assert (cfg.node.api_qps, cfg.node.api_burst, cfg.node.startup_jitter) == (2.5, 7, 0.0)
+
+
+def test_every_request_of_the_agent_goes_through_its_one_client_and_its_rate_limit(
+    tmp_path: Path,
+    server: str,  # noqa: F811
+) -> None:
+    """The composition root builds one API client, with --api-qps/--api-burst, and injects it: the node
+    writer, the device source (DeviceTaintRules, ResourceSlices) and the rules' watch share it. Before, the
+    device source loaded a second client of its own without a rate limit (and a second connection pool)."""
+    from prometheus_client import CollectorRegistry
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "clusters": [{"name": "c", "cluster": {"server": server}}],
+                "users": [{"name": "u", "user": {"token": "t0k"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    cfg = Config(
+        backend="mock",
+        node=NodeSettings(name="n", kubeconfig=str(kubeconfig), quarantine="auto", api_qps=3.0, api_burst=7),
+    )
+    parts = running.build(cfg, registry=CollectorRegistry())
+    writer, source, watch = parts.writer, parts.device_source, parts.rules_watch
+    assert isinstance(writer, KubeNodeWriter) and source is not None and watch is not None
+    assert source.api is writer.api  # type: ignore[union-attr]
+    assert watch._watched._api is writer.api  # its ListWatch
+    limiter = writer.api.rate_limiter
+    assert limiter is not None and (limiter.qps, limiter.burst) == (3.0, 7)
+    assert Recorder.seen == []  # built, nothing sent

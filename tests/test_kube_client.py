@@ -214,7 +214,7 @@ def test_in_cluster_without_a_token_is_a_config_error(
 def test_the_cli_never_imports_the_kubernetes_package_for_a_token_kubeconfig(tmp_path: Path) -> None:
     path = kubeconfig(tmp_path, {"token": "abc"}, {"server": "http://127.0.0.1:9"})
     code = (
-        "import sys; from gpuguard.node.writers import load_api_client; load_api_client(sys.argv[1]); "
+        "import sys; import gpuguard.node.writers; from gpuguard.kube.client import load; load(sys.argv[1]); "
         "print('kubernetes' in sys.modules)"
     )
     r = subprocess.run(

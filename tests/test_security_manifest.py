@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
+from gpuguard.kube import client as kubeclient
 from gpuguard.node import view as node
-from gpuguard.node import writers
 
 ROOT = Path(__file__).resolve().parents[1]
 DAEMONSET = ROOT / "deploy" / "daemonset.yaml"
@@ -253,7 +253,7 @@ def test_what_the_policy_lets_through_is_exactly_what_the_agent_writes() -> None
 def test_the_policy_knows_gpuguards_field_manager_and_its_cordon_annotation() -> None:
     """The API server names a client's managedFields entries after its User-Agent up to the first "/"."""
     cel = _expressions()
-    manager = writers.USER_AGENT.split("/", 1)[0]
+    manager = kubeclient.USER_AGENT.split("/", 1)[0]
     assert manager == "gpuguard"
     assert f"e.?manager.orValue('') == '{manager}'" in cel
     assert f"variables.oldAnnotations[?'{node.ANN_CORDONED}'].orValue('') == 'true'" in cel

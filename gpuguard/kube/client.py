@@ -29,12 +29,14 @@ import urllib3
 from urllib3.connection import HTTPConnection
 from urllib3.exceptions import HTTPError
 
-from gpuguard import files
+from gpuguard import __version__, files
 from gpuguard.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
 from gpuguard.kube.kubeconfig import MAX_TOKEN, Credentials, bearer_token, credentials
 from gpuguard.kube.ratelimit import RateLimiter
 
 _MAX_MESSAGE = 300
+# Every request's User-Agent; the managedFields' manager of every write (gpuguard).
+USER_AGENT = f"gpuguard/{__version__}"
 
 
 def _keepalive() -> list[tuple[int, int, int]]:
@@ -219,9 +221,12 @@ def path_of(*parts: str) -> str:
     return "/" + head + "".join("/" + quote(n, safe="") for n in names)
 
 
-def load(kubeconfig: str | None, *, user_agent: str, rate_limiter: RateLimiter | None = None) -> Client:
+def load(
+    kubeconfig: str | None, *, user_agent: str = USER_AGENT, rate_limiter: RateLimiter | None = None
+) -> Client:
     """A client for the given kubeconfig; else in-cluster, then $KUBECONFIG, then ~/.kube/config
-    (the kubernetes client's order). ConfigError, naming the file and the reason, when none is usable."""
+    (the kubernetes client's order). ConfigError, naming the file and the reason, when none is usable.
+    rate_limiter: the client-side limit (--api-qps, --api-burst); None: no limit (`status`, `uninstall`)."""
     return Client(credentials(kubeconfig), user_agent=user_agent, rate_limiter=rate_limiter)
 
 

@@ -7,7 +7,7 @@ the API server, through `gpuguard.kube.client`, which raises gpuguard's errors i
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -27,7 +27,6 @@ from gpuguard.node.devices import (
     trim_rule,
 )
 from gpuguard.node.view import ANN_REASON, ANN_SINCE
-from gpuguard.node.writers import load_api_client
 
 log = structlog.get_logger("gpuguard.node.devicewriters")
 
@@ -313,15 +312,16 @@ class DryRunDeviceSource:
 
 
 def make_device_source(
-    settings: NodeSettings, metrics: Metrics | None = None
+    settings: NodeSettings, connect: Callable[[], kubeclient.Client], metrics: Metrics | None = None
 ) -> KubeDeviceSource | DryRunDeviceSource:
-    """The source the settings ask for: the API server, or a dry run (the real slices where a cluster is
-    named, as `writers.make_writer` reads the real node)."""
+    """The source the settings ask for: the API server (through the agent's one client, `connect()`, the
+    node writer's), or a dry run (the real slices where a cluster is named, as `writers.make_writer` reads the
+    real node)."""
     if not settings.dry_run:
         assert settings.name is not None  # validated
         return KubeDeviceSource(
             settings.name,
-            api=load_api_client(settings.kubeconfig),
+            api=connect(),
             driver=settings.dra_driver,
             timeout=settings.api_timeout,
             metrics=metrics,
@@ -332,7 +332,7 @@ def make_device_source(
         try:
             real = KubeDeviceSource(
                 settings.name,
-                api=load_api_client(settings.kubeconfig),
+                api=connect(),
                 driver=settings.dra_driver,
                 timeout=3.0,
                 announce=True,

@@ -26,7 +26,6 @@ from gpuguard import validation
 from gpuguard.config import GPU_COUNT_LABEL
 from gpuguard.errors import GpuguardError
 from gpuguard.kube import client as kubeclient
-from gpuguard.node.writers import load_api_client
 
 log = structlog.get_logger(__name__)
 
@@ -69,7 +68,7 @@ def expected_from_node(
 ) -> int | None:
     """The count `label` holds on `node`; None (with a log line saying why) when it cannot be used."""
     try:
-        client = api if api is not None else load_api_client(kubeconfig)
+        client = api if api is not None else kubeclient.load(kubeconfig)
         obj = client.request(
             "GET",
             kubeclient.path_of("api/v1/nodes", node),

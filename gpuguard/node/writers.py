@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -16,11 +16,10 @@ from typing import Any, Protocol
 
 import structlog
 
-from gpuguard import __version__, validation
+from gpuguard import validation
 from gpuguard.config import GPU_NODE_SELECTOR, NodeSettings
 from gpuguard.errors import ConfigError, GpuguardError, PermanentApiError
 from gpuguard.kube import client as kubeclient
-from gpuguard.kube.ratelimit import RateLimiter
 from gpuguard.metrics import Metrics, counted
 from gpuguard.node.budget import Budget, OtherNodes, count_budget
 from gpuguard.node.view import (
@@ -35,7 +34,6 @@ from gpuguard.node.view import (
 
 log = structlog.get_logger("gpuguard.node.writers")
 
-USER_AGENT = f"gpuguard/{__version__}"
 _METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 DRY_RUN_NODE = "dry-run"
 # Where the agent's Events about its node go: "default", like the kubelet's node Events. The only namespace
@@ -258,22 +256,16 @@ def _checked_condition(node: NodeView, condition: Mapping[str, str]) -> None:
         raise PermanentApiError(f"patch node {node.name} status: refused before sending: {exc}") from exc
 
 
-def load_api_client(
-    kubeconfig: str | None, *, rate_limit: tuple[float, int] | None = None
-) -> kubeclient.Client:
-    """In-cluster config, then KUBECONFIG, then ~/.kube/config; or the file given. ConfigError otherwise.
-    rate_limit: (qps, burst) of the client-side limit (--api-qps, --api-burst); None: no limit."""
-    limiter = RateLimiter(*rate_limit) if rate_limit is not None else None
-    return kubeclient.load(kubeconfig, user_agent=USER_AGENT, rate_limiter=limiter)
-
-
-def make_writer(settings: NodeSettings, metrics: Metrics | None = None) -> KubeNodeWriter | DryRunNodeWriter:
-    """The writer the settings ask for: the API server, or a dry run."""
+def make_writer(
+    settings: NodeSettings, connect: Callable[[], kubeclient.Client], metrics: Metrics | None = None
+) -> KubeNodeWriter | DryRunNodeWriter:
+    """The writer the settings ask for: the API server (through the agent's one client, `connect()`, made by
+    the composition root), or a dry run."""
     if not settings.dry_run:
         assert settings.name is not None  # validated
         return KubeNodeWriter(
             settings.name,
-            api=load_api_client(settings.kubeconfig, rate_limit=(settings.api_qps, settings.api_burst)),
+            api=connect(),
             timeout=settings.api_timeout,
             metrics=metrics,
             gpu_node_selector=settings.gpu_node_selector,
@@ -284,7 +276,7 @@ def make_writer(settings: NodeSettings, metrics: Metrics | None = None) -> KubeN
     # cluster is named (flag or in-cluster): a laptop demo must not wait on a kubeconfig's dead server.
     if settings.name and (settings.kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST")):
         try:
-            real = KubeNodeWriter(settings.name, api=load_api_client(settings.kubeconfig), timeout=3.0)
+            real = KubeNodeWriter(settings.name, api=connect(), timeout=3.0)
             initial = real.read()
         except GpuguardError as exc:
             log.warning("node.dry_run_without_cluster", node=name, error=str(exc))
