@@ -49,7 +49,7 @@ import controlplane  # noqa: E402
 import kubernetes  # noqa: E402
 
 from bench.cluster import AgentProc, BaselineProc  # noqa: E402
-from tests.integration.kube import (  # noqa: E402
+from harness.kube import (  # noqa: E402
     Admin,
     daemon_pod,
     eventually,

@@ -1,7 +1,7 @@
 """The benchmarks' cluster: a throwaway etcd + kube-apiserver (hack/testenv) with deploy/*.yaml applied, the
 agent and the seed-design baseline as processes on the fake NVML library, a node watch that timestamps what
 lands, and the helpers that read the API server's audit log and /proc. bench/k8s_bench.py holds the phases
-that use it. Nodes are made by tests/integration/kube.py's Admin and agents run through tests/agentproc.py,
+that use it. Nodes are made by harness/kube.py's Admin and agents run through harness/agentproc.py,
 the same harness the tests use.
 """
 
@@ -32,7 +32,7 @@ for _p in (ROOT, TESTENV):
 import controlplane  # noqa: E402
 
 from bench.nvml_bench import LIB_DIR, percentile  # noqa: E402
-from tests.agentproc import WatchProcess, gpuguard_command, scrubbed_env  # noqa: E402
+from harness.agentproc import WatchProcess, gpuguard_command, scrubbed_env  # noqa: E402
 
 TAINT_KEY = "gpuguard.io/gpu-unhealthy"
 UA_PREFIX = "gpuguard/"
@@ -334,7 +334,7 @@ def watch_flags() -> set[str]:
 
 class AgentProc(WatchProcess):
     """`gpuguard watch --backend nvml` as a subprocess on the fake NVML library, against the API server: the
-    tests' harness (tests/agentproc.py), run as the image runs it (the console script)."""
+    tests' harness (harness/agentproc.py), run as the image runs it (the console script)."""
 
     def __init__(
         self,
@@ -446,7 +446,7 @@ class Cluster:
     def start(self) -> Cluster:
         import kubernetes
 
-        from tests.integration.kube import Admin
+        from harness.kube import Admin
 
         t0 = time.monotonic()
         self.cp.start()
@@ -487,7 +487,7 @@ class Cluster:
         self, names: list[str], *, boot_id: str | None = "boot-0", labels: dict[str, str] | None = None
     ) -> None:
         """Nodes made the tests' way (Admin.make_node), 16 at a time."""
-        from tests.integration.kube import GPU_NODE_LABELS
+        from harness.kube import GPU_NODE_LABELS
 
         every = {**GPU_NODE_LABELS, **(labels or {})}
         with ThreadPoolExecutor(16) as pool:
@@ -495,7 +495,7 @@ class Cluster:
 
     def agent_kubeconfig(self, node: str) -> Path:
         """A kubeconfig with a token of the DaemonSet's ServiceAccount bound to a Pod on `node`."""
-        from tests.integration.kube import token_kubeconfig
+        from harness.kube import token_kubeconfig
 
         token = self.admin.agent_token(node)
         return token_kubeconfig(

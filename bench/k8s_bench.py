@@ -334,7 +334,7 @@ def device_phase(cl: Cluster, *, rounds: int = 25, lanes: int = 1, interval: flo
     after the other, timed until an admin watch on DeviceTaintRules delivers gpuguard's rule for gpu-3."""
     import kubernetes
 
-    from tests.dra import gpu_uuid, nvidia_slice
+    from harness.dra import gpu_uuid, nvidia_slice
 
     work = cl.tmp / "device"
     work.mkdir()

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tests.agentproc import WatchProcess, healthz
+from harness.agentproc import WatchProcess, healthz
 
 ROOT = Path(__file__).resolve().parents[1]
 LIB_DIR = ROOT / "build" / "fakenvml"

@@ -16,7 +16,7 @@ from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.view import NodeView
 from gpuguard.node.writers import DryRunNodeWriter
 from gpuguard.nvml.mock import MockBackend, parse_scenario
-from tests.fakes import FakeNodeWriter
+from harness.fakes import FakeNodeWriter
 
 
 class Clock:

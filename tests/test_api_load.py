@@ -26,7 +26,7 @@ from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.view import NodeView
 from gpuguard.node.writers import KubeNodeWriter
 from gpuguard.policy import evaluate
-from tests.fakes import FakeNodeWriter
+from harness.fakes import FakeNodeWriter
 from tests.test_kube_client import NODE, Recorder, server  # noqa: F401 - the fixture
 
 SETTINGS = NodeSettings(name="gpu-1", retry_max_wait=0.01)

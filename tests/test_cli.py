@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agentproc import WatchProcess, healthz, wait_until
+from harness.agentproc import WatchProcess, healthz, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("GPUGUARD_") and k != "NODE_NAME"}
@@ -408,7 +408,7 @@ def _kubeconfig(tmp_path: Path, user: str, server: str = "https://127.0.0.1:1") 
 def test_a_bad_client_certificate_is_one_line_naming_the_file_not_an_ssl_error(
     tmp_path: Path, bad: str
 ) -> None:
-    from tests.fakes import self_signed_pem
+    from harness.fakes import self_signed_pem
 
     cert_pem, key_pem = self_signed_pem()
     if bad == "cert":

@@ -54,8 +54,8 @@ from gpuguard.node.view import TAINT_KEY, NodeView, Taint
 from gpuguard.nvml.mock import MockBackend, parse_scenario
 from gpuguard.policy import evaluate
 from gpuguard.state import StateStore
-from tests.dra import DRIVER, gpu_uuid, nvidia_slice
-from tests.fakes import FakeDeviceSource, FakeNodeWriter
+from harness.dra import DRIVER, gpu_uuid, nvidia_slice
+from harness.fakes import FakeDeviceSource, FakeNodeWriter
 
 NODE = "gpu-node-1"
 SETTINGS = NodeSettings(name=NODE, retry_max_wait=0.01, recover_after=2)

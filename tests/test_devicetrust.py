@@ -13,7 +13,7 @@ from gpuguard.node.budget import Budget
 from gpuguard.node.deviceorder import rules_past_limit, rules_share
 from gpuguard.node.devices import ANN_NODE_GPUS, DeviceRule, rule_name
 from gpuguard.node.devicetrust import countable
-from tests.dra import DRIVER
+from harness.dra import DRIVER
 from tests.test_devices import NODE, NOW, make, own_rule, run, verdict
 
 SQUATTER = "gpu-node-9"

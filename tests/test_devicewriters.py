@@ -24,8 +24,8 @@ from gpuguard.node.devicewriters import (
 from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.view import NodeView
 from gpuguard.policy import evaluate
-from tests.dra import DRIVER, gpu_uuid, nvidia_slice
-from tests.fakes import FakeNodeWriter
+from harness.dra import DRIVER, gpu_uuid, nvidia_slice
+from harness.fakes import FakeNodeWriter
 
 NODE = "gpu-node-1"
 GROUP = "/apis/resource.k8s.io"

@@ -16,7 +16,7 @@ from gpuguard.node.apistate import ApiState
 from gpuguard.node.budget import Budget
 from gpuguard.node.fleet import WatchedBudget
 from gpuguard.node.view import NodeView
-from tests.fakes import FakeNodeWriter
+from harness.fakes import FakeNodeWriter
 
 
 def test_until_the_watch_is_established_the_budget_and_the_order_are_listed_by_the_fallback() -> None:

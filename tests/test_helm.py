@@ -22,7 +22,7 @@ import gpuguard
 from gpuguard.cli import cli
 from gpuguard.config import ServerSettings
 from gpuguard.node.view import TAINT_KEY
-from tests.agentproc import WatchProcess
+from harness.agentproc import WatchProcess
 from tests.helmtool import CHART, NAMESPACE, ROOT, Docs, Helm, build_helm
 
 MANIFEST = ROOT / "deploy" / "daemonset.yaml"

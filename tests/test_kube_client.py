@@ -27,7 +27,7 @@ from gpuguard.node.budget import Budget
 from gpuguard.node.view import EventSpec, NodeView
 from gpuguard.node.writers import EVENT_NAMESPACE, KubeNodeWriter
 from gpuguard.validation import MAX_EVENT_MESSAGE_BYTES
-from tests.fakes import http_server, self_signed_pem
+from harness.fakes import http_server, self_signed_pem
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.agentproc import WatchProcess, healthz, wait_until
+from harness.agentproc import WatchProcess, healthz, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("GPUGUARD_", "FAKE_NVML"))}

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tests.agentproc import WatchProcess, healthz_status
+from harness.agentproc import WatchProcess, healthz_status
 from tests.test_nvml_backend import ROOT, check, env, state_file
 
 
@@ -98,7 +98,7 @@ from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.view import NodeView
 from gpuguard.nvml.real import NvmlBackend
 from gpuguard.state import StateStore
-from tests.fakes import FakeNodeWriter
+from harness.fakes import FakeNodeWriter
 
 state = StateStore(sys.argv[1], boot_id="boot-1")
 restored = [f.key for f in state.load()]

@@ -24,7 +24,7 @@ from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig as kc
 from gpuguard.node.budget import SINCE_SKEW, OtherNodes, quarantine_entry, quarantine_rank
 from gpuguard.node.writers import KubeNodeWriter
-from tests.fakes import http_server
+from harness.fakes import http_server
 from tests.test_cli import run
 
 ROOT = Path(__file__).resolve().parents[1]

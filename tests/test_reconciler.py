@@ -20,7 +20,7 @@ from gpuguard.node.budget import QuarantineBudget
 from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.view import TAINT_KEY, NodeView, Taint
 from gpuguard.policy import evaluate
-from tests.fakes import FakeNodeWriter
+from harness.fakes import FakeNodeWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = NodeSettings(name="gpu-1", retry_max_wait=0.01)

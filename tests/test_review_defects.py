@@ -29,7 +29,7 @@ from gpuguard.node.writers import DryRunNodeWriter
 from gpuguard.policy import evaluate
 from gpuguard.server import HealthServer
 from gpuguard.state import StateStore, read_boot_id
-from tests.agentproc import WatchProcess
+from harness.agentproc import WatchProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 XID = Fault("xid-79", "GPU has fallen off the bus (GPU 1, GPU-b)", uuid="GPU-b", gpu_index=1)

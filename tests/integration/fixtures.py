@@ -13,7 +13,7 @@ import kubernetes
 import pytest
 
 from gpuguard import __version__
-from tests.integration.kube import GPUS_OK, Admin, Agent, agent_as_node, eventually
+from harness.kube import GPUS_OK, Admin, Agent, agent_as_node, eventually
 
 USER_AGENT = f"gpuguard/{__version__}"
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}

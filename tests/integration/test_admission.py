@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from gpuguard import __version__
-from tests.integration.kube import (
+from harness.kube import (
     DEPLOY,
     GPUS_OK,
     NAMESPACE,

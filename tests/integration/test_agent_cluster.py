@@ -19,8 +19,7 @@ from typing import Any
 import kubernetes
 import pytest
 
-from tests.integration.fixtures import USER_AGENT, WRITE_VERBS, admin, start_agent  # noqa: F401
-from tests.integration.kube import (
+from harness.kube import (
     GPUS_OK,
     TAINT_KEY,
     Admin,
@@ -30,6 +29,7 @@ from tests.integration.kube import (
     token_kubeconfig,
     unique_node,
 )
+from tests.integration.fixtures import USER_AGENT, WRITE_VERBS, admin, start_agent  # noqa: F401
 
 pytestmark = pytest.mark.timeout(180)
 

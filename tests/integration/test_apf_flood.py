@@ -26,7 +26,7 @@ import kubernetes
 import pytest
 import yaml
 
-from tests.integration.kube import DEPLOY, Admin, eventually, unique_node
+from harness.kube import DEPLOY, Admin, eventually, unique_node
 from tests.integration.test_admission import agent_core
 
 pytestmark = pytest.mark.timeout(300)

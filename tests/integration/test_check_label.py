@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from harness.kube import GPU_NODE_LABELS, Admin, token_kubeconfig, unique_node
 from tests.integration.fixtures import admin  # noqa: F401
-from tests.integration.kube import GPU_NODE_LABELS, Admin, token_kubeconfig, unique_node
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,7 +17,7 @@ import pytest
 
 from gpuguard.cleanup import clean_rules
 from gpuguard.kube import client as kubeclient
-from tests.integration.kube import (
+from harness.kube import (
     TAINT_KEY,
     Admin,
     enforced_admin,

@@ -25,8 +25,8 @@ import controlplane
 import kubernetes
 import pytest
 
-from tests.dra import DRIVER, gpu_uuid, nvidia_slice
-from tests.integration.kube import Admin, agent_as_node, api_message, eventually, policy_denial, token_client
+from harness.dra import DRIVER, gpu_uuid, nvidia_slice
+from harness.kube import Admin, agent_as_node, api_message, eventually, policy_denial, token_client
 from tests.integration.test_device_admission import POLICY, rule
 
 pytestmark = pytest.mark.timeout(240)

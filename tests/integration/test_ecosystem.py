@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from harness.kube import GPUS_OK, ROOT, Admin, eventually
 from tests.integration.fixtures import admin, start_agent  # noqa: F401
-from tests.integration.kube import GPUS_OK, ROOT, Admin, eventually
 
 pytestmark = pytest.mark.timeout(180)
 GATE = {"key": "gpuguard.io/unverified", "effect": "NoSchedule"}

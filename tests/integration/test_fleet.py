@@ -19,8 +19,8 @@ import urllib3
 from bench.cluster import audit_code, audit_node, audit_time
 from bench.fleet import Fleet
 from gpuguard.config import NodeSettings
+from harness.kube import NAMESPACE, Admin, eventually, token_kubeconfig
 from tests.integration.fixtures import USER_AGENT, WRITE_VERBS, admin  # noqa: F401
-from tests.integration.kube import NAMESPACE, Admin, eventually, token_kubeconfig
 
 pytestmark = pytest.mark.timeout(300)
 

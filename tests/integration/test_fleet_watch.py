@@ -20,9 +20,9 @@ from gpuguard.node.devicewatch import WatchedRules
 from gpuguard.node.devicewriters import KubeDeviceSource
 from gpuguard.node.fleet import WatchedBudget
 from gpuguard.node.writers import KubeNodeWriter
-from tests.dra import DRIVER
+from harness.dra import DRIVER
+from harness.kube import GPU_NODE_LABELS, TAINT_KEY, Admin, eventually
 from tests.integration.fixtures import admin  # noqa: F401
-from tests.integration.kube import GPU_NODE_LABELS, TAINT_KEY, Admin, eventually
 
 pytestmark = pytest.mark.timeout(60)
 

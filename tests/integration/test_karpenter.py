@@ -30,7 +30,7 @@ import controlplane
 import kubernetes
 import pytest
 
-from tests.integration.kube import (
+from harness.kube import (
     GPUS_OK,
     TAINT_KEY,
     WORKLOADS,

@@ -18,8 +18,8 @@ import controlplane
 import kubernetes
 import pytest
 
+from harness.kube import GPUS_OK, Admin, agent_as_node, enforced_admin, eventually
 from tests.helmtool import ROOT, build_helm
-from tests.integration.kube import GPUS_OK, Admin, agent_as_node, enforced_admin, eventually
 from tests.integration.test_admission import POLICY, other_node_probe
 
 pytestmark = pytest.mark.timeout(300)

@@ -24,8 +24,8 @@ import controlplane
 import kubernetes
 import pytest
 
+from harness.kube import GPUS_OK, ROOT, Admin, agent_as_node, eventually
 from tests.helmtool import build_helm
-from tests.integration.kube import GPUS_OK, ROOT, Admin, agent_as_node, eventually
 
 DOC = ROOT / "docs" / "operations.md"
 README = ROOT / "README.md"

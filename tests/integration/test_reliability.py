@@ -18,8 +18,7 @@ from typing import Any
 import pytest
 
 from gpuguard.node.budget import VERIFY_SETTLE
-from tests.integration.fixtures import admin, start_agent  # noqa: F401
-from tests.integration.kube import (
+from harness.kube import (
     GPU_NODE_LABELS,
     GPUS_OK,
     ROOT,
@@ -29,6 +28,7 @@ from tests.integration.kube import (
     eventually,
     token_kubeconfig,
 )
+from tests.integration.fixtures import admin, start_agent  # noqa: F401
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -14,9 +14,9 @@ from typing import Any
 import kubernetes
 import pytest
 
-from tests.dra import gpu_uuid, nvidia_slice
+from harness.dra import gpu_uuid, nvidia_slice
+from harness.kube import GPU_NODE_LABELS, GPUS_OK, Admin, eventually
 from tests.integration.fixtures import USER_AGENT, admin, start_agent  # noqa: F401
-from tests.integration.kube import GPU_NODE_LABELS, GPUS_OK, Admin, eventually
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -24,8 +24,8 @@ import yaml
 from gpuguard.kube import client as kubeclient
 from gpuguard.node.budget import VERIFY_SETTLE
 from gpuguard.node.devicewriters import quarantined_gpus
-from tests.dra import DRIVER, gpu_uuid, nvidia_slice
-from tests.integration.kube import (
+from harness.dra import DRIVER, gpu_uuid, nvidia_slice
+from harness.kube import (
     DEPLOY,
     GPUS_OK,
     NAMESPACE,

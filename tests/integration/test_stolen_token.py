@@ -20,9 +20,8 @@ import kubernetes
 import pytest
 
 from gpuguard.node.devices import rule_name
-from tests.dra import gpu_uuid, nvidia_slice
-from tests.integration.fixtures import start_agent  # noqa: F401
-from tests.integration.kube import (
+from harness.dra import gpu_uuid, nvidia_slice
+from harness.kube import (
     GPU_NODE_LABELS,
     Admin,
     enforced_admin,
@@ -31,6 +30,7 @@ from tests.integration.kube import (
     token_client,
     unique_node,
 )
+from tests.integration.fixtures import start_agent  # noqa: F401
 from tests.integration.test_admission import agent_core, other_node_probe
 from tests.integration.test_device_admission import GROUP, PLURAL, VERSION, agent_api, rule
 

@@ -13,8 +13,8 @@ from typing import Any
 import kubernetes
 import pytest
 
+from harness.kube import ROOT, Admin
 from tests.helmtool import build_helm
-from tests.integration.kube import ROOT, Admin
 from tests.integration.test_operations import Runbook, _helm, admin, blocks, cluster, tools_env
 
 __all__ = ["admin", "cluster"]  # the fixtures, used by name

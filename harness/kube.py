@@ -15,11 +15,11 @@ from typing import Any, TypeVar
 import kubernetes
 import yaml
 
-from tests.agentproc import WatchProcess
+from harness.agentproc import WatchProcess
 
 utils: Any = kubernetes.utils  # untyped
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 NAMESPACE = "gpuguard"
 SERVICE_ACCOUNT = "gpuguard"
@@ -354,8 +354,8 @@ GPUS_OK = "gpu 0 uuid=GPU-it-0\ngpu 1 uuid=GPU-it-1\n"
 
 
 class Agent(WatchProcess):
-    """`gpuguard watch --backend nvml` as a subprocess (tests/agentproc.py), on the fake NVML library, as the
-    ServiceAccount: durable state per node (never the machine's /var/lib/gpuguard), keyed by a boot ID the
+    """`gpuguard watch --backend nvml` as a subprocess (harness/agentproc.py), on the fake NVML library, as
+    the ServiceAccount: durable state per node (never the machine's /var/lib/gpuguard), keyed by a boot ID the
     test owns. `env`: extra environment (a setting without a flag of its own in older versions)."""
 
     def __init__(

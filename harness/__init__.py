@@ -1,0 +1,9 @@
+"""What the tests and the benchmarks run gpuguard with: one importable package, shared by tests/ and bench/
+without a ``sys.path`` edit (pytest runs from the repository root, the benchmarks as ``python -m bench.X``
+from it, and both find this package there).
+
+- ``agentproc``: ``gpuguard watch`` as a subprocess (scrubbed environment, JSON log lines, /healthz).
+- ``kube``: a real API server's admin (nodes, tokens, the DaemonSet's ServiceAccount) and the agent on it.
+- ``dra``: DRA ResourceSlices and device names as the NVIDIA driver publishes them.
+- ``fakes``: in-memory stand-ins for the node writer, the fleet and small HTTP servers.
+"""
