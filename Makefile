@@ -85,13 +85,13 @@ image:
 # KUBE_UP_WITH=all also starts kube-scheduler, kube-controller-manager and kwok; all,karpenter also Karpenter.
 KUBE_UP_WITH ?=
 kube-up: install testenv $(if $(KUBE_UP_WITH),kwok) $(if $(findstring karpenter,$(KUBE_UP_WITH)),karpenter)
-	$(BIN)/python hack/testenv/controlplane.py up --with "$(KUBE_UP_WITH)"
+	$(BIN)/python -m harness.controlplane up --with "$(KUBE_UP_WITH)"
 
 kube-down: install
-	$(BIN)/python hack/testenv/controlplane.py down
+	$(BIN)/python -m harness.controlplane down
 
 kube-status: install
-	$(BIN)/python hack/testenv/controlplane.py status
+	$(BIN)/python -m harness.controlplane status
 
 # The linters on the code first (a style or typing regression fails in a minute, before the builds), then
 # every pinned build (hack/build-all.sh), the chart's lint, and the tests: unit tests, the nvml backend
@@ -130,7 +130,7 @@ mutation: install
 FLEET_NODES ?= 5000
 bench: install fakenvml testenv
 	mkdir -p build
-	FLEET_NODES=$(FLEET_NODES) $(BIN)/python bench/run.py --json build/bench.json
+	FLEET_NODES=$(FLEET_NODES) $(BIN)/python -m bench.run --json build/bench.json
 
 # The fleet at Kubernetes' limit (bench/fleet_scale.py): NODES (5000) agents start at once with the shipped
 # FlowSchema, start-up jitter and rate limit, then 10% of them fault at once; docs/performance.md "The

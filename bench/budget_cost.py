@@ -33,11 +33,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode, urlparse
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.cluster import Cluster, proc_cpu_seconds, proc_status_mb, progress
 
-from bench.cluster import Cluster, proc_cpu_seconds, proc_status_mb, progress  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SELECTOR = "gpuguard.io/quarantined=true,nvidia.com/gpu.present=true"
 _METADATA = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"

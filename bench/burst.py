@@ -40,22 +40,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "hack" / "testenv"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+import kubernetes
 
-import controlplane  # noqa: E402
-import kubernetes  # noqa: E402
-
-from bench.cluster import AgentProc, BaselineProc  # noqa: E402
-from harness.kube import (  # noqa: E402
+from bench.cluster import AgentProc, BaselineProc
+from harness import controlplane
+from harness.kube import (
     Admin,
     daemon_pod,
     eventually,
     make_gpu_node,
     token_kubeconfig,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 NAMESPACE = "inference"
 APP = "llm"

@@ -23,16 +23,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
+from bench.nvml_bench import LIB_DIR, percentile
+from harness import controlplane
+from harness.agentproc import WatchProcess, gpuguard_command, scrubbed_env
+
 ROOT = Path(__file__).resolve().parents[1]
-TESTENV = ROOT / "hack" / "testenv"
-for _p in (ROOT, TESTENV):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-import controlplane  # noqa: E402
-
-from bench.nvml_bench import LIB_DIR, percentile  # noqa: E402
-from harness.agentproc import WatchProcess, gpuguard_command, scrubbed_env  # noqa: E402
 
 TAINT_KEY = "gpuguard.io/gpu-unhealthy"
 UA_PREFIX = "gpuguard/"

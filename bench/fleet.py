@@ -43,8 +43,6 @@ from pathlib import Path
 from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 # Log events of gpuguard.node that show API trouble or a write.
 COUNTED = (

@@ -31,7 +31,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import threading
 import time
 from collections import Counter
@@ -39,12 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.budget_cost import HeldWatches, budget_cost_phase  # noqa: E402
-from bench.cluster import (  # noqa: E402
+from bench.budget_cost import HeldWatches, budget_cost_phase
+from bench.cluster import (
     FLEET_LABEL,
     TAINT_KEY,
     WRITE_VERBS,
@@ -58,8 +53,10 @@ from bench.cluster import (  # noqa: E402
     server_times,
     tainted,
 )
-from bench.fleet import Fleet  # noqa: E402
-from gpuguard.config import NodeSettings  # noqa: E402
+from bench.fleet import Fleet
+from gpuguard.config import NodeSettings
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DEPLOY = ROOT / "deploy" / "daemonset.yaml"
 CONDITION = "GPUHealthy"

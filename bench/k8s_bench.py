@@ -31,11 +31,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.cluster import (  # noqa: E402
+from bench.cluster import (
     FLEET_LABEL,
     FOREIGN_LABEL,
     FOREIGN_TAINT,
@@ -59,9 +55,11 @@ from bench.cluster import (  # noqa: E402
     thread_cpu_seconds,
     untainted,
 )
-from bench.fleet import Fleet  # noqa: E402
-from bench.nvml_bench import gpu_lines  # noqa: E402
-from gpuguard.node.devices import rule_name  # noqa: E402
+from bench.fleet import Fleet
+from bench.nvml_bench import gpu_lines
+from gpuguard.node.devices import rule_name
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # How long an agent may take to answer /readyz: on a quiet machine about a second (the start-up row), but the
 # bench's machine is shared and under a load of hundreds a Python process can take minutes to start.

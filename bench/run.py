@@ -29,8 +29,6 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from bench import cluster as bench_cluster
 from bench import k8s_bench, nvml_bench
 

@@ -24,7 +24,7 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 # shellcheck source=../lib/gobuild.sh
 source "$ROOT/hack/lib/gobuild.sh"
-# The pin lives beside the control plane's (hack/testenv/versions.env), read by controlplane.py too.
+# The pin lives beside the control plane's (hack/testenv/versions.env), read by harness/controlplane.py too.
 KWOK_VERSION=$(read_pin KWOK_VERSION)
 
 parse_force_args "${BASH_SOURCE[0]}" "$@"

@@ -9,7 +9,7 @@ gpuguard_cache_root() {
 }
 
 # read_pin KEY: a pinned version (vN.N.N, or goN.N.N for a Go toolchain) from hack/testenv/versions.env, the
-# one file of pins that controlplane.py reads too. It is plain KEY=VALUE; only KEY is read, nothing is
+# one file of pins that harness/controlplane.py reads too. It is plain KEY=VALUE; only KEY is read, nothing is
 # sourced. Needs $ROOT.
 read_pin() {
     local value file="$ROOT/hack/testenv/versions.env"

@@ -1,8 +1,6 @@
 """Fixtures that run integration tests against a real kube-apiserver (hack/testenv).
 
-The control plane code lives in ``hack/testenv/controlplane.py`` (shared with
-``make kube-up``); this file puts that directory on ``sys.path`` and imports it as
-``controlplane``.
+The control plane code lives in ``harness/controlplane.py`` (shared with ``make kube-up`` and the bench).
 
 By default the session starts its own control plane (state in a pytest temp dir, so a
 ``make kube-up`` cluster is left alone) and stops it at the end. With
@@ -16,17 +14,12 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import closing
-from pathlib import Path
 from typing import Any
 
 import kubernetes
 import pytest
 
-TESTENV_DIR = Path(__file__).resolve().parents[2] / "hack" / "testenv"
-if str(TESTENV_DIR) not in sys.path:
-    sys.path.insert(0, str(TESTENV_DIR))
-
-import controlplane  # noqa: E402
+from harness import controlplane
 
 REUSE_ENV = "GPUGUARD_KUBECONFIG_REUSE"
 

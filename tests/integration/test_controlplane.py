@@ -13,7 +13,6 @@ from contextlib import closing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import controlplane
 import kubernetes
 import pytest
 import urllib3
@@ -34,6 +33,8 @@ from kubernetes.client import (
     V1TokenRequestSpec,
 )
 from kubernetes.client.exceptions import ApiException
+
+from harness import controlplane
 
 ControlPlane = controlplane.ControlPlane
 T = TypeVar("T")

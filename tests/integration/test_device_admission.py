@@ -11,12 +11,12 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
-import controlplane
 import kubernetes
 import pytest
 
 from gpuguard.cleanup import clean_rules
 from gpuguard.kube import client as kubeclient
+from harness import controlplane
 from harness.kube import (
     TAINT_KEY,
     Admin,

@@ -21,10 +21,10 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-import controlplane
 import kubernetes
 import pytest
 
+from harness import controlplane
 from harness.dra import DRIVER, gpu_uuid, nvidia_slice
 from harness.kube import Admin, agent_as_node, api_message, eventually, policy_denial, token_client
 from tests.integration.test_device_admission import POLICY, rule

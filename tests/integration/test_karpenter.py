@@ -26,10 +26,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import controlplane
 import kubernetes
 import pytest
 
+from harness import controlplane
 from harness.kube import (
     GPUS_OK,
     TAINT_KEY,

@@ -14,10 +14,10 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-import controlplane
 import kubernetes
 import pytest
 
+from harness import controlplane
 from harness.kube import GPUS_OK, Admin, agent_as_node, enforced_admin, eventually
 from tests.helmtool import ROOT, build_helm
 from tests.integration.test_admission import POLICY, other_node_probe

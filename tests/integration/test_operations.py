@@ -20,10 +20,10 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-import controlplane
 import kubernetes
 import pytest
 
+from harness import controlplane
 from harness.kube import GPUS_OK, ROOT, Admin, agent_as_node, eventually
 from tests.helmtool import build_helm
 

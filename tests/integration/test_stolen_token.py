@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import controlplane
 import kubernetes
 import pytest
 
 from gpuguard.node.devices import rule_name
+from harness import controlplane
 from harness.dra import gpu_uuid, nvidia_slice
 from harness.kube import (
     GPU_NODE_LABELS,

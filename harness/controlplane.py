@@ -15,12 +15,11 @@ for pending pods (hack/karpenter/build.sh builds it; tests/integration/test_karp
 
 Use it as a CLI::
 
-    python hack/testenv/controlplane.py up       # build if needed, start, print kubeconfig
-    python hack/testenv/controlplane.py status   # exit 0 when up and ready
-    python hack/testenv/controlplane.py down     # idempotent
+    python -m harness.controlplane up       # build if needed, start, print kubeconfig
+    python -m harness.controlplane status   # exit 0 when up and ready
+    python -m harness.controlplane down     # idempotent
 
-or from Python (pytest puts ``hack/testenv`` on ``sys.path`` and does
-``import controlplane``)::
+or from Python (``from harness import controlplane``, as the integration tests and the bench do)::
 
     cp = ControlPlane(state_dir=tmp)   # .kube-test/ by default
     cp.start()
@@ -60,8 +59,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-TESTENV_DIR = Path(__file__).resolve().parent
-REPO_ROOT = TESTENV_DIR.parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TESTENV_DIR = REPO_ROOT / "hack" / "testenv"
 BUILD_SCRIPT = TESTENV_DIR / "build.sh"
 KWOK_BUILD_SCRIPT = REPO_ROOT / "hack" / "kwok" / "build.sh"
 KWOK_STAGES = TESTENV_DIR / "kwok-stages.yaml"
@@ -650,7 +649,7 @@ class ControlPlane:
         if ControlPlane.attach(self.state_dir) is not None:
             raise ControlPlaneError(
                 f"{self.state_path} describes a running control plane; reuse it with "
-                "ControlPlane.attach() or stop it with `controlplane.py down`"
+                "ControlPlane.attach() or stop it with `python -m harness.controlplane down` (make kube-down)"
             )
         # A stale state.json may still name a live etcd (e.g. the apiserver crashed).
         ControlPlane.stop_recorded(self.state_dir)
