@@ -2,8 +2,10 @@
 without a ``sys.path`` edit (pytest runs from the repository root, the benchmarks as ``python -m bench.X``
 from it, and both find this package there).
 
+- ``controlplane``: a real, throwaway etcd + kube-apiserver (``make kube-up`` runs it as a CLI).
 - ``agentproc``: ``gpuguard watch`` as a subprocess (scrubbed environment, JSON log lines, /healthz).
 - ``kube``: a real API server's admin (nodes, tokens, the DaemonSet's ServiceAccount) and the agent on it.
 - ``dra``: DRA ResourceSlices and device names as the NVIDIA driver publishes them.
-- ``fakes``: in-memory stand-ins for the node writer, the fleet and small HTTP servers.
+- ``fakes``: in-memory stand-ins for the node writer and the device source, a small HTTP server, a TLS pair.
+- ``clock``: the one fake clock, which moves only when the test moves it.
 """

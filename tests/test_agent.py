@@ -16,16 +16,8 @@ from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.view import NodeView
 from gpuguard.node.writers import DryRunNodeWriter
 from gpuguard.nvml.mock import MockBackend, parse_scenario
+from harness.clock import Clock
 from harness.fakes import FakeNodeWriter
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
 
 SCENARIO = """
 gpus: 2
@@ -37,7 +29,7 @@ events:
 
 
 def make(text: str = SCENARIO, *, writer: FakeNodeWriter | None = None, interval: float = 1.0):  # type: ignore[no-untyped-def]
-    clock = Clock()
+    clock = Clock(1000.0)
     backend = MockBackend(parse_scenario(text), clock=clock, start_timer=False)
     backend.open(lambda: None)
     writer = writer or FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))

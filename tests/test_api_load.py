@@ -26,6 +26,7 @@ from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.view import NodeView
 from gpuguard.node.writers import KubeNodeWriter
 from gpuguard.policy import evaluate
+from harness.clock import Clock
 from harness.fakes import FakeNodeWriter
 from tests.test_kube_client import NODE, Recorder, server  # noqa: F401 - the fixture
 
@@ -145,26 +146,13 @@ def test_an_unreadable_uptime_keeps_the_jitter(tmp_path: Path) -> None:
 # -- the client-side rate limit -----------------------------------------------------------------------------
 
 
-class FakeTime:
-    def __init__(self) -> None:
-        self.now = 100.0
-        self.slept: list[float] = []
-
-    def clock(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += seconds
-
-
 def test_the_burst_goes_at_once_then_requests_are_spaced_at_the_rate() -> None:
-    t = FakeTime()
-    limiter = RateLimiter(5, 3, clock=t.clock, sleep=t.sleep)
+    t = Clock(100.0)
+    limiter = RateLimiter(5, 3, clock=t, sleep=t.sleep)
     waits = [limiter.acquire() for _ in range(5)]
     assert waits[:3] == [0, 0, 0]
     assert waits[3:] == pytest.approx([0.2, 0.2])
-    t.now += 10  # idle: the bucket refills, but never past the burst
+    t.t += 10  # idle: the bucket refills, but never past the burst
     assert [limiter.acquire() for _ in range(4)] == pytest.approx([0, 0, 0, 0.2])
 
 
@@ -189,16 +177,16 @@ def test_concurrent_callers_each_wait_for_their_own_token() -> None:
 
 
 def test_qps_zero_is_no_limit() -> None:
-    t = FakeTime()
-    limiter = RateLimiter(0, 1, clock=t.clock, sleep=t.sleep)
+    t = Clock(100.0)
+    limiter = RateLimiter(0, 1, clock=t, sleep=t.sleep)
     assert [limiter.acquire() for _ in range(100)] == [0.0] * 100 and not t.slept
 
 
 def test_a_read_that_reserves_its_write_pays_for_both_and_the_write_waits_for_nothing(
     server: str,  # noqa: F811
 ) -> None:
-    t = FakeTime()
-    limiter = RateLimiter(2, 2, clock=t.clock, sleep=t.sleep)
+    t = Clock(100.0)
+    limiter = RateLimiter(2, 2, clock=t, sleep=t.sleep)
     client = kubeclient.Client(kubeconfig.Credentials(server=server), user_agent="t", rate_limiter=limiter)
     writer = KubeNodeWriter("gpu-1", api=client)
     Recorder.replies = [(200, {}, json.dumps(NODE).encode())] * 5
@@ -214,8 +202,8 @@ def test_a_read_that_reserves_its_write_pays_for_both_and_the_write_waits_for_no
 def test_a_write_without_a_reserving_read_pays_its_own_token(server: str) -> None:  # noqa: F811
     """Before, the bucket itself charged a read two tokens and any patch none, whoever sent it: a patch
     loop with no read in it was never held to the rate."""
-    t = FakeTime()
-    limiter = RateLimiter(2, 2, clock=t.clock, sleep=t.sleep)
+    t = Clock(100.0)
+    limiter = RateLimiter(2, 2, clock=t, sleep=t.sleep)
     client = kubeclient.Client(kubeconfig.Credentials(server=server), user_agent="t", rate_limiter=limiter)
     writer = KubeNodeWriter("gpu-1", api=client)
     Recorder.replies = [(200, {}, json.dumps(NODE).encode())] * 5
@@ -236,14 +224,14 @@ def test_the_reconcilers_reads_reserve_the_write_after_them(started: list[NodeRe
 def test_defect_a_rate_limited_conflict_loop_keeps_its_read_and_write_together() -> None:
     """A 409 loop against a writer at 50 writes/s: a limit that made the write wait after its read let the
     other writer land in between every time (tests/integration/test_agent_cluster.py, concurrent writers)."""
-    t = FakeTime()
-    limiter = RateLimiter(5, 4, clock=t.clock, sleep=t.sleep)
+    t = Clock(100.0)
+    limiter = RateLimiter(5, 4, clock=t, sleep=t.sleep)
     gaps = []
     for _ in range(10):  # read (reserving its write), then patch: ten rounds of a conflict loop
         limiter.acquire(2.0)
-        read_at = t.now
+        read_at = t.t
         limiter.acquire(0.0)
-        gaps.append(t.now - read_at)
+        gaps.append(t.t - read_at)
     assert gaps == [0.0] * 10
     assert sum(t.slept) == pytest.approx((20 - 4) / 5)  # the loop as a whole is still held to the rate
 

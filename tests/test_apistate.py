@@ -8,24 +8,14 @@ from structlog.testing import capture_logs
 
 from gpuguard.errors import PermanentApiError, TransientApiError
 from gpuguard.node.apistate import ApiState, Intent
+from harness.clock import Clock
 
 PATCH = Intent("patch", "node gpu-1", '{"spec":{"unschedulable":true}}')
 READ = Intent("get", "node gpu-1")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-    def wall(self) -> datetime:
-        return datetime.fromtimestamp(self.t, UTC)
-
-
 def make() -> tuple[ApiState, Clock]:
-    clock = Clock()
+    clock = Clock(100.0)
     return ApiState("gpu-1", backoff=300.0, outage_every=30.0, clock=clock, wall=clock.wall), clock
 
 

@@ -28,17 +28,10 @@ from gpuguard.node.view import (
     apply_change,
 )
 from gpuguard.policy import evaluate
+from harness.clock import Clock
 
 NOW = datetime(2026, 12, 2, 12, 0, 0, tzinfo=UTC)
 SETTINGS = NodeSettings(name="b", max_quarantined="1", budget_recheck=60.0)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class Fleet:
@@ -104,13 +97,13 @@ def quarantined(fleet: Fleet, clock: Clock) -> tuple[QuarantineBudget, bool]:
 
 def test_a_new_budget_is_not_settling_even_when_the_fleet_moves() -> None:
     fleet = Fleet()
-    b = QuarantineBudget(fleet, SETTINGS, clock=Clock())
+    b = QuarantineBudget(fleet, SETTINGS, clock=Clock(100.0))
     fleet.moved += 1
     assert not b.settling
 
 
 def test_a_full_quarantine_within_the_limit_is_kept_and_checked_again_exactly_10_s_later() -> None:
-    fleet, clock = Fleet(order=[("2026-12-02T11:00:00Z", "b")]), Clock()
+    fleet, clock = Fleet(order=[("2026-12-02T11:00:00Z", "b")]), Clock(100.0)
     b, past = quarantined(fleet, clock)
     assert past is False and b.settling
     assert fleet.reads == ["budget", "order"]
@@ -125,7 +118,7 @@ def test_a_full_quarantine_within_the_limit_is_kept_and_checked_again_exactly_10
 
 def test_a_full_quarantine_past_the_limit_asks_for_the_step_back_with_its_place_in_the_order() -> None:
     order = [("2026-12-02T10:00:00Z", "a"), ("2026-12-02T10:30:00Z", "c"), ("2026-12-02T11:00:00Z", "b")]
-    fleet, clock = Fleet(order=order), Clock()
+    fleet, clock = Fleet(order=order), Clock(100.0)
     b, past = quarantined(fleet, clock)
     assert past is True
     change = b.pending_yield(full_node())
@@ -144,7 +137,7 @@ def test_a_full_quarantine_past_the_limit_asks_for_the_step_back_with_its_place_
 
 
 def test_a_failed_order_list_keeps_the_quarantine_and_lists_again_10_s_later_not_sooner() -> None:
-    fleet, clock = Fleet(order=[("2026-12-02T10:00:00Z", "a")]), Clock()
+    fleet, clock = Fleet(order=[("2026-12-02T10:00:00Z", "a")]), Clock(100.0)
     fleet.fail_order = True
     b, past = quarantined(fleet, clock)
     assert past is False and b.settling and b.pending_yield(full_node()) is None
@@ -158,7 +151,7 @@ def test_a_failed_order_list_keeps_the_quarantine_and_lists_again_10_s_later_not
 
 
 def test_a_second_check_on_a_node_that_recovered_meanwhile_reads_nothing() -> None:
-    fleet, clock = Fleet(order=[("2026-12-02T10:00:00Z", "a")]), Clock()
+    fleet, clock = Fleet(order=[("2026-12-02T10:00:00Z", "a")]), Clock(100.0)
     fleet.fail_order = True
     b, _ = quarantined(fleet, clock)
     clock.t += 10
@@ -167,7 +160,7 @@ def test_a_second_check_on_a_node_that_recovered_meanwhile_reads_nothing() -> No
 
 
 def test_a_fully_quarantined_node_checks_the_order_again_whenever_the_fleet_moves() -> None:
-    fleet, clock = Fleet(order=[("2026-12-02T11:00:00Z", "b")]), Clock()
+    fleet, clock = Fleet(order=[("2026-12-02T11:00:00Z", "b")]), Clock(100.0)
     b, _ = quarantined(fleet, clock)
     clock.t += 10
     b.begin(full_node())  # the second check: nothing settling now
@@ -185,7 +178,7 @@ def test_a_fully_quarantined_node_checks_the_order_again_whenever_the_fleet_move
 
 
 def test_a_deferred_node_escalates_at_its_first_check_and_then_at_most_once_per_recheck_interval() -> None:
-    fleet, clock = Fleet(Budget(quarantined=1, limit=1)), Clock()
+    fleet, clock = Fleet(Budget(quarantined=1, limit=1)), Clock(100.0)
     b = QuarantineBudget(fleet, SETTINGS, clock=clock)
     escalate = NodeChange(action="escalate")
     deferred = full_node(labels={LABEL_QUARANTINED: "deferred"})
@@ -203,14 +196,14 @@ def test_a_deferred_node_escalates_at_its_first_check_and_then_at_most_once_per_
 
 def test_an_unlimited_budget_lists_nothing_and_passes_the_change() -> None:
     fleet = Fleet(Budget(quarantined=9, limit=1))
-    b = QuarantineBudget(fleet, NodeSettings(name="b", max_quarantined="100%"), clock=Clock())
+    b = QuarantineBudget(fleet, NodeSettings(name="b", max_quarantined="100%"), clock=Clock(100.0))
     change = plan(NodeView(name="b"), sick(), healthy_streak=0, settings=SETTINGS, now=NOW)
     assert b.gate(NodeView(name="b"), change, sick()) is change and fleet.reads == []
 
 
 def test_the_gate_lists_the_budget_only_for_a_full_quarantine() -> None:
     fleet = Fleet(Budget(quarantined=9, limit=1))
-    b = QuarantineBudget(fleet, SETTINGS, clock=Clock())
+    b = QuarantineBudget(fleet, SETTINGS, clock=Clock(100.0))
     recover = NodeChange(action="recover")
     assert (
         b.gate(NodeView(name="b"), recover, sick()) is recover
@@ -281,7 +274,7 @@ def test_an_unquarantined_node_in_the_list_does_not_hide_the_claims_after_it() -
 
 
 def test_an_escalation_written_is_checked_in_the_order_like_a_taint() -> None:
-    fleet, clock = Fleet(order=[("2026-12-02T10:00:00Z", "a")]), Clock()
+    fleet, clock = Fleet(order=[("2026-12-02T10:00:00Z", "a")]), Clock(100.0)
     b = QuarantineBudget(fleet, SETTINGS, clock=clock)
     deferred = full_node(labels={LABEL_QUARANTINED: "deferred"})
     escalate = NodeChange(action="escalate")
@@ -292,7 +285,7 @@ def test_an_escalation_written_is_checked_in_the_order_like_a_taint() -> None:
 
 
 def test_a_write_that_left_the_node_not_fully_quarantined_checks_no_order() -> None:
-    fleet, clock = Fleet(order=[("2026-12-02T10:00:00Z", "a")]), Clock()
+    fleet, clock = Fleet(order=[("2026-12-02T10:00:00Z", "a")]), Clock(100.0)
     b = QuarantineBudget(fleet, SETTINGS, clock=clock)
     change = plan(NodeView(name="b", boot_id="boot"), sick(), healthy_streak=0, settings=SETTINGS, now=NOW)
     b.gate(NodeView(name="b"), change, sick())

@@ -17,18 +17,11 @@ from gpuguard.node.budget import VERIFY_SETTLE, Budget
 from gpuguard.node.devicebudget import RuleBudget
 from gpuguard.node.devices import ANN_NODE_GPUS, DeviceRule, rule_name
 from gpuguard.node.view import ANN_DEFERRED, ANN_SINCE, TAINT_KEY, NodeView
+from harness.clock import Clock
 
 NODE = NodeView(name="node-b", boot_id="boot-1")
 SETTINGS = NodeSettings(name="node-b", budget_recheck=60.0, max_quarantined="1")
 NOW = datetime(2026, 12, 3, 1, tzinfo=UTC)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def rule(node: str, device: str = "gpu-0", *, since: str = "2026-12-03T00:00:00Z", **kw: Any) -> DeviceRule:
@@ -95,7 +88,7 @@ def make(fleet: Fleet, clock: Clock, *, budget: bool = True) -> RuleBudget:
 
 
 def test_a_deferred_rule_asks_for_room_at_most_once_per_recheck_interval_and_again_at_exactly_it() -> None:
-    clock, fleet = Clock(), Fleet(Budget(quarantined=1, limit=1))
+    clock, fleet = Clock(1000.0), Fleet(Budget(quarantined=1, limit=1))
     b = make(fleet, clock)
     deferred = rule("node-b", effect="None", annotations={ANN_DEFERRED: "x"})
     assert b.room(NODE, deferred, node_gpus=8) is False
@@ -108,7 +101,7 @@ def test_a_deferred_rule_asks_for_room_at_most_once_per_recheck_interval_and_aga
 
 
 def test_a_new_fault_asks_for_room_every_time_without_the_throttle() -> None:
-    clock, fleet = Clock(), Fleet(Budget(quarantined=0, limit=1))
+    clock, fleet = Clock(1000.0), Fleet(Budget(quarantined=0, limit=1))
     b = make(fleet, clock)
     assert b.room(NODE, None, node_gpus=8) and b.room(NODE, None, node_gpus=8)
     assert fleet.reads == 2
@@ -137,12 +130,12 @@ def test_a_new_fault_asks_for_room_every_time_without_the_throttle() -> None:
 def test_one_more_gpu_fits_when_the_shares_and_it_stay_within_the_limit(
     others: list[DeviceRule], node_gpus: int, room: bool
 ) -> None:
-    b = make(Fleet(Budget(quarantined=0, limit=1), others), Clock())
+    b = make(Fleet(Budget(quarantined=0, limit=1), others), Clock(1000.0))
     assert b.room(NODE, rule("node-b"), node_gpus=node_gpus) is room
 
 
 def test_no_budget_at_all_is_always_room_and_no_order_check() -> None:
-    clock, fleet = Clock(), Fleet(Budget(quarantined=5, limit=1))
+    clock, fleet = Clock(1000.0), Fleet(Budget(quarantined=5, limit=1))
     b = make(fleet, clock, budget=False)
     assert b.room(NODE, rule("node-b"), node_gpus=1) is True
     b.blocking(rule("node-b"))
@@ -152,7 +145,7 @@ def test_no_budget_at_all_is_always_room_and_no_order_check() -> None:
 
 
 def test_a_budget_source_that_answers_none_is_room_and_settles_the_order_check() -> None:
-    clock, fleet = Clock(), Fleet(None)
+    clock, fleet = Clock(1000.0), Fleet(None)
     b = make(fleet, clock)
     assert b.room(NODE, None, node_gpus=1) is True
     mine = rule("node-b")
@@ -165,13 +158,13 @@ def test_a_budget_source_that_answers_none_is_room_and_settles_the_order_check()
 
 
 def test_an_informational_rule_made_is_not_checked_in_the_order() -> None:
-    b = make(Fleet(Budget(quarantined=0, limit=1)), Clock())
+    b = make(Fleet(Budget(quarantined=0, limit=1)), Clock(1000.0))
     b.blocking(rule("node-b", effect="None"))
     assert not b.settling and b.verify(NODE, {}, Patches()) == []
 
 
 def test_the_order_check_steps_back_a_rule_past_the_limit_with_one_patch_and_returns_it() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     earlier = rule("node-a", since="2026-12-03T00:00:00Z")
     mine = rule("node-b", since="2026-12-03T00:00:01Z")
     b = make(Fleet(Budget(quarantined=0, limit=1), [earlier]), clock)
@@ -200,7 +193,7 @@ def test_the_order_check_steps_back_a_rule_past_the_limit_with_one_patch_and_ret
 
 
 def test_the_first_in_the_order_stays_and_is_checked_once_more_after_the_settle_time() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     fleet = Fleet(Budget(quarantined=0, limit=1), [])
     b = make(fleet, clock)
     mine = rule("node-b")
@@ -217,7 +210,7 @@ def test_the_first_in_the_order_stays_and_is_checked_once_more_after_the_settle_
 
 
 def test_a_failed_list_during_the_order_check_keeps_the_rule_fresh_and_checks_again_later() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     fleet = Fleet(Budget(quarantined=0, limit=1), [rule("node-a")])
     b = make(fleet, clock)
     mine = rule("node-b", since="2026-12-03T00:00:01Z")
@@ -230,7 +223,7 @@ def test_a_failed_list_during_the_order_check_keeps_the_rule_fresh_and_checks_ag
 
 
 def test_a_step_back_that_does_not_land_is_tried_again_at_the_settle_check() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make(Fleet(Budget(quarantined=0, limit=1), [rule("node-a")]), clock)
     mine = rule("node-b", since="2026-12-03T00:00:01Z")
     b.blocking(mine)
@@ -252,7 +245,7 @@ def test_a_step_back_that_does_not_land_is_tried_again_at_the_settle_check() -> 
 def test_a_rule_that_changed_between_the_write_and_the_check_is_not_stepped_back(
     changed: DeviceRule | None,
 ) -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make(Fleet(Budget(quarantined=0, limit=1), [rule("node-a")]), clock)
     mine = rule("node-b", since="2026-12-03T00:00:01Z")
     b.blocking(mine)
@@ -264,7 +257,7 @@ def test_a_rule_that_changed_between_the_write_and_the_check_is_not_stepped_back
 
 
 def test_with_nothing_fresh_the_check_reads_nothing_and_stops_settling() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     fleet = Fleet(Budget(quarantined=0, limit=1))
     b = make(fleet, clock)
     assert b.verify(NODE, {}, Patches()) == [] and fleet.reads == 0 and not b.settling
@@ -273,7 +266,7 @@ def test_with_nothing_fresh_the_check_reads_nothing_and_stops_settling() -> None
 def test_this_nodes_rules_count_as_its_own_writes_answered_not_as_the_fleets_list_had_them() -> None:
     """The fleet's list still has this node's rule blocking at an early since; the node's own answer has it
     deferred: only the node's own copy counts, so the other node's rule is not pushed past the limit."""
-    clock = Clock()
+    clock = Clock(1000.0)
     stale_mine = rule("node-b", "gpu-1", since="2026-12-02T00:00:00Z")
     fresh_mine = rule(
         "node-b", "gpu-1", since="2026-12-02T00:00:00Z", effect="None", annotations={ANN_DEFERRED: "x"}
@@ -287,7 +280,7 @@ def test_this_nodes_rules_count_as_its_own_writes_answered_not_as_the_fleets_lis
 def test_a_rule_that_settled_is_not_checked_again_with_the_next_fresh_rule() -> None:
     """Kept at both checks, rule 1 settles; a later rule's check must not step it back, even if the fleet has
     changed since (the order is only ever checked for rules just made blocking)."""
-    clock = Clock()
+    clock = Clock(1000.0)
     fleet = Fleet(Budget(quarantined=0, limit=2), [])
     b = make(fleet, clock)
     first = rule("node-b", "gpu-1", annotations={ANN_NODE_GPUS: "2", ANN_SINCE: "2026-12-03T00:00:01Z"})
@@ -307,7 +300,7 @@ def test_a_rule_that_settled_is_not_checked_again_with_the_next_fresh_rule() -> 
 
 
 def test_a_failed_list_at_the_settle_check_keeps_checking() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     fleet = Fleet(Budget(quarantined=0, limit=1), [])
     b = make(fleet, clock)
     mine = rule("node-b", since="2026-12-03T00:00:01Z")
@@ -323,7 +316,7 @@ def test_a_failed_list_at_the_settle_check_keeps_checking() -> None:
 
 
 def test_a_rule_gone_before_its_first_check_leaves_nothing_to_settle() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make(Fleet(Budget(quarantined=0, limit=1), [rule("node-a")]), clock)
     mine = rule("node-b", since="2026-12-03T00:00:01Z")
     b.blocking(mine)
@@ -346,7 +339,7 @@ def test_a_stepped_back_rule_says_how_many_nodes_worth_came_before_it(ahead: lis
         budget=fleet.budget,
         order=lambda: [],
         now=lambda: NOW,
-        clock=Clock(),
+        clock=Clock(1000.0),
     )
     b.blocking(mine)
     patch = Patches()

@@ -54,6 +54,7 @@ from gpuguard.node.view import TAINT_KEY, NodeView, Taint
 from gpuguard.nvml.mock import MockBackend, parse_scenario
 from gpuguard.policy import evaluate
 from gpuguard.state import StateStore
+from harness.clock import Clock
 from harness.dra import DRIVER, gpu_uuid, nvidia_slice
 from harness.fakes import FakeDeviceSource, FakeNodeWriter
 
@@ -61,14 +62,6 @@ NODE = "gpu-node-1"
 SETTINGS = NodeSettings(name=NODE, retry_max_wait=0.01, recover_after=2)
 UUIDS = [gpu_uuid(NODE, i) for i in range(8)]
 NOW = datetime(2026, 12, 3, 1, tzinfo=UTC)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def reading(i: int, **kw: object) -> GpuReading:

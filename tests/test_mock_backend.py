@@ -8,18 +8,11 @@ import pytest
 
 from gpuguard.errors import ScenarioError
 from gpuguard.nvml.mock import MockBackend, load_scenario, parse_scenario
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from harness.clock import Clock
 
 
 def backend(text: str) -> tuple[MockBackend, Clock]:
-    clock = Clock()
+    clock = Clock(100.0)
     b = MockBackend(parse_scenario(text), clock=clock, start_timer=False)
     b.open(lambda: None)
     return b, clock

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import MutableMapping
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -20,6 +20,7 @@ from gpuguard.node.budget import QuarantineBudget
 from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.view import TAINT_KEY, NodeView, Taint
 from gpuguard.policy import evaluate
+from harness.clock import Clock
 from harness.fakes import FakeNodeWriter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -381,21 +382,9 @@ def test_a_fault_added_to_a_cordoned_node_is_logged_with_the_node_still_cordoned
     assert w.node.unschedulable
 
 
-class Clock:
-    """One clock for the reconciler's monotonic time and its wall time (the `since` it writes)."""
-
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-    def wall(self) -> datetime:
-        return datetime(2026, 12, 4, tzinfo=UTC) + timedelta(seconds=self.t)
-
-
 def make_clocked(**kw: object) -> tuple[FakeNodeWriter, NodeReconciler, Clock]:
-    clock = Clock()
+    """The reconciler's monotonic time and its wall time (the `since` it writes) on one clock."""
+    clock = Clock(1000.0, epoch=datetime(2026, 12, 4, tzinfo=UTC))
     writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))
     r = NodeReconciler(writer, SETTINGS, clock=clock, now=clock.wall, **kw)  # type: ignore[arg-type]
     return writer, r, clock
