@@ -67,7 +67,6 @@ TESTS = (
     "tests/test_other_nodes.py",
     "tests/test_fleet.py",
     "tests/test_devicewriters.py",
-    "tests/test_review_defects.py",
     "tests/test_listwatch.py",
     "tests/test_agent.py",
     "tests/test_mock_backend.py",

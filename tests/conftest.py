@@ -1,8 +1,11 @@
-"""Shared fixtures: the fake NVML library, built once per session with the machine's gcc."""
+"""Shared fixtures: the fake NVML library, built once per session with the machine's gcc, and an environment
+without the agent's settings or a proxy."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,3 +20,19 @@ def fakenvml() -> Path:
     subprocess.run([str(ROOT / "tests" / "fakenvml" / "build.sh"), str(FAKENVML_DIR)], check=True)
     assert (FAKENVML_DIR / "libnvidia-ml.so.1").is_file()
     return FAKENVML_DIR
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """No GPUGUARD_* variable, NODE_NAME or proxy setting of the caller's environment; set them on the
+    monkeypatch it yields."""
+    for k in list(os.environ):
+        if k.startswith("GPUGUARD_") or k in (
+            "NODE_NAME",
+            "HTTPS_PROXY",
+            "https_proxy",
+            "NO_PROXY",
+            "no_proxy",
+        ):
+            monkeypatch.delenv(k)
+    yield monkeypatch

@@ -5,6 +5,7 @@ the pure parts' exact texts and bounds."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -259,6 +260,18 @@ def test_a_step_back_of_a_node_without_a_recorded_reason_says_only_why() -> None
 @pytest.mark.parametrize(("spec", "nodes", "expected"), [("50%", 202, 101), ("1%", 10100, 101), ("7", 3, 7)])
 def test_a_percentage_budget_is_exact(spec: str, nodes: int, expected: int) -> None:
     assert budget_limit(spec, nodes) == expected
+
+
+# Issue 12's review, defect 5: percentages in floats.
+def test_defect_05_percentage_budgets_are_exact_not_floats() -> None:
+    assert budget_limit("8.8%", 375) == 33  # floats: 34
+    wrong = [
+        (f"{tenths / 10}%", size)
+        for tenths in range(0, 1001)
+        for size in range(1, 401)
+        if budget_limit(f"{tenths / 10}%", size) != -(-(Fraction(tenths, 10) * size) // 100)
+    ]
+    assert wrong == []
 
 
 def test_an_unquarantined_node_in_the_list_does_not_hide_the_claims_after_it() -> None:

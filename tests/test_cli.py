@@ -1,5 +1,6 @@
 """The CLI as users run it (subprocesses): exit codes, one-line errors without tracebacks, and
-`watch --dry-run` on the mock backend showing faults on /healthz within two intervals."""
+`watch --dry-run` on the mock backend showing faults on /healthz within two intervals; and the settings
+`watch` takes from its flags and the environment (in process, as click reads them)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from gpuguard import cli
+from gpuguard.config import Config
 from harness.agentproc import WatchProcess, healthz, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -288,6 +291,42 @@ def test_watch_logs_the_exact_change_it_would_make_in_dry_run(tmp_path: Path) ->
     assert "check.completed" not in names  # nothing per healthy tick above debug
 
 
+# Issue 12's review, defect 13: logs.
+def test_defect_13_each_log_line_names_one_fault_one_node_and_a_structured_patch(tmp_path: Path) -> None:
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(
+        "gpus: 6\nevents:\n"
+        "  - {at: 0.2, gpu: 3, ecc_uncorrected: 2}\n"
+        "  - {at: 0.6, gpu: 5, xid: 79}\n"
+        "  - {at: 1.0, gpu: 1, ecc_uncorrected: 1}\n"
+    )
+    p = WatchProcess(
+        *(
+            "--dry-run",
+            "--backend",
+            "mock",
+            "--scenario",
+            str(scenario),
+            "--interval",
+            "0.1",
+            "--run-for",
+            "1.8",
+        )
+    ).start()
+    assert p.wait(30) == 0, p.lines[-10:]
+    lines = p.lines
+    added = [e for e in lines if e["event"] == "node.fault_added"]
+    assert len(added) == 2
+    for e in [*added, *(e for e in lines if e["event"] == "node.tainted")]:
+        # reason, GPU, UUID and detail are of one and the same fault
+        assert e["detail"].startswith(f"{e['reason']}: ") and f"GPU {e['gpu']}, {e['uuid']}" in e["detail"], e
+    assert {e["node"] for e in lines if "node" in e} == {"dry-run"}
+    patches = [e["patch"] for e in lines if e["event"] == "node.dry_run"]
+    assert patches and all(isinstance(p, dict) for p in patches)
+    conditions = [e["condition"] for e in lines if e["event"] == "node.dry_run_condition"]
+    assert conditions and all(isinstance(c, dict) for c in conditions)
+
+
 def test_sigterm_stops_watch_promptly_with_exit_0(tmp_path: Path) -> None:
     s = write(tmp_path, "gpus: 1")
     with watching(s, "--interval", "3") as (p, _):
@@ -310,6 +349,33 @@ def test_env_vars_configure_every_flag(tmp_path: Path) -> None:
         },
     )
     assert r.returncode == 1 and "expected 4 GPUs" in r.stdout
+
+
+def watch_config(*args: str) -> Config:
+    """The settings `gpuguard watch ARGS` would run with (flags and the environment, as click reads them)."""
+    ctx = cli.watch.make_context("watch", list(args))
+    with ctx:
+        return cli._config(ctx.params, watch=True)
+
+
+# Issue 12's review, defect 15: empty environment values.
+def test_defect_15_empty_environment_values_behave_like_the_empty_flags(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    clean_env.setenv("GPUGUARD_STATE_DIR", "")
+    clean_env.setenv("GPUGUARD_IGNORE_XIDS", "")
+    cfg = watch_config("--node", "gpu-1")
+    flags = watch_config("--node", "gpu-1", "--state-dir", "", "--ignore-xids", "")
+    assert cfg == flags
+    assert cfg.state_dir is None and cfg.policy.ignored_xids == frozenset()
+
+
+# Issue 12's review, defect 12: the mock backend and the host's state directory.
+def test_defect_12_a_mock_run_without_dry_run_keeps_no_state_in_the_hosts_directory(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    cfg = watch_config("--backend", "mock", "--node", "gpu-1")
+    assert cfg.state_dir is None
 
 
 # -- wording an operator reads ------------------------------------------------------------------------------

@@ -302,6 +302,12 @@ def test_defect_04_the_budget_counts_the_nodes_of_the_charts_node_selector(helm:
     assert _env(everywhere)["GPUGUARD_GPU_NODE_SELECTOR"] == ""  # every node
 
 
+# Issue 12's review, defect 14: IPv6.
+def test_defect_14_the_chart_does_not_hard_code_an_ipv4_listen_address() -> None:
+    template = (ROOT / "deploy/helm/gpuguard/templates/daemonset.yaml").read_text()
+    assert "0.0.0.0" not in template
+
+
 def test_the_watch_command_accepts_what_the_chart_renders(
     helm: Helm, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -22,6 +22,7 @@ import yaml
 
 from gpuguard.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
 from gpuguard.kube import client as kubeclient
+from gpuguard.kube import kubeconfig
 from gpuguard.kube import kubeconfig as kc
 from gpuguard.node.budget import Budget
 from gpuguard.node.view import EventSpec, NodeView
@@ -32,7 +33,7 @@ from harness.fakes import http_server, self_signed_pem
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def kubeconfig(tmp_path: Path, user: dict[str, Any], cluster: dict[str, Any] | None = None) -> Path:
+def write_kubeconfig(tmp_path: Path, user: dict[str, Any], cluster: dict[str, Any] | None = None) -> Path:
     doc = {
         "apiVersion": "v1",
         "kind": "Config",
@@ -58,7 +59,7 @@ _WELL_FORMED = (
 def test_a_token_kubeconfig_with_a_relative_ca_path_is_read_without_the_kubernetes_package(
     tmp_path: Path,
 ) -> None:
-    path = kubeconfig(
+    path = write_kubeconfig(
         tmp_path, {"token": "abc"}, {"server": "https://k:6443", "certificate-authority": "ca.pem"}
     )
     (tmp_path / "ca.pem").write_bytes(self_signed_pem()[0])
@@ -72,7 +73,7 @@ def test_embedded_certificates_become_private_files(tmp_path: Path) -> None:
     ca, (cert, key) = self_signed_pem("ca")[0], self_signed_pem("client")
     pems = {"ca": ca, "cert": cert, "key": key}
     data = {k: base64.b64encode(v).decode() for k, v in pems.items()}
-    path = kubeconfig(
+    path = write_kubeconfig(
         tmp_path,
         {"client-certificate-data": data["cert"], "client-key-data": data["key"]},
         {"server": "https://k", "certificate-authority-data": data["ca"]},
@@ -181,9 +182,43 @@ def test_an_exec_plugin_user_goes_through_the_kubernetes_loader_and_its_token_is
             "interactiveMode": "Never",
         }
     }
-    creds = kc.from_kubeconfig(str(kubeconfig(tmp_path, user)))
+    creds = kc.from_kubeconfig(str(write_kubeconfig(tmp_path, user)))
     assert creds.authorization is not None and creds.authorization() == "Bearer from-exec"
     assert creds.server == "https://10.0.0.1:6443"
+
+
+# Issue 12's review, defect 15: proxies.
+def test_defect_15_a_plain_kubeconfig_honours_https_proxy_and_no_proxy(
+    tmp_path: Path, clean_env: pytest.MonkeyPatch
+) -> None:
+    cluster = {"server": "https://api.cluster.example:6443", "insecure-skip-tls-verify": True}
+    path = str(write_kubeconfig(tmp_path, {"token": "t"}, cluster))
+    clean_env.setenv("HTTPS_PROXY", "http://proxy.corp.example:3128")
+    assert kubeconfig.from_kubeconfig(path).proxy == "http://proxy.corp.example:3128"
+    clean_env.setenv("NO_PROXY", "localhost,.cluster.example")
+    assert kubeconfig.from_kubeconfig(path).proxy is None
+
+
+def test_defect_15_an_exec_plugin_kubeconfig_honours_no_proxy(
+    tmp_path: Path, clean_env: pytest.MonkeyPatch
+) -> None:
+    credential = json.dumps(
+        {"apiVersion": "client.authentication.k8s.io/v1", "kind": "ExecCredential", "status": {"token": "t"}}
+    )
+    plugin = {
+        "apiVersion": "client.authentication.k8s.io/v1",
+        "command": sys.executable,
+        "args": ["-c", f"print({credential!r})"],
+        "interactiveMode": "Never",
+    }
+    cluster = {"server": "https://10.20.30.40:6443", "insecure-skip-tls-verify": True}
+    path = str(write_kubeconfig(tmp_path, {"exec": plugin}, cluster))
+    clean_env.setenv("HTTPS_PROXY", "http://proxy.corp.example:3128")
+    creds = kubeconfig.from_kubeconfig(path)
+    assert creds.proxy == "http://proxy.corp.example:3128"
+    assert creds.authorization is not None and creds.authorization() == "Bearer t"
+    clean_env.setenv("NO_PROXY", "10.0.0.0/8")
+    assert kubeconfig.from_kubeconfig(path).proxy is None
 
 
 def test_in_cluster_reads_the_service_account_files_and_brackets_ipv6(
@@ -212,7 +247,7 @@ def test_in_cluster_without_a_token_is_a_config_error(
 
 
 def test_the_cli_never_imports_the_kubernetes_package_for_a_token_kubeconfig(tmp_path: Path) -> None:
-    path = kubeconfig(tmp_path, {"token": "abc"}, {"server": "http://127.0.0.1:9"})
+    path = write_kubeconfig(tmp_path, {"token": "abc"}, {"server": "http://127.0.0.1:9"})
     code = (
         "import sys; import gpuguard.node.writers; from gpuguard.kube.client import load; load(sys.argv[1]); "
         "print('kubernetes' in sys.modules)"

@@ -335,6 +335,16 @@ def test_the_agent_runs_only_on_gpu_nodes() -> None:
     assert _pod_spec()["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
 
 
+# Issue 12's review, defect 4: the budget's GPU nodes and the DaemonSet's.
+def test_defect_04_the_manifests_budget_counts_the_nodes_of_its_node_selector() -> None:
+    docs = list(yaml.safe_load_all((ROOT / "deploy/daemonset.yaml").read_text()))
+    pod = next(d for d in docs if d and d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    agent = next(c for c in pod["containers"] if c["name"] == "gpuguard")
+    env = {e["name"]: e.get("value") for e in agent["env"]}
+    selector = ",".join(f"{k}={v}" for k, v in sorted(pod["nodeSelector"].items()))
+    assert env["GPUGUARD_GPU_NODE_SELECTOR"] == selector
+
+
 @pytest.mark.parametrize("effect", TAINT_EFFECTS)
 def test_the_agent_tolerates_its_own_taint_with_every_effect(effect: str) -> None:
     tolerations = _pod_spec()["tolerations"]

@@ -14,11 +14,12 @@ from structlog.testing import capture_logs
 
 from gpuguard.config import NodeSettings, PolicySettings
 from gpuguard.errors import ConflictError, PermanentApiError, TransientApiError
-from gpuguard.model import GpuReading, Snapshot
+from gpuguard.model import GpuReading, Snapshot, XidEvent
 from gpuguard.node.apistate import REFUSAL_BACKOFF
 from gpuguard.node.budget import QuarantineBudget
 from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.view import TAINT_KEY, NodeView, Taint
+from gpuguard.node.writers import DryRunNodeWriter
 from gpuguard.policy import evaluate
 from harness.clock import Clock
 from harness.fakes import FakeNodeWriter
@@ -380,6 +381,27 @@ def test_a_fault_added_to_a_cordoned_node_is_logged_with_the_node_still_cordoned
     assert (lines["node.tainted"]["cordoned"], lines["node.tainted"]["uncordoned"]) == (True, False)
     assert (lines["node.fault_added"]["cordoned"], lines["node.fault_added"]["uncordoned"]) == (True, False)
     assert w.node.unschedulable
+
+
+# Issue 12's review, defect 13: logs.
+def test_defect_13_the_fault_added_line_is_about_the_fault_it_added() -> None:
+    writer = DryRunNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))
+    r = NodeReconciler(writer, NodeSettings(name="gpu-1", dry_run=True))
+    healthy = (GpuReading(index=0, uuid="GPU-a"), GpuReading(index=1, uuid="GPU-b"))
+    first = evaluate(
+        Snapshot(gpus=healthy, xids=(XidEvent(0, "GPU-a", 79),)), previous=None, settings=PolicySettings()
+    )
+    sick = (healthy[0], GpuReading(index=1, uuid="GPU-b", ecc_uncorrected=4))
+    second = evaluate(Snapshot(gpus=sick), previous=first, settings=PolicySettings())
+    assert {f.reason for f in second.faults} == {"xid-79", "ecc"}  # the taint still names the Xid
+    with capture_logs() as logs:
+        for v in (first, second):
+            r.submit(v, 0)
+            r.reconcile_now()
+    added = [e for e in logs if e["event"] == "node.fault_added"]
+    assert len(added) == 1
+    assert (added[0]["reason"], added[0]["gpu"], added[0]["uuid"]) == ("ecc", 1, "GPU-b")
+    assert added[0]["detail"].startswith("ecc: 4 uncorrected")
 
 
 def make_clocked(**kw: object) -> tuple[FakeNodeWriter, NodeReconciler, Clock]:

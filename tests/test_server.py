@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
+import urllib.request
 from datetime import UTC, datetime
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gpuguard.config import PolicySettings
+from gpuguard import cli
+from gpuguard.config import PolicySettings, parse_listen
 from gpuguard.metrics import Metrics
 from gpuguard.model import AgentStatus, ApiHealth, GpuQuarantine, GpuReading, Snapshot
 from gpuguard.policy import evaluate
@@ -166,3 +169,53 @@ def test_only_get_and_head_are_allowed(server: HealthServer, method: str) -> Non
 def test_head_has_no_body(server: HealthServer) -> None:
     code, body = get(server, "/healthz", "HEAD")
     assert code == 200 and body == b""
+
+
+# -- issue 12's review, defect 14: IPv6 --------------------------------------------------------------------
+
+STATUS = AgentStatus(
+    alive=True,
+    ready=True,
+    node="n",
+    verdict=None,
+    tainted=False,
+    cordoned=False,
+    dry_run=True,
+    last_check=None,
+)
+
+
+def _get(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=3) as resp:
+        return int(resp.status)
+
+
+def _has_ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6(), reason="no IPv6 loopback on this machine")
+def test_defect_14_the_server_listens_on_an_ipv6_address() -> None:
+    server = HealthServer(lambda: STATUS, **vars(parse_listen("[::1]:0")))
+    server.start()
+    try:
+        assert _get(f"http://[::1]:{server.port}/healthz") == 200
+    finally:
+        server.stop()
+
+
+@pytest.mark.skipif(not _has_ipv6(), reason="no IPv6 loopback on this machine")
+def test_defect_14_the_default_listen_address_serves_ipv4_and_ipv6_probes() -> None:
+    settings = parse_listen(cli.DEFAULT_LISTEN)
+    server = HealthServer(lambda: STATUS, host=settings.host, port=0)
+    server.start()
+    try:
+        assert _get(f"http://127.0.0.1:{server.port}/healthz") == 200
+        assert _get(f"http://[::1]:{server.port}/healthz") == 200
+    finally:
+        server.stop()

@@ -289,11 +289,25 @@ def test_a_file_of_another_backend_is_never_restored(tmp_path: Path) -> None:
     assert StateStore(tmp_path, boot_id="b", backend="mock").load() == (XID,)
 
 
+# Issue 12's review, defect 12: the mock backend and the host's state directory.
+def test_defect_12_faults_a_mock_run_saved_are_never_restored_by_a_real_run(tmp_path: Path) -> None:
+    StateStore(tmp_path, boot_id="boot-1", backend="mock").save((XID,))
+    assert StateStore(tmp_path, boot_id="boot-1", backend="nvml").load() == ()
+
+
 def test_the_hosts_boot_id_is_read_stripped_and_an_unreadable_one_is_empty(tmp_path: Path) -> None:
     (tmp_path / "boot_id").write_text("0e9b6a2c-1d4e\n")
     assert read_boot_id(str(tmp_path / "boot_id")) == "0e9b6a2c-1d4e"
     assert read_boot_id(str(tmp_path / "missing")) == ""
     assert read_boot_id(str(tmp_path)) == ""  # a directory: unreadable as a file
+
+
+# Issue 12's review, defect 11: an unreadable boot ID.
+def test_defect_11_an_unreadable_boot_id_never_carries_faults_across_a_reboot(tmp_path: Path) -> None:
+    unreadable = str(tmp_path / "no-such-boot-id")
+    StateStore(tmp_path / "state", boot_id=read_boot_id(unreadable)).save((XID,))
+    # The host rebooted; its boot ID is still unreadable: nothing proves this is the same boot.
+    assert StateStore(tmp_path / "state", boot_id=read_boot_id(unreadable)).load() == ()
 
 
 def test_without_a_boot_id_nothing_is_written_or_read_and_it_says_so(tmp_path: Path) -> None:
