@@ -440,7 +440,7 @@ def test_nothing_to_yield_on_a_node_that_is_not_fully_quarantined_by_us() -> Non
     assert plan_yield(node(), ahead=9, limit=1, settings=SETTINGS) is None
 
 
-# -- the planner's side of the review's fixes (the Node itself: tests/integration/test_review_defects.py) --
+# -- the planner's side of the review's fixes (the Node itself: tests/integration/test_agent_cluster.py) -----
 
 
 def rebooted(n: NodeView, boot_id: str = "boot-b") -> NodeView:

@@ -1,5 +1,5 @@
 """Shared fixtures of the integration tests: the deploy manifests applied once, and agents started as the
-DaemonSet's ServiceAccount on nodes the tests create."""
+DaemonSet's ServiceAccount on nodes the tests create; and the node readers the review-defect tests share."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import kubernetes
 import pytest
 
 from gpuguard import __version__
-from harness.kube import GPUS_OK, Admin, Agent, agent_as_node, eventually
+from harness.kube import GPUS_OK, TAINT_KEY, Admin, Agent, agent_as_node, eventually
 
 USER_AGENT = f"gpuguard/{__version__}"
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
@@ -84,3 +84,31 @@ def start_agent(
         for line in a.lines:
             if line.get("level") in ("warning", "error") or line.get("event") == "non-json":
                 print(a.node, line)
+
+
+# -- what the tests of issue 12's review share ------------------------------------------------------------
+
+# How soon the agent sees what others changed on its node, passed as an environment variable, not a flag, so
+# that the same test runs against a version without the setting and fails there for the defect's own reason.
+RESYNC = {"GPUGUARD_NODE_RESYNC": "0.3"}
+ECC = GPUS_OK.replace("GPU-it-0", "GPU-it-0 ecc=2")
+LABEL = "gpuguard.io/quarantined"  # the budget's label
+
+
+def labels(admin: Admin, node: str) -> dict[str, str]:
+    return admin.node(node)["metadata"].get("labels") or {}
+
+
+def annotations_of(admin: Admin, node: str) -> dict[str, str]:
+    return admin.node(node)["metadata"].get("annotations") or {}
+
+
+def remove_our_taint(admin: Admin, node: str) -> None:
+    admin.update_node(
+        node,
+        lambda n: {"spec": {"taints": [t for t in n["spec"].get("taints") or [] if t["key"] != TAINT_KEY]}},
+    )
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{time.monotonic_ns() % 10**9}"

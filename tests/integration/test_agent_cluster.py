@@ -29,7 +29,18 @@ from harness.kube import (
     token_kubeconfig,
     unique_node,
 )
-from tests.integration.fixtures import USER_AGENT, WRITE_VERBS, admin, start_agent  # noqa: F401
+from tests.integration.fixtures import (  # noqa: F401
+    ECC,
+    LABEL,
+    RESYNC,
+    USER_AGENT,
+    WRITE_VERBS,
+    admin,
+    annotations_of,
+    labels,
+    remove_our_taint,
+    start_agent,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -119,6 +130,73 @@ def test_a_fatal_xid_taints_and_recovers_only_after_the_boot_id_changes(
     )
 
 
+# Issue 12's review, defect 2.
+def test_defect_02_the_same_fault_in_a_new_boot_taints_again(admin: Admin, start_agent: Any) -> None:
+    agent, node, state = start_agent(boot_id="boot-a", env=RESYNC)
+    state.write_text(GPUS_OK + "xid 0 79\n")
+    eventually(lambda: admin.our_taint(node), 10, what="taint")
+    remove_our_taint(admin, node)
+    time.sleep(1.0)
+    assert admin.our_taint(node) is None  # overridden for this boot
+    agent.stop()
+    # The node reboots, and Xid 79 comes again on the same GPU, before anything could recover the node
+    # (the driver delivers an Xid only to a process registered for it: written once the agent is up).
+    admin.set_boot_id(node, "boot-b")
+    state.write_text(GPUS_OK)
+    slow = ("--recover-after", "50")
+    start_agent(node=node, state=state, host_boot_id="host-boot-2", env=RESYNC, args=slow)
+    state.write_text(GPUS_OK + "xid 0 79\n")
+    taint = eventually(lambda: admin.our_taint(node), 10, what="taint in the new boot")
+    assert taint["value"] == "xid-79"
+    assert annotations_of(admin, node)["gpuguard.io/boot-id"] == "boot-b"
+
+
+# Issue 12's review, defect 3.
+def test_defect_03_a_fault_that_recurs_after_a_reboot_records_the_new_boot(
+    admin: Admin, start_agent: Any
+) -> None:
+    agent, node, state = start_agent(boot_id="boot-a")
+    state.write_text(GPUS_OK + "xid 0 79\n")
+    eventually(lambda: admin.our_taint(node), 10, what="taint")
+    agent.stop()
+    # The node reboots; the Xid recurs before anything could recover the node (the driver delivers it only
+    # to a registered process: written once the new agent is up).
+    admin.set_boot_id(node, "boot-b")
+    state.write_text(GPUS_OK)
+    slow = ("--recover-after", "50")
+    again, _, _ = start_agent(node=node, state=state, host_boot_id="host-boot-2", args=slow)
+    state.write_text(GPUS_OK + "xid 0 79\n")
+    eventually(
+        lambda: annotations_of(admin, node).get("gpuguard.io/boot-id") == "boot-b",
+        10,
+        what="the new boot recorded",
+    )
+    again.stop()
+    # An agent restart without durable state: the driver does not replay the Xid, the GPUs read healthy,
+    # the boot is the same. Nothing proves the fault gone.
+    state.write_text(GPUS_OK)
+    start_agent(node=node, state=state, host_boot_id="host-boot-2", args=("--state-dir", ""))
+    time.sleep(2.0)  # 10 intervals, 5x --recover-after
+    assert admin.our_taint(node) is not None
+
+
+# Issue 12's review, defect 9.
+def test_defect_09_a_boot_id_the_kubelet_posts_late_still_lets_the_node_recover(
+    admin: Admin, start_agent: Any
+) -> None:
+    agent, node, state = start_agent(boot_id="boot-a", env=RESYNC)
+    state.write_text(GPUS_OK + "xid 0 79\n")
+    eventually(lambda: admin.our_taint(node), 10, what="taint")
+    agent.stop()
+    # The node reboots; the new agent reads the node before the kubelet has posted the new bootID.
+    state.write_text(GPUS_OK)
+    start_agent(node=node, state=state, host_boot_id="host-boot-2", env=RESYNC)
+    time.sleep(1.0)
+    assert admin.our_taint(node) is not None  # no proof of a reboot yet
+    admin.set_boot_id(node, "boot-b")
+    eventually(lambda: admin.our_taint(node) is None, 10, what="recovery once the new bootID is posted")
+
+
 def test_ecc_recovers_after_a_counter_reset_and_an_admins_cordon_survives(
     admin: Admin, start_agent: Any
 ) -> None:
@@ -129,6 +207,20 @@ def test_ecc_recovers_after_a_counter_reset_and_an_admins_cordon_survives(
     state.write_text(GPUS_OK)  # driver reload: volatile counter back to 0
     eventually(lambda: admin.our_taint(node) is None, 10, what="recovery")
     assert admin.node(node)["spec"]["unschedulable"] is True
+
+
+# Issue 12's review, defect 6.
+def test_defect_06_recovery_never_lifts_an_admins_later_cordon(admin: Admin, start_agent: Any) -> None:
+    _, node, state = start_agent(env=RESYNC)
+    state.write_text(ECC)
+    eventually(lambda: admin.our_taint(node), 10, what="taint")
+    assert admin.node(node)["spec"]["unschedulable"] is True
+    admin.update_node(node, lambda n: {"spec": {"unschedulable": False}})  # the admin uncordons
+    time.sleep(1.0)  # a few of the agent's re-reads
+    admin.update_node(node, lambda n: {"spec": {"unschedulable": True}})  # and cordons for maintenance
+    state.write_text(GPUS_OK)  # the ECC counter is reset
+    eventually(lambda: admin.our_taint(node) is None, 10, what="recovery")
+    assert admin.node(node)["spec"].get("unschedulable") is True, "the admin's maintenance cordon was lifted"
 
 
 def test_a_taint_removed_by_hand_is_not_re_added_for_the_same_fault_only_for_a_new_one(
@@ -150,6 +242,31 @@ def test_a_taint_removed_by_hand_is_not_re_added_for_the_same_fault_only_for_a_n
     # The agent logs after the API answered: the taint can be visible a moment before the line is written.
     eventually(lambda: len(agent.events("node.tainted")) == 2, 5, what="the second node.tainted log line")
     assert len(agent.events("node.tainted")) == 2
+
+
+# Issue 12's review, defect 1.
+def test_defect_01_operator_removed_taint_does_not_spend_budget(admin: Admin, start_agent: Any) -> None:
+    _, node, state = start_agent(env=RESYNC)
+    state.write_text(ECC)
+    eventually(lambda: admin.our_taint(node), 10, what="taint")
+    assert labels(admin, node)[LABEL] == "true"
+    remove_our_taint(admin, node)
+    # The label is what the budget counts (and what `gpuguard status` lists): it goes with the taint.
+    eventually(lambda: LABEL not in labels(admin, node), 5, what="the budget's label removed")
+    assert annotations_of(admin, node)["gpuguard.io/faults"] == "ecc/GPU-it-0"  # the same fault: no new taint
+    time.sleep(1.0)
+    assert admin.our_taint(node) is None and LABEL not in labels(admin, node)
+
+
+# Issue 12's review, defect 7.
+def test_defect_07_a_gpu_unhealthy_taint_gpuguard_did_not_place_is_left_alone(
+    admin: Admin, start_agent: Any
+) -> None:
+    manual = {"key": TAINT_KEY, "value": "manual", "effect": "NoSchedule"}
+    agent, node, _ = start_agent(taints=[manual])
+    time.sleep(2.0)  # 10 healthy checks, 5x --recover-after
+    assert admin.our_taint(node) == manual
+    assert agent.healthz()[1]["tainted"] is False  # not gpuguard's quarantine
 
 
 def test_concurrent_writers_lose_no_update(admin: Admin, control_plane: Any, start_agent: Any) -> None:

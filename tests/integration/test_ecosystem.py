@@ -8,12 +8,21 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from harness.kube import GPUS_OK, ROOT, Admin, eventually
-from tests.integration.fixtures import admin, start_agent  # noqa: F401
+from tests.integration.fixtures import (  # noqa: F401
+    ECC,
+    LABEL,
+    RESYNC,
+    admin,
+    labels,
+    remove_our_taint,
+    start_agent,
+)
 
 pytestmark = pytest.mark.timeout(180)
 GATE = {"key": "gpuguard.io/unverified", "effect": "NoSchedule"}
@@ -65,6 +74,19 @@ def test_a_broken_gpu_adds_the_unhealthy_taint_and_keeps_the_startup_gate(
     assert (admin.our_taint(node) or {}).get("value") == "gpu-lost"
 
 
+# Issue 12's review, defect 8.
+def test_defect_08_a_never_verified_node_stays_gated_when_the_budget_is_spent(
+    admin: Admin, start_agent: Any, tmp_path: Path
+) -> None:
+    gate = {"key": "gpuguard.io/unverified", "effect": "NoSchedule"}
+    state = tmp_path / "gated.state"
+    state.write_text(ECC)  # the first check already finds the fault
+    _, node, _ = start_agent(state=state, taints=[gate], args=("--max-quarantined", "0"))
+    taint = eventually(lambda: admin.our_taint(node), 10, what="taint")
+    assert taint["effect"] == "PreferNoSchedule" and labels(admin, node)[LABEL] == "deferred"
+    assert gate in admin.node(node)["spec"]["taints"]
+
+
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         return str(r.read().decode())
@@ -106,6 +128,24 @@ def test_metrics_show_every_documented_series_and_change_on_a_fault(admin: Admin
     assert sample(after, "gpuguard_node_quarantined") == 1.0
     assert (sample(after, "gpuguard_api_requests_total", verb="patch", code="200") or 0) >= 1
     assert "gpuguard_api_retries_total" in after
+
+
+def _quarantined_metric(port: int) -> float:
+    # The real agent's gauge: dry_run="false" (a dry run exports dry_run="true").
+    gauge = 'gpuguard_node_quarantined{dry_run="false"} '
+    line = next(x for x in scrape(port).splitlines() if x.startswith(gauge))
+    return float(line.split()[1])
+
+
+# Issue 12's review, defect 9.
+def test_defect_09_healthz_and_metrics_follow_an_operators_override(admin: Admin, start_agent: Any) -> None:
+    agent, node, state = start_agent(env=RESYNC)
+    state.write_text(ECC)
+    eventually(lambda: agent.healthz()[1]["tainted"], 10, what="tainted on /healthz")
+    eventually(lambda: _quarantined_metric(agent.port) == 1, 5, what="gpuguard_node_quarantined 1")
+    remove_our_taint(admin, node)
+    eventually(lambda: agent.healthz()[1]["tainted"] is False, 5, what="/healthz after the override")
+    eventually(lambda: _quarantined_metric(agent.port) == 0, 5, what="gpuguard_node_quarantined 0")
 
 
 def test_gpuguard_status_lists_the_quarantined_nodes(

@@ -28,7 +28,7 @@ from harness.kube import (
     eventually,
     token_kubeconfig,
 )
-from tests.integration.fixtures import admin, start_agent  # noqa: F401
+from tests.integration.fixtures import ECC, LABEL, admin, labels, start_agent, unique  # noqa: F401
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -179,6 +179,29 @@ def test_the_quarantine_budget_defers_and_then_escalates(
     nb = admin.node(node_b)
     assert nb["spec"]["unschedulable"] is True
     assert nb["metadata"]["labels"]["gpuguard.io/quarantined"] == "true"
+
+
+# Issue 12's review, defect 4: the budget's GPU nodes and the DaemonSet's.
+def test_defect_04_the_budget_counts_the_gpu_nodes_of_the_selector(admin: Admin, start_agent: Any) -> None:
+    pool = unique("pool")
+    provider = {"example.com/accelerator": pool}  # no nvidia.com/gpu.present label
+    kw: dict[str, Any] = {
+        "labels": provider,
+        "args": ("--max-quarantined", "50%"),  # 1 of these 2 nodes
+        "env": {"GPUGUARD_GPU_NODE_SELECTOR": f"example.com/accelerator={pool}"},
+    }
+    _, node_a, state_a = start_agent(**kw)
+    _, node_b, state_b = start_agent(**kw)
+    state_a.write_text(ECC)
+    assert eventually(lambda: admin.our_taint(node_a), 10, what="A quarantined")["effect"] == "NoSchedule"
+    # Other tests leave quarantined nodes behind, outside this pool: A's order check must not count them.
+    time.sleep(1.0)
+    assert labels(admin, node_a)[LABEL] == "true"
+    state_b.write_text(ECC)
+    taint_b = eventually(lambda: admin.our_taint(node_b), 10, what="B tainted")
+    assert taint_b["effect"] == "PreferNoSchedule"
+    assert labels(admin, node_b)[LABEL] == "deferred"
+    assert not admin.node(node_b)["spec"].get("unschedulable")
 
 
 def test_a_burst_past_the_budget_ends_with_exactly_the_budget_quarantined(

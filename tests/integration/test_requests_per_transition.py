@@ -5,6 +5,7 @@ list, the patch, the condition, the Event, and the order check's list."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections import Counter
@@ -14,9 +15,16 @@ from typing import Any
 import kubernetes
 import pytest
 
+from gpuguard.agent import Agent as LoopAgent
+from gpuguard.config import NodeSettings, PolicySettings
+from gpuguard.kube import client as kubeclient
+from gpuguard.model import GpuReading, Snapshot
+from gpuguard.node.reconciler import NodeReconciler
+from gpuguard.node.writers import KubeNodeWriter
+from gpuguard.nvml.base import Wakeup, wait_for
 from harness.dra import gpu_uuid, nvidia_slice
 from harness.kube import GPU_NODE_LABELS, GPUS_OK, Admin, eventually
-from tests.integration.fixtures import USER_AGENT, admin, start_agent  # noqa: F401
+from tests.integration.fixtures import USER_AGENT, admin, start_agent, unique  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -187,3 +195,61 @@ def rules(custom: Any, node: str) -> list[dict[str, Any]]:
         "resource.k8s.io", "v1", "devicetaintrules", label_selector=f"gpuguard.io/node={node}"
     )
     return list(resp.get("items") or [])
+
+
+# -- issue 12's review, defect 10: a flapping GPU ----------------------------------------------------------
+
+
+class _FlippingNvml:
+    """A backend whose NVML init fails on every other snapshot (a flaky driver)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def open(self, wakeup: Wakeup) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def wait(self, until: float, wake: threading.Event) -> None:
+        wait_for(until, wake)
+
+    def snapshot(self) -> Snapshot:
+        self.n += 1
+        if self.n % 2 == 0:
+            return Snapshot(init_error="DRIVER_NOT_LOADED")
+        return Snapshot(gpus=(GpuReading(index=0, uuid="GPU-flip-0"),))
+
+
+def test_defect_10_a_flapping_gpu_costs_condition_writes_per_episode_not_per_flip(
+    admin: Admin, control_plane: Any
+) -> None:
+    node = unique("gpu-flap")
+    admin.make_node(node)
+    settings = NodeSettings(name=node, max_quarantined="100%")
+    writer = KubeNodeWriter(node, api=kubeclient.load(str(control_plane.kubeconfig_path)))
+    reconciler = NodeReconciler(writer, settings)
+    loop = LoopAgent(
+        backend=_FlippingNvml(),
+        reconciler=reconciler,
+        policy=PolicySettings(),
+        interval=1.0,
+        node_name=node,
+        flap_window=600.0,
+    )
+    since = control_plane.audit_line_count()
+    for _ in range(80):  # 40 NVML init failures, each followed by a healthy read
+        loop.check_once()
+        reconciler.reconcile_now()
+    events = control_plane.audit_events(USER_AGENT, since_line=since, stage="ResponseComplete")
+    status_writes = [
+        e
+        for e in events
+        if e["verb"] == "patch"
+        and e.get("objectRef", {}).get("subresource") == "status"
+        and e.get("objectRef", {}).get("name") == node
+    ]
+    print(f"40 NVML init flips: {len(status_writes)} GPUHealthy condition writes")
+    assert len(status_writes) <= 4, len(status_writes)
+    assert admin.our_taint(node) is not None  # the quarantine is held too
