@@ -122,7 +122,7 @@ class Worker:
         import structlog
         import urllib3
 
-        from gpuguard.config import NodeSettings
+        from gpuguard.config import NodeSettings, QuarantineLimit
         from gpuguard.node.budget import QuarantineBudget
         from gpuguard.node.reconciler import NodeReconciler
         from gpuguard.node.writers import KubeNodeWriter, make_writer
@@ -139,7 +139,7 @@ class Worker:
         self.limiters: list[Any] = []
         qps, burst = float(opts.get("qps") or 0), int(opts.get("burst") or 1)
         jitter = float(opts.get("jitter") or 0)
-        spec = str(opts.get("max_quarantined", "10%"))
+        spec = QuarantineLimit.parse(str(opts.get("max_quarantined", NodeSettings.max_quarantined)))
         base = NodeSettings()
         counted = bool(opts.get("counted", False))
         self.count_spread = -1.0 if counted else float(opts.get("count_spread", base.budget_count_spread))

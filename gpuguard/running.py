@@ -206,7 +206,7 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
     if cfg.node.quarantine != "node":
         node_name = cfg.node.name or ""
         device_source = make_device_source(cfg.node, connect, metrics)
-        if isinstance(device_source, KubeDeviceSource) and cfg.node.max_quarantined != "100%":
+        if isinstance(device_source, KubeDeviceSource) and not cfg.node.max_quarantined.unlimited:
             # Every gpuguard rule for the budget, from memory: no list in the fault's path.
             source = device_source
             rules_watch = WatchedRules(

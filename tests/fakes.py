@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from gpuguard.config import QuarantineLimit
 from gpuguard.errors import ConflictError, NodeUpdateError
 from gpuguard.node.budget import Budget
 from gpuguard.node.devices import DeviceRule
@@ -75,7 +76,7 @@ class FakeNodeWriter:
     def writes(self) -> int:
         return len(self.patches)
 
-    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+    def budget(self, spec: QuarantineLimit, *, exclude: str) -> Budget | None:
         self.budget_lists += 1
         return self.quarantine_budget
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from gpuguard.config import NodeSettings, PolicySettings
+from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
 from gpuguard.errors import NodeUpdateError
 from gpuguard.model import GpuReading, Snapshot, Verdict
-from gpuguard.node.budget import Budget, OtherNodes, QuarantineBudget, budget_limit, limit, plan_yield
+from gpuguard.node.budget import Budget, OtherNodes, QuarantineBudget, limit, plan_yield
 from gpuguard.node.plan import plan
 from gpuguard.node.view import (
     ANN_CORDONED,
@@ -30,7 +30,7 @@ from gpuguard.node.view import (
 from gpuguard.policy import evaluate
 
 NOW = datetime(2026, 12, 2, 12, 0, 0, tzinfo=UTC)
-SETTINGS = NodeSettings(name="b", max_quarantined="1", budget_recheck=60.0)
+SETTINGS = NodeSettings(name="b", max_quarantined=QuarantineLimit.parse("1"), budget_recheck=60.0)
 
 
 class Clock:
@@ -51,7 +51,7 @@ class Fleet:
         self.fail_order = False
         self.reads: list[str] = []
 
-    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+    def budget(self, spec: QuarantineLimit, *, exclude: str) -> Budget | None:
         self.reads.append("budget")
         return self.the_budget
 
@@ -203,7 +203,8 @@ def test_a_deferred_node_escalates_at_its_first_check_and_then_at_most_once_per_
 
 def test_an_unlimited_budget_lists_nothing_and_passes_the_change() -> None:
     fleet = Fleet(Budget(quarantined=9, limit=1))
-    b = QuarantineBudget(fleet, NodeSettings(name="b", max_quarantined="100%"), clock=Clock())
+    unlimited = NodeSettings(name="b", max_quarantined=QuarantineLimit.parse("100%"))
+    b = QuarantineBudget(fleet, unlimited, clock=Clock())
     change = plan(NodeView(name="b"), sick(), healthy_streak=0, settings=SETTINGS, now=NOW)
     assert b.gate(NodeView(name="b"), change, sick()) is change and fleet.reads == []
 
@@ -265,7 +266,7 @@ def test_a_step_back_of_a_node_without_a_recorded_reason_says_only_why() -> None
 
 @pytest.mark.parametrize(("spec", "nodes", "expected"), [("50%", 202, 101), ("1%", 10100, 101), ("7", 3, 7)])
 def test_a_percentage_budget_is_exact(spec: str, nodes: int, expected: int) -> None:
-    assert budget_limit(spec, nodes) == expected
+    assert QuarantineLimit.parse(spec).of(nodes) == expected
 
 
 def test_an_unquarantined_node_in_the_list_does_not_hide_the_claims_after_it() -> None:

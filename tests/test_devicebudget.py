@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gpuguard.config import NodeSettings
+from gpuguard.config import NodeSettings, QuarantineLimit
 from gpuguard.errors import NodeUpdateError
 from gpuguard.node.budget import VERIFY_SETTLE, Budget
 from gpuguard.node.devicebudget import RuleBudget
@@ -19,7 +19,7 @@ from gpuguard.node.devices import ANN_NODE_GPUS, DeviceRule, rule_name
 from gpuguard.node.view import ANN_DEFERRED, ANN_SINCE, TAINT_KEY, NodeView
 
 NODE = NodeView(name="node-b", boot_id="boot-1")
-SETTINGS = NodeSettings(name="node-b", budget_recheck=60.0, max_quarantined="1")
+SETTINGS = NodeSettings(name="node-b", budget_recheck=60.0, max_quarantined=QuarantineLimit.parse("1"))
 NOW = datetime(2026, 12, 3, 1, tzinfo=UTC)
 
 
@@ -338,7 +338,7 @@ def test_a_stepped_back_rule_says_how_many_nodes_worth_came_before_it(ahead: lis
     earlier = [rule(n, since=f"2026-12-03T00:00:0{i}Z") for i, n in enumerate(ahead)]
     mine = rule("node-b", since="2026-12-03T00:00:09Z")
     limit = len(ahead)
-    settings = replace(SETTINGS, max_quarantined=str(limit))
+    settings = replace(SETTINGS, max_quarantined=QuarantineLimit.parse(str(limit)))
     fleet = Fleet(Budget(quarantined=0, limit=limit), earlier)
     b = RuleBudget(
         settings,

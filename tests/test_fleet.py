@@ -9,6 +9,7 @@ from unittest import mock
 
 from structlog.testing import capture_logs
 
+from gpuguard.config import QuarantineLimit
 from gpuguard.errors import TransientApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig
@@ -18,15 +19,17 @@ from gpuguard.node.fleet import WatchedBudget
 from gpuguard.node.view import NodeView
 from tests.fakes import FakeNodeWriter
 
+TEN_PERCENT = QuarantineLimit.parse("10%")
+
 
 def test_until_the_watch_is_established_the_budget_and_the_order_are_listed_by_the_fallback() -> None:
     fallback = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1"))
     fallback.quarantine_budget = Budget(quarantined=3, limit=3, gpu_nodes=30)
     fallback.order = [("2026-01-01T00:00:00Z", "gpu-0")]
     api = kubeclient.Client(kubeconfig.Credentials(server="https://127.0.0.1:9"), user_agent="test")
-    fleet = WatchedBudget("gpu-1", "10%", api=api, fallback=fallback, gpu_node_selector="")
+    fleet = WatchedBudget("gpu-1", TEN_PERCENT, api=api, fallback=fallback, gpu_node_selector="")
     assert not fleet.synced
-    assert fleet.budget("10%", exclude="gpu-1") == Budget(quarantined=3, limit=3, gpu_nodes=30)
+    assert fleet.budget(TEN_PERCENT, exclude="gpu-1") == Budget(quarantined=3, limit=3, gpu_nodes=30)
     assert fleet.quarantine_order() == [("2026-01-01T00:00:00Z", "gpu-0")]
     assert (fallback.budget_lists, fallback.order_lists) == (1, 1)
 
@@ -56,7 +59,7 @@ def test_the_budget_watch_lasts_about_an_hour_and_resumes_without_listing_again(
     """Before, the server ended it every 5 minutes: 12 requests an hour on a healthy node."""
     api = _ServerEndsEachWatch(watches=20)
     fallback = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1"))
-    fleet = WatchedBudget("gpu-1", "10%", api=api, fallback=fallback, gpu_node_selector="")
+    fleet = WatchedBudget("gpu-1", TEN_PERCENT, api=api, fallback=fallback, gpu_node_selector="")
     api.fleet = fleet
     fleet._watch_loop()
     assert api.lists == 1  # listed once; every next watch resumes from the last resourceVersion
@@ -102,7 +105,9 @@ def test_an_idle_nodes_budget_watch_tells_the_api_state_of_an_outage_and_its_end
     api = _ServerDownThenUp(down=3)
     fallback = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1"))
     state = ApiState("gpu-1", outage_every=0.0)
-    fleet = WatchedBudget("gpu-1", "10%", api=api, fallback=fallback, gpu_node_selector="", api_state=state)
+    fleet = WatchedBudget(
+        "gpu-1", TEN_PERCENT, api=api, fallback=fallback, gpu_node_selector="", api_state=state
+    )
     api.fleet = fleet
     seen: list[str] = []
     with (

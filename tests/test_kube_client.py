@@ -20,6 +20,7 @@ import pytest
 import urllib3.util.connection
 import yaml
 
+from gpuguard.config import QuarantineLimit
 from gpuguard.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig as kc
@@ -364,9 +365,10 @@ def test_the_writer_speaks_the_node_endpoints(server: str) -> None:
         node, {"type": "GPUHealthy", "status": "True", "reason": "AllGPUsHealthy", "message": "ok"}
     )
     # A percentage: the fleet's metadata, one list (30 GPU nodes + this one; 2 of them quarantined).
-    assert writer.budget("10%", exclude="gpu/1") == Budget(quarantined=2, limit=4, gpu_nodes=31)
+    budget = writer.budget(QuarantineLimit.parse("10%"), exclude="gpu/1")
+    assert budget == Budget(quarantined=2, limit=4, gpu_nodes=31)
     # A count needs no total: the quarantined nodes only.
-    assert writer.budget("3", exclude="gpu/1") == Budget(quarantined=1, limit=3)
+    assert writer.budget(QuarantineLimit.parse("3"), exclude="gpu/1") == Budget(quarantined=1, limit=3)
     assert writer.quarantine_order() == []
     quarantined_query = (
         "/api/v1/nodes?labelSelector=gpuguard.io%2Fquarantined%3Dtrue%2Cnvidia.com%2Fgpu.present%3Dtrue"

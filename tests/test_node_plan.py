@@ -10,9 +10,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from gpuguard.config import NodeSettings, PolicySettings
+from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
 from gpuguard.model import Fault, GpuReading, Snapshot, Verdict, XidEvent
-from gpuguard.node.budget import Budget, budget_limit, limit, plan_yield, quarantine_rank
+from gpuguard.node.budget import Budget, limit, plan_yield, quarantine_rank
 from gpuguard.node.plan import evidence_gone, plan, plan_condition
 from gpuguard.node.view import (
     ANN_BOOT_ID,
@@ -357,7 +357,7 @@ def test_a_deferred_node_recovers_like_any_other() -> None:
     ],
 )
 def test_the_budget_limit_is_a_count_or_a_percentage_rounded_up(spec: str, nodes: int, limit: int) -> None:
-    assert budget_limit(spec, nodes) == limit
+    assert QuarantineLimit.parse(spec).of(nodes) == limit
 
 
 def test_the_startup_gate_is_removed_after_the_first_healthy_check() -> None:
@@ -548,7 +548,8 @@ def test_nodes_behind_the_gate_do_not_count_as_quarantined_in_the_budget() -> No
     metas.append(meta("bad", {LABEL_QUARANTINED: "true"}, {ANN_SINCE: "2026-12-01T00:00:00Z"}))
     now = datetime(2026, 12, 2, tzinfo=UTC)
     entries = [e for m in metas if isinstance(e := quarantine_entry(m, now=now), tuple)]
-    budget = count_budget([{"metadata": m} for m in metas], "20%", exclude="gpu-1", quarantined=entries)
+    items = [{"metadata": m} for m in metas]
+    budget = count_budget(items, QuarantineLimit.parse("20%"), exclude="gpu-1", quarantined=entries)
     assert (budget.gpu_nodes, budget.quarantined, budget.limit) == (7, 1, 2)
     assert budget.has_room
 

@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 from structlog.testing import capture_logs
 
-from gpuguard.config import NodeSettings, PolicySettings
+from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
 from gpuguard.errors import ConflictError, PermanentApiError, TransientApiError
 from gpuguard.model import GpuReading, Snapshot
 from gpuguard.node.apistate import REFUSAL_BACKOFF
@@ -165,7 +165,7 @@ def test_a_fault_reads_the_budget_once_and_defers_when_it_is_spent() -> None:
 
 def test_no_budget_list_when_the_budget_is_unlimited() -> None:
     writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))
-    unlimited = NodeSettings(name="gpu-1", max_quarantined="100%")
+    unlimited = NodeSettings(name="gpu-1", max_quarantined=QuarantineLimit.parse("100%"))
     r = NodeReconciler(writer, unlimited, budget=QuarantineBudget(writer, unlimited))
     r.submit(SICK, 0)
     r.reconcile_now()
@@ -327,7 +327,7 @@ def test_a_failed_order_check_keeps_the_quarantine_and_checks_again_later() -> N
 
 def test_no_order_check_without_a_budget() -> None:
     writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))
-    unlimited = NodeSettings(name="gpu-1", max_quarantined="100%")
+    unlimited = NodeSettings(name="gpu-1", max_quarantined=QuarantineLimit.parse("100%"))
     r = NodeReconciler(writer, unlimited, budget=QuarantineBudget(writer, unlimited))
     r.submit(SICK, 0)
     r.reconcile_now()

@@ -19,10 +19,9 @@ import pytest
 import yaml
 
 from gpuguard import cli
-from gpuguard.config import Config, NodeSettings, PolicySettings, parse_listen
+from gpuguard.config import Config, NodeSettings, PolicySettings, QuarantineLimit, parse_listen
 from gpuguard.kube import kubeconfig
 from gpuguard.model import AgentStatus, Fault, GpuReading, Snapshot, XidEvent
-from gpuguard.node.budget import budget_limit
 from gpuguard.node.reconciler import NodeReconciler
 from gpuguard.node.view import NodeView
 from gpuguard.node.writers import DryRunNodeWriter
@@ -72,12 +71,12 @@ def test_defect_04_the_manifests_budget_counts_the_nodes_of_its_node_selector() 
 
 
 def test_defect_05_percentage_budgets_are_exact_not_floats() -> None:
-    assert budget_limit("8.8%", 375) == 33  # floats: 34
+    assert QuarantineLimit.parse("8.8%").of(375) == 33  # floats: 34
     wrong = [
         (f"{tenths / 10}%", size)
         for tenths in range(0, 1001)
         for size in range(1, 401)
-        if budget_limit(f"{tenths / 10}%", size) != -(-(Fraction(tenths, 10) * size) // 100)
+        if QuarantineLimit.parse(f"{tenths / 10}%").of(size) != -(-(Fraction(tenths, 10) * size) // 100)
     ]
     assert wrong == []
 

@@ -1,7 +1,7 @@
 """The cluster-wide quarantine budget (--max-quarantined): how many GPU nodes gpuguard may fully quarantine at
 once, so that a bad driver roll-out that makes every node report an Xid cannot take the fleet out of service.
 
-- arithmetic: `Budget`, `budget_limit`, `count_budget` (from the nodes' metadata);
+- arithmetic: `Budget`, `count_budget` (from the nodes' metadata; the limit is `config.QuarantineLimit`);
 - what another node claims, validated before it counts: `quarantine_entry` (pure) and `OtherNodes`, which
   ignores a malformed or forged claim and logs it once;
 - the quarantine order (`quarantine_rank`) and the step back of a node past the limit (`plan_yield`);
@@ -20,13 +20,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
-from fractions import Fraction
 from typing import Any, Protocol
 
 import structlog
 
 from gpuguard import validation
-from gpuguard.config import NodeSettings
+from gpuguard.config import NodeSettings, QuarantineLimit
 from gpuguard.errors import NodeUpdateError
 from gpuguard.model import Verdict, plural
 from gpuguard.node.plan import record_faults
@@ -74,7 +73,7 @@ class BudgetSource(Protocol):
     """Where the budget is read: a watch kept in memory (`fleet.WatchedBudget`), the API server's lists
     (`writers.KubeNodeWriter`, its fallback), or nowhere in a dry run."""
 
-    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+    def budget(self, spec: QuarantineLimit, *, exclude: str) -> Budget | None:
         """The quarantine budget, or None where there is no cluster to ask."""
 
     def quarantine_order(self) -> list[tuple[str, str]]:
@@ -85,23 +84,19 @@ class BudgetSource(Protocol):
         node checks the order again (free from memory); a constant where every read is a request."""
 
 
-def budget_limit(spec: str, gpu_nodes: int) -> int:
-    """--max-quarantined as a node count: "5" or "10%" (of GPU nodes, rounded up so that a small pool can
-    still quarantine one node). "100%" never defers. Exact: a float makes 8.8% of 375 nodes 34, not 33."""
-    if spec.endswith("%"):
-        return math.ceil(Fraction(spec[:-1]) * gpu_nodes / 100)
-    return int(spec)
-
-
 def count_budget(
-    items: Iterable[Mapping[str, Any]], spec: str, *, exclude: str, quarantined: Iterable[tuple[str, str]]
+    items: Iterable[Mapping[str, Any]],
+    spec: QuarantineLimit,
+    *,
+    exclude: str,
+    quarantined: Iterable[tuple[str, str]],
 ) -> Budget:
     """A percentage budget from the GPU nodes' metadata: the total (this node counted even if its label is
     missing) and the fully quarantined ones other than this node, as `OtherNodes` let them count."""
     names = {i["metadata"]["name"] for i in items}
     total = len(names) if exclude in names else len(names) + 1
     counted = sum(1 for _, name in set(quarantined) if name != exclude)
-    return Budget(gpu_nodes=total, quarantined=counted, limit=budget_limit(spec, total))
+    return Budget(gpu_nodes=total, quarantined=counted, limit=spec.of(total))
 
 
 def quarantine_entry(meta: Mapping[str, Any], *, now: datetime) -> tuple[str, str] | str:
@@ -338,7 +333,7 @@ class QuarantineBudget:
         """The planned change as the budget allows it; lists the budget only for a full quarantine."""
         if change is None or change.action not in ("taint", "escalate"):
             return change
-        if self._settings.max_quarantined == "100%":
+        if self._settings.max_quarantined.unlimited:
             return change  # no budget: no list request
         if self._call is not None:
             budget = self._call[0]  # a re-plan after a 409 in this reconcile: the count has not moved

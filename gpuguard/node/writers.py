@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import structlog
 
 from gpuguard import validation
-from gpuguard.config import GPU_NODE_SELECTOR, NodeSettings
+from gpuguard.config import GPU_NODE_SELECTOR, NodeSettings, QuarantineLimit
 from gpuguard.errors import ConfigError, GpuguardError, PermanentApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.metrics import Metrics, counted
@@ -80,7 +80,7 @@ class DryRunNodeWriter:
     def record_event(self, node: NodeView, event: EventSpec) -> None:
         log.info("node.dry_run_event", node=node.name, type=event.type, reason=event.reason)
 
-    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+    def budget(self, spec: QuarantineLimit, *, exclude: str) -> Budget | None:
         return None
 
     def quarantine_order(self) -> list[tuple[str, str]]:
@@ -186,13 +186,13 @@ class KubeNodeWriter:
         with self._counted("create"):
             self._api.request("POST", path, body=body, timeout=self._timeout, what="create event")
 
-    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+    def budget(self, spec: QuarantineLimit, *, exclude: str) -> Budget | None:
         """One list (`fleet.WatchedBudget`'s fallback while its watch is not synced): for a count, the
         quarantined nodes (by label: a few items); for a percentage, every GPU node's metadata
         (PartialObjectMetadataList: no specs, no statuses): the total, and the quarantined by label."""
-        if not spec.endswith("%"):
+        if spec.count is not None:
             quarantined = sum(1 for _, name in self.quarantine_order() if name != exclude)
-            return Budget(quarantined=quarantined, limit=int(spec))
+            return Budget(quarantined=quarantined, limit=spec.count)
         items = self._list_metadata("list GPU nodes", self._gpu_nodes)
         return count_budget(items, spec, exclude=exclude, quarantined=self._others.quarantined(items))
 

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from gpuguard.agent import Agent as LoopAgent
-from gpuguard.config import NodeSettings, PolicySettings
+from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
+from gpuguard.kube import client as kubeclient
 from gpuguard.model import GpuReading, Snapshot
 from gpuguard.node.reconciler import NodeReconciler
-from gpuguard.kube import client as kubeclient
 from gpuguard.node.writers import KubeNodeWriter
 from gpuguard.nvml.base import Wakeup, wait_for
 from tests.integration.fixtures import USER_AGENT, admin, start_agent  # noqa: F401
@@ -232,7 +232,7 @@ def test_defect_10_a_flapping_gpu_costs_condition_writes_per_episode_not_per_fli
 ) -> None:
     node = unique("gpu-flap")
     admin.make_node(node)
-    settings = NodeSettings(name=node, max_quarantined="100%")
+    settings = NodeSettings(name=node, max_quarantined=QuarantineLimit.parse("100%"))
     writer = KubeNodeWriter(node, api=kubeclient.load(str(control_plane.kubeconfig_path)))
     reconciler = NodeReconciler(writer, settings)
     loop = LoopAgent(
