@@ -78,8 +78,9 @@ class QuarantineLimit:
 
     @property
     def unlimited(self) -> bool:
-        """A limit that never defers a quarantine: no budget to read, no list, no watch."""
-        return self.text == "100%"
+        """A limit that never defers a quarantine: no budget to read, no list, no watch. Any spelling of 100%
+        ("100.0%" too): the parsed value decides, not the text."""
+        return self.percent is not None and self.percent >= 100
 
     def of(self, gpu_nodes: int) -> int:
         """As a node count: the count, or the percentage of `gpu_nodes` rounded up (so that a small pool

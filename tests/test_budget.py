@@ -209,6 +209,17 @@ def test_an_unlimited_budget_lists_nothing_and_passes_the_change() -> None:
     assert b.gate(NodeView(name="b"), change, sick()) is change and fleet.reads == []
 
 
+@pytest.mark.parametrize("text", ["100%", "100.0%", "100.000%", "100.00%"])
+def test_defect_max_quarantined_100_0_percent_missed_the_no_budget_path(text: str) -> None:
+    """--max-quarantined 100.0% passed validation but only the literal "100%" skipped the budget: any
+    spelling of 100% is no budget, so a fault lists nothing and passes as planned."""
+    fleet = Fleet(Budget(quarantined=9, limit=1))
+    unlimited = NodeSettings(name="b", max_quarantined=QuarantineLimit.parse(text))
+    b = QuarantineBudget(fleet, unlimited, clock=Clock())
+    change = plan(NodeView(name="b"), sick(), healthy_streak=0, settings=SETTINGS, now=NOW)
+    assert b.gate(NodeView(name="b"), change, sick()) is change and fleet.reads == []
+
+
 def test_the_gate_lists_the_budget_only_for_a_full_quarantine() -> None:
     fleet = Fleet(Budget(quarantined=9, limit=1))
     b = QuarantineBudget(fleet, SETTINGS, clock=Clock())

@@ -9,14 +9,15 @@ from unittest import mock
 
 from structlog.testing import capture_logs
 
-from gpuguard.config import QuarantineLimit
+from gpuguard.config import NodeSettings, QuarantineLimit
 from gpuguard.errors import TransientApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig
 from gpuguard.node.apistate import ApiState
 from gpuguard.node.budget import Budget
-from gpuguard.node.fleet import WatchedBudget
+from gpuguard.node.fleet import WatchedBudget, watched
 from gpuguard.node.view import NodeView
+from gpuguard.node.writers import KubeNodeWriter
 from tests.fakes import FakeNodeWriter
 
 TEN_PERCENT = QuarantineLimit.parse("10%")
@@ -119,3 +120,13 @@ def test_an_idle_nodes_budget_watch_tells_the_api_state_of_an_outage_and_its_end
     assert state.health.state == "ok"
     api_lines = [e["event"] for e in logs if e["event"].startswith("api.")]
     assert api_lines == ["api.unavailable", "api.still_unavailable", "api.still_unavailable", "api.available"]
+
+
+def test_defect_max_quarantined_100_0_percent_started_watches_for_a_budget_that_never_defers() -> None:
+    """Any spelling of 100% is no budget: no watch of other nodes and no count of the GPU nodes to start."""
+    api = kubeclient.Client(kubeconfig.Credentials(server="https://127.0.0.1:9"), user_agent="test")
+    writer = KubeNodeWriter("gpu-1", api=api)
+    for text in ("100%", "100.0%", "100.000%"):
+        settings = NodeSettings(name="gpu-1", max_quarantined=QuarantineLimit.parse(text))
+        assert watched(settings, writer) is None, text
+    assert watched(NodeSettings(name="gpu-1", max_quarantined=QuarantineLimit.parse("99.999%")), writer)
