@@ -644,11 +644,11 @@ def test_a_taint_without_value_or_time_added_writes_neither() -> None:
 def test_a_patch_without_taints_or_cordon_has_no_spec_and_one_with_them_has_exactly_them() -> None:
     bare = NodeChange(action="add-faults", annotations={ANN_FAULTS: "ecc/GPU-0"})
     assert bare.patch("7") == {"metadata": {"resourceVersion": "7", "annotations": {ANN_FAULTS: "ecc/GPU-0"}}}
-    assert NodeChange(action="x", unschedulable=False).patch("7") == {
+    assert NodeChange(action="taint", unschedulable=False).patch("7") == {
         "metadata": {"resourceVersion": "7"},
         "spec": {"unschedulable": False},
     }
-    assert NodeChange(action="x", taints=()).patch("7") == {
+    assert NodeChange(action="taint", taints=()).patch("7") == {
         "metadata": {"resourceVersion": "7"},
         "spec": {"taints": []},
     }
@@ -656,7 +656,7 @@ def test_a_patch_without_taints_or_cordon_has_no_spec_and_one_with_them_has_exac
 
 def test_applying_a_change_bumps_the_resource_version_or_takes_the_servers() -> None:
     n = node(resource_version="")
-    change = NodeChange(action="x", labels={"a": "b"})
+    change = NodeChange(action="taint", labels={"a": "b"})
     assert apply_change(n, change).resource_version == "1"
     assert apply_change(node(), change).resource_version == "11"
     assert apply_change(node(), change, resource_version="99").resource_version == "99"

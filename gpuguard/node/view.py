@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from gpuguard import validation
 from gpuguard.model import Fault
@@ -165,11 +165,18 @@ class EventSpec:
     message: str
 
 
+# What a NodeChange does: the planner's (plan.py) and the budget's (budget.py: defer, yield). Plain strings,
+# so the dry-run writer logs them as they are; the reconciler names its log line after each.
+NodeAction = Literal[
+    "taint", "defer", "escalate", "yield", "add-faults", "recover", "verified", "override", "release-cordon"
+]
+
+
 @dataclass(frozen=True)
 class NodeChange:
     """One write to the node. `taints` is the whole new list (the API replaces it whole) or None."""
 
-    action: str  # taint | defer | escalate | yield | add-faults | recover | verified
+    action: NodeAction
     taints: tuple[Taint, ...] | None = None
     unschedulable: bool | None = None
     annotations: Mapping[str, str | None] = field(default_factory=dict)
