@@ -41,9 +41,12 @@ class PolicySettings:
     answer. `check` uses 1: a preflight has one pass. RESET_REQUIRED and GPU_IS_LOST are faults at once."""
 
 
-TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+TAINT_EFFECTS = validation.TAINT_EFFECTS
 GATE_REMOVALS = ("gpuguard", "external")
 QUARANTINE_MODES = ("auto", "node", "gpu")
+# Where `watch` keeps faults that only a reboot clears: the DaemonSet's hostPath. Config's own default is none
+# (tests, dry runs, the mock backend unless told).
+STATE_DIR = "/var/lib/gpuguard"
 # The label NVIDIA GPU Feature Discovery sets on GPU nodes; also the DaemonSet's nodeSelector.
 GPU_NODE_SELECTOR = "nvidia.com/gpu.present=true"
 # The label NVIDIA GPU Feature Discovery sets to the node's GPU count: `check` expects that many where it can

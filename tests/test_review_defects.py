@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from gpuguard import cli
+from gpuguard.cli import settings as cli_settings
 from gpuguard.config import Config, NodeSettings, PolicySettings, QuarantineLimit, parse_listen
 from gpuguard.kube import kubeconfig
 from gpuguard.model import AgentStatus, Fault, GpuReading, Snapshot, XidEvent
@@ -52,7 +53,7 @@ def watch_config(*args: str) -> Config:
     """The settings `gpuguard watch ARGS` would run with (flags and the environment, as click reads them)."""
     ctx = cli.watch.make_context("watch", list(args))
     with ctx:
-        return cli._config(ctx.params, watch=True)
+        return cli_settings.config(ctx.params, watch=True)
 
 
 # -- 4: the budget's GPU nodes and the DaemonSet's ---------------------------------------------------------
