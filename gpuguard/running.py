@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # the watch's parts: imported where they are built, not by `c
     from gpuguard.node.reconciler import NodeReconciler
     from gpuguard.node.writers import DryRunNodeWriter, KubeNodeWriter
 
-log = structlog.get_logger("gpuguard.running")
+log = structlog.get_logger(__name__)
 
 
 def make_backend(cfg: Config, *, start_at: float = 0.0) -> Backend:

@@ -45,7 +45,7 @@ def watch(**kw: Any) -> int:
     if running.watch(cfg):
         import structlog  # noqa: PLC0415
 
-        structlog.get_logger("gpuguard").error(
+        structlog.get_logger(__name__).error(
             "nvml.library_not_found", waited=cfg.nvml_load_timeout, exit_code=EXIT_NO_NVML, hint=NO_NVML_HINT
         )
         return EXIT_NO_NVML

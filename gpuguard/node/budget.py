@@ -43,7 +43,7 @@ from gpuguard.node.view import (
     with_our_effect,
 )
 
-log = structlog.get_logger("gpuguard.node.budget")
+log = structlog.get_logger(__name__)
 
 # Seconds after a full quarantine when the quarantine order is checked a second time: by then the writes of
 # every agent that faulted in the same burst have landed (the first check runs right after our own write).

@@ -35,7 +35,7 @@ from gpuguard.node.budget import Budget, BudgetSource, OtherNodes
 from gpuguard.node.view import LABEL_QUARANTINED
 from gpuguard.node.writers import DryRunNodeWriter, KubeNodeWriter
 
-log = structlog.get_logger("gpuguard.node.fleet")
+log = structlog.get_logger(__name__)
 
 _METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 _METADATA = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"

@@ -32,7 +32,7 @@ from gpuguard.node.view import (
     apply_change,
 )
 
-log = structlog.get_logger("gpuguard.node.writers")
+log = structlog.get_logger(__name__)
 
 _METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 DRY_RUN_NODE = "dry-run"
