@@ -12,9 +12,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from gpuguard.errors import ConflictError, NodeUpdateError
-from gpuguard.node.budget import Budget
-from gpuguard.node.devices import DeviceRule
-from gpuguard.node.view import ANN_SINCE, LABEL_QUARANTINED, EventSpec, NodeChange, NodeView, apply_change
+from gpuguard.quarantine.gpu.rules import DeviceRule
+from gpuguard.quarantine.node.budget import Budget
+from gpuguard.quarantine.node.view import (
+    ANN_SINCE,
+    LABEL_QUARANTINED,
+    EventSpec,
+    NodeChange,
+    NodeView,
+    apply_change,
+)
 
 
 class FakeNodeWriter:

@@ -12,10 +12,10 @@ from structlog.testing import capture_logs
 from gpuguard.errors import TransientApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig
-from gpuguard.node.apistate import ApiState
-from gpuguard.node.budget import Budget
-from gpuguard.node.fleet import WatchedBudget
-from gpuguard.node.view import NodeView
+from gpuguard.quarantine.apistate import ApiState
+from gpuguard.quarantine.node.budget import Budget
+from gpuguard.quarantine.node.budgetwatch import WatchedBudget
+from gpuguard.quarantine.node.view import NodeView
 from tests.fakes import FakeNodeWriter
 
 
@@ -74,7 +74,7 @@ def test_a_fleet_of_5000_agents_starting_at_once_lists_the_gpu_nodes_no_faster_t
 
     from gpuguard.cli import watch
     from gpuguard.config import NodeSettings
-    from gpuguard.node.fleet import COUNT_SECONDS_PER_NODE
+    from gpuguard.quarantine.node.budgetwatch import COUNT_SECONDS_PER_NODE
 
     spread = NodeSettings().budget_count_spread
     assert 5000 / spread <= 2 / COUNT_SECONDS_PER_NODE

@@ -12,9 +12,10 @@ import pytest
 
 from gpuguard.config import NodeSettings, PolicySettings
 from gpuguard.model import Fault, GpuReading, Snapshot, Verdict, XidEvent
-from gpuguard.node.budget import Budget, budget_limit, limit, plan_yield, quarantine_rank
-from gpuguard.node.plan import evidence_gone, plan, plan_condition
-from gpuguard.node.view import (
+from gpuguard.policy import evaluate
+from gpuguard.quarantine.node.budget import Budget, budget_limit, limit, plan_yield, quarantine_rank
+from gpuguard.quarantine.node.plan import evidence_gone, plan, plan_condition
+from gpuguard.quarantine.node.view import (
     ANN_BOOT_ID,
     ANN_CORDONED,
     ANN_DEFERRED,
@@ -30,7 +31,6 @@ from gpuguard.node.view import (
     apply_change,
     reason_text,
 )
-from gpuguard.policy import evaluate
 
 NOW = datetime(2026, 12, 2, 12, 0, 0, tzinfo=UTC)
 SETTINGS = NodeSettings(name="gpu-1")
@@ -538,7 +538,7 @@ def test_with_external_gate_removal_recovery_removes_only_gpuguards_taint() -> N
 
 
 def test_nodes_behind_the_gate_do_not_count_as_quarantined_in_the_budget() -> None:
-    from gpuguard.node.budget import count_budget, quarantine_entry
+    from gpuguard.quarantine.node.budget import count_budget, quarantine_entry
 
     def meta(name: str, labels: dict[str, str], annotations: dict[str, str]) -> dict[str, object]:
         return {"name": name, "labels": labels, "annotations": annotations}

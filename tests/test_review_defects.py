@@ -22,11 +22,11 @@ from gpuguard import cli
 from gpuguard.config import Config, NodeSettings, PolicySettings, parse_listen
 from gpuguard.kube import kubeconfig
 from gpuguard.model import AgentStatus, Fault, GpuReading, Snapshot, XidEvent
-from gpuguard.node.budget import budget_limit
-from gpuguard.node.reconciler import NodeReconciler
-from gpuguard.node.view import NodeView
-from gpuguard.node.writers import DryRunNodeWriter
 from gpuguard.policy import evaluate
+from gpuguard.quarantine.node.budget import budget_limit
+from gpuguard.quarantine.node.view import NodeView
+from gpuguard.quarantine.node.writers import DryRunNodeWriter
+from gpuguard.quarantine.reconciler import NodeReconciler
 from gpuguard.server import HealthServer
 from gpuguard.state import StateStore, read_boot_id
 from tests.agentproc import WatchProcess

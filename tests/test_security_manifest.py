@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from gpuguard.kube import client as kubeclient
-from gpuguard.node import view as node
+from gpuguard.quarantine.node import view as node
 
 ROOT = Path(__file__).resolve().parents[1]
 DAEMONSET = ROOT / "deploy" / "daemonset.yaml"
@@ -333,7 +333,7 @@ def test_the_other_policies_guard_the_service_account_fail_closed_and_name_every
 
 def test_the_device_policy_requires_the_name_and_bounds_the_agent_writes() -> None:
     from gpuguard import validation
-    from gpuguard.node import devices
+    from gpuguard.quarantine.gpu import rules as devices
 
     cel = _cel(DEVICE_POLICY)
     assert f"'{devices.RULE_PREFIX}' + variables.node + '.'" in cel

@@ -17,9 +17,10 @@ from gpuguard import validation as v
 from gpuguard.config import NodeSettings, PolicySettings
 from gpuguard.errors import ConfigError
 from gpuguard.model import GpuReading, Snapshot, XidEvent, recovery_reason
-from gpuguard.node.budget import Budget, limit
-from gpuguard.node.plan import plan, plan_condition
-from gpuguard.node.view import (
+from gpuguard.policy import evaluate
+from gpuguard.quarantine.node.budget import Budget, limit
+from gpuguard.quarantine.node.plan import plan, plan_condition
+from gpuguard.quarantine.node.view import (
     ANN_FAULTS,
     LABEL_QUARANTINED,
     TAINT_KEY,
@@ -28,7 +29,6 @@ from gpuguard.node.view import (
     Taint,
     apply_change,
 )
-from gpuguard.policy import evaluate
 
 FAST = settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 ALNUM = set(string.ascii_letters + string.digits)

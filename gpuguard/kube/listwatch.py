@@ -172,7 +172,7 @@ class ListWatch:
         listing again after 410. After a failure the collection is not synced (callers answer from their
         lists meanwhile) and the next try waits the backoff. `watching`: called when a watch is established
         at start and after a failure; `broken`: once per failure, until a watch is established again;
-        `failed`: at every failed try (the API server's state, gpuguard.node.apistate).
+        `failed`: at every failed try (the API server's state, gpuguard.quarantine.apistate).
 
         `gate`, for a collection that may not be served: nothing is listed or watched (no request, no
         wake-up) until it is set; `path()` None (no version serves it) or a 404 clears it, to wait for the

@@ -18,12 +18,12 @@ import structlog
 
 from gpuguard.config import NodeSettings
 from gpuguard.errors import NodeUpdateError
-from gpuguard.node.budget import VERIFY_SETTLE, Budget
-from gpuguard.node.deviceorder import rules_past_limit, rules_share
-from gpuguard.node.devices import NONE_EFFECT, DeviceRule
-from gpuguard.node.view import ANN_DEFERRED, TAINT_KEY, NodeView
+from gpuguard.quarantine.gpu.order import rules_past_limit, rules_share
+from gpuguard.quarantine.gpu.rules import NONE_EFFECT, DeviceRule
+from gpuguard.quarantine.node.budget import VERIFY_SETTLE, Budget
+from gpuguard.quarantine.node.view import ANN_DEFERRED, TAINT_KEY, NodeView
 
-log = structlog.get_logger("gpuguard.node.devices")
+log = structlog.get_logger("gpuguard.quarantine.gpu.rules")
 
 # A change to one rule: the rule as the API server answered, or None when it did not land.
 Patch = Callable[[DeviceRule, Mapping[str, Any]], DeviceRule | None]

@@ -9,7 +9,7 @@ from typing import Any
 
 import structlog
 
-log = structlog.get_logger("gpuguard.node.deviceslices")
+log = structlog.get_logger("gpuguard.quarantine.gpu.slices")
 
 
 @dataclass(frozen=True)

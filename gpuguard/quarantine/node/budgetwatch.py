@@ -30,12 +30,12 @@ from gpuguard.config import NodeSettings
 from gpuguard.errors import NodeUpdateError, TransientApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube.listwatch import ListWatch
-from gpuguard.node.apistate import ApiState
-from gpuguard.node.budget import Budget, BudgetSource, OtherNodes, budget_limit
-from gpuguard.node.view import LABEL_QUARANTINED
-from gpuguard.node.writers import DryRunNodeWriter, KubeNodeWriter
+from gpuguard.quarantine.apistate import ApiState
+from gpuguard.quarantine.node.budget import Budget, BudgetSource, OtherNodes, budget_limit
+from gpuguard.quarantine.node.view import LABEL_QUARANTINED
+from gpuguard.quarantine.node.writers import DryRunNodeWriter, KubeNodeWriter
 
-log = structlog.get_logger("gpuguard.node.fleet")
+log = structlog.get_logger("gpuguard.quarantine.node.budgetwatch")
 
 _METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 _METADATA = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"

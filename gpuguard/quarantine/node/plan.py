@@ -1,7 +1,7 @@
 """The pure planner: given the node as last read and the policy's verdict, the one change that brings the node
 in line, or None when it already matches (the idempotence every restart relies on). All ownership and
-recovery rules live here. It always plans the full quarantine; `gpuguard.node.budget` turns that into the
-deferred one when the cluster's budget is spent.
+recovery rules live here. It always plans the full quarantine; `gpuguard.quarantine.node.budget` turns that
+into the deferred one when the cluster's budget is spent.
 
 Ownership: only the taints with key TAINT_KEY (and the startup gate's, --gate-taint-key, unless another
 controller lifts it: --gate-removal external), the annotations in OUR_ANNOTATIONS, the label
@@ -17,7 +17,8 @@ from datetime import datetime
 from gpuguard import validation
 from gpuguard.config import NodeSettings
 from gpuguard.model import Fault, Verdict, plural
-from gpuguard.node.view import (
+from gpuguard.policy import cleared_without_reboot, primary
+from gpuguard.quarantine.node.view import (
     ANN_BOOT_ID,
     ANN_CORDONED,
     ANN_DEFERRED,
@@ -37,7 +38,6 @@ from gpuguard.node.view import (
     rfc3339,
     with_our_effect,
 )
-from gpuguard.policy import cleared_without_reboot, primary
 
 
 def plan(

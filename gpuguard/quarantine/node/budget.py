@@ -29,8 +29,8 @@ from gpuguard import validation
 from gpuguard.config import NodeSettings
 from gpuguard.errors import NodeUpdateError
 from gpuguard.model import Verdict, plural
-from gpuguard.node.plan import record_faults
-from gpuguard.node.view import (
+from gpuguard.quarantine.node.plan import record_faults
+from gpuguard.quarantine.node.view import (
     ANN_CORDONED,
     ANN_DEFERRED,
     ANN_REASON,
@@ -44,7 +44,7 @@ from gpuguard.node.view import (
     with_our_effect,
 )
 
-log = structlog.get_logger("gpuguard.node.budget")
+log = structlog.get_logger("gpuguard.quarantine.node.budget")
 
 # Seconds after a full quarantine when the quarantine order is checked a second time: by then the writes of
 # every agent that faulted in the same burst have landed (the first check runs right after our own write).

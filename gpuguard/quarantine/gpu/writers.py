@@ -17,7 +17,7 @@ from gpuguard.config import NodeSettings
 from gpuguard.errors import GpuguardError, PermanentApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.metrics import Metrics, counted
-from gpuguard.node.devices import (
+from gpuguard.quarantine.gpu.rules import (
     API,
     LABEL_MANAGED_BY,
     LABEL_NODE,
@@ -26,9 +26,9 @@ from gpuguard.node.devices import (
     DeviceRule,
     trim_rule,
 )
-from gpuguard.node.view import ANN_REASON, ANN_SINCE
+from gpuguard.quarantine.node.view import ANN_REASON, ANN_SINCE
 
-log = structlog.get_logger("gpuguard.node.devicewriters")
+log = structlog.get_logger("gpuguard.quarantine.gpu.writers")
 
 _SLICES = f"{API}/resourceslices"
 # DeviceTaintRules are resource.k8s.io/v1 from Kubernetes 1.37; 1.36 serves them as v1beta2 (beta, off by

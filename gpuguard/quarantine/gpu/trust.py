@@ -16,10 +16,10 @@ from typing import Any, Protocol
 import structlog
 
 from gpuguard.errors import ConflictError
-from gpuguard.node.devices import NONE_EFFECT, RULE_PREFIX, DeviceRule
-from gpuguard.node.deviceslices import SliceDevice
+from gpuguard.quarantine.gpu.rules import NONE_EFFECT, RULE_PREFIX, DeviceRule
+from gpuguard.quarantine.gpu.slices import SliceDevice
 
-log = structlog.get_logger("gpuguard.node.devices")
+log = structlog.get_logger("gpuguard.quarantine.gpu.rules")
 
 
 class RuleWriter(Protocol):

@@ -22,15 +22,15 @@ from gpuguard.config import NodeSettings
 from gpuguard.errors import ConflictError, NodeUpdateError, PermanentApiError, TransientApiError
 from gpuguard.metrics import Metrics
 from gpuguard.model import GpuQuarantine, Verdict
-from gpuguard.node.apistate import ApiState, Intent
-from gpuguard.node.budget import QuarantineBudget
-from gpuguard.node.devicequarantine import DeviceQuarantine
-from gpuguard.node.plan import plan, plan_condition
-from gpuguard.node.view import ANN_REASON, ANN_SINCE, EventSpec, NodeChange, NodeView, join_keys
-from gpuguard.node.writers import DRY_RUN_NODE, NodeWriter
 from gpuguard.policy import primary
+from gpuguard.quarantine.apistate import ApiState, Intent
+from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
+from gpuguard.quarantine.node.budget import QuarantineBudget
+from gpuguard.quarantine.node.plan import plan, plan_condition
+from gpuguard.quarantine.node.view import ANN_REASON, ANN_SINCE, EventSpec, NodeChange, NodeView, join_keys
+from gpuguard.quarantine.node.writers import DRY_RUN_NODE, NodeWriter
 
-log = structlog.get_logger("gpuguard.node.reconciler")
+log = structlog.get_logger("gpuguard.quarantine.reconciler")
 
 
 @dataclass(frozen=True)

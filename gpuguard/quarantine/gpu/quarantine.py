@@ -18,9 +18,9 @@ from gpuguard import validation
 from gpuguard.config import NodeSettings
 from gpuguard.errors import ConflictError, GpuguardError, PermanentApiError
 from gpuguard.model import Fault, GpuQuarantine, Verdict
-from gpuguard.node.budget import Budget
-from gpuguard.node.devicebudget import RuleBudget
-from gpuguard.node.devices import (
+from gpuguard.policy import cleared_without_reboot
+from gpuguard.quarantine.gpu.budget import RuleBudget
+from gpuguard.quarantine.gpu.rules import (
     NONE_EFFECT,
     DeviceRule,
     DeviceSource,
@@ -31,9 +31,10 @@ from gpuguard.node.devices import (
     split,
     taint_value,
 )
-from gpuguard.node.deviceslices import SliceDevice, slice_devices
-from gpuguard.node.devicetrust import adopt, trusted_rules
-from gpuguard.node.view import (
+from gpuguard.quarantine.gpu.slices import SliceDevice, slice_devices
+from gpuguard.quarantine.gpu.trust import adopt, trusted_rules
+from gpuguard.quarantine.node.budget import Budget
+from gpuguard.quarantine.node.view import (
     ANN_BOOT_ID,
     ANN_DEFERRED,
     ANN_FAULTS,
@@ -44,10 +45,9 @@ from gpuguard.node.view import (
     reason_text,
     rfc3339,
 )
-from gpuguard.policy import cleared_without_reboot
 from gpuguard.state import RuleMemory
 
-log = structlog.get_logger("gpuguard.node.devices")
+log = structlog.get_logger("gpuguard.quarantine.gpu.rules")
 # What an operator reads in the error lines: what happens to the fault (it never goes unquarantined).
 _INSTEAD = "this GPU's fault gets the node taint instead of a DeviceTaintRule"
 _READ_REFUSED = "the API server refused reading ResourceSlices or DeviceTaintRules (RBAC?): " + _INSTEAD

@@ -20,8 +20,9 @@ from typing import Any, Protocol
 from gpuguard import validation
 from gpuguard.errors import ConfigError
 from gpuguard.model import ECC, RESET_REQUIRED, ROW_REMAP, Fault, Verdict, recovery_reason
-from gpuguard.node.deviceslices import SliceDevice
-from gpuguard.node.view import (
+from gpuguard.policy import primary
+from gpuguard.quarantine.gpu.slices import SliceDevice
+from gpuguard.quarantine.node.view import (
     ANN_BOOT_ID,
     ANN_DEFERRED,
     ANN_FAULTS,
@@ -33,7 +34,6 @@ from gpuguard.node.view import (
     join_keys,
     reason_text,
 )
-from gpuguard.policy import primary
 
 API = "/apis/resource.k8s.io/v1"
 # Labels on every rule gpuguard writes: which node's (what `gpuguard status`, the budget and the admission

@@ -21,8 +21,8 @@ from gpuguard.config import GPU_NODE_SELECTOR, NodeSettings
 from gpuguard.errors import ConfigError, GpuguardError, PermanentApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.metrics import Metrics, counted
-from gpuguard.node.budget import Budget, OtherNodes, count_budget
-from gpuguard.node.view import (
+from gpuguard.quarantine.node.budget import Budget, OtherNodes, count_budget
+from gpuguard.quarantine.node.view import (
     ANN_REASON,
     ANN_SINCE,
     LABEL_QUARANTINED,
@@ -32,7 +32,7 @@ from gpuguard.node.view import (
     apply_change,
 )
 
-log = structlog.get_logger("gpuguard.node.writers")
+log = structlog.get_logger("gpuguard.quarantine.node.writers")
 
 _METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 DRY_RUN_NODE = "dry-run"

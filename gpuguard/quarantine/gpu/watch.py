@@ -20,9 +20,16 @@ import structlog
 from gpuguard.errors import NodeUpdateError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube.listwatch import ListWatch
-from gpuguard.node.devices import LABEL_MANAGED_BY, LABEL_NODE, LIST_PAGE, MANAGED_BY, DeviceRule, trim_rule
+from gpuguard.quarantine.gpu.rules import (
+    LABEL_MANAGED_BY,
+    LABEL_NODE,
+    LIST_PAGE,
+    MANAGED_BY,
+    DeviceRule,
+    trim_rule,
+)
 
-log = structlog.get_logger("gpuguard.node.devices")
+log = structlog.get_logger("gpuguard.quarantine.gpu.rules")
 
 SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_NODE}"
 
