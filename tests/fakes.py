@@ -12,16 +12,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from gpuguard.errors import ConflictError, NodeUpdateError
+from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.gpu.rules import DeviceRule
-from gpuguard.quarantine.node.budget import Budget
-from gpuguard.quarantine.node.view import (
-    ANN_SINCE,
-    LABEL_QUARANTINED,
-    EventSpec,
-    NodeChange,
-    NodeView,
-    apply_change,
-)
+from gpuguard.quarantine.node.view import LABEL_QUARANTINED, EventSpec, NodeChange, NodeView, apply_change
+from gpuguard.quarantine.record import ANN_SINCE
 
 
 class FakeNodeWriter:

@@ -13,28 +13,18 @@ from gpuguard.config import NodeSettings, PolicySettings
 from gpuguard.errors import NodeUpdateError
 from gpuguard.model import GpuReading, Snapshot, Verdict
 from gpuguard.policy import evaluate
-from gpuguard.quarantine.node.budget import (
-    Budget,
-    OtherNodes,
-    QuarantineBudget,
-    budget_limit,
-    limit,
-    plan_yield,
-)
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.node.budget import OtherNodes, QuarantineBudget, budget_limit, limit, plan_yield
 from gpuguard.quarantine.node.plan import plan
 from gpuguard.quarantine.node.view import (
     ANN_CORDONED,
-    ANN_DEFERRED,
-    ANN_FAULTS,
-    ANN_REASON,
-    ANN_SINCE,
     LABEL_QUARANTINED,
-    TAINT_KEY,
     NodeChange,
     NodeView,
     Taint,
     apply_change,
 )
+from gpuguard.quarantine.record import ANN_DEFERRED, ANN_FAULTS, ANN_REASON, ANN_SINCE, TAINT_KEY
 
 NOW = datetime(2026, 12, 2, 12, 0, 0, tzinfo=UTC)
 SETTINGS = NodeSettings(name="b", max_quarantined="1", budget_recheck=60.0)

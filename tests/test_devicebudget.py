@@ -14,10 +14,11 @@ import pytest
 
 from gpuguard.config import NodeSettings
 from gpuguard.errors import NodeUpdateError
+from gpuguard.quarantine.budget import VERIFY_SETTLE, Budget
 from gpuguard.quarantine.gpu.budget import RuleBudget
 from gpuguard.quarantine.gpu.rules import ANN_NODE_GPUS, DeviceRule, rule_name
-from gpuguard.quarantine.node.budget import VERIFY_SETTLE, Budget
-from gpuguard.quarantine.node.view import ANN_DEFERRED, ANN_SINCE, TAINT_KEY, NodeView
+from gpuguard.quarantine.node.view import NodeView
+from gpuguard.quarantine.record import ANN_DEFERRED, ANN_SINCE, TAINT_KEY
 
 NODE = NodeView(name="node-b", boot_id="boot-1")
 SETTINGS = NodeSettings(name="node-b", budget_recheck=60.0, max_quarantined="1")

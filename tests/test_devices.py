@@ -34,25 +34,24 @@ from gpuguard.model import (
 )
 from gpuguard.nvml.mock import MockBackend, parse_scenario
 from gpuguard.policy import evaluate
+from gpuguard.quarantine.budget import VERIFY_SETTLE, Budget
 from gpuguard.quarantine.gpu.order import rule_since, rules_past_limit, rules_share
+from gpuguard.quarantine.gpu.plan import Split, per_gpu, split
 from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
 from gpuguard.quarantine.gpu.rules import (
     ANN_NODE_GPUS,
     DeviceRule,
-    Split,
-    per_gpu,
     rule_body,
     rule_name,
-    split,
     taint_value,
     trim_rule,
 )
 from gpuguard.quarantine.gpu.rules import device_effect as device_effect_of
 from gpuguard.quarantine.gpu.slices import SliceDevice, slice_devices
 from gpuguard.quarantine.gpu.writers import DryRunDeviceSource
-from gpuguard.quarantine.node.budget import VERIFY_SETTLE, Budget
-from gpuguard.quarantine.node.view import TAINT_KEY, NodeView, Taint
+from gpuguard.quarantine.node.view import NodeView, Taint
 from gpuguard.quarantine.reconciler import NodeReconciler
+from gpuguard.quarantine.record import TAINT_KEY
 from gpuguard.state import StateStore
 from tests.dra import DRIVER, gpu_uuid, nvidia_slice
 from tests.fakes import FakeDeviceSource, FakeNodeWriter

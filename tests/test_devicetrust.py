@@ -9,10 +9,10 @@ from typing import Any
 
 from structlog.testing import capture_logs
 
+from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.gpu.order import rules_past_limit, rules_share
 from gpuguard.quarantine.gpu.rules import ANN_NODE_GPUS, DeviceRule, rule_name
 from gpuguard.quarantine.gpu.trust import countable
-from gpuguard.quarantine.node.budget import Budget
 from tests.dra import DRIVER
 from tests.test_devices import NODE, NOW, make, own_rule, run, verdict
 

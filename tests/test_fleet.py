@@ -13,7 +13,7 @@ from gpuguard.errors import TransientApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig
 from gpuguard.quarantine.apistate import ApiState
-from gpuguard.quarantine.node.budget import Budget
+from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.node.budgetwatch import WatchedBudget
 from gpuguard.quarantine.node.view import NodeView
 from tests.fakes import FakeNodeWriter

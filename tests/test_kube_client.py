@@ -23,7 +23,7 @@ import yaml
 from gpuguard.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig as kc
-from gpuguard.quarantine.node.budget import Budget
+from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.node.view import EventSpec, NodeView
 from gpuguard.quarantine.node.writers import EVENT_NAMESPACE, KubeNodeWriter
 from gpuguard.validation import MAX_EVENT_MESSAGE_BYTES

@@ -13,22 +13,25 @@ import pytest
 from gpuguard.config import NodeSettings, PolicySettings
 from gpuguard.model import Fault, GpuReading, Snapshot, Verdict, XidEvent
 from gpuguard.policy import evaluate
-from gpuguard.quarantine.node.budget import Budget, budget_limit, limit, plan_yield, quarantine_rank
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.node.budget import budget_limit, limit, plan_yield, quarantine_rank
 from gpuguard.quarantine.node.plan import evidence_gone, plan, plan_condition
 from gpuguard.quarantine.node.view import (
-    ANN_BOOT_ID,
     ANN_CORDONED,
-    ANN_DEFERRED,
-    ANN_FAULTS,
-    ANN_REASON,
-    ANN_SINCE,
     LABEL_QUARANTINED,
-    TAINT_KEY,
     UNVERIFIED_TAINT_KEY,
     NodeChange,
     NodeView,
     Taint,
     apply_change,
+)
+from gpuguard.quarantine.record import (
+    ANN_BOOT_ID,
+    ANN_DEFERRED,
+    ANN_FAULTS,
+    ANN_REASON,
+    ANN_SINCE,
+    TAINT_KEY,
     reason_text,
 )
 

@@ -22,7 +22,8 @@ import yaml
 
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig as kc
-from gpuguard.quarantine.node.budget import SINCE_SKEW, OtherNodes, quarantine_entry, quarantine_rank
+from gpuguard.quarantine.budget import SINCE_SKEW
+from gpuguard.quarantine.node.budget import OtherNodes, quarantine_entry, quarantine_rank
 from gpuguard.quarantine.node.writers import KubeNodeWriter
 from tests.fakes import http_server
 from tests.test_cli import run

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from gpuguard.kube import client as kubeclient
+from gpuguard.quarantine import record
 from gpuguard.quarantine.node import view as node
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,12 +236,12 @@ CLUSTER_AUTOSCALER_STARTUP_PREFIX = "startup-taint.cluster-autoscaler.kubernetes
 
 def test_what_the_policy_lets_through_is_exactly_what_the_agent_writes() -> None:
     cel = _expressions()
-    prefix = f"{node.DOMAIN}/"
+    prefix = f"{record.DOMAIN}/"
     # The keys themselves, the same keys as managedFields names them ("f:" + key), and the Cluster
     # Autoscaler start-up prefix a gate key may use (remove only).
     expected = {prefix, f"f:{prefix}", CLUSTER_AUTOSCALER_STARTUP_PREFIX}
     assert set(re.findall(r"startsWith\('([^']*)'\)", cel)) == expected
-    written = [node.TAINT_KEY, node.UNVERIFIED_TAINT_KEY, node.LABEL_QUARANTINED, *node.OUR_ANNOTATIONS]
+    written = [record.TAINT_KEY, node.UNVERIFIED_TAINT_KEY, node.LABEL_QUARANTINED, *node.OUR_ANNOTATIONS]
     assert all(key.startswith(prefix) for key in written), written
     assert set(re.findall(r"'(GPU\w+)'", cel)) == {node.CONDITION_TYPE}
     assert set(re.findall(r'k:\{"type":"(\w+)"\}', cel)) == {node.CONDITION_TYPE}

@@ -27,8 +27,9 @@ from gpuguard.quarantine.apistate import ApiState, Intent
 from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
 from gpuguard.quarantine.node.budget import QuarantineBudget
 from gpuguard.quarantine.node.plan import plan, plan_condition
-from gpuguard.quarantine.node.view import ANN_REASON, ANN_SINCE, EventSpec, NodeChange, NodeView, join_keys
+from gpuguard.quarantine.node.view import EventSpec, NodeChange, NodeView
 from gpuguard.quarantine.node.writers import DRY_RUN_NODE, NodeWriter
+from gpuguard.quarantine.record import ANN_REASON, ANN_SINCE, join_keys
 
 log = structlog.get_logger("gpuguard.quarantine.reconciler")
 

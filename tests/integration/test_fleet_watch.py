@@ -13,11 +13,11 @@ import kubernetes
 import pytest
 
 from gpuguard.kube import client as kubeclient
+from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.gpu.rules import DeviceRule
 from gpuguard.quarantine.gpu.watch import WatchedRules
 from gpuguard.quarantine.gpu.writers import KubeDeviceSource
 from gpuguard.quarantine.node import budget as budget_module
-from gpuguard.quarantine.node.budget import Budget
 from gpuguard.quarantine.node.budgetwatch import WatchedBudget
 from gpuguard.quarantine.node.writers import KubeNodeWriter
 from tests.dra import DRIVER

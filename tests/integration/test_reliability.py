@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from gpuguard.quarantine.node.budget import VERIFY_SETTLE
+from gpuguard.quarantine.budget import VERIFY_SETTLE
 from tests.integration.fixtures import admin, start_agent  # noqa: F401
 from tests.integration.kube import (
     GPU_NODE_LABELS,

@@ -9,10 +9,10 @@ from collections.abc import Iterable
 from datetime import datetime
 from fractions import Fraction
 
+from gpuguard.quarantine.budget import SINCE_SKEW, api_time, since_time
 from gpuguard.quarantine.gpu.rules import DeviceRule
 from gpuguard.quarantine.gpu.trust import countable
-from gpuguard.quarantine.node.budget import SINCE_SKEW, api_time, since_time
-from gpuguard.quarantine.node.view import ANN_SINCE
+from gpuguard.quarantine.record import ANN_SINCE
 
 
 def rule_since(rule: DeviceRule, *, now: datetime) -> str | None:

@@ -26,7 +26,7 @@ from gpuguard.quarantine.gpu.rules import (
     DeviceRule,
     trim_rule,
 )
-from gpuguard.quarantine.node.view import ANN_REASON, ANN_SINCE
+from gpuguard.quarantine.record import ANN_REASON, ANN_SINCE
 
 log = structlog.get_logger("gpuguard.quarantine.gpu.writers")
 

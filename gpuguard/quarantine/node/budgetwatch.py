@@ -31,7 +31,8 @@ from gpuguard.errors import NodeUpdateError, TransientApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube.listwatch import ListWatch
 from gpuguard.quarantine.apistate import ApiState
-from gpuguard.quarantine.node.budget import Budget, BudgetSource, OtherNodes, budget_limit
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.node.budget import BudgetSource, OtherNodes, budget_limit
 from gpuguard.quarantine.node.view import LABEL_QUARANTINED
 from gpuguard.quarantine.node.writers import DryRunNodeWriter, KubeNodeWriter
 

@@ -21,16 +21,10 @@ from gpuguard.config import GPU_NODE_SELECTOR, NodeSettings
 from gpuguard.errors import ConfigError, GpuguardError, PermanentApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.metrics import Metrics, counted
-from gpuguard.quarantine.node.budget import Budget, OtherNodes, count_budget
-from gpuguard.quarantine.node.view import (
-    ANN_REASON,
-    ANN_SINCE,
-    LABEL_QUARANTINED,
-    EventSpec,
-    NodeChange,
-    NodeView,
-    apply_change,
-)
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.node.budget import OtherNodes, count_budget
+from gpuguard.quarantine.node.view import LABEL_QUARANTINED, EventSpec, NodeChange, NodeView, apply_change
+from gpuguard.quarantine.record import ANN_REASON, ANN_SINCE
 
 log = structlog.get_logger("gpuguard.quarantine.node.writers")
 
