@@ -33,7 +33,7 @@ from gpuguard.quarantine.node.writers import DRY_RUN_NODE, NodeWriter
 from gpuguard.quarantine.nodereport import NodeReport
 from gpuguard.quarantine.record import ANN_REASON, ANN_SINCE
 
-log = structlog.get_logger("gpuguard.quarantine.reconciler")
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from gpuguard.quarantine.gpu.plan import step_back
 from gpuguard.quarantine.gpu.rules import NONE_EFFECT, DeviceRule
 from gpuguard.quarantine.record import NodeRef
 
-log = structlog.get_logger("gpuguard.quarantine.gpu.rules")
+log = structlog.get_logger(__name__)
 
 # A change to one rule: the rule as the API server answered, or None when it did not land.
 Patch = Callable[[DeviceRule, Mapping[str, Any]], DeviceRule | None]

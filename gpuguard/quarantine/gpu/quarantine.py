@@ -36,7 +36,7 @@ from gpuguard.quarantine.record import (
     rfc3339,
 )
 
-log = structlog.get_logger("gpuguard.quarantine.gpu.rules")
+log = structlog.get_logger(__name__)
 # What an operator reads in the error lines: what happens to the fault (it never goes unquarantined).
 _INSTEAD = "this GPU's fault gets the node taint instead of a DeviceTaintRule"
 _READ_REFUSED = "the API server refused reading ResourceSlices or DeviceTaintRules (RBAC?): " + _INSTEAD

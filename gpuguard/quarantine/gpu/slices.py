@@ -9,7 +9,7 @@ from typing import Any
 
 import structlog
 
-log = structlog.get_logger("gpuguard.quarantine.gpu.slices")
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from gpuguard.errors import ConflictError
 from gpuguard.quarantine.gpu.rules import NONE_EFFECT, RULE_PREFIX, DeviceRule
 from gpuguard.quarantine.gpu.slices import SliceDevice
 
-log = structlog.get_logger("gpuguard.quarantine.gpu.rules")
+log = structlog.get_logger(__name__)
 
 
 class RuleWriter(Protocol):

@@ -29,7 +29,7 @@ from gpuguard.quarantine.gpu.rules import (
     trim_rule,
 )
 
-log = structlog.get_logger("gpuguard.quarantine.gpu.rules")
+log = structlog.get_logger(__name__)
 
 SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_NODE}"
 

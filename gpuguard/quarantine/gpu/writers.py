@@ -28,7 +28,7 @@ from gpuguard.quarantine.gpu.rules import (
 )
 from gpuguard.quarantine.record import ANN_REASON, ANN_SINCE
 
-log = structlog.get_logger("gpuguard.quarantine.gpu.writers")
+log = structlog.get_logger(__name__)
 
 _SLICES = f"{API}/resourceslices"
 # DeviceTaintRules are resource.k8s.io/v1 from Kubernetes 1.37; 1.36 serves them as v1beta2 (beta, off by

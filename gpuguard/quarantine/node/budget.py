@@ -41,7 +41,7 @@ from gpuguard.quarantine.node.view import (
 )
 from gpuguard.quarantine.record import ANN_DEFERRED, ANN_REASON, ANN_SINCE, TAINT_KEY
 
-log = structlog.get_logger("gpuguard.quarantine.node.budget")
+log = structlog.get_logger(__name__)
 
 
 class BudgetSource(Protocol):

@@ -36,7 +36,7 @@ from gpuguard.quarantine.node.budget import BudgetSource, OtherNodes, budget_lim
 from gpuguard.quarantine.node.view import LABEL_QUARANTINED
 from gpuguard.quarantine.node.writers import DryRunNodeWriter, KubeNodeWriter
 
-log = structlog.get_logger("gpuguard.quarantine.node.budgetwatch")
+log = structlog.get_logger(__name__)
 
 _METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 _METADATA = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"

@@ -26,7 +26,7 @@ from gpuguard.quarantine.node.budget import OtherNodes, count_budget
 from gpuguard.quarantine.node.view import LABEL_QUARANTINED, EventSpec, NodeChange, NodeView, apply_change
 from gpuguard.quarantine.record import ANN_REASON, ANN_SINCE
 
-log = structlog.get_logger("gpuguard.quarantine.node.writers")
+log = structlog.get_logger(__name__)
 
 _METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 DRY_RUN_NODE = "dry-run"
