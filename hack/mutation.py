@@ -53,6 +53,9 @@ MODULES = (
     "gpuguard/quarantine/gpu/budget.py",
     "gpuguard/quarantine/gpu/order.py",
     "gpuguard/quarantine/node/budget.py",
+    "gpuguard/quarantine/record.py",
+    "gpuguard/quarantine/budget.py",
+    "gpuguard/quarantine/gpu/plan.py",
 )
 # The unit tests that run in-process in milliseconds (no fake NVML library, no subprocess, no chart).
 TESTS = (
@@ -75,6 +78,8 @@ TESTS = (
     "tests/test_budget.py",
     "tests/test_model.py",
     "tests/test_xidcatalog.py",
+    "tests/test_fault_record.py",
+    "tests/test_gpu_plan.py",
 )
 # Survivors judged equivalent (no test could tell them apart) or cosmetic, by mutant key, with why.
 _FALSY = "equivalent: the caller tests the answer for truth, and None is false like False"
@@ -90,8 +95,9 @@ JUDGED: dict[str, str] = {
     "disabled, so the faults it then takes for written are never compared or written again",
     "gpuguard/state.py StateStore._replace: True -> False #2": "equivalent: mkdir runs only after the open "
     "found no directory; exist_ok matters only if another process makes it in between",
-    "gpuguard/validation.py <module>: 1024 -> 1025 #3": "outside the eleven: MAX_EVENT_MESSAGE_BYTES is read "
-    "only by gpuguard/quarantine/node/writers.py",
+    "gpuguard/validation.py <module>: 1024 -> 1025 #3": (
+        "outside the fourteen: MAX_EVENT_MESSAGE_BYTES is read only by gpuguard/quarantine/node/writers.py"
+    ),
     "gpuguard/validation.py clean_text: False -> True": "equivalent: a gap before the first kept character "
     "adds no space (nothing is kept yet)",
     "gpuguard/validation.py fault_key: len(encoded) <= MAX_FAULT_KEY_BYTES -> len(encoded) < "
@@ -102,7 +108,7 @@ JUDGED: dict[str, str] = {
     "gpuguard/quarantine/gpu/rules.py <module>: '/apis/resource.k8s.io/v1' -> "
     "'XX/apis/resource.k8s.io/v1XX'": (
         "not "
-        "seen by the mutator: read once when devicewriters is imported; test_devicewriters' fake API server "
+        "seen by the mutator: read once when gpu.writers is imported; test_devicewriters' fake API server "
         "answers only that path"
     ),
     "gpuguard/quarantine/gpu/rules.py <module>: 'NoSchedule' -> 'XXNoScheduleXX'": (
@@ -540,7 +546,7 @@ def select(m: Mutant, lines: dict[str, list[str]], fast: set[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--root", type=Path, default=ROOT)
-    p.add_argument("--module", action="append", help="a module to mutate (default: the eleven)")
+    p.add_argument("--module", action="append", help="a module to mutate (default: the fourteen)")
     p.add_argument("--tests", action="append", help="a test file to run (default: the fast unit tests)")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument(

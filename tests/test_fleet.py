@@ -1,5 +1,6 @@
-"""fleet.WatchedBudget before its watch is established (or while it is broken): never blind, never a guess,
-the budget's lists as before. Its watch against a real API server: tests/integration/test_fleet_watch.py."""
+"""budgetwatch.WatchedBudget before its watch is established (or while it is broken): never blind, never a
+guess, the budget's lists as before. Its watch against a real API server:
+tests/integration/test_fleet_watch.py."""
 
 from __future__ import annotations
 

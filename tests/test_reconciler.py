@@ -287,7 +287,7 @@ def test_the_first_in_the_order_stays_and_checks_once_more_after_the_burst_settl
 
 
 def test_a_watched_fleet_is_checked_again_at_each_change_and_a_node_now_past_the_limit_steps_back() -> None:
-    """A source kept in memory by a watch (fleet.WatchedBudget): the order costs no request, so a fully
+    """A source kept in memory by a watch (budgetwatch.WatchedBudget): the order costs no request, so a fully
     quarantined node checks it again whenever the watch delivered a change, not only 10 s after its write."""
     from gpuguard.quarantine.budget import Budget
 

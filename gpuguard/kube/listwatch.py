@@ -1,8 +1,9 @@
 """One collection of the API server kept in memory, the way gpuguard's budget reads the fleet: a list, then a
 watch from its resourceVersion (with bookmarks, for `kubeclient.WATCH_SECONDS`), resumed from the last
 resourceVersion when the server ends it, listed again after 410 Gone, with a backoff after a failure
-(`run`, a thread's body). `fleet.WatchedBudget` keeps the quarantined nodes in one, `devicewatch.WatchedRules`
-gpuguard's DeviceTaintRules; each says what to log and, for the rules, when there is something to watch.
+(`run`, a thread's body). `budgetwatch.WatchedBudget` keeps the quarantined nodes in one,
+`gpu.watch.WatchedRules` gpuguard's DeviceTaintRules; each says what to log and, for the rules, when there is
+something to watch.
 
 Items are kept by name, as the API server sent them (each event replaces an item whole, so an item object
 never changes: callers may remember what they derived from one by identity).

@@ -38,7 +38,7 @@ class Budget:
 def since_time(since: object, *, now: datetime) -> datetime | str:
     """A gpuguard.io/since claim as a time, or why it is not one: gpuguard's own form (RFC 3339 UTC, whole
     seconds), a valid time, not ahead of `now` by more than SINCE_SKEW. Pure; shared by the nodes' claims
-    and the DeviceTaintRules' (`deviceorder`)."""
+    and the DeviceTaintRules' (`gpu.order`)."""
     if not isinstance(since, str) or not _SINCE.fullmatch(since):
         return f"{ANN_SINCE} is not an RFC 3339 UTC time: {since!r:.80}"
     when = _utc_seconds(since)

@@ -1,7 +1,7 @@
 """The budget's side of the per-GPU quarantine (docs/design.md, "The budget counts GPUs as well as nodes"):
 whether one more GPU fits (`RuleBudget.room`), and the order check of the rules this node made blocking
 (`blocking`, `verify`), which steps a rule past the limit back to effect None. The rules, their writes and
-their memory stay `devicequarantine`'s; this module reads the fleet (the node budget, the fully quarantined
+their memory stay `gpu.quarantine`'s; this module reads the fleet (the node budget, the fully quarantined
 nodes, every rule of gpuguard) and asks for the step back through a callback.
 """
 

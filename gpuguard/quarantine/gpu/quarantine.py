@@ -1,7 +1,7 @@
 """`DeviceQuarantine`: the per-GPU quarantine's state across reconciles (the slices and rules last read,
 their writes, the memory of the rules an operator deleted, the slices' refresh after a fault that found no
-device), through its own seam `DeviceSource` (the API server or a dry run, `devicewriters`). The budget's
-side (room for one more GPU, the order check of fresh rules) is `devicebudget.RuleBudget`'s.
+device), through its own seam `DeviceSource` (the API server or a dry run, `gpu.writers`). The budget's
+side (room for one more GPU, the order check of fresh rules) is `gpu.budget.RuleBudget`'s.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class DeviceQuarantine:
     ) -> None:
         """memory: where the rules gpuguard made and those an operator deleted outlive the process (the
         agent's `state.StateStore`); None: in memory only (a dry run, no --state-dir). all_rules: every
-        gpuguard rule for the budget (the agent's `devicewatch.WatchedRules`, from memory); None: the
+        gpuguard rule for the budget (the agent's `gpu.watch.WatchedRules`, from memory); None: the
         source's list."""
         self._source = source
         self._settings = settings
@@ -85,7 +85,7 @@ class DeviceQuarantine:
         self._devices: dict[str, SliceDevice] = {}
         self._node_gpus = 0
         # Called whenever a read finds GPUs of this node in the slices (rules may be made from now on): the
-        # agent's devicewatch.WatchedRules starts its watch then. A node without them never watches rules.
+        # agent's gpu.watch.WatchedRules starts its watch then. A node without them never watches rules.
         self.on_devices: Callable[[], None] | None = None
         self._rules: dict[str, DeviceRule] = {}
         self._read_at = -math.inf

@@ -172,7 +172,7 @@ class DeviceRule:
         return Fraction(1, gpus if 1 <= gpus <= 1024 else 1)
 
 
-# What of another agent's rule the budget reads (devicewatch keeps only this): its claim of a share, of a
+# What of another agent's rule the budget reads (gpu.watch keeps only this): its claim of a share, of a
 # place in the order, of being deferred, and its GPU. A value longer than gpuguard writes is cut.
 _BUDGET_ANNOTATIONS = (ANN_NODE_GPUS, ANN_SINCE, ANN_DEFERRED, ANN_UUID)
 _MAX_KEPT_VALUE = 256
@@ -260,7 +260,7 @@ def taint_value(faults: tuple[Fault, ...]) -> str:
 
 
 class DeviceSource(Protocol):
-    """The API server's ResourceSlices and DeviceTaintRules for one node (`devicewriters`)."""
+    """The API server's ResourceSlices and DeviceTaintRules for one node (`gpu.writers`)."""
 
     def slices(self) -> list[dict[str, Any]] | None:
         """The node's ResourceSlices of the driver; None where the API server does not serve them."""

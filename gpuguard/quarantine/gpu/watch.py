@@ -1,8 +1,9 @@
-"""gpuguard's DeviceTaintRules of every node kept in memory off the fault's path, as `fleet.WatchedBudget`
-keeps the quarantined nodes (`listwatch.ListWatch`: a list, then a watch resumed from its resourceVersion).
+"""gpuguard's DeviceTaintRules of every node kept in memory off the fault's path, as
+`budgetwatch.WatchedBudget` keeps the quarantined nodes (`listwatch.ListWatch`: a list, then a watch resumed
+from its resourceVersion).
 
 The per-GPU quarantine's budget reads every gpuguard rule: whether one more GPU fits
-(`devicebudget.RuleBudget.room`, before the create) and the order checks after it. Listed, that was a list
+(`gpu.budget.RuleBudget.room`, before the create) and the order checks after it. Listed, that was a list
 before the rule (in the fault's path), one right after it and one 10 s later; from this watch it is none.
 Until the watch is established, and while it is broken, the source's list answers (never blind). The rules
 are few (one per faulty GPU), so the watch carries one small event per rule written or deleted. It starts only

@@ -81,7 +81,7 @@ class KubeDeviceSource:
     @property
     def rules_path(self) -> str | None:
         """The rules' collection path once a list found the version served; None before, or where none is
-        (devicewatch.WatchedRules watches it)."""
+        (gpu.watch.WatchedRules watches it)."""
         return self._rules_path if self._version_known else None
 
     @property
@@ -111,7 +111,7 @@ class KubeDeviceSource:
 
     def _list(self, selector: str, *, trim: bool = False) -> list[DeviceRule]:
         """`trim`: every node's rules, in pages, each kept only as far as the budget reads it
-        (`devices.trim_rule`)."""
+        (`rules.trim_rule`)."""
         versions = (self._rule_version,) if self._version_known else _RULE_VERSIONS
         for version in versions:
             self._rule_version = version

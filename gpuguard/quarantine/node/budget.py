@@ -45,7 +45,7 @@ log = structlog.get_logger(__name__)
 
 
 class BudgetSource(Protocol):
-    """Where the budget is read: a watch kept in memory (`fleet.WatchedBudget`), the API server's lists
+    """Where the budget is read: a watch kept in memory (`budgetwatch.WatchedBudget`), the API server's lists
     (`writers.KubeNodeWriter`, its fallback), or nowhere in a dry run."""
 
     def budget(self, spec: str, *, exclude: str) -> Budget | None:

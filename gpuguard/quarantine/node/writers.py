@@ -1,7 +1,7 @@
 """The writers: `KubeNodeWriter` (the API server, through `gpuguard.kube.client`, which raises gpuguard's
 errors itself) and `DryRunNodeWriter` (logs the exact patch, applies it to an in-memory copy, needs no
 cluster). `make_writer` is the one place that knows which one a setting asks for. Both are also the budget's
-`BudgetSource`: the API server lists the fleet (the fallback of `fleet.WatchedBudget`, which keeps the
+`BudgetSource`: the API server lists the fleet (the fallback of `budgetwatch.WatchedBudget`, which keeps the
 budget in memory); a dry run has no fleet (every quarantine is full)."""
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ class KubeNodeWriter:
             self._api.request("POST", path, body=body, timeout=self._timeout, what="create event")
 
     def budget(self, spec: str, *, exclude: str) -> Budget | None:
-        """One list (`fleet.WatchedBudget`'s fallback while its watch is not synced): for a count, the
+        """One list (`budgetwatch.WatchedBudget`'s fallback while its watch is not synced): for a count, the
         quarantined nodes (by label: a few items); for a percentage, every GPU node's metadata
         (PartialObjectMetadataList: no specs, no statuses): the total, and the quarantined by label."""
         if not spec.endswith("%"):
