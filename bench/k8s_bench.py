@@ -61,7 +61,7 @@ from bench.cluster import (  # noqa: E402
 )
 from bench.fleet import Fleet  # noqa: E402
 from bench.nvml_bench import gpu_lines  # noqa: E402
-from gpuguard.node.devices import rule_name  # noqa: E402
+from gpuguard.quarantine.gpu.rules import rule_name  # noqa: E402
 
 # How long an agent may take to answer /readyz: on a quiet machine about a second (the start-up row), but the
 # bench's machine is shared and under a load of hundreds a Python process can take minutes to start.

@@ -16,10 +16,10 @@ import structlog
 from gpuguard.config import PolicySettings
 from gpuguard.metrics import Metrics
 from gpuguard.model import AgentStatus, Fault, Snapshot, Verdict
-from gpuguard.node.reconciler import NodeReconciler
-from gpuguard.node.writers import DRY_RUN_NODE
 from gpuguard.nvml.base import Backend, wait_for
 from gpuguard.policy import evaluate
+from gpuguard.quarantine.node.writers import DRY_RUN_NODE
+from gpuguard.quarantine.reconciler import NodeReconciler
 from gpuguard.state import StateStore
 from gpuguard.xidcatalog import CATALOG
 

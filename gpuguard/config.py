@@ -50,7 +50,7 @@ STATE_DIR = "/var/lib/gpuguard"
 # The label NVIDIA GPU Feature Discovery sets on GPU nodes; also the DaemonSet's nodeSelector.
 GPU_NODE_SELECTOR = "nvidia.com/gpu.present=true"
 # The label NVIDIA GPU Feature Discovery sets to the node's GPU count: `check` expects that many where it can
-# read its node (gpuguard.node.gpucount says why this source).
+# read its node (gpuguard.gpucount says why this source).
 GPU_COUNT_LABEL = "nvidia.com/gpu.count"
 
 
@@ -183,7 +183,8 @@ class NodeSettings:
     is the node's name, the device's `uuid` attribute the GPU's UUID."""
     refusal_backoff: float = 300.0
     """Seconds a request the API server refused (401, 403, 404, 422: RBAC, an admission policy) is not sent
-    again: one ERROR line and one request per 5 minutes instead of one per check (gpuguard.node.apistate)."""
+    again: one ERROR line and one request per 5 minutes instead of one per check
+    (gpuguard.quarantine.apistate)."""
     retry_max_wait: float = 2.0
     """Cap of the exponential backoff between retries of a transient API failure: a repaired API server
     sees the pending write within this long of coming back."""

@@ -53,7 +53,7 @@ MAX_FAULTS = 1024
 
 @dataclass(frozen=True)
 class RuleMemory:
-    """The per-GPU quarantine's memory (`node.devicequarantine`): `known`, the rules gpuguard made or found
+    """The per-GPU quarantine's memory (`quarantine.gpu.memory`): `known`, the rules gpuguard made or found
     (rule name -> (GPU UUID, fault keys)); `overridden`, the GPUs whose rule an operator deleted (UUID -> the
     fault keys it was deleted for: not made again for those)."""
 

@@ -13,9 +13,10 @@ from typing import Any
 
 from gpuguard.config import QuarantineLimit
 from gpuguard.errors import ConflictError, NodeUpdateError
-from gpuguard.node.budget import Budget
-from gpuguard.node.devices import DeviceRule
-from gpuguard.node.view import ANN_SINCE, LABEL_QUARANTINED, EventSpec, NodeChange, NodeView, apply_change
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.gpu.rules import DeviceRule
+from gpuguard.quarantine.node.view import LABEL_QUARANTINED, EventSpec, NodeChange, NodeView, apply_change
+from gpuguard.quarantine.record import ANN_SINCE
 
 
 class FakeNodeWriter:

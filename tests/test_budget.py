@@ -1,6 +1,6 @@
-"""The node budget over time (gpuguard.node.budget), driven directly with a clock and a fake fleet: the gate
-(when it lists, what it defers), the two order checks after a full quarantine, the step back it asks for, and
-the pure parts' exact texts and bounds."""
+"""The node budget over time (gpuguard.quarantine.node.budget), driven directly with a clock and a fake
+fleet: the gate (when it lists, what it defers), the two order checks after a full quarantine, the step back
+it asks for, and the pure parts' exact texts and bounds."""
 
 from __future__ import annotations
 
@@ -12,22 +12,19 @@ import pytest
 from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
 from gpuguard.errors import NodeUpdateError
 from gpuguard.model import GpuReading, Snapshot, Verdict
-from gpuguard.node.budget import Budget, OtherNodes, QuarantineBudget, limit, plan_yield
-from gpuguard.node.plan import plan
-from gpuguard.node.view import (
+from gpuguard.policy import evaluate
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.node.budget import OtherNodes, QuarantineBudget, limit, plan_yield
+from gpuguard.quarantine.node.plan import plan
+from gpuguard.quarantine.node.view import (
     ANN_CORDONED,
-    ANN_DEFERRED,
-    ANN_FAULTS,
-    ANN_REASON,
-    ANN_SINCE,
     LABEL_QUARANTINED,
-    TAINT_KEY,
     NodeChange,
     NodeView,
     Taint,
     apply_change,
 )
-from gpuguard.policy import evaluate
+from gpuguard.quarantine.record import ANN_DEFERRED, ANN_FAULTS, ANN_REASON, ANN_SINCE, TAINT_KEY
 
 NOW = datetime(2026, 12, 2, 12, 0, 0, tzinfo=UTC)
 SETTINGS = NodeSettings(name="b", max_quarantined=QuarantineLimit.parse("1"), budget_recheck=60.0)

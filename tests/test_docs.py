@@ -355,10 +355,14 @@ def _contract_modules() -> set[str]:
     names: set[str] = set()
     for c in contracts:
         if c["type"] != "layers":
+            # A rule's modules (forbidden, independence): the package's own; "gpuguard" whole is no module.
+            for key in ("source_modules", "forbidden_modules", "modules"):
+                names |= {m for m in c.get(key, ()) if m.startswith("gpuguard.")}
             continue
         prefix = [f"{c['containers'][0]}."] if "containers" in c else [""]
         for layer in c["layers"]:
-            for name in layer.split("|"):
+            # "a | b": independent siblings; "a : b": siblings that may import each other.
+            for name in re.split(r"[|:]", layer):
                 names.add(prefix[0] + name.strip())
     return {n.removeprefix("gpuguard.").replace(".", "/") for n in names}
 

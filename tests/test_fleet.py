@@ -1,5 +1,6 @@
-"""fleet.WatchedBudget before its watch is established (or while it is broken): never blind, never a guess,
-the budget's lists as before. Its watch against a real API server: tests/integration/test_fleet_watch.py."""
+"""budgetwatch.WatchedBudget before its watch is established (or while it is broken): never blind, never a
+guess, the budget's lists as before. Its watch against a real API server:
+tests/integration/test_fleet_watch.py."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from gpuguard.config import NodeSettings, QuarantineLimit
 from gpuguard.errors import TransientApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig
-from gpuguard.node.apistate import ApiState
-from gpuguard.node.budget import Budget
-from gpuguard.node.fleet import WatchedBudget, watched
-from gpuguard.node.view import NodeView
-from gpuguard.node.writers import KubeNodeWriter
+from gpuguard.quarantine.apistate import ApiState
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.node.budgetwatch import WatchedBudget, watched
+from gpuguard.quarantine.node.view import NodeView
+from gpuguard.quarantine.node.writers import KubeNodeWriter
 from tests.fakes import FakeNodeWriter
 
 TEN_PERCENT = QuarantineLimit.parse("10%")
@@ -78,7 +79,7 @@ def test_a_fleet_of_5000_agents_starting_at_once_lists_the_gpu_nodes_no_faster_t
 
     from gpuguard.cli import watch
     from gpuguard.config import NodeSettings
-    from gpuguard.node.fleet import COUNT_SECONDS_PER_NODE
+    from gpuguard.quarantine.node.budgetwatch import COUNT_SECONDS_PER_NODE
 
     spread = NodeSettings().budget_count_spread
     assert 5000 / spread <= 2 / COUNT_SECONDS_PER_NODE

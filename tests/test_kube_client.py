@@ -24,9 +24,9 @@ from gpuguard.config import QuarantineLimit
 from gpuguard.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig as kc
-from gpuguard.node.budget import Budget
-from gpuguard.node.view import EventSpec, NodeView
-from gpuguard.node.writers import EVENT_NAMESPACE, KubeNodeWriter
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.node.view import EventSpec, NodeView
+from gpuguard.quarantine.node.writers import EVENT_NAMESPACE, KubeNodeWriter
 from gpuguard.validation import MAX_EVENT_MESSAGE_BYTES
 from tests.fakes import http_server, self_signed_pem
 
@@ -215,7 +215,8 @@ def test_in_cluster_without_a_token_is_a_config_error(
 def test_the_cli_never_imports_the_kubernetes_package_for_a_token_kubeconfig(tmp_path: Path) -> None:
     path = kubeconfig(tmp_path, {"token": "abc"}, {"server": "http://127.0.0.1:9"})
     code = (
-        "import sys; import gpuguard.node.writers; from gpuguard.kube.client import load; load(sys.argv[1]); "
+        "import sys; import gpuguard.quarantine.node.writers; "
+        "from gpuguard.kube.client import load; load(sys.argv[1]); "
         "print('kubernetes' in sys.modules)"
     )
     r = subprocess.run(

@@ -12,25 +12,28 @@ import pytest
 
 from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
 from gpuguard.model import Fault, GpuReading, Snapshot, Verdict, XidEvent
-from gpuguard.node.budget import Budget, limit, plan_yield, quarantine_rank
-from gpuguard.node.plan import evidence_gone, plan, plan_condition
-from gpuguard.node.view import (
-    ANN_BOOT_ID,
+from gpuguard.policy import evaluate
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.node.budget import limit, plan_yield, quarantine_rank
+from gpuguard.quarantine.node.plan import evidence_gone, plan, plan_condition
+from gpuguard.quarantine.node.view import (
     ANN_CORDONED,
-    ANN_DEFERRED,
-    ANN_FAULTS,
-    ANN_REASON,
-    ANN_SINCE,
     LABEL_QUARANTINED,
-    TAINT_KEY,
     UNVERIFIED_TAINT_KEY,
     NodeChange,
     NodeView,
     Taint,
     apply_change,
+)
+from gpuguard.quarantine.record import (
+    ANN_BOOT_ID,
+    ANN_DEFERRED,
+    ANN_FAULTS,
+    ANN_REASON,
+    ANN_SINCE,
+    TAINT_KEY,
     reason_text,
 )
-from gpuguard.policy import evaluate
 
 NOW = datetime(2026, 12, 2, 12, 0, 0, tzinfo=UTC)
 SETTINGS = NodeSettings(name="gpu-1")
@@ -538,7 +541,7 @@ def test_with_external_gate_removal_recovery_removes_only_gpuguards_taint() -> N
 
 
 def test_nodes_behind_the_gate_do_not_count_as_quarantined_in_the_budget() -> None:
-    from gpuguard.node.budget import count_budget, quarantine_entry
+    from gpuguard.quarantine.node.budget import count_budget, quarantine_entry
 
     def meta(name: str, labels: dict[str, str], annotations: dict[str, str]) -> dict[str, object]:
         return {"name": name, "labels": labels, "annotations": annotations}

@@ -23,8 +23,9 @@ import yaml
 from gpuguard.config import QuarantineLimit
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig as kc
-from gpuguard.node.budget import SINCE_SKEW, OtherNodes, quarantine_entry, quarantine_rank
-from gpuguard.node.writers import KubeNodeWriter
+from gpuguard.quarantine.budget import SINCE_SKEW
+from gpuguard.quarantine.node.budget import OtherNodes, quarantine_entry, quarantine_rank
+from gpuguard.quarantine.node.writers import KubeNodeWriter
 from tests.fakes import http_server
 from tests.test_cli import run
 
@@ -133,7 +134,7 @@ def test_a_valid_claim_is_validated_once_per_item_and_an_ignored_one_again_at_ev
     """The watched budget hands over the same item objects until the watch replaces one: a fault's budget
     check validates only what changed. A claim ahead of the clock is not remembered: it counts once the
     clock has caught up with it."""
-    import gpuguard.node.budget as budget_module
+    import gpuguard.quarantine.node.budget as budget_module
 
     calls: list[str] = []
     real = budget_module.quarantine_entry

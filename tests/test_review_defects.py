@@ -23,10 +23,10 @@ from gpuguard.cli import settings as cli_settings
 from gpuguard.config import Config, NodeSettings, PolicySettings, QuarantineLimit, parse_listen
 from gpuguard.kube import kubeconfig
 from gpuguard.model import AgentStatus, Fault, GpuReading, Snapshot, XidEvent
-from gpuguard.node.reconciler import NodeReconciler
-from gpuguard.node.view import NodeView
-from gpuguard.node.writers import DryRunNodeWriter
 from gpuguard.policy import evaluate
+from gpuguard.quarantine.node.view import NodeView
+from gpuguard.quarantine.node.writers import DryRunNodeWriter
+from gpuguard.quarantine.reconciler import NodeReconciler
 from gpuguard.server import HealthServer
 from gpuguard.state import StateStore, read_boot_id
 from tests.agentproc import WatchProcess

@@ -22,8 +22,8 @@ def status(kubeconfig: str | None, output: str) -> int:
     """The cluster view for an operator: nodes quarantined by gpuguard, and GPUs held out by its DRA device
     taint rules (the per-GPU quarantine), with reason, since and GPU. Exit 0; 2 a kubeconfig that cannot
     work; 4 the API server is unreachable or refused the request."""
-    from gpuguard.node.devicewriters import quarantined_gpus  # noqa: PLC0415
-    from gpuguard.node.writers import quarantined_nodes  # noqa: PLC0415
+    from gpuguard.quarantine.gpu.writers import quarantined_gpus  # noqa: PLC0415
+    from gpuguard.quarantine.node.writers import quarantined_nodes  # noqa: PLC0415
 
     api = _client("status", kubeconfig)
     try:

@@ -1,6 +1,6 @@
-"""The budget's watch (gpuguard.node.fleet.WatchedBudget) against a real kube-apiserver: another agent's
-quarantine is in memory within a second of its write, a step back or a recovery leaves it, and the GPU-node
-count comes from one list. Nothing here is a request in the fault's path."""
+"""The budget's watch (gpuguard.quarantine.node.budgetwatch.WatchedBudget) against a real kube-apiserver:
+another agent's quarantine is in memory within a second of its write, a step back or a recovery leaves it,
+and the GPU-node count comes from one list. Nothing here is a request in the fault's path."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import pytest
 
 from gpuguard.config import QuarantineLimit
 from gpuguard.kube import client as kubeclient
-from gpuguard.node import budget as budget_module
-from gpuguard.node.budget import Budget
-from gpuguard.node.devices import DeviceRule
-from gpuguard.node.devicewatch import WatchedRules
-from gpuguard.node.devicewriters import KubeDeviceSource
-from gpuguard.node.fleet import WatchedBudget
-from gpuguard.node.writers import KubeNodeWriter
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.gpu.rules import DeviceRule
+from gpuguard.quarantine.gpu.watch import WatchedRules
+from gpuguard.quarantine.gpu.writers import KubeDeviceSource
+from gpuguard.quarantine.node import budget as budget_module
+from gpuguard.quarantine.node.budgetwatch import WatchedBudget
+from gpuguard.quarantine.node.writers import KubeNodeWriter
 from tests.dra import DRIVER
 from tests.integration.fixtures import admin  # noqa: F401
 from tests.integration.kube import GPU_NODE_LABELS, TAINT_KEY, Admin, eventually
@@ -116,8 +116,9 @@ def test_another_agents_quarantine_reaches_the_budget_by_watch_and_leaves_it_on_
 def test_every_gpuguard_rule_reaches_the_budget_by_watch_and_leaves_it_when_deleted(
     admin: Admin, control_plane: Any
 ) -> None:
-    """node/devicewatch.py: the per-GPU quarantine's budget reads gpuguard's DeviceTaintRules of every node
-    from memory once the source has found where they are served; before that, and never else, it lists."""
+    """quarantine/gpu/watch.py: the per-GPU quarantine's budget reads gpuguard's DeviceTaintRules of every
+    node from memory once the source has found where they are served; before that, and never else, it
+    lists."""
     api = kubeclient.load(str(control_plane.kubeconfig_path), user_agent="gpuguard-test/rules")
     source = KubeDeviceSource(f"rw-{uuid.uuid4().hex[:8]}", api=api, driver=DRIVER)
     listed: list[int] = []

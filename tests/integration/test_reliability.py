@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from gpuguard.node.budget import VERIFY_SETTLE
+from gpuguard.quarantine.budget import VERIFY_SETTLE
 from tests.integration.fixtures import admin, start_agent  # noqa: F401
 from tests.integration.kube import (
     GPU_NODE_LABELS,
@@ -234,9 +234,9 @@ import sys
 from gpuguard import logs
 from gpuguard.agent import Agent
 from gpuguard.config import NodeSettings, PolicySettings
-from gpuguard.node.reconciler import NodeReconciler
-from gpuguard.node.view import NodeView
-from gpuguard.node.writers import DryRunNodeWriter
+from gpuguard.quarantine.reconciler import NodeReconciler
+from gpuguard.quarantine.node.view import NodeView
+from gpuguard.quarantine.node.writers import DryRunNodeWriter
 from gpuguard.nvml.real import NvmlBackend
 from gpuguard.server import HealthServer
 logs.configure("json")

@@ -140,7 +140,7 @@ def test_a_gpu_fault_held_by_a_device_taint_rule_and_its_recovery_cost_two_reque
 ) -> None:
     """The per-GPU quarantine (issue 17) under the same bound: the rule (create, or delete on recovery) in
     place of the node patch, and the condition; no Event (the node's Events are about the node taint), and
-    no list: the budget's rules come from a watch (node/devicewatch.py). A count budget in force (the
+    no list: the budget's rules come from a watch (quarantine/gpu/watch.py). A count budget in force (the
     rule's share). Before the watch: a list before the create, one after it and one 10 s later."""
     node = f"requests-dra-{uuid.uuid4().hex[:8]}"
     admin.make_node(node)

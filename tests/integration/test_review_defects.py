@@ -21,9 +21,9 @@ from gpuguard.agent import Agent as LoopAgent
 from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
 from gpuguard.kube import client as kubeclient
 from gpuguard.model import GpuReading, Snapshot
-from gpuguard.node.reconciler import NodeReconciler
-from gpuguard.node.writers import KubeNodeWriter
 from gpuguard.nvml.base import Wakeup, wait_for
+from gpuguard.quarantine.node.writers import KubeNodeWriter
+from gpuguard.quarantine.reconciler import NodeReconciler
 from tests.integration.fixtures import USER_AGENT, admin, start_agent  # noqa: F401
 from tests.integration.kube import GPUS_OK, TAINT_KEY, Admin, eventually
 

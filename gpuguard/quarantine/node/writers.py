@@ -1,7 +1,7 @@
 """The writers: `KubeNodeWriter` (the API server, through `gpuguard.kube.client`, which raises gpuguard's
 errors itself) and `DryRunNodeWriter` (logs the exact patch, applies it to an in-memory copy, needs no
 cluster). `make_writer` is the one place that knows which one a setting asks for. Both are also the budget's
-`BudgetSource`: the API server lists the fleet (the fallback of `fleet.WatchedBudget`, which keeps the
+`BudgetSource`: the API server lists the fleet (the fallback of `budgetwatch.WatchedBudget`, which keeps the
 budget in memory); a dry run has no fleet (every quarantine is full)."""
 
 from __future__ import annotations
@@ -21,16 +21,10 @@ from gpuguard.config import GPU_NODE_SELECTOR, NodeSettings, QuarantineLimit
 from gpuguard.errors import ConfigError, GpuguardError, PermanentApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.metrics import Metrics, counted
-from gpuguard.node.budget import Budget, OtherNodes, count_budget
-from gpuguard.node.view import (
-    ANN_REASON,
-    ANN_SINCE,
-    LABEL_QUARANTINED,
-    EventSpec,
-    NodeChange,
-    NodeView,
-    apply_change,
-)
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.node.budget import OtherNodes, count_budget
+from gpuguard.quarantine.node.view import LABEL_QUARANTINED, EventSpec, NodeChange, NodeView, apply_change
+from gpuguard.quarantine.record import ANN_REASON, ANN_SINCE
 
 log = structlog.get_logger(__name__)
 
@@ -187,7 +181,7 @@ class KubeNodeWriter:
             self._api.request("POST", path, body=body, timeout=self._timeout, what="create event")
 
     def budget(self, spec: QuarantineLimit, *, exclude: str) -> Budget | None:
-        """One list (`fleet.WatchedBudget`'s fallback while its watch is not synced): for a count, the
+        """One list (`budgetwatch.WatchedBudget`'s fallback while its watch is not synced): for a count, the
         quarantined nodes (by label: a few items); for a percentage, every GPU node's metadata
         (PartialObjectMetadataList: no specs, no statuses): the total, and the quarantined by label."""
         if spec.count is not None:

@@ -30,10 +30,11 @@ from gpuguard.config import NodeSettings, QuarantineLimit
 from gpuguard.errors import NodeUpdateError, TransientApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube.listwatch import ListWatch
-from gpuguard.node.apistate import ApiState
-from gpuguard.node.budget import Budget, BudgetSource, OtherNodes
-from gpuguard.node.view import LABEL_QUARANTINED
-from gpuguard.node.writers import DryRunNodeWriter, KubeNodeWriter
+from gpuguard.quarantine.apistate import ApiState
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.node.budget import BudgetSource, OtherNodes
+from gpuguard.quarantine.node.view import LABEL_QUARANTINED
+from gpuguard.quarantine.node.writers import DryRunNodeWriter, KubeNodeWriter
 
 log = structlog.get_logger(__name__)
 
