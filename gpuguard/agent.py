@@ -23,7 +23,7 @@ from gpuguard.quarantine.reconciler import NodeReconciler
 from gpuguard.state import StateStore
 from gpuguard.xidcatalog import CATALOG
 
-log = structlog.get_logger("gpuguard.agent")
+log = structlog.get_logger(__name__)
 
 STALL_INTERVALS = 3
 # Ignored Xids are logged once per code and window, then counted (every one is in the metric): a storm of
