@@ -1,9 +1,9 @@
 """What keeping the quarantine budget off the fault's path costs the API server (issue 15, point 1).
 
-The design (gpuguard/node/fleet.py): every agent holds one metadata-only watch of the nodes labelled
-gpuguard.io/quarantined=true, and lists the GPU nodes' metadata in the background (at most about once a
-second fleet-wide). The alternative it replaced: one metadata list of every GPU node in each fault's path
-(and one more for the order check). Measured here, on a real kube-apiserver with a fleet of GPU nodes:
+The design (gpuguard/quarantine/node/budgetwatch.py): every agent holds one metadata-only watch of the nodes
+labelled gpuguard.io/quarantined=true, and lists the GPU nodes' metadata in the background (at most about
+once a second fleet-wide). The alternative it replaced: one metadata list of every GPU node in each fault's
+path (and one more for the order check). Measured here, on a real kube-apiserver with a fleet of GPU nodes:
 
 - held watches: the API server's RSS and idle CPU with 0..N watches open (the agents' selector, their
   Accept header, one TLS connection each, as N agents would hold them);

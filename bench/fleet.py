@@ -6,7 +6,8 @@ What is real, per simulated node: its own `NodeReconciler` (the product's code: 
 (`running.Connection`, `writers.make_writer`) from a kubeconfig with the node's own Pod-bound ServiceAccount
 token (its own keep-alive connection, its own client-side rate limiter; deploy/admission-policy.yaml lets a
 token write only its node); its own start-up delay drawn from --startup-jitter; and its first GPU-node count
-(the metadata list of node/fleet.py's `WatchedBudget._count`, with its token, at a moment drawn from
+(the metadata list of quarantine/node/budgetwatch.py's `WatchedBudget._count`, with its token, at a moment
+drawn from
 --budget-count-spread).
 
 What is simulated:
@@ -44,7 +45,7 @@ from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Log events of gpuguard.node that show API trouble or a write.
+# Log events of gpuguard.quarantine that show API trouble or a write.
 COUNTED = (
     "node.conflict",
     "api.unavailable",
@@ -120,10 +121,10 @@ class Worker:
         import structlog
         import urllib3
 
-        from gpuguard.config import NodeSettings
-        from gpuguard.node.budget import QuarantineBudget
-        from gpuguard.node.reconciler import NodeReconciler
-        from gpuguard.node.writers import KubeNodeWriter, make_writer
+        from gpuguard.config import NodeSettings, QuarantineLimit
+        from gpuguard.quarantine.node.budget import QuarantineBudget
+        from gpuguard.quarantine.node.writers import KubeNodeWriter, make_writer
+        from gpuguard.quarantine.reconciler import NodeReconciler
         from gpuguard.running import Connection
 
         opts = options or {}
@@ -137,7 +138,7 @@ class Worker:
         self.limiters: list[Any] = []
         qps, burst = float(opts.get("qps") or 0), int(opts.get("burst") or 1)
         jitter = float(opts.get("jitter") or 0)
-        spec = str(opts.get("max_quarantined", "10%"))
+        spec = QuarantineLimit.parse(str(opts.get("max_quarantined", NodeSettings.max_quarantined)))
         base = NodeSettings()
         counted = bool(opts.get("counted", False))
         self.count_spread = -1.0 if counted else float(opts.get("count_spread", base.budget_count_spread))
@@ -195,7 +196,7 @@ class Worker:
         if not watch:
             return None
         try:
-            from gpuguard.node.fleet import watched
+            from gpuguard.quarantine.node.budgetwatch import watched
         except ImportError:
             return None
         source = watched(settings, writer)
@@ -250,9 +251,10 @@ class Worker:
                 self._running.discard(name)
 
     def _count(self, name: str) -> None:
-        """The agent's first GPU-node count (node/fleet.py's `_count`): the same metadata list with the
-        node's token and the agent's user agent, through its rate limiter; the answer is read and dropped
-        (decoding thousands of them would starve this process; the API server's work is the same)."""
+        """The agent's first GPU-node count (quarantine/node/budgetwatch.py's `_count`): the same metadata
+        list with the node's token and the agent's user agent, through its rate limiter; the answer is read
+        and dropped (decoding thousands of them would starve this process; the API server's work is the
+        same)."""
         from gpuguard.kube.client import USER_AGENT
 
         api = self.apis[name]

@@ -57,7 +57,7 @@ from bench.cluster import (
 )
 from bench.fleet import Fleet
 from bench.nvml_bench import gpu_lines
-from gpuguard.node.devices import rule_name
+from gpuguard.quarantine.gpu.rules import rule_name
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -194,7 +194,8 @@ def mean(xs: list[float]) -> float:
 _AGENT_LIBRARIES = r"""
 import json, sys
 import gpuguard.cli, gpuguard.running, gpuguard.agent, gpuguard.metrics, gpuguard.server, gpuguard.state
-import gpuguard.node.reconciler, gpuguard.node.writers, gpuguard.node.budget, gpuguard.nvml.real
+import gpuguard.quarantine.reconciler, gpuguard.quarantine.node.writers, gpuguard.quarantine.node.budget
+import gpuguard.nvml.real
 import prometheus_client
 std = sys.stdlib_module_names
 print(json.dumps(sorted(m for m in sys.modules

@@ -644,7 +644,7 @@ def fleet_section(
 
 WATCH_REQUESTS_PER_HOUR = 3600 / (
     (48 * 60 + 3600) / 2
-)  # a watch resumed every 48-60 min (gpuguard.node.fleet)
+)  # a watch resumed every 48-60 min (gpuguard.quarantine.node.budgetwatch)
 COUNT_REQUESTS_PER_HOUR = 1.0  # the GPU-node count about hourly, x 0.8-1.2
 
 

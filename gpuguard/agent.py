@@ -16,14 +16,14 @@ import structlog
 from gpuguard.config import PolicySettings
 from gpuguard.metrics import Metrics
 from gpuguard.model import AgentStatus, Fault, Snapshot, Verdict
-from gpuguard.node.reconciler import NodeReconciler
-from gpuguard.node.writers import DRY_RUN_NODE
 from gpuguard.nvml.base import Backend, wait_for
 from gpuguard.policy import evaluate
+from gpuguard.quarantine.node.writers import DRY_RUN_NODE
+from gpuguard.quarantine.reconciler import NodeReconciler
 from gpuguard.state import StateStore
 from gpuguard.xidcatalog import CATALOG
 
-log = structlog.get_logger("gpuguard.agent")
+log = structlog.get_logger(__name__)
 
 STALL_INTERVALS = 3
 # Ignored Xids are logged once per code and window, then counted (every one is in the metric): a storm of

@@ -19,8 +19,9 @@ import tenacity
 
 from gpuguard.errors import ConflictError, GpuguardError
 from gpuguard.kube import client as kubeclient
-from gpuguard.node.devicewriters import KubeDeviceSource
-from gpuguard.node.view import ANN_CORDONED, CONDITION_TYPE, DOMAIN
+from gpuguard.quarantine.gpu.writers import KubeDeviceSource
+from gpuguard.quarantine.node.view import ANN_CORDONED, CONDITION_TYPE
+from gpuguard.quarantine.record import DOMAIN
 
 PREFIX = f"{DOMAIN}/"
 _ATTEMPTS = 5

@@ -6,8 +6,10 @@ Standard library only.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from gpuguard import validation
 from gpuguard.errors import ConfigError
@@ -39,14 +41,62 @@ class PolicySettings:
     answer. `check` uses 1: a preflight has one pass. RESET_REQUIRED and GPU_IS_LOST are faults at once."""
 
 
-TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+TAINT_EFFECTS = validation.TAINT_EFFECTS
 GATE_REMOVALS = ("gpuguard", "external")
 QUARANTINE_MODES = ("auto", "node", "gpu")
+# Where `watch` keeps faults that only a reboot clears: the DaemonSet's hostPath. Config's own default is none
+# (tests, dry runs, the mock backend unless told).
+STATE_DIR = "/var/lib/gpuguard"
 # The label NVIDIA GPU Feature Discovery sets on GPU nodes; also the DaemonSet's nodeSelector.
 GPU_NODE_SELECTOR = "nvidia.com/gpu.present=true"
 # The label NVIDIA GPU Feature Discovery sets to the node's GPU count: `check` expects that many where it can
-# read its node (gpuguard.node.gpucount says why this source).
+# read its node (gpuguard.gpucount says why this source).
 GPU_COUNT_LABEL = "nvidia.com/gpu.count"
+
+
+_LIMIT = re.compile(r"^(\d{1,6}|\d{1,3}(\.\d{1,3})?%)$")
+
+
+@dataclass(frozen=True)
+class QuarantineLimit:
+    """--max-quarantined, parsed once: a count of GPU nodes, or a percentage of them. The percentage is a
+    Fraction, not a float: exact, so 8.8% of 375 nodes is 33 (a float makes it 34)."""
+
+    text: str
+    """The flag's text, which messages and Events quote (`str(limit)`)."""
+    count: int | None = None
+    """A number of GPU nodes; None for a percentage."""
+    percent: Fraction | None = None
+    """A percentage of the GPU nodes `gpu_node_selector` selects; None for a count."""
+
+    @classmethod
+    def parse(cls, text: str) -> QuarantineLimit:
+        """A count ("5") or a percentage 0..100% ("10%", at most three decimals); else a ConfigError that
+        names the flag."""
+        if _LIMIT.fullmatch(text) and not text.endswith("%"):
+            return cls(text, count=int(text))
+        if _LIMIT.fullmatch(text) and Fraction(text[:-1]) <= 100:
+            return cls(text, percent=Fraction(text[:-1]))
+        raise ConfigError("--max-quarantined must be a count (e.g. 5) or a percentage 0..100% (e.g. 10%)")
+
+    @property
+    def unlimited(self) -> bool:
+        """A limit that never defers a quarantine: no budget to read, no list, no watch. Any spelling of 100%
+        ("100.0%" too): the parsed value decides, not the text."""
+        return self.percent is not None and self.percent >= 100
+
+    def of(self, gpu_nodes: int) -> int:
+        """As a node count: the count, or the percentage of `gpu_nodes` rounded up (so that a small pool
+        can still quarantine one node)."""
+        if self.percent is None:
+            return self.count or 0
+        return math.ceil(self.percent * gpu_nodes / 100)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+DEFAULT_MAX_QUARANTINED = QuarantineLimit.parse("10%")
 
 
 @dataclass(frozen=True)
@@ -70,7 +120,7 @@ class NodeSettings:
     """None: in-cluster config, then KUBECONFIG, then ~/.kube/config."""
     api_timeout: float = 10.0
     """Seconds per API request (connect and read), so a hanging API server never stalls the agent."""
-    max_quarantined: str = "10%"
+    max_quarantined: QuarantineLimit = DEFAULT_MAX_QUARANTINED
     """Cluster-wide budget: GPU nodes gpuguard may fully quarantine at once (a count or a percentage of the
     nodes `gpu_node_selector` selects). A bad driver roll-out that makes every node report an Xid must
     not take the whole fleet out of service; past the budget a node only gets a PreferNoSchedule taint."""
@@ -133,7 +183,8 @@ class NodeSettings:
     is the node's name, the device's `uuid` attribute the GPU's UUID."""
     refusal_backoff: float = 300.0
     """Seconds a request the API server refused (401, 403, 404, 422: RBAC, an admission policy) is not sent
-    again: one ERROR line and one request per 5 minutes instead of one per check (gpuguard.node.apistate)."""
+    again: one ERROR line and one request per 5 minutes instead of one per check
+    (gpuguard.quarantine.apistate)."""
     retry_max_wait: float = 2.0
     """Cap of the exponential backoff between retries of a transient API failure: a repaired API server
     sees the pending write within this long of coming back."""
@@ -185,7 +236,6 @@ _LABEL_VALUE = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?"
 _SELECTOR = re.compile(rf"^{_LABEL_KEY}={_LABEL_VALUE}(,{_LABEL_KEY}={_LABEL_VALUE})*$")
 _LABEL_KEY_ONLY = re.compile(rf"^{_LABEL_KEY}$")
 _DRIVER = re.compile(r"^(?=.{1,63}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_BUDGET = re.compile(r"^(\d{1,6}|\d{1,3}(\.\d{1,3})?%)$")
 
 
 def validate(cfg: Config) -> None:
@@ -240,10 +290,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError("--slice-refresh must be between 0 and 86400 seconds")
     if n.recover_after < 1:
         raise ConfigError("--recover-after must be >= 1")
-    if not _BUDGET.match(n.max_quarantined) or (
-        n.max_quarantined.endswith("%") and float(n.max_quarantined[:-1]) > 100
-    ):
-        raise ConfigError("--max-quarantined must be a count (e.g. 5) or a percentage 0..100% (e.g. 10%)")
     if not 0 < n.refusal_backoff <= 86400:
         raise ConfigError("--refusal-backoff must be between 0 and 86400 seconds")
     if not 0 < n.node_resync <= 86400:

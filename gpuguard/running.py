@@ -27,15 +27,15 @@ if TYPE_CHECKING:  # the watch's parts: imported where they are built, not by `c
     from gpuguard.agent import Agent
     from gpuguard.kube import client as kubeclient
     from gpuguard.metrics import Metrics
-    from gpuguard.node.budget import QuarantineBudget
-    from gpuguard.node.devicequarantine import DeviceQuarantine
-    from gpuguard.node.devicewatch import WatchedRules
-    from gpuguard.node.devicewriters import DryRunDeviceSource, KubeDeviceSource
-    from gpuguard.node.fleet import WatchedBudget
-    from gpuguard.node.reconciler import NodeReconciler
-    from gpuguard.node.writers import DryRunNodeWriter, KubeNodeWriter
+    from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
+    from gpuguard.quarantine.gpu.watch import WatchedRules
+    from gpuguard.quarantine.gpu.writers import DryRunDeviceSource, KubeDeviceSource
+    from gpuguard.quarantine.node.budget import QuarantineBudget
+    from gpuguard.quarantine.node.budgetwatch import WatchedBudget
+    from gpuguard.quarantine.node.writers import DryRunNodeWriter, KubeNodeWriter
+    from gpuguard.quarantine.reconciler import NodeReconciler
 
-log = structlog.get_logger("gpuguard.running")
+log = structlog.get_logger(__name__)
 
 
 def make_backend(cfg: Config, *, start_at: float = 0.0) -> Backend:
@@ -102,10 +102,10 @@ def check_once(cfg: Config, *, at: float | None = None) -> Check:
 
 def expected_gpus(cfg: Config) -> int | None:
     """The GPU count `check` expects: --expected-gpus; else its node's label where it can read one
-    (gpuguard.node.gpucount: a cluster named, the node known, the container sees all the node's GPUs)."""
+    (gpuguard.gpucount: a cluster named, the node known, the container sees all the node's GPUs)."""
     if cfg.policy.expected_gpus is not None or not cfg.expected_gpus_label or not cfg.node.name:
         return cfg.policy.expected_gpus
-    from gpuguard.node import gpucount  # noqa: PLC0415 - the API client only where a node is read
+    from gpuguard import gpucount  # noqa: PLC0415 - the API client only where a node is read
 
     if not gpucount.cluster_named(cfg.node.kubeconfig):
         return None
@@ -172,14 +172,14 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
 
     from gpuguard.agent import Agent  # noqa: PLC0415
     from gpuguard.metrics import Metrics  # noqa: PLC0415
-    from gpuguard.node.apistate import ApiState  # noqa: PLC0415
-    from gpuguard.node.budget import QuarantineBudget  # noqa: PLC0415
-    from gpuguard.node.devicequarantine import DeviceQuarantine  # noqa: PLC0415
-    from gpuguard.node.devicewatch import WatchedRules  # noqa: PLC0415
-    from gpuguard.node.devicewriters import KubeDeviceSource, make_device_source  # noqa: PLC0415
-    from gpuguard.node.fleet import watched  # noqa: PLC0415
-    from gpuguard.node.reconciler import NodeReconciler  # noqa: PLC0415
-    from gpuguard.node.writers import DRY_RUN_NODE, make_writer  # noqa: PLC0415
+    from gpuguard.quarantine.apistate import ApiState  # noqa: PLC0415
+    from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine  # noqa: PLC0415
+    from gpuguard.quarantine.gpu.watch import WatchedRules  # noqa: PLC0415
+    from gpuguard.quarantine.gpu.writers import KubeDeviceSource, make_device_source  # noqa: PLC0415
+    from gpuguard.quarantine.node.budget import QuarantineBudget  # noqa: PLC0415
+    from gpuguard.quarantine.node.budgetwatch import watched  # noqa: PLC0415
+    from gpuguard.quarantine.node.writers import DRY_RUN_NODE, make_writer  # noqa: PLC0415
+    from gpuguard.quarantine.reconciler import NodeReconciler  # noqa: PLC0415
     from gpuguard.state import StateStore, read_boot_id  # noqa: PLC0415
 
     backend = make_backend(cfg)
@@ -206,7 +206,7 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
     if cfg.node.quarantine != "node":
         node_name = cfg.node.name or ""
         device_source = make_device_source(cfg.node, connect, metrics)
-        if isinstance(device_source, KubeDeviceSource) and cfg.node.max_quarantined != "100%":
+        if isinstance(device_source, KubeDeviceSource) and not cfg.node.max_quarantined.unlimited:
             # Every gpuguard rule for the budget, from memory: no list in the fault's path.
             source = device_source
             rules_watch = WatchedRules(

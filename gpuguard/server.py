@@ -37,7 +37,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from gpuguard.health import health_body
 from gpuguard.model import AgentStatus
 
-log = structlog.get_logger("gpuguard.server")
+log = structlog.get_logger(__name__)
 
 REQUEST_TIMEOUT = 5.0
 """Seconds for a client to send its whole request head; also the socket timeout for the response."""

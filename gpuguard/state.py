@@ -39,12 +39,11 @@ from gpuguard import files
 from gpuguard.errors import ConfigError
 from gpuguard.model import Fault
 
-log = structlog.get_logger("gpuguard.state")
+log = structlog.get_logger(__name__)
 
 VERSION = 1
 KIND = "gpuguard-state"
 FILE_NAME = "state.json"
-HOST_BOOT_ID = "/proc/sys/kernel/random/boot_id"
 MAX_BYTES = 1 << 20
 # At most this many rules remembered, and faults restored: a node has at most a few dozen GPUs.
 MAX_RULES = 1024
@@ -53,7 +52,7 @@ MAX_FAULTS = 1024
 
 @dataclass(frozen=True)
 class RuleMemory:
-    """The per-GPU quarantine's memory (`node.devicequarantine`): `known`, the rules gpuguard made or found
+    """The per-GPU quarantine's memory (`quarantine.gpu.memory`): `known`, the rules gpuguard made or found
     (rule name -> (GPU UUID, fault keys)); `overridden`, the GPUs whose rule an operator deleted (UUID -> the
     fault keys it was deleted for: not made again for those)."""
 
@@ -61,7 +60,7 @@ class RuleMemory:
     overridden: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
 
-def read_boot_id(path: str = HOST_BOOT_ID) -> str:
+def read_boot_id(path: str) -> str:
     """The host's boot ID (the same value the kubelet reports as status.nodeInfo.bootID); "" if unreadable."""
     try:
         return files.read_text(path, limit=4 * files.KIB, what="boot ID file").strip()

@@ -47,12 +47,15 @@ MODULES = (
     "gpuguard/state.py",
     "gpuguard/validation.py",
     "gpuguard/xidcatalog.py",
-    "gpuguard/node/plan.py",
-    "gpuguard/node/view.py",
-    "gpuguard/node/devices.py",
-    "gpuguard/node/devicebudget.py",
-    "gpuguard/node/deviceorder.py",
-    "gpuguard/node/budget.py",
+    "gpuguard/quarantine/node/plan.py",
+    "gpuguard/quarantine/node/view.py",
+    "gpuguard/quarantine/gpu/rules.py",
+    "gpuguard/quarantine/gpu/budget.py",
+    "gpuguard/quarantine/gpu/order.py",
+    "gpuguard/quarantine/node/budget.py",
+    "gpuguard/quarantine/record.py",
+    "gpuguard/quarantine/budget.py",
+    "gpuguard/quarantine/gpu/plan.py",
 )
 # The unit tests that run in-process in milliseconds (no fake NVML library, no subprocess, no chart).
 TESTS = (
@@ -74,6 +77,8 @@ TESTS = (
     "tests/test_budget.py",
     "tests/test_model.py",
     "tests/test_xidcatalog.py",
+    "tests/test_fault_record.py",
+    "tests/test_gpu_plan.py",
 )
 # Survivors judged equivalent (no test could tell them apart) or cosmetic, by mutant key, with why.
 _FALSY = "equivalent: the caller tests the answer for truth, and None is false like False"
@@ -89,8 +94,9 @@ JUDGED: dict[str, str] = {
     "disabled, so the faults it then takes for written are never compared or written again",
     "gpuguard/state.py StateStore._replace: True -> False #2": "equivalent: mkdir runs only after the open "
     "found no directory; exist_ok matters only if another process makes it in between",
-    "gpuguard/validation.py <module>: 1024 -> 1025 #3": "outside the eleven: MAX_EVENT_MESSAGE_BYTES is read "
-    "only by gpuguard/node/writers.py",
+    "gpuguard/validation.py <module>: 1024 -> 1025 #3": (
+        "outside the fourteen: MAX_EVENT_MESSAGE_BYTES is read only by gpuguard/quarantine/node/writers.py"
+    ),
     "gpuguard/validation.py clean_text: False -> True": "equivalent: a gap before the first kept character "
     "adds no space (nothing is kept yet)",
     "gpuguard/validation.py fault_key: len(encoded) <= MAX_FAULT_KEY_BYTES -> len(encoded) < "
@@ -98,37 +104,45 @@ JUDGED: dict[str, str] = {
     "gpuguard/validation.py taint_key: '' -> 'XXXX'": "equivalent: a key that is not a string has no name "
     "part either, and is refused for that",
     "gpuguard/validation.py taint_key: '' -> 'XXXX' #2": "equivalent: the separator is not read",
-    "gpuguard/node/devices.py <module>: '/apis/resource.k8s.io/v1' -> 'XX/apis/resource.k8s.io/v1XX'": "not "
-    "seen by the mutator: read once when devicewriters is imported; test_devicewriters' fake API server "
-    "answers only that path",
-    "gpuguard/node/devices.py <module>: 'NoSchedule' -> 'XXNoScheduleXX'": "equivalent: an effect missing "
-    "from the table is NoSchedule, the entry's own value",
-    "gpuguard/node/devices.py DeviceRule.share: '' -> 'XXXX'": _EMPTY,
-    "gpuguard/node/devices.py DeviceRule.share: 0 < len(raw) <= 4 -> 0 <= len(raw) <= 4": "equivalent: the "
-    "empty string is not digits",
-    "gpuguard/node/devices.py DeviceRule.share: 1 <= gpus <= 1024 -> 1 < gpus <= 1024": "equivalent: 1 GPU "
-    "and the fallback are both a whole node",
-    "gpuguard/node/devices.py DeviceRule.share: 1 -> 2 #3": "equivalent: 1 GPU and the fallback are both a "
-    "whole node",
-    "gpuguard/node/devicebudget.py <module>: DeviceRule | None -> DeviceRule & None": "a type alias: the "
+    "gpuguard/quarantine/gpu/rules.py <module>: '/apis/resource.k8s.io/v1' -> "
+    "'XX/apis/resource.k8s.io/v1XX'": (
+        "not "
+        "seen by the mutator: read once when gpu.writers is imported; test_devicewriters' fake API server "
+        "answers only that path"
+    ),
+    "gpuguard/quarantine/gpu/rules.py <module>: 'NoSchedule' -> 'XXNoScheduleXX'": (
+        "equivalent: an effect missing from the table is NoSchedule, the entry's own value"
+    ),
+    "gpuguard/quarantine/gpu/rules.py DeviceRule.share: '' -> 'XXXX'": _EMPTY,
+    "gpuguard/quarantine/gpu/rules.py DeviceRule.share: 0 < len(raw) <= 4 -> 0 <= len(raw) <= 4": (
+        "equivalent: the empty string is not digits"
+    ),
+    "gpuguard/quarantine/gpu/rules.py DeviceRule.share: 1 <= gpus <= 1024 -> 1 < gpus <= 1024": (
+        "equivalent: 1 GPU and the fallback are both a whole node"
+    ),
+    "gpuguard/quarantine/gpu/rules.py DeviceRule.share: 1 -> 2 #3": (
+        "equivalent: 1 GPU and the fallback are both a whole node"
+    ),
+    "gpuguard/quarantine/gpu/budget.py <module>: DeviceRule | None -> DeviceRule & None": "a type alias: the "
     "mutant raises at import, which no run of a test could miss (counted as an error by the mutator)",
-    "gpuguard/node/devicebudget.py RuleBudget.__init__: False -> True": "equivalent: the flag is read only "
-    "with a fresh rule, and blocking() sets it with the first",
-    "gpuguard/node/devicebudget.py RuleBudget.room: '' -> 'XXXX'": _EMPTY,
-    "gpuguard/node/deviceorder.py rules_past_limit: '' -> 'XXXX' #2": (
+    "gpuguard/quarantine/gpu/budget.py RuleBudget.__init__: False -> True": (
+        "equivalent: the flag is read only with a fresh rule, and blocking() sets it with the first"
+    ),
+    "gpuguard/quarantine/gpu/budget.py RuleBudget.room: '' -> 'XXXX'": _EMPTY,
+    "gpuguard/quarantine/gpu/order.py rules_past_limit: '' -> 'XXXX' #2": (
         "equivalent: the stand-in for an invalid since: every invalid claim gets the same one, so they keep "
         "their order among themselves (by name), after every valid one"
     ),
-    "gpuguard/node/budget.py quarantine_entry: 'creationTimestamp' -> 'XXcreationTimestampXX' #2": (
-        "cosmetic: the creation time shown in the reason a claim is ignored"
+    "gpuguard/quarantine/node/budget.py quarantine_entry: 'creationTimestamp' -> "
+    "'XXcreationTimestampXX' #2": ("cosmetic: the creation time shown in the reason a claim is ignored"),
+    "gpuguard/quarantine/node/budget.py OtherNodes.quarantined: '' -> 'XXXX'": _LOGGED,
+    "gpuguard/quarantine/node/budget.py OtherNodes.quarantined: 253 -> 254": _LOGGED,
+    "gpuguard/quarantine/node/budget.py quarantine_rank: k < me -> k <= me": (
+        "equivalent: an entry equal to this node's has its name, and is left out before the comparison"
     ),
-    "gpuguard/node/budget.py OtherNodes.quarantined: '' -> 'XXXX'": _LOGGED,
-    "gpuguard/node/budget.py OtherNodes.quarantined: 253 -> 254": _LOGGED,
-    "gpuguard/node/budget.py quarantine_rank: k < me -> k <= me": "equivalent: an entry equal to this node's "
-    "has its name, and is left out before the comparison",
-    "gpuguard/node/budget.py limit: '' -> 'XXXX'": "equivalent: every taint change has an Event",
-    "gpuguard/node/budget.py QuarantineBudget.written: return False -> return None #2": _FALSY,
-    "gpuguard/node/budget.py QuarantineBudget._check_order: '' -> 'XXXX'": "unreachable: a fully "
+    "gpuguard/quarantine/node/budget.py limit: '' -> 'XXXX'": "equivalent: every taint change has an Event",
+    "gpuguard/quarantine/node/budget.py QuarantineBudget.written: return False -> return None #2": _FALSY,
+    "gpuguard/quarantine/node/budget.py QuarantineBudget._check_order: '' -> 'XXXX'": "unreachable: a fully "
     "quarantined node has gpuguard.io/since, written in the same patch as the taint",
 }
 
@@ -531,7 +545,7 @@ def select(m: Mutant, lines: dict[str, list[str]], fast: set[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--root", type=Path, default=ROOT)
-    p.add_argument("--module", action="append", help="a module to mutate (default: the eleven)")
+    p.add_argument("--module", action="append", help="a module to mutate (default: the fourteen)")
     p.add_argument("--tests", action="append", help="a test file to run (default: the fast unit tests)")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument(

@@ -11,10 +11,12 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from gpuguard.config import QuarantineLimit
 from gpuguard.errors import ConflictError, NodeUpdateError
-from gpuguard.node.budget import Budget
-from gpuguard.node.devices import DeviceRule
-from gpuguard.node.view import ANN_SINCE, LABEL_QUARANTINED, EventSpec, NodeChange, NodeView, apply_change
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.gpu.rules import DeviceRule
+from gpuguard.quarantine.node.view import LABEL_QUARANTINED, EventSpec, NodeChange, NodeView, apply_change
+from gpuguard.quarantine.record import ANN_SINCE
 
 
 class FakeNodeWriter:
@@ -75,7 +77,7 @@ class FakeNodeWriter:
     def writes(self) -> int:
         return len(self.patches)
 
-    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+    def budget(self, spec: QuarantineLimit, *, exclude: str) -> Budget | None:
         self.budget_lists += 1
         return self.quarantine_budget
 

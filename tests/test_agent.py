@@ -12,10 +12,10 @@ from prometheus_client import CollectorRegistry
 from gpuguard.agent import Agent
 from gpuguard.config import NodeSettings, PolicySettings
 from gpuguard.metrics import Metrics
-from gpuguard.node.reconciler import NodeReconciler
-from gpuguard.node.view import NodeView
-from gpuguard.node.writers import DryRunNodeWriter
 from gpuguard.nvml.mock import MockBackend, parse_scenario
+from gpuguard.quarantine.node.view import NodeView
+from gpuguard.quarantine.node.writers import DryRunNodeWriter
+from gpuguard.quarantine.reconciler import NodeReconciler
 from harness.clock import Clock
 from harness.fakes import FakeNodeWriter
 

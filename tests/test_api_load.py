@@ -22,10 +22,10 @@ from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig
 from gpuguard.kube.ratelimit import RateLimiter
 from gpuguard.model import GpuReading, Snapshot
-from gpuguard.node.reconciler import NodeReconciler
-from gpuguard.node.view import NodeView
-from gpuguard.node.writers import KubeNodeWriter
 from gpuguard.policy import evaluate
+from gpuguard.quarantine.node.view import NodeView
+from gpuguard.quarantine.node.writers import KubeNodeWriter
+from gpuguard.quarantine.reconciler import NodeReconciler
 from harness.clock import Clock
 from harness.fakes import FakeNodeWriter
 from tests.test_kube_client import NODE, Recorder, server  # noqa: F401 - the fixture

@@ -1,4 +1,4 @@
-"""node/apistate.py over time, on a clock: the state /healthz shows and the lines an operator reads."""
+"""quarantine/apistate.py over time, on a clock: the state /healthz shows and the lines an operator reads."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from structlog.testing import capture_logs
 
 from gpuguard.errors import PermanentApiError, TransientApiError
-from gpuguard.node.apistate import ApiState, Intent
+from gpuguard.quarantine.apistate import ApiState, Intent
 from harness.clock import Clock
 
 PATCH = Intent("patch", "node gpu-1", '{"spec":{"unschedulable":true}}')

@@ -1,6 +1,6 @@
-"""The node budget over time (gpuguard.node.budget), driven directly with a clock and a fake fleet: the gate
-(when it lists, what it defers), the two order checks after a full quarantine, the step back it asks for, and
-the pure parts' exact texts and bounds."""
+"""The node budget over time (gpuguard.quarantine.node.budget), driven directly with a clock and a fake
+fleet: the gate (when it lists, what it defers), the two order checks after a full quarantine, the step back
+it asks for, and the pure parts' exact texts and bounds."""
 
 from __future__ import annotations
 
@@ -10,29 +10,26 @@ from typing import Any
 
 import pytest
 
-from gpuguard.config import NodeSettings, PolicySettings
+from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
 from gpuguard.errors import NodeUpdateError
 from gpuguard.model import GpuReading, Snapshot, Verdict
-from gpuguard.node.budget import Budget, OtherNodes, QuarantineBudget, budget_limit, limit, plan_yield
-from gpuguard.node.plan import plan
-from gpuguard.node.view import (
+from gpuguard.policy import evaluate
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.node.budget import OtherNodes, QuarantineBudget, limit, plan_yield
+from gpuguard.quarantine.node.plan import plan
+from gpuguard.quarantine.node.view import (
     ANN_CORDONED,
-    ANN_DEFERRED,
-    ANN_FAULTS,
-    ANN_REASON,
-    ANN_SINCE,
     LABEL_QUARANTINED,
-    TAINT_KEY,
     NodeChange,
     NodeView,
     Taint,
     apply_change,
 )
-from gpuguard.policy import evaluate
+from gpuguard.quarantine.record import ANN_DEFERRED, ANN_FAULTS, ANN_REASON, ANN_SINCE, TAINT_KEY
 from harness.clock import Clock
 
 NOW = datetime(2026, 12, 2, 12, 0, 0, tzinfo=UTC)
-SETTINGS = NodeSettings(name="b", max_quarantined="1", budget_recheck=60.0)
+SETTINGS = NodeSettings(name="b", max_quarantined=QuarantineLimit.parse("1"), budget_recheck=60.0)
 
 
 class Fleet:
@@ -45,7 +42,7 @@ class Fleet:
         self.fail_order = False
         self.reads: list[str] = []
 
-    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+    def budget(self, spec: QuarantineLimit, *, exclude: str) -> Budget | None:
         self.reads.append("budget")
         return self.the_budget
 
@@ -197,7 +194,19 @@ def test_a_deferred_node_escalates_at_its_first_check_and_then_at_most_once_per_
 
 def test_an_unlimited_budget_lists_nothing_and_passes_the_change() -> None:
     fleet = Fleet(Budget(quarantined=9, limit=1))
-    b = QuarantineBudget(fleet, NodeSettings(name="b", max_quarantined="100%"), clock=Clock(100.0))
+    unlimited = NodeSettings(name="b", max_quarantined=QuarantineLimit.parse("100%"))
+    b = QuarantineBudget(fleet, unlimited, clock=Clock(100.0))
+    change = plan(NodeView(name="b"), sick(), healthy_streak=0, settings=SETTINGS, now=NOW)
+    assert b.gate(NodeView(name="b"), change, sick()) is change and fleet.reads == []
+
+
+@pytest.mark.parametrize("text", ["100%", "100.0%", "100.000%", "100.00%"])
+def test_defect_max_quarantined_100_0_percent_missed_the_no_budget_path(text: str) -> None:
+    """--max-quarantined 100.0% passed validation but only the literal "100%" skipped the budget: any
+    spelling of 100% is no budget, so a fault lists nothing and passes as planned."""
+    fleet = Fleet(Budget(quarantined=9, limit=1))
+    unlimited = NodeSettings(name="b", max_quarantined=QuarantineLimit.parse(text))
+    b = QuarantineBudget(fleet, unlimited, clock=Clock(100.0))
     change = plan(NodeView(name="b"), sick(), healthy_streak=0, settings=SETTINGS, now=NOW)
     assert b.gate(NodeView(name="b"), change, sick()) is change and fleet.reads == []
 
@@ -259,17 +268,17 @@ def test_a_step_back_of_a_node_without_a_recorded_reason_says_only_why() -> None
 
 @pytest.mark.parametrize(("spec", "nodes", "expected"), [("50%", 202, 101), ("1%", 10100, 101), ("7", 3, 7)])
 def test_a_percentage_budget_is_exact(spec: str, nodes: int, expected: int) -> None:
-    assert budget_limit(spec, nodes) == expected
+    assert QuarantineLimit.parse(spec).of(nodes) == expected
 
 
 # Issue 12's review, defect 5: percentages in floats.
 def test_defect_05_percentage_budgets_are_exact_not_floats() -> None:
-    assert budget_limit("8.8%", 375) == 33  # floats: 34
+    assert QuarantineLimit.parse("8.8%").of(375) == 33  # floats: 34
     wrong = [
         (f"{tenths / 10}%", size)
         for tenths in range(0, 1001)
         for size in range(1, 401)
-        if budget_limit(f"{tenths / 10}%", size) != -(-(Fraction(tenths, 10) * size) // 100)
+        if QuarantineLimit.parse(f"{tenths / 10}%").of(size) != -(-(Fraction(tenths, 10) * size) // 100)
     ]
     assert wrong == []
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard import cli
+from gpuguard.cli import settings as cli_settings
 from gpuguard.config import Config
 from harness.agentproc import WatchProcess, healthz, wait_until
 
@@ -355,7 +356,7 @@ def watch_config(*args: str) -> Config:
     """The settings `gpuguard watch ARGS` would run with (flags and the environment, as click reads them)."""
     ctx = cli.watch.make_context("watch", list(args))
     with ctx:
-        return cli._config(ctx.params, watch=True)
+        return cli_settings.config(ctx.params, watch=True)
 
 
 # Issue 12's review, defect 15: empty environment values.

@@ -1,6 +1,7 @@
-"""The per-GPU quarantine's budget over time (gpuguard.node.devicebudget.RuleBudget), driven directly with a
-clock and fake reads: when one more GPU fits, how often a deferred rule asks again, and the order check of
-the rules this node made blocking (when it runs, what it steps back, what it does when a read fails)."""
+"""The per-GPU quarantine's budget over time (gpuguard.quarantine.gpu.budget.RuleBudget), driven directly
+with a clock and fake reads: when one more GPU fits, how often a deferred rule asks again, and the order
+check of the rules this node made blocking (when it runs, what it steps back, what it does when a read
+fails)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,17 @@ from typing import Any
 
 import pytest
 
-from gpuguard.config import NodeSettings
+from gpuguard.config import NodeSettings, QuarantineLimit
 from gpuguard.errors import NodeUpdateError
-from gpuguard.node.budget import VERIFY_SETTLE, Budget
-from gpuguard.node.devicebudget import RuleBudget
-from gpuguard.node.devices import ANN_NODE_GPUS, DeviceRule, rule_name
-from gpuguard.node.view import ANN_DEFERRED, ANN_SINCE, TAINT_KEY, NodeView
+from gpuguard.quarantine.budget import VERIFY_SETTLE, Budget
+from gpuguard.quarantine.gpu.budget import RuleBudget
+from gpuguard.quarantine.gpu.rules import ANN_NODE_GPUS, DeviceRule, rule_name
+from gpuguard.quarantine.node.view import NodeView
+from gpuguard.quarantine.record import ANN_DEFERRED, ANN_SINCE, TAINT_KEY
 from harness.clock import Clock
 
 NODE = NodeView(name="node-b", boot_id="boot-1")
-SETTINGS = NodeSettings(name="node-b", budget_recheck=60.0, max_quarantined="1")
+SETTINGS = NodeSettings(name="node-b", budget_recheck=60.0, max_quarantined=QuarantineLimit.parse("1"))
 NOW = datetime(2026, 12, 3, 1, tzinfo=UTC)
 
 
@@ -331,7 +333,7 @@ def test_a_stepped_back_rule_says_how_many_nodes_worth_came_before_it(ahead: lis
     earlier = [rule(n, since=f"2026-12-03T00:00:0{i}Z") for i, n in enumerate(ahead)]
     mine = rule("node-b", since="2026-12-03T00:00:09Z")
     limit = len(ahead)
-    settings = replace(SETTINGS, max_quarantined=str(limit))
+    settings = replace(SETTINGS, max_quarantined=QuarantineLimit.parse(str(limit)))
     fleet = Fleet(Budget(quarantined=0, limit=limit), earlier)
     b = RuleBudget(
         settings,

@@ -1,5 +1,5 @@
-"""The per-GPU quarantine (gpuguard.node.devices): one bad GPU of eight is one DeviceTaintRule for that
-device, node-level faults and nodes without DRA slices keep the node taint, recovery follows the evidence
+"""The per-GPU quarantine (gpuguard.quarantine.gpu.rules): one bad GPU of eight is one DeviceTaintRule for
+that device, node-level faults and nodes without DRA slices keep the node taint, recovery follows the evidence
 rules."""
 
 from __future__ import annotations
@@ -32,27 +32,26 @@ from gpuguard.model import (
     XidEvent,
     recovery_reason,
 )
-from gpuguard.node.budget import VERIFY_SETTLE, Budget
-from gpuguard.node.deviceorder import rule_since, rules_past_limit, rules_share
-from gpuguard.node.devicequarantine import DeviceQuarantine
-from gpuguard.node.devices import (
+from gpuguard.nvml.mock import MockBackend, parse_scenario
+from gpuguard.policy import evaluate
+from gpuguard.quarantine.budget import VERIFY_SETTLE, Budget
+from gpuguard.quarantine.gpu.order import rule_since, rules_past_limit, rules_share
+from gpuguard.quarantine.gpu.plan import Split, per_gpu, split
+from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
+from gpuguard.quarantine.gpu.rules import (
     ANN_NODE_GPUS,
     DeviceRule,
-    Split,
-    per_gpu,
     rule_body,
     rule_name,
-    split,
     taint_value,
     trim_rule,
 )
-from gpuguard.node.devices import device_effect as device_effect_of
-from gpuguard.node.deviceslices import SliceDevice, slice_devices
-from gpuguard.node.devicewriters import DryRunDeviceSource
-from gpuguard.node.reconciler import NodeReconciler
-from gpuguard.node.view import TAINT_KEY, NodeView, Taint
-from gpuguard.nvml.mock import MockBackend, parse_scenario
-from gpuguard.policy import evaluate
+from gpuguard.quarantine.gpu.rules import device_effect as device_effect_of
+from gpuguard.quarantine.gpu.slices import SliceDevice, slice_devices
+from gpuguard.quarantine.gpu.writers import DryRunDeviceSource
+from gpuguard.quarantine.node.view import NodeView, Taint
+from gpuguard.quarantine.reconciler import NodeReconciler
+from gpuguard.quarantine.record import TAINT_KEY
 from gpuguard.state import StateStore
 from harness.clock import Clock
 from harness.dra import DRIVER, gpu_uuid, nvidia_slice
@@ -468,7 +467,7 @@ def test_the_node_counts_as_reconciled_for_readyz_only_once_its_first_reconcile_
 
 
 def test_the_order_check_ranks_this_nodes_new_rule_even_before_the_rules_watch_delivered_it() -> None:
-    """The budget's rules come from a watch (node/devicewatch.py): right after the create it may hold the
+    """The budget's rules come from a watch (quarantine/gpu/watch.py): right after the create it may hold the
     other agents' rules of the same burst and not yet this node's own. The order check takes this node's
     rules as its own writes answered, so the new rule is ranked at once: here one node's worth of rules
     came first (the budget, 1 node), and the new rule steps back in the same reconcile."""

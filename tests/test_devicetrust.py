@@ -1,4 +1,4 @@
-"""What the per-GPU quarantine trusts of the rules it reads (gpuguard.node.devicetrust): a rule squatting
+"""What the per-GPU quarantine trusts of the rules it reads (gpuguard.quarantine.gpu.trust): a rule squatting
 this node's name, a rule under its label that is not its own, and forged rules meant to spend the GPU
 budget are never adopted, released or counted; the GPU they aim at is quarantined all the same."""
 
@@ -9,10 +9,10 @@ from typing import Any
 
 from structlog.testing import capture_logs
 
-from gpuguard.node.budget import Budget
-from gpuguard.node.deviceorder import rules_past_limit, rules_share
-from gpuguard.node.devices import ANN_NODE_GPUS, DeviceRule, rule_name
-from gpuguard.node.devicetrust import countable
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.gpu.order import rules_past_limit, rules_share
+from gpuguard.quarantine.gpu.rules import ANN_NODE_GPUS, DeviceRule, rule_name
+from gpuguard.quarantine.gpu.trust import countable
 from harness.dra import DRIVER
 from tests.test_devices import NODE, NOW, make, own_rule, run, verdict
 
@@ -133,7 +133,7 @@ def test_a_rule_kept_for_the_budget_is_bounded_whatever_it_holds() -> None:
     against its 128 Mi limit. The watch keeps only what the budget reads, each value cut."""
     import json
 
-    from gpuguard.node.devices import trim_rule
+    from gpuguard.quarantine.gpu.rules import trim_rule
 
     big = doc("gpu-node-8", "gpu-1", effect="NoSchedule")
     big["metadata"]["annotations"] = {

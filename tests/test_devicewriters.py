@@ -1,4 +1,4 @@
-"""gpuguard.node.devicewriters against a stateful fake of the API server's resource.k8s.io paths: which
+"""gpuguard.quarantine.gpu.writers against a stateful fake of the API server's resource.k8s.io paths: which
 DeviceTaintRule version the agent finds (v1, 1.36's v1beta2, or neither), the one log line that says so, and
 a dry run that decides as the agent would. The same on the real kube-apiserver:
 tests/integration/test_device_versions.py."""
@@ -14,16 +14,16 @@ from structlog.testing import capture_logs
 from gpuguard.config import NodeSettings, PolicySettings
 from gpuguard.errors import PermanentApiError
 from gpuguard.model import GpuReading, Snapshot, Verdict, XidEvent
-from gpuguard.node.devicequarantine import DeviceQuarantine
-from gpuguard.node.devicewriters import (
+from gpuguard.policy import evaluate
+from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
+from gpuguard.quarantine.gpu.writers import (
     RULES_API_NONE,
     RULES_API_UNKNOWN,
     DryRunDeviceSource,
     KubeDeviceSource,
 )
-from gpuguard.node.reconciler import NodeReconciler
-from gpuguard.node.view import NodeView
-from gpuguard.policy import evaluate
+from gpuguard.quarantine.node.view import NodeView
+from gpuguard.quarantine.reconciler import NodeReconciler
 from harness.dra import DRIVER, gpu_uuid, nvidia_slice
 from harness.fakes import FakeNodeWriter
 

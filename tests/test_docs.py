@@ -20,6 +20,7 @@ import click
 import yaml
 
 from gpuguard.cli import cli
+from gpuguard.cli.flags import FLAGS, WATCH_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -75,6 +76,31 @@ def test_the_readme_flags_table_names_every_flag_of_watch_and_its_default() -> N
     for flag, option in options.items():
         if option.show_default and not option.is_flag:
             assert f"`{_shown(option.default)}`" in rows[flag], (flag, option.default, rows[flag])
+
+
+def test_the_readme_flags_table_and_its_environment_are_the_flag_declarations() -> None:
+    """gpuguard.cli.flags declares each flag once: the table names every visible flag of `watch` with its
+    declared default, and the prose above it the variables: GPUGUARD_<FLAG_NAME> for each, the other
+    variables a flag reads, and the flags whose empty variable means the empty flag."""
+    visible = [FLAGS[n] for n in WATCH_FLAGS if not FLAGS[n].hidden]
+    rows = _flag_rows()
+    assert sorted(rows) == sorted(f.name for f in visible)
+    for flag in visible:
+        default = flag.click_default
+        if flag.is_flag:
+            assert rows[flag.name] == "off", flag.name
+        elif default not in (None, ""):
+            assert f"`{_shown(default)}`" in rows[flag.name], (flag.name, default, rows[flag.name])
+    prose = " ".join(_section(README.read_text(), "Flags").split("| flag |")[0].split())
+    example = FLAGS["ecc_threshold"]
+    assert f"`GPUGUARD_<FLAG_NAME>` (`{example.name}` is `{example.env}`)" in prose
+    assert all(f.env == "GPUGUARD_" + f.name[2:].upper().replace("-", "_") for f in FLAGS.values())
+    for flag in FLAGS.values():
+        for variable in flag.envvars:
+            assert f"`{flag.name}` also from `{variable}`" in prose, (flag.name, variable)
+    empty = re.search(r"An empty (.*?) means the same as the empty flag", prose)
+    assert empty, "the README says which empty variables mean the empty flag"
+    assert set(re.findall(r"`(GPUGUARD_\w+)`", empty[1])) == {f.env for f in FLAGS.values() if f.empty_env}
 
 
 def test_the_flags_table_and_help_name_the_hidden_flags_nowhere() -> None:
@@ -329,10 +355,14 @@ def _contract_modules() -> set[str]:
     names: set[str] = set()
     for c in contracts:
         if c["type"] != "layers":
+            # A rule's modules (forbidden, independence): the package's own; "gpuguard" whole is no module.
+            for key in ("source_modules", "forbidden_modules", "modules"):
+                names |= {m for m in c.get(key, ()) if m.startswith("gpuguard.")}
             continue
         prefix = [f"{c['containers'][0]}."] if "containers" in c else [""]
         for layer in c["layers"]:
-            for name in layer.split("|"):
+            # "a | b": independent siblings; "a : b": siblings that may import each other.
+            for name in re.split(r"[|:]", layer):
                 names.add(prefix[0] + name.strip())
     return {n.removeprefix("gpuguard.").replace(".", "/") for n in names}
 

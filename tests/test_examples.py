@@ -21,7 +21,7 @@ import yaml
 
 from gpuguard.cli import cli
 from gpuguard.config import TAINT_EFFECTS
-from gpuguard.node.view import TAINT_KEY
+from gpuguard.quarantine.record import TAINT_KEY
 from tests.test_manifests import _all_keys, _tolerates
 
 ROOT = Path(__file__).resolve().parents[1]

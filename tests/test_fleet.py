@@ -1,5 +1,6 @@
-"""fleet.WatchedBudget before its watch is established (or while it is broken): never blind, never a guess,
-the budget's lists as before. Its watch against a real API server: tests/integration/test_fleet_watch.py."""
+"""budgetwatch.WatchedBudget before its watch is established (or while it is broken): never blind, never a
+guess, the budget's lists as before. Its watch against a real API server:
+tests/integration/test_fleet_watch.py."""
 
 from __future__ import annotations
 
@@ -9,14 +10,18 @@ from unittest import mock
 
 from structlog.testing import capture_logs
 
+from gpuguard.config import NodeSettings, QuarantineLimit
 from gpuguard.errors import TransientApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig
-from gpuguard.node.apistate import ApiState
-from gpuguard.node.budget import Budget
-from gpuguard.node.fleet import WatchedBudget
-from gpuguard.node.view import NodeView
+from gpuguard.quarantine.apistate import ApiState
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.node.budgetwatch import WatchedBudget, watched
+from gpuguard.quarantine.node.view import NodeView
+from gpuguard.quarantine.node.writers import KubeNodeWriter
 from harness.fakes import FakeNodeWriter
+
+TEN_PERCENT = QuarantineLimit.parse("10%")
 
 
 def test_until_the_watch_is_established_the_budget_and_the_order_are_listed_by_the_fallback() -> None:
@@ -24,9 +29,9 @@ def test_until_the_watch_is_established_the_budget_and_the_order_are_listed_by_t
     fallback.quarantine_budget = Budget(quarantined=3, limit=3, gpu_nodes=30)
     fallback.order = [("2026-01-01T00:00:00Z", "gpu-0")]
     api = kubeclient.Client(kubeconfig.Credentials(server="https://127.0.0.1:9"), user_agent="test")
-    fleet = WatchedBudget("gpu-1", "10%", api=api, fallback=fallback, gpu_node_selector="")
+    fleet = WatchedBudget("gpu-1", TEN_PERCENT, api=api, fallback=fallback, gpu_node_selector="")
     assert not fleet.synced
-    assert fleet.budget("10%", exclude="gpu-1") == Budget(quarantined=3, limit=3, gpu_nodes=30)
+    assert fleet.budget(TEN_PERCENT, exclude="gpu-1") == Budget(quarantined=3, limit=3, gpu_nodes=30)
     assert fleet.quarantine_order() == [("2026-01-01T00:00:00Z", "gpu-0")]
     assert (fallback.budget_lists, fallback.order_lists) == (1, 1)
 
@@ -56,7 +61,7 @@ def test_the_budget_watch_lasts_about_an_hour_and_resumes_without_listing_again(
     """Before, the server ended it every 5 minutes: 12 requests an hour on a healthy node."""
     api = _ServerEndsEachWatch(watches=20)
     fallback = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1"))
-    fleet = WatchedBudget("gpu-1", "10%", api=api, fallback=fallback, gpu_node_selector="")
+    fleet = WatchedBudget("gpu-1", TEN_PERCENT, api=api, fallback=fallback, gpu_node_selector="")
     api.fleet = fleet
     fleet._watch_loop()
     assert api.lists == 1  # listed once; every next watch resumes from the last resourceVersion
@@ -74,7 +79,7 @@ def test_a_fleet_of_5000_agents_starting_at_once_lists_the_gpu_nodes_no_faster_t
 
     from gpuguard.cli import watch
     from gpuguard.config import NodeSettings
-    from gpuguard.node.fleet import COUNT_SECONDS_PER_NODE
+    from gpuguard.quarantine.node.budgetwatch import COUNT_SECONDS_PER_NODE
 
     spread = NodeSettings().budget_count_spread
     assert 5000 / spread <= 2 / COUNT_SECONDS_PER_NODE
@@ -102,7 +107,9 @@ def test_an_idle_nodes_budget_watch_tells_the_api_state_of_an_outage_and_its_end
     api = _ServerDownThenUp(down=3)
     fallback = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1"))
     state = ApiState("gpu-1", outage_every=0.0)
-    fleet = WatchedBudget("gpu-1", "10%", api=api, fallback=fallback, gpu_node_selector="", api_state=state)
+    fleet = WatchedBudget(
+        "gpu-1", TEN_PERCENT, api=api, fallback=fallback, gpu_node_selector="", api_state=state
+    )
     api.fleet = fleet
     seen: list[str] = []
     with (
@@ -114,3 +121,13 @@ def test_an_idle_nodes_budget_watch_tells_the_api_state_of_an_outage_and_its_end
     assert state.health.state == "ok"
     api_lines = [e["event"] for e in logs if e["event"].startswith("api.")]
     assert api_lines == ["api.unavailable", "api.still_unavailable", "api.still_unavailable", "api.available"]
+
+
+def test_defect_max_quarantined_100_0_percent_started_watches_for_a_budget_that_never_defers() -> None:
+    """Any spelling of 100% is no budget: no watch of other nodes and no count of the GPU nodes to start."""
+    api = kubeclient.Client(kubeconfig.Credentials(server="https://127.0.0.1:9"), user_agent="test")
+    writer = KubeNodeWriter("gpu-1", api=api)
+    for text in ("100%", "100.0%", "100.000%"):
+        settings = NodeSettings(name="gpu-1", max_quarantined=QuarantineLimit.parse(text))
+        assert watched(settings, writer) is None, text
+    assert watched(NodeSettings(name="gpu-1", max_quarantined=QuarantineLimit.parse("99.999%")), writer)

@@ -105,7 +105,7 @@ def _non_ascii_digit_leak(text: str) -> bool:
 def _click_echoes_raw_arguments(argv: list[str]) -> bool:
     """click's usage errors ("Got unexpected extra arguments (...)", "No such option: ...") quote the
     arguments as given: one holding a newline makes the error two lines. main() prints them as they are.
-    Owner: gpuguard/cli.py (e.g. `" ".join(message.split())` before echoing)."""
+    Owner: gpuguard/cli/commands.py's main (e.g. `" ".join(message.split())` before echoing)."""
     return any("\n" in a or "\r" in a for a in argv)
 
 

@@ -1,4 +1,4 @@
-"""`check` learns the expected GPU count from its node's label (gpuguard.node.gpucount): the value's bounds,
+"""`check` learns the expected GPU count from its node's label (gpuguard.gpucount): the value's bounds,
 what it does without an answer, and the CLI end to end against a small HTTP server that serves one Node."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import yaml
 from structlog.testing import capture_logs
 
 from gpuguard.errors import PermanentApiError, TransientApiError
+from gpuguard.gpucount import MAX_GPUS, expected_from_node, parse_count
 from gpuguard.kube import client as kubeclient
-from gpuguard.node.gpucount import MAX_GPUS, expected_from_node, parse_count
 from tests.test_cli import run, write
 
 

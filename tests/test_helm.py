@@ -21,7 +21,7 @@ import yaml
 import gpuguard
 from gpuguard.cli import cli
 from gpuguard.config import ServerSettings
-from gpuguard.node.view import TAINT_KEY
+from gpuguard.quarantine.record import TAINT_KEY
 from harness.agentproc import WatchProcess
 from tests.helmtool import CHART, NAMESPACE, ROOT, Docs, Helm, build_helm
 

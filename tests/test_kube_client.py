@@ -20,13 +20,14 @@ import pytest
 import urllib3.util.connection
 import yaml
 
+from gpuguard.config import QuarantineLimit
 from gpuguard.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig
 from gpuguard.kube import kubeconfig as kc
-from gpuguard.node.budget import Budget
-from gpuguard.node.view import EventSpec, NodeView
-from gpuguard.node.writers import EVENT_NAMESPACE, KubeNodeWriter
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.node.view import EventSpec, NodeView
+from gpuguard.quarantine.node.writers import EVENT_NAMESPACE, KubeNodeWriter
 from gpuguard.validation import MAX_EVENT_MESSAGE_BYTES
 from harness.fakes import http_server, self_signed_pem
 
@@ -249,7 +250,8 @@ def test_in_cluster_without_a_token_is_a_config_error(
 def test_the_cli_never_imports_the_kubernetes_package_for_a_token_kubeconfig(tmp_path: Path) -> None:
     path = write_kubeconfig(tmp_path, {"token": "abc"}, {"server": "http://127.0.0.1:9"})
     code = (
-        "import sys; import gpuguard.node.writers; from gpuguard.kube.client import load; load(sys.argv[1]); "
+        "import sys; import gpuguard.quarantine.node.writers; "
+        "from gpuguard.kube.client import load; load(sys.argv[1]); "
         "print('kubernetes' in sys.modules)"
     )
     r = subprocess.run(
@@ -399,9 +401,10 @@ def test_the_writer_speaks_the_node_endpoints(server: str) -> None:
         node, {"type": "GPUHealthy", "status": "True", "reason": "AllGPUsHealthy", "message": "ok"}
     )
     # A percentage: the fleet's metadata, one list (30 GPU nodes + this one; 2 of them quarantined).
-    assert writer.budget("10%", exclude="gpu/1") == Budget(quarantined=2, limit=4, gpu_nodes=31)
+    budget = writer.budget(QuarantineLimit.parse("10%"), exclude="gpu/1")
+    assert budget == Budget(quarantined=2, limit=4, gpu_nodes=31)
     # A count needs no total: the quarantined nodes only.
-    assert writer.budget("3", exclude="gpu/1") == Budget(quarantined=1, limit=3)
+    assert writer.budget(QuarantineLimit.parse("3"), exclude="gpu/1") == Budget(quarantined=1, limit=3)
     assert writer.quarantine_order() == []
     quarantined_query = (
         "/api/v1/nodes?labelSelector=gpuguard.io%2Fquarantined%3Dtrue%2Cnvidia.com%2Fgpu.present%3Dtrue"

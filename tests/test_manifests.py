@@ -24,8 +24,8 @@ import yaml
 
 from gpuguard.cli import cli
 from gpuguard.config import TAINT_EFFECTS, ServerSettings
-from gpuguard.node.view import TAINT_KEY
-from gpuguard.node.writers import EVENT_NAMESPACE
+from gpuguard.quarantine.node.writers import EVENT_NAMESPACE
+from gpuguard.quarantine.record import TAINT_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "deploy" / "daemonset.yaml"

@@ -10,27 +10,30 @@ from datetime import UTC, datetime
 
 import pytest
 
-from gpuguard.config import NodeSettings, PolicySettings
+from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
 from gpuguard.model import Fault, GpuReading, Snapshot, Verdict, XidEvent
-from gpuguard.node.budget import Budget, budget_limit, limit, plan_yield, quarantine_rank
-from gpuguard.node.plan import evidence_gone, plan, plan_condition
-from gpuguard.node.view import (
-    ANN_BOOT_ID,
+from gpuguard.policy import evaluate
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.node.budget import limit, plan_yield, quarantine_rank
+from gpuguard.quarantine.node.plan import evidence_gone, plan, plan_condition
+from gpuguard.quarantine.node.view import (
     ANN_CORDONED,
-    ANN_DEFERRED,
-    ANN_FAULTS,
-    ANN_REASON,
-    ANN_SINCE,
     LABEL_QUARANTINED,
-    TAINT_KEY,
     UNVERIFIED_TAINT_KEY,
     NodeChange,
     NodeView,
     Taint,
     apply_change,
+)
+from gpuguard.quarantine.record import (
+    ANN_BOOT_ID,
+    ANN_DEFERRED,
+    ANN_FAULTS,
+    ANN_REASON,
+    ANN_SINCE,
+    TAINT_KEY,
     reason_text,
 )
-from gpuguard.policy import evaluate
 
 NOW = datetime(2026, 12, 2, 12, 0, 0, tzinfo=UTC)
 SETTINGS = NodeSettings(name="gpu-1")
@@ -357,7 +360,7 @@ def test_a_deferred_node_recovers_like_any_other() -> None:
     ],
 )
 def test_the_budget_limit_is_a_count_or_a_percentage_rounded_up(spec: str, nodes: int, limit: int) -> None:
-    assert budget_limit(spec, nodes) == limit
+    assert QuarantineLimit.parse(spec).of(nodes) == limit
 
 
 def test_the_startup_gate_is_removed_after_the_first_healthy_check() -> None:
@@ -538,7 +541,7 @@ def test_with_external_gate_removal_recovery_removes_only_gpuguards_taint() -> N
 
 
 def test_nodes_behind_the_gate_do_not_count_as_quarantined_in_the_budget() -> None:
-    from gpuguard.node.budget import count_budget, quarantine_entry
+    from gpuguard.quarantine.node.budget import count_budget, quarantine_entry
 
     def meta(name: str, labels: dict[str, str], annotations: dict[str, str]) -> dict[str, object]:
         return {"name": name, "labels": labels, "annotations": annotations}
@@ -548,7 +551,8 @@ def test_nodes_behind_the_gate_do_not_count_as_quarantined_in_the_budget() -> No
     metas.append(meta("bad", {LABEL_QUARANTINED: "true"}, {ANN_SINCE: "2026-12-01T00:00:00Z"}))
     now = datetime(2026, 12, 2, tzinfo=UTC)
     entries = [e for m in metas if isinstance(e := quarantine_entry(m, now=now), tuple)]
-    budget = count_budget([{"metadata": m} for m in metas], "20%", exclude="gpu-1", quarantined=entries)
+    items = [{"metadata": m} for m in metas]
+    budget = count_budget(items, QuarantineLimit.parse("20%"), exclude="gpu-1", quarantined=entries)
     assert (budget.gpu_nodes, budget.quarantined, budget.limit) == (7, 1, 2)
     assert budget.has_room
 
@@ -643,11 +647,11 @@ def test_a_taint_without_value_or_time_added_writes_neither() -> None:
 def test_a_patch_without_taints_or_cordon_has_no_spec_and_one_with_them_has_exactly_them() -> None:
     bare = NodeChange(action="add-faults", annotations={ANN_FAULTS: "ecc/GPU-0"})
     assert bare.patch("7") == {"metadata": {"resourceVersion": "7", "annotations": {ANN_FAULTS: "ecc/GPU-0"}}}
-    assert NodeChange(action="x", unschedulable=False).patch("7") == {
+    assert NodeChange(action="taint", unschedulable=False).patch("7") == {
         "metadata": {"resourceVersion": "7"},
         "spec": {"unschedulable": False},
     }
-    assert NodeChange(action="x", taints=()).patch("7") == {
+    assert NodeChange(action="taint", taints=()).patch("7") == {
         "metadata": {"resourceVersion": "7"},
         "spec": {"taints": []},
     }
@@ -655,7 +659,7 @@ def test_a_patch_without_taints_or_cordon_has_no_spec_and_one_with_them_has_exac
 
 def test_applying_a_change_bumps_the_resource_version_or_takes_the_servers() -> None:
     n = node(resource_version="")
-    change = NodeChange(action="x", labels={"a": "b"})
+    change = NodeChange(action="taint", labels={"a": "b"})
     assert apply_change(n, change).resource_version == "1"
     assert apply_change(node(), change).resource_version == "11"
     assert apply_change(node(), change, resource_version="99").resource_version == "99"

@@ -94,8 +94,8 @@ import json, sys, time
 from pathlib import Path
 from gpuguard.agent import Agent
 from gpuguard.config import NodeSettings, PolicySettings
-from gpuguard.node.reconciler import NodeReconciler
-from gpuguard.node.view import NodeView
+from gpuguard.quarantine.reconciler import NodeReconciler
+from gpuguard.quarantine.node.view import NodeView
 from gpuguard.nvml.real import NvmlBackend
 from gpuguard.state import StateStore
 from harness.fakes import FakeNodeWriter

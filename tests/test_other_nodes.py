@@ -20,10 +20,12 @@ import pytest
 import structlog
 import yaml
 
+from gpuguard.config import QuarantineLimit
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig as kc
-from gpuguard.node.budget import SINCE_SKEW, OtherNodes, quarantine_entry, quarantine_rank
-from gpuguard.node.writers import KubeNodeWriter
+from gpuguard.quarantine.budget import SINCE_SKEW
+from gpuguard.quarantine.node.budget import OtherNodes, quarantine_entry, quarantine_rank
+from gpuguard.quarantine.node.writers import KubeNodeWriter
 from harness.fakes import http_server
 from tests.test_cli import run
 
@@ -132,7 +134,7 @@ def test_a_valid_claim_is_validated_once_per_item_and_an_ignored_one_again_at_ev
     """The watched budget hands over the same item objects until the watch replaces one: a fault's budget
     check validates only what changed. A claim ahead of the clock is not remembered: it counts once the
     clock has caught up with it."""
-    import gpuguard.node.budget as budget_module
+    import gpuguard.quarantine.node.budget as budget_module
 
     calls: list[str] = []
     real = budget_module.quarantine_entry
@@ -182,10 +184,10 @@ def test_forged_claims_do_not_spend_the_quarantine_budget(api_server: str) -> No
     ]
     w = writer(api_server)
     # A percentage: all 10 GPU nodes (and this one) are the fleet, but only one quarantine is real.
-    budget = w.budget("20%", exclude="me")
+    budget = w.budget(QuarantineLimit.parse("20%"), exclude="me")
     assert budget is not None and (budget.gpu_nodes, budget.quarantined, budget.limit) == (11, 1, 3)
     # A count: the quarantined nodes' list, the same rule.
-    budget = w.budget("2", exclude="me")
+    budget = w.budget(QuarantineLimit.parse("2"), exclude="me")
     assert budget is not None and budget.quarantined == 1 and budget.has_room
 
 
@@ -195,7 +197,7 @@ def test_an_ignored_claim_is_logged_once_per_node_and_reason(api_server: str) ->
     with structlog.testing.capture_logs() as logs:
         for _ in range(3):
             w.quarantine_order()
-            w.budget("50%", exclude="me")
+            w.budget(QuarantineLimit.parse("50%"), exclude="me")
     ignored = [e for e in logs if e["event"] == "node.claim_ignored"]
     assert sorted(e["other_node"] for e in ignored) == ["forger", "garbled"]
     assert all(e["log_level"] == "warning" for e in ignored)

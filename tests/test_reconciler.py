@@ -12,15 +12,16 @@ from unittest import mock
 import pytest
 from structlog.testing import capture_logs
 
-from gpuguard.config import NodeSettings, PolicySettings
+from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
 from gpuguard.errors import ConflictError, PermanentApiError, TransientApiError
 from gpuguard.model import GpuReading, Snapshot, XidEvent
-from gpuguard.node.apistate import REFUSAL_BACKOFF
-from gpuguard.node.budget import QuarantineBudget
-from gpuguard.node.reconciler import NodeReconciler
-from gpuguard.node.view import TAINT_KEY, NodeView, Taint
-from gpuguard.node.writers import DryRunNodeWriter
 from gpuguard.policy import evaluate
+from gpuguard.quarantine.apistate import REFUSAL_BACKOFF
+from gpuguard.quarantine.node.budget import QuarantineBudget
+from gpuguard.quarantine.node.view import NodeView, Taint
+from gpuguard.quarantine.node.writers import DryRunNodeWriter
+from gpuguard.quarantine.reconciler import NodeReconciler
+from gpuguard.quarantine.record import TAINT_KEY
 from harness.clock import Clock
 from harness.fakes import FakeNodeWriter
 
@@ -142,7 +143,7 @@ def test_the_background_thread_applies_the_latest_verdict() -> None:
 
 
 def test_a_fault_reads_the_budget_once_and_defers_when_it_is_spent() -> None:
-    from gpuguard.node.budget import Budget
+    from gpuguard.quarantine.budget import Budget
 
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=1, limit=1)
@@ -167,7 +168,7 @@ def test_a_fault_reads_the_budget_once_and_defers_when_it_is_spent() -> None:
 
 def test_no_budget_list_when_the_budget_is_unlimited() -> None:
     writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))
-    unlimited = NodeSettings(name="gpu-1", max_quarantined="100%")
+    unlimited = NodeSettings(name="gpu-1", max_quarantined=QuarantineLimit.parse("100%"))
     r = NodeReconciler(writer, unlimited, budget=QuarantineBudget(writer, unlimited))
     r.submit(SICK, 0)
     r.reconcile_now()
@@ -196,7 +197,7 @@ def test_a_restarted_agent_does_not_rewrite_a_condition_that_already_matches() -
 
 
 def test_a_conflict_re_plan_reuses_the_budget_it_just_listed() -> None:
-    from gpuguard.node.budget import Budget
+    from gpuguard.quarantine.budget import Budget
 
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
@@ -207,7 +208,7 @@ def test_a_conflict_re_plan_reuses_the_budget_it_just_listed() -> None:
 
 
 def test_an_escalation_that_meets_a_conflict_still_escalates_on_the_re_plan() -> None:
-    from gpuguard.node.budget import Budget
+    from gpuguard.quarantine.budget import Budget
 
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=1, limit=1)
@@ -224,7 +225,7 @@ def test_an_escalation_that_meets_a_conflict_still_escalates_on_the_re_plan() ->
 
 
 def test_the_next_reconcile_lists_the_budget_again() -> None:
-    from gpuguard.node.budget import Budget
+    from gpuguard.quarantine.budget import Budget
 
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
@@ -237,8 +238,8 @@ def test_the_next_reconcile_lists_the_budget_again() -> None:
 def test_a_burst_that_overshoots_the_budget_steps_back_the_node_past_the_limit() -> None:
     """Two agents listed at the same instant and both saw room for one: the later in the quarantine order
     (since, then name) steps back to the soft taint right after its write."""
-    from gpuguard.node.budget import Budget
-    from gpuguard.node.view import ANN_SINCE
+    from gpuguard.quarantine.budget import Budget
+    from gpuguard.quarantine.record import ANN_SINCE
 
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
@@ -260,8 +261,8 @@ def test_a_burst_that_overshoots_the_budget_steps_back_the_node_past_the_limit()
 
 
 def test_the_first_in_the_order_stays_and_checks_once_more_after_the_burst_settled() -> None:
-    from gpuguard.node.budget import Budget
-    from gpuguard.node.view import ANN_SINCE
+    from gpuguard.quarantine.budget import Budget
+    from gpuguard.quarantine.record import ANN_SINCE
 
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
@@ -288,9 +289,9 @@ def test_the_first_in_the_order_stays_and_checks_once_more_after_the_burst_settl
 
 
 def test_a_watched_fleet_is_checked_again_at_each_change_and_a_node_now_past_the_limit_steps_back() -> None:
-    """A source kept in memory by a watch (fleet.WatchedBudget): the order costs no request, so a fully
+    """A source kept in memory by a watch (budgetwatch.WatchedBudget): the order costs no request, so a fully
     quarantined node checks it again whenever the watch delivered a change, not only 10 s after its write."""
-    from gpuguard.node.budget import Budget
+    from gpuguard.quarantine.budget import Budget
 
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
@@ -316,7 +317,7 @@ def test_a_watched_fleet_is_checked_again_at_each_change_and_a_node_now_past_the
 
 
 def test_a_failed_order_check_keeps_the_quarantine_and_checks_again_later() -> None:
-    from gpuguard.node.budget import Budget
+    from gpuguard.quarantine.budget import Budget
 
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
@@ -329,7 +330,7 @@ def test_a_failed_order_check_keeps_the_quarantine_and_checks_again_later() -> N
 
 def test_no_order_check_without_a_budget() -> None:
     writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))
-    unlimited = NodeSettings(name="gpu-1", max_quarantined="100%")
+    unlimited = NodeSettings(name="gpu-1", max_quarantined=QuarantineLimit.parse("100%"))
     r = NodeReconciler(writer, unlimited, budget=QuarantineBudget(writer, unlimited))
     r.submit(SICK, 0)
     r.reconcile_now()
@@ -534,7 +535,7 @@ _INCIDENT = re.compile(
 
 def test_every_line_an_api_incident_logs_is_explained_in_operations_md() -> None:
     code = set()
-    for path in [*(ROOT / "gpuguard" / "node").glob("*.py"), ROOT / "gpuguard" / "state.py"]:
+    for path in [*(ROOT / "gpuguard" / "quarantine").rglob("*.py"), ROOT / "gpuguard" / "state.py"]:
         code |= set(re.findall(r'log\.\w+\(\s*"([a-z_]+\.[a-z_]+)"', path.read_text()))
         code |= set(re.findall(r'"(node\.(?:read|write)_rejected)"', path.read_text()))
     doc = (ROOT / "docs" / "operations.md").read_text()

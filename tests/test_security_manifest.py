@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from gpuguard.kube import client as kubeclient
-from gpuguard.node import view as node
+from gpuguard.quarantine import record
+from gpuguard.quarantine.node import view as node
 
 ROOT = Path(__file__).resolve().parents[1]
 DAEMONSET = ROOT / "deploy" / "daemonset.yaml"
@@ -235,12 +236,12 @@ CLUSTER_AUTOSCALER_STARTUP_PREFIX = "startup-taint.cluster-autoscaler.kubernetes
 
 def test_what_the_policy_lets_through_is_exactly_what_the_agent_writes() -> None:
     cel = _expressions()
-    prefix = f"{node.DOMAIN}/"
+    prefix = f"{record.DOMAIN}/"
     # The keys themselves, the same keys as managedFields names them ("f:" + key), and the Cluster
     # Autoscaler start-up prefix a gate key may use (remove only).
     expected = {prefix, f"f:{prefix}", CLUSTER_AUTOSCALER_STARTUP_PREFIX}
     assert set(re.findall(r"startsWith\('([^']*)'\)", cel)) == expected
-    written = [node.TAINT_KEY, node.UNVERIFIED_TAINT_KEY, node.LABEL_QUARANTINED, *node.OUR_ANNOTATIONS]
+    written = [record.TAINT_KEY, node.UNVERIFIED_TAINT_KEY, node.LABEL_QUARANTINED, *node.OUR_ANNOTATIONS]
     assert all(key.startswith(prefix) for key in written), written
     assert set(re.findall(r"'(GPU\w+)'", cel)) == {node.CONDITION_TYPE}
     assert set(re.findall(r'k:\{"type":"(\w+)"\}', cel)) == {node.CONDITION_TYPE}
@@ -333,7 +334,7 @@ def test_the_other_policies_guard_the_service_account_fail_closed_and_name_every
 
 def test_the_device_policy_requires_the_name_and_bounds_the_agent_writes() -> None:
     from gpuguard import validation
-    from gpuguard.node import devices
+    from gpuguard.quarantine.gpu import rules as devices
 
     cel = _cel(DEVICE_POLICY)
     assert f"'{devices.RULE_PREFIX}' + variables.node + '.'" in cel

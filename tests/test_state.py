@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from gpuguard.config import Config
 from gpuguard.model import Fault
 from gpuguard.state import FILE_NAME, MAX_BYTES, MAX_RULES, RuleMemory, StateStore, read_boot_id
 
@@ -403,7 +404,9 @@ def test_the_hosts_boot_id_is_read_from_the_kernel_by_default() -> None:
     kernel = Path("/proc/sys/kernel/random/boot_id")
     if not kernel.exists():
         pytest.skip("no /proc boot_id on this machine")
-    assert read_boot_id() == kernel.read_text().strip() != ""
+    default = Config.__dataclass_fields__["boot_id_file"].default
+    assert default == str(kernel)
+    assert read_boot_id(str(default)) == kernel.read_text().strip() != ""
 
 
 def test_the_rules_memory_read_first_at_start_reads_the_file_and_logs_the_restore_once(

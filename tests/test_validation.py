@@ -17,18 +17,18 @@ from gpuguard import validation as v
 from gpuguard.config import NodeSettings, PolicySettings
 from gpuguard.errors import ConfigError
 from gpuguard.model import GpuReading, Snapshot, XidEvent, recovery_reason
-from gpuguard.node.budget import Budget, limit
-from gpuguard.node.plan import plan, plan_condition
-from gpuguard.node.view import (
-    ANN_FAULTS,
+from gpuguard.policy import evaluate
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.node.budget import limit
+from gpuguard.quarantine.node.plan import plan, plan_condition
+from gpuguard.quarantine.node.view import (
     LABEL_QUARANTINED,
-    TAINT_KEY,
     UNVERIFIED_TAINT_KEY,
     NodeView,
     Taint,
     apply_change,
 )
-from gpuguard.policy import evaluate
+from gpuguard.quarantine.record import ANN_FAULTS, TAINT_KEY
 
 FAST = settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 ALNUM = set(string.ascii_letters + string.digits)

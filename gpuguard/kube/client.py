@@ -40,10 +40,10 @@ USER_AGENT = f"gpuguard/{__version__}"
 
 
 def _keepalive() -> list[tuple[int, int, int]]:
-    """TCP keepalive on every connection to the API server: the budget's watch (node/fleet.py) is held for
-    up to an hour, and a connection that a NAT or load balancer dropped in silence would otherwise be
-    noticed only at its end. Probes after 60 s of silence, 3 of them 20 s apart: found dead within about
-    two minutes, by the kernel (no request, no wake-up of ours)."""
+    """TCP keepalive on every connection to the API server: the budget's watch
+    (quarantine/node/budgetwatch.py) is held for up to an hour, and a connection that a NAT or load balancer
+    dropped in silence would otherwise be noticed only at its end. Probes after 60 s of silence, 3 of them
+    20 s apart: found dead within about two minutes, by the kernel (no request, no wake-up of ours)."""
     options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
     for name, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 20), ("TCP_KEEPCNT", 3)):
         if hasattr(socket, name):  # Linux; elsewhere the system's keepalive timing
@@ -53,11 +53,12 @@ def _keepalive() -> list[tuple[int, int, int]]:
 
 SOCKET_OPTIONS = [*HTTPConnection.default_socket_options, *_keepalive()]
 
-# gpuguard's watches (node/fleet.py, node/devicewatch.py): the server ends each after timeoutSeconds, drawn
-# per watch between these (the API server takes any value, docs/design.md): the agent resumes from the last
-# resourceVersion, one cheap request per watch about once an hour (1.5 a second at 5,000 agents), served from
-# the watch cache, spread over the hour by the draw. A connection that died silently meanwhile (a NAT or load
-# balancer dropped it) is found by TCP keepalive (above) within about two minutes, not at the end of the hour.
+# gpuguard's watches (quarantine/node/budgetwatch.py, quarantine/gpu/watch.py): the server ends each after
+# timeoutSeconds, drawn per watch between these (the API server takes any value, docs/design.md): the agent
+# resumes from the last resourceVersion, one cheap request per watch about once an hour (1.5 a second at
+# 5,000 agents), served from the watch cache, spread over the hour by the draw. A connection that died
+# silently meanwhile (a NAT or load balancer dropped it) is found by TCP keepalive (above) within about two
+# minutes, not at the end of the hour.
 WATCH_SECONDS = (2880, 3600)
 
 
@@ -88,7 +89,8 @@ class Client:
                 tls["key_file"] = creds.key_file
             if creds.tls_server_name:
                 tls["server_hostname"] = creds.tls_server_name
-        # maxsize 4: the writer thread, the budget's watch and count (node/fleet.py), `gpuguard status`.
+        # maxsize 4: the writer thread, the budget's watch and count (quarantine/node/budgetwatch.py),
+        # `gpuguard status`.
         pool: dict[str, Any] = {
             "num_pools": 1,
             "maxsize": 4,
@@ -116,8 +118,8 @@ class Client:
         """One request; the decoded JSON answer. `what` ("read node n") starts every error's message.
         ConflictError, TransientApiError or PermanentApiError (see the module's docstring) otherwise.
         `tokens`: what it takes from the rate limiter, 1 a request; a caller that reserved a request's
-        token earlier (node/writers.py: a read-modify-write) says so explicitly (2 for the read, 0 for the
-        write)."""
+        token earlier (quarantine/node/writers.py: a read-modify-write) says so explicitly (2 for the read, 0
+        for the write)."""
         what = what or f"{method} {path}"
         headers = {"Accept": accept, "User-Agent": self._user_agent}
         auth = self._authorization()

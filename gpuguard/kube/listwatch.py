@@ -1,8 +1,9 @@
 """One collection of the API server kept in memory, the way gpuguard's budget reads the fleet: a list, then a
 watch from its resourceVersion (with bookmarks, for `kubeclient.WATCH_SECONDS`), resumed from the last
 resourceVersion when the server ends it, listed again after 410 Gone, with a backoff after a failure
-(`run`, a thread's body). `fleet.WatchedBudget` keeps the quarantined nodes in one, `devicewatch.WatchedRules`
-gpuguard's DeviceTaintRules; each says what to log and, for the rules, when there is something to watch.
+(`run`, a thread's body). `budgetwatch.WatchedBudget` keeps the quarantined nodes in one,
+`gpu.watch.WatchedRules` gpuguard's DeviceTaintRules; each says what to log and, for the rules, when there is
+something to watch.
 
 Items are kept by name, as the API server sent them (each event replaces an item whole, so an item object
 never changes: callers may remember what they derived from one by identity).
@@ -172,7 +173,7 @@ class ListWatch:
         listing again after 410. After a failure the collection is not synced (callers answer from their
         lists meanwhile) and the next try waits the backoff. `watching`: called when a watch is established
         at start and after a failure; `broken`: once per failure, until a watch is established again;
-        `failed`: at every failed try (the API server's state, gpuguard.node.apistate).
+        `failed`: at every failed try (the API server's state, gpuguard.quarantine.apistate).
 
         `gate`, for a collection that may not be served: nothing is listed or watched (no request, no
         wake-up) until it is set; `path()` None (no version serves it) or a 404 clears it, to wait for the

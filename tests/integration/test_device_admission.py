@@ -66,7 +66,7 @@ def rule(
     labels: dict[str, str] | None = None,
     name: str | None = None,
 ) -> dict[str, Any]:
-    """A DeviceTaintRule as gpuguard writes it (gpuguard.node.devices.rule_body's shape)."""
+    """A DeviceTaintRule as gpuguard writes it (gpuguard.quarantine.gpu.rules.rule_body's shape)."""
     selector = {"driver": DRIVER, "pool": pool} | ({"device": device} if device else {})
     return {
         "apiVersion": f"{GROUP}/{VERSION}",

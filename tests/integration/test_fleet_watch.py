@@ -1,6 +1,6 @@
-"""The budget's watch (gpuguard.node.fleet.WatchedBudget) against a real kube-apiserver: another agent's
-quarantine is in memory within a second of its write, a step back or a recovery leaves it, and the GPU-node
-count comes from one list. Nothing here is a request in the fault's path."""
+"""The budget's watch (gpuguard.quarantine.node.budgetwatch.WatchedBudget) against a real kube-apiserver:
+another agent's quarantine is in memory within a second of its write, a step back or a recovery leaves it,
+and the GPU-node count comes from one list. Nothing here is a request in the fault's path."""
 
 from __future__ import annotations
 
@@ -12,19 +12,21 @@ from typing import Any
 import kubernetes
 import pytest
 
+from gpuguard.config import QuarantineLimit
 from gpuguard.kube import client as kubeclient
-from gpuguard.node import budget as budget_module
-from gpuguard.node.budget import Budget
-from gpuguard.node.devices import DeviceRule
-from gpuguard.node.devicewatch import WatchedRules
-from gpuguard.node.devicewriters import KubeDeviceSource
-from gpuguard.node.fleet import WatchedBudget
-from gpuguard.node.writers import KubeNodeWriter
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.gpu.rules import DeviceRule
+from gpuguard.quarantine.gpu.watch import WatchedRules
+from gpuguard.quarantine.gpu.writers import KubeDeviceSource
+from gpuguard.quarantine.node import budget as budget_module
+from gpuguard.quarantine.node.budgetwatch import WatchedBudget
+from gpuguard.quarantine.node.writers import KubeNodeWriter
 from harness.dra import DRIVER
 from harness.kube import GPU_NODE_LABELS, TAINT_KEY, Admin, eventually
 from tests.integration.fixtures import admin  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
+HALF, ONE = QuarantineLimit.parse("50%"), QuarantineLimit.parse("1")
 
 
 def rfc3339(at: float) -> str:
@@ -68,17 +70,17 @@ def test_another_agents_quarantine_reaches_the_budget_by_watch_and_leaves_it_on_
     api = kubeclient.load(str(control_plane.kubeconfig_path), user_agent="gpuguard-test/fleet")
     writer = KubeNodeWriter(me, api=api, gpu_node_selector=selector)
     uncounted = WatchedBudget(
-        me, "50%", api=api, fallback=writer, gpu_node_selector=selector, first_count=3600
+        me, HALF, api=api, fallback=writer, gpu_node_selector=selector, first_count=3600
     )
     uncounted.start()
     try:
         eventually(lambda: uncounted.synced or None, 10, what="the watch")
         # Before the first count, with nothing quarantined: room proven without a list (1 of at least 1).
-        assert uncounted.budget("50%", exclude=me) == Budget(quarantined=0, limit=1, gpu_nodes=1)
+        assert uncounted.budget(HALF, exclude=me) == Budget(quarantined=0, limit=1, gpu_nodes=1)
         assert uncounted.gpu_nodes is None
     finally:
         uncounted.stop()
-    fleet = WatchedBudget(me, "50%", api=api, fallback=writer, gpu_node_selector=selector, first_count=0)
+    fleet = WatchedBudget(me, HALF, api=api, fallback=writer, gpu_node_selector=selector, first_count=0)
     fleet.start()
     try:
         eventually(lambda: fleet.synced or None, 10, what="the watch")
@@ -95,10 +97,10 @@ def test_another_agents_quarantine_reaches_the_budget_by_watch_and_leaves_it_on_
         # The claim was validated on the watch's thread as it arrived, not in a fault's budget check.
         assert ("gpuguard-budget-watch", other) in validated
         validated.clear()
-        budget = fleet.budget("50%", exclude=me)
+        budget = fleet.budget(HALF, exclude=me)
         assert validated == []
         assert budget is not None and (budget.quarantined, budget.limit, budget.gpu_nodes) == (1, 2, 3)
-        assert fleet.budget("1", exclude=me) is not None and not fleet.budget("1", exclude=me).has_room  # type: ignore[union-attr]
+        assert fleet.budget(ONE, exclude=me) is not None and not fleet.budget(ONE, exclude=me).has_room  # type: ignore[union-attr]
         # A forged claim (a since before the node existed) is ignored, as in the lists.
         quarantine(admin, third, label="true", since="0001-01-01T00:00:00Z")
         eventually(lambda: fleet.changes() != before + 1 or None, 5, what="the forged claim's event")
@@ -114,8 +116,9 @@ def test_another_agents_quarantine_reaches_the_budget_by_watch_and_leaves_it_on_
 def test_every_gpuguard_rule_reaches_the_budget_by_watch_and_leaves_it_when_deleted(
     admin: Admin, control_plane: Any
 ) -> None:
-    """node/devicewatch.py: the per-GPU quarantine's budget reads gpuguard's DeviceTaintRules of every node
-    from memory once the source has found where they are served; before that, and never else, it lists."""
+    """quarantine/gpu/watch.py: the per-GPU quarantine's budget reads gpuguard's DeviceTaintRules of every
+    node from memory once the source has found where they are served; before that, and never else, it
+    lists."""
     api = kubeclient.load(str(control_plane.kubeconfig_path), user_agent="gpuguard-test/rules")
     source = KubeDeviceSource(f"rw-{uuid.uuid4().hex[:8]}", api=api, driver=DRIVER)
     listed: list[int] = []

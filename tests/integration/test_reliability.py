@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from gpuguard.node.budget import VERIFY_SETTLE
+from gpuguard.quarantine.budget import VERIFY_SETTLE
 from harness.kube import (
     GPU_NODE_LABELS,
     GPUS_OK,
@@ -257,9 +257,9 @@ import sys
 from gpuguard import logs
 from gpuguard.agent import Agent
 from gpuguard.config import NodeSettings, PolicySettings
-from gpuguard.node.reconciler import NodeReconciler
-from gpuguard.node.view import NodeView
-from gpuguard.node.writers import DryRunNodeWriter
+from gpuguard.quarantine.reconciler import NodeReconciler
+from gpuguard.quarantine.node.view import NodeView
+from gpuguard.quarantine.node.writers import DryRunNodeWriter
 from gpuguard.nvml.real import NvmlBackend
 from gpuguard.server import HealthServer
 logs.configure("json")

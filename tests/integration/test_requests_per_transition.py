@@ -16,12 +16,12 @@ import kubernetes
 import pytest
 
 from gpuguard.agent import Agent as LoopAgent
-from gpuguard.config import NodeSettings, PolicySettings
+from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
 from gpuguard.kube import client as kubeclient
 from gpuguard.model import GpuReading, Snapshot
-from gpuguard.node.reconciler import NodeReconciler
-from gpuguard.node.writers import KubeNodeWriter
 from gpuguard.nvml.base import Wakeup, wait_for
+from gpuguard.quarantine.node.writers import KubeNodeWriter
+from gpuguard.quarantine.reconciler import NodeReconciler
 from harness.dra import gpu_uuid, nvidia_slice
 from harness.kube import GPU_NODE_LABELS, GPUS_OK, Admin, eventually
 from tests.integration.fixtures import USER_AGENT, admin, start_agent, unique  # noqa: F401
@@ -148,7 +148,7 @@ def test_a_gpu_fault_held_by_a_device_taint_rule_and_its_recovery_cost_two_reque
 ) -> None:
     """The per-GPU quarantine (issue 17) under the same bound: the rule (create, or delete on recovery) in
     place of the node patch, and the condition; no Event (the node's Events are about the node taint), and
-    no list: the budget's rules come from a watch (node/devicewatch.py). A count budget in force (the
+    no list: the budget's rules come from a watch (quarantine/gpu/watch.py). A count budget in force (the
     rule's share). Before the watch: a list before the create, one after it and one 10 s later."""
     node = f"requests-dra-{uuid.uuid4().hex[:8]}"
     admin.make_node(node)
@@ -227,7 +227,7 @@ def test_defect_10_a_flapping_gpu_costs_condition_writes_per_episode_not_per_fli
 ) -> None:
     node = unique("gpu-flap")
     admin.make_node(node)
-    settings = NodeSettings(name=node, max_quarantined="100%")
+    settings = NodeSettings(name=node, max_quarantined=QuarantineLimit.parse("100%"))
     writer = KubeNodeWriter(node, api=kubeclient.load(str(control_plane.kubeconfig_path)))
     reconciler = NodeReconciler(writer, settings)
     loop = LoopAgent(

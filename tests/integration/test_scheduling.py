@@ -22,8 +22,8 @@ import pytest
 import yaml
 
 from gpuguard.kube import client as kubeclient
-from gpuguard.node.budget import VERIFY_SETTLE
-from gpuguard.node.devicewriters import quarantined_gpus
+from gpuguard.quarantine.budget import VERIFY_SETTLE
+from gpuguard.quarantine.gpu.writers import quarantined_gpus
 from harness.dra import DRIVER, gpu_uuid, nvidia_slice
 from harness.kube import (
     DEPLOY,

@@ -18,7 +18,7 @@ from typing import Any
 import kubernetes
 import pytest
 
-from gpuguard.node.devices import rule_name
+from gpuguard.quarantine.gpu.rules import rule_name
 from harness import controlplane
 from harness.dra import gpu_uuid, nvidia_slice
 from harness.kube import (
@@ -82,7 +82,7 @@ def agent_events(admin: Admin, control_plane: Any, node: str) -> Any:
 
 
 def event(about: str, **fields: Any) -> dict[str, Any]:
-    """An Event shaped as gpuguard writes it (node/writers.py record_event), about node `about`."""
+    """An Event shaped as gpuguard writes it (quarantine/node/writers.py record_event), about node `about`."""
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return {
         "metadata": {"name": f"{about}.{time.time_ns():x}", "namespace": "default"},

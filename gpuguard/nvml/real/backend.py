@@ -32,7 +32,7 @@ from gpuguard.nvml.real.deadline import (
 from gpuguard.nvml.real.events import EventPath
 from gpuguard.nvml.real.readings import describe, last_reading, read, unresponsive
 
-log = structlog.get_logger("gpuguard.nvml")
+log = structlog.get_logger(__name__)
 
 
 class NvmlBackend:

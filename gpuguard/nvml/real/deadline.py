@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-log = structlog.get_logger("gpuguard.nvml")
+log = structlog.get_logger(__name__)
 
 # What a call's deadline covers. Every read gpuguard makes in a pass is answered by the driver in
 # microseconds to milliseconds (docs/performance.md); 5 s is over a thousand times that, yet well inside

@@ -43,7 +43,7 @@ from gpuguard.nvml.real.common import (
 from gpuguard.nvml.real.deadline import Pass
 from gpuguard.nvml.real.watchdog import Watchdog
 
-log = structlog.get_logger("gpuguard.nvml")
+log = structlog.get_logger(__name__)
 
 # A wait blocks for the heartbeat (30 s: 120 wake-ups an hour idle) where WAKE_SIGNAL can end it, else (no
 # handler of ours) at most SHORT_WAIT_MS, so that stop_thread() still ends it within STOP_TIMEOUT_S.

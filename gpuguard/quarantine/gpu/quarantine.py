@@ -1,7 +1,7 @@
 """`DeviceQuarantine`: the per-GPU quarantine's state across reconciles (the slices and rules last read,
 their writes, the memory of the rules an operator deleted, the slices' refresh after a fault that found no
-device), through its own seam `DeviceSource` (the API server or a dry run, `devicewriters`). The budget's
-side (room for one more GPU, the order check of fresh rules) is `devicebudget.RuleBudget`'s.
+device), through its own seam `DeviceSource` (the API server or a dry run, `gpu.writers`). The budget's
+side (room for one more GPU, the order check of fresh rules) is `gpu.budget.RuleBudget`'s.
 """
 
 from __future__ import annotations
@@ -10,59 +10,38 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import structlog
 
-from gpuguard import validation
 from gpuguard.config import NodeSettings
 from gpuguard.errors import ConflictError, GpuguardError, PermanentApiError
 from gpuguard.model import Fault, GpuQuarantine, Verdict
-from gpuguard.node.budget import Budget
-from gpuguard.node.devicebudget import RuleBudget
-from gpuguard.node.devices import (
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.gpu import plan as gpu_plan
+from gpuguard.quarantine.gpu.budget import RuleBudget
+from gpuguard.quarantine.gpu.memory import Remembered, RuleMemoryStore
+from gpuguard.quarantine.gpu.rules import (
     NONE_EFFECT,
     DeviceRule,
     DeviceSource,
     device_effect,
-    per_gpu,
     rule_body,
     rule_name,
-    split,
-    taint_value,
 )
-from gpuguard.node.deviceslices import SliceDevice, slice_devices
-from gpuguard.node.devicetrust import adopt, trusted_rules
-from gpuguard.node.view import (
-    ANN_BOOT_ID,
-    ANN_DEFERRED,
-    ANN_FAULTS,
-    ANN_REASON,
-    TAINT_KEY,
-    NodeView,
-    join_keys,
-    reason_text,
+from gpuguard.quarantine.gpu.slices import SliceDevice, slice_devices
+from gpuguard.quarantine.gpu.trust import adopt, trusted_rules
+from gpuguard.quarantine.record import (
+    NodeRef,
     rfc3339,
 )
-from gpuguard.policy import cleared_without_reboot
-from gpuguard.state import RuleMemory
 
-log = structlog.get_logger("gpuguard.node.devices")
+log = structlog.get_logger(__name__)
 # What an operator reads in the error lines: what happens to the fault (it never goes unquarantined).
 _INSTEAD = "this GPU's fault gets the node taint instead of a DeviceTaintRule"
 _READ_REFUSED = "the API server refused reading ResourceSlices or DeviceTaintRules (RBAC?): " + _INSTEAD
 _UNPUBLISHED = "the GPU is in no ResourceSlice of --dra-driver: " + _INSTEAD
 T = TypeVar("T")
-
-
-class RuleMemoryStore(Protocol):
-    """Where the rules' memory outlives the process (`state.StateStore`)."""
-
-    def load_rules(self) -> RuleMemory:
-        """The memory recorded in this boot (empty when none)."""
-
-    def save_rules(self, rules: RuleMemory) -> None:
-        """Record it (written only when changed; never raises)."""
 
 
 class DeviceQuarantine:
@@ -89,7 +68,7 @@ class DeviceQuarantine:
     ) -> None:
         """memory: where the rules gpuguard made and those an operator deleted outlive the process (the
         agent's `state.StateStore`); None: in memory only (a dry run, no --state-dir). all_rules: every
-        gpuguard rule for the budget (the agent's `devicewatch.WatchedRules`, from memory); None: the
+        gpuguard rule for the budget (the agent's `gpu.watch.WatchedRules`, from memory); None: the
         source's list."""
         self._source = source
         self._settings = settings
@@ -106,17 +85,12 @@ class DeviceQuarantine:
         self._devices: dict[str, SliceDevice] = {}
         self._node_gpus = 0
         # Called whenever a read finds GPUs of this node in the slices (rules may be made from now on): the
-        # agent's devicewatch.WatchedRules starts its watch then. A node without them never watches rules.
+        # agent's gpu.watch.WatchedRules starts its watch then. A node without them never watches rules.
         self.on_devices: Callable[[], None] | None = None
         self._rules: dict[str, DeviceRule] = {}
         self._read_at = -math.inf
-        # Rules gpuguard made or found (name -> (UUID, fault keys)): one that is gone at the next read was
-        # deleted by an operator, and is not made again for the same faults (a new fault makes it again).
-        # Kept in `memory` at every change, so that a restarted agent knows them too (docs/reliability.md).
-        self._memory = memory
-        remembered = memory.load_rules() if memory is not None else RuleMemory()
-        self._known: dict[str, tuple[str, frozenset[str]]] = dict(remembered.known)
-        self._overridden: dict[str, frozenset[str]] = dict(remembered.overridden)
+        # The rules made and those an operator deleted, kept in `memory` at every change.
+        self._memory = Remembered(memory)
         # UUIDs whose rule the API server refused (403, 404 API not served): the node taint stands in.
         self._held: set[str] = set()
         # Faulty GPUs the slices did not list: to read the slices for after the node write, and read for.
@@ -153,7 +127,7 @@ class DeviceQuarantine:
 
     def apply(
         self,
-        node: NodeView,
+        node: NodeRef,
         verdict: Verdict,
         *,
         streak: int,
@@ -165,7 +139,7 @@ class DeviceQuarantine:
         never longer than any GPU's) where none is given."""
         if self.mode == "node":
             return verdict
-        wanted = {g.uuid for g in verdict.gpus if any(per_gpu(f) for f in g.faults)}
+        wanted = gpu_plan.wanted(verdict)
         due = self._clock() - self._read_at >= self._settings.node_resync
         if self._read_at == -math.inf or (due and self._rules):
             self._read(node)
@@ -178,7 +152,7 @@ class DeviceQuarantine:
         stale = self._clock() - self._slices_at >= self._settings.slice_refresh
         self._refresh_for = (missing - self._refreshed_for) if stale else set()
         self._node_name = node.name
-        result = split(verdict, self._devices, mode=self.mode, held=frozenset(self._held))
+        result = gpu_plan.split(verdict, self._devices, mode=self.mode, held=frozenset(self._held))
         if self.mode == "gpu":
             for uuid in wanted - set(result.by_gpu):
                 log.error("device.unpublished", node=node.name, uuid=uuid, note=_UNPUBLISHED)
@@ -187,16 +161,13 @@ class DeviceQuarantine:
             self._hold(node, self._devices[uuid], faults, by_uuid.get(uuid))
         if self._held & set(result.by_gpu):
             # A rule was refused just now: its faults go back to the node in this very reconcile.
-            result = split(verdict, self._devices, mode=self.mode, held=frozenset(self._held))
+            result = gpu_plan.split(verdict, self._devices, mode=self.mode, held=frozenset(self._held))
         faulty = set(result.by_gpu)
         for uuid, rule in by_uuid.items():
             if uuid not in faulty and uuid not in wanted:
-                own = streak if gpu_streaks is None else max(streak, gpu_streaks.get(uuid, 0))
+                own = gpu_plan.gpu_streak(uuid, streak=streak, gpu_streaks=gpu_streaks)
                 self._release(node, rule, verdict, streak=own, flapping=flapping)
-        for uuid in list(self._overridden):
-            if uuid not in wanted:
-                del self._overridden[uuid]  # the fault is gone: a new one makes a rule again
-        self._remember()
+        self._memory.faults_gone(wanted)
 
         def patch(rule: DeviceRule, body: Mapping[str, Any]) -> DeviceRule | None:
             return self._write(node, rule, lambda: self._source.patch(rule, body))
@@ -206,7 +177,7 @@ class DeviceQuarantine:
         self._publish()
         return result.node_verdict
 
-    def _read(self, node: NodeView) -> None:
+    def _read(self, node: NodeRef) -> None:
         self._slices_at = self._read_at = self._clock()
         try:
             docs = self._source.slices()
@@ -224,21 +195,8 @@ class DeviceQuarantine:
         self._node_gpus = len(self._devices)
         self._found_devices()
         rules, self._untrusted = trusted_rules(node.name, listed, logged=self._untrusted)
-        for name, (uuid, keys) in self._known.items():
-            if name in self._untrusted:
-                self._held.add(uuid)  # ours once, changed by someone else since: the node taint stands in
-            elif name not in rules:
-                log.warning(
-                    "device.rule_removed_by_operator",
-                    node=node.name,
-                    rule=name,
-                    uuid=uuid,
-                    faults=join_keys(keys),
-                )
-                self._overridden[uuid] = keys
-        self._known = {n: (r.uuid, r.faults) for n, r in rules.items()}
+        self._held |= self._memory.read(node.name, rules, self._untrusted)
         self._rules = rules
-        self._remember()
 
     def refresh(self) -> None:
         """After the reconcile's node write (the reconciler calls it): where a fault found no device, read the
@@ -272,50 +230,29 @@ class DeviceQuarantine:
         if self._devices and self.on_devices is not None:
             self.on_devices()
 
-    def _remember(self) -> None:
-        """The rules made and those deleted by an operator, into the durable memory (written only when they
-        changed). A rule is remembered after its create answered, and forgotten before its delete is sent:
-        a crash between the two never turns a rule into one "deleted by an operator" (that would leave a
-        fault without a quarantine); the worst case, a rule deleted by hand during that crash, is made again
-        (docs/reliability.md)."""
-        if self._memory is not None:
-            self._memory.save_rules(RuleMemory(known=dict(self._known), overridden=dict(self._overridden)))
-
     def _hold(
-        self, node: NodeView, dev: SliceDevice, faults: tuple[Fault, ...], rule: DeviceRule | None
+        self, node: NodeRef, dev: SliceDevice, faults: tuple[Fault, ...], rule: DeviceRule | None
     ) -> None:
-        keys = frozenset(validation.fault_key(f.key) for f in faults)
         if rule is None:
-            if self._overridden.get(dev.uuid, frozenset()) >= keys:
-                return  # an operator deleted the rule for these very faults
-            self._create(node, dev, faults)
+            if not self._memory.suppressed(dev.uuid, faults):
+                self._create(node, dev, faults)
             return
-        from_earlier_boot = rule.from_earlier_boot(node.boot_id)
-        recorded = frozenset() if from_earlier_boot else rule.faults
-        body: dict[str, Any] = {}
-        annotations: dict[str, str | None] = {}
-        if not keys <= recorded:
-            annotations[ANN_FAULTS] = join_keys(recorded | keys)
-            annotations[ANN_REASON] = reason_text(faults)
-            if from_earlier_boot:
-                annotations[ANN_BOOT_ID] = node.boot_id
-        effect = device_effect(self._settings.taint_effect)
-        # Deferred and now with room; or not deferred yet blocking less than asked (a rule adopted after a
-        # restart with another --taint-effect): the configured effect.
+        # A deferred rule asks the budget for room (at most every --budget-recheck seconds).
         lifted = rule.deferred and self._budgets.room(node, rule, node_gpus=self._node_gpus)
-        if lifted or (not rule.deferred and rule.effect != effect):
-            if lifted:
-                annotations[ANN_DEFERRED] = None
-            body["spec"] = {"taint": {"key": TAINT_KEY, "value": taint_value(faults), "effect": effect}}
-        if not annotations and not body:
+        body = gpu_plan.update(
+            rule,
+            faults,
+            boot_id=node.boot_id,
+            effect=device_effect(self._settings.taint_effect),
+            lifted=lifted,
+        )
+        if body is None:
             return
-        body["metadata"] = {"annotations": annotations, "resourceVersion": rule.resource_version}
         updated = self._write(node, rule, lambda: self._source.patch(rule, body))
         if updated is None:
             return
         self._rules[updated.name] = updated
-        self._known[updated.name] = (updated.uuid, updated.faults)
-        self._remember()
+        self._memory.holds(updated)
         if "spec" in body:
             self._budgets.blocking(updated)
         log.warning(
@@ -328,7 +265,7 @@ class DeviceQuarantine:
             dry_run=self._settings.dry_run,
         )
 
-    def _write(self, node: NodeView, rule: DeviceRule, call: Callable[[], T]) -> T | None:
+    def _write(self, node: NodeRef, rule: DeviceRule, call: Callable[[], T]) -> T | None:
         """A change to an existing rule: its answer, or None when it did not land. A conflict (someone
         changed the rule) reads the rules again at the next reconcile; a refusal is logged, the rule left."""
         try:
@@ -339,7 +276,7 @@ class DeviceQuarantine:
             log.error("device.rule_write_rejected", node=node.name, rule=rule.name, error=str(exc))
         return None
 
-    def _create(self, node: NodeView, dev: SliceDevice, faults: tuple[Fault, ...]) -> None:
+    def _create(self, node: NodeRef, dev: SliceDevice, faults: tuple[Fault, ...]) -> None:
         try:
             deferred = not self._budgets.room(node, None, node_gpus=self._node_gpus)
         except PermanentApiError as exc:
@@ -379,8 +316,7 @@ class DeviceQuarantine:
             self._held.add(dev.uuid)
             return
         self._rules[rule.name] = rule
-        self._known[rule.name] = (rule.uuid, rule.faults)
-        self._remember()
+        self._memory.holds(rule)
         if rule.effect != effect:
             # Adopted on a 409 (ours from before a restart) blocking otherwise than asked: set it right now.
             self._hold(node, dev, faults, rule)
@@ -402,19 +338,15 @@ class DeviceQuarantine:
         )
 
     def _release(
-        self, node: NodeView, rule: DeviceRule, verdict: Verdict, *, streak: int, flapping: bool
+        self, node: NodeRef, rule: DeviceRule, verdict: Verdict, *, streak: int, flapping: bool
     ) -> None:
-        """Recovery under the node taint's evidence rules: --recover-after healthy checks of the GPU, not
-        flapping, and every recorded fault proven gone by the reading or by a reboot (a new bootID)."""
+        """The rule deleted when `plan.released` says its GPU recovered."""
         s = self._settings
-        if not s.recover or streak < s.recover_after or flapping:
+        if not gpu_plan.released(
+            rule, verdict, boot_id=node.boot_id, streak=streak, flapping=flapping, settings=s
+        ):
             return
-        gone = all(cleared_without_reboot(k, verdict.reset_cleared) for k in rule.faults)
-        rebooted = rule.from_earlier_boot(node.boot_id)
-        if not (gone or rebooted):
-            return
-        self._known.pop(rule.name, None)  # before the delete: see _remember
-        self._remember()
+        self._memory.forget(rule)  # before the delete: see Remembered.save
         if not self._write(node, rule, lambda: _deleted(self._source, rule)):
             return
         self._rules.pop(rule.name, None)
@@ -428,17 +360,7 @@ class DeviceQuarantine:
         )
 
     def _publish(self) -> None:
-        self.quarantined = tuple(
-            GpuQuarantine(
-                uuid=r.uuid,
-                device=r.device,
-                rule=r.name,
-                reason=r.reason,
-                effect=r.effect,
-                deferred=r.deferred,
-            )
-            for r in sorted(self._rules.values(), key=lambda r: r.device)
-        )
+        self.quarantined = gpu_plan.quarantined(self._rules.values())
 
 
 def _deleted(source: DeviceSource, rule: DeviceRule) -> bool:

@@ -1,8 +1,9 @@
-"""gpuguard's DeviceTaintRules of every node kept in memory off the fault's path, as `fleet.WatchedBudget`
-keeps the quarantined nodes (`listwatch.ListWatch`: a list, then a watch resumed from its resourceVersion).
+"""gpuguard's DeviceTaintRules of every node kept in memory off the fault's path, as
+`budgetwatch.WatchedBudget` keeps the quarantined nodes (`listwatch.ListWatch`: a list, then a watch resumed
+from its resourceVersion).
 
 The per-GPU quarantine's budget reads every gpuguard rule: whether one more GPU fits
-(`devicebudget.RuleBudget.room`, before the create) and the order checks after it. Listed, that was a list
+(`gpu.budget.RuleBudget.room`, before the create) and the order checks after it. Listed, that was a list
 before the rule (in the fault's path), one right after it and one 10 s later; from this watch it is none.
 Until the watch is established, and while it is broken, the source's list answers (never blind). The rules
 are few (one per faulty GPU), so the watch carries one small event per rule written or deleted. It starts only
@@ -20,9 +21,16 @@ import structlog
 from gpuguard.errors import NodeUpdateError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube.listwatch import ListWatch
-from gpuguard.node.devices import LABEL_MANAGED_BY, LABEL_NODE, LIST_PAGE, MANAGED_BY, DeviceRule, trim_rule
+from gpuguard.quarantine.gpu.rules import (
+    LABEL_MANAGED_BY,
+    LABEL_NODE,
+    LIST_PAGE,
+    MANAGED_BY,
+    DeviceRule,
+    trim_rule,
+)
 
-log = structlog.get_logger("gpuguard.node.devices")
+log = structlog.get_logger(__name__)
 
 SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_NODE}"
 

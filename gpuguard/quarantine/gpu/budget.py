@@ -1,7 +1,7 @@
 """The budget's side of the per-GPU quarantine (docs/design.md, "The budget counts GPUs as well as nodes"):
 whether one more GPU fits (`RuleBudget.room`), and the order check of the rules this node made blocking
 (`blocking`, `verify`), which steps a rule past the limit back to effect None. The rules, their writes and
-their memory stay `devicequarantine`'s; this module reads the fleet (the node budget, the fully quarantined
+their memory stay `gpu.quarantine`'s; this module reads the fleet (the node budget, the fully quarantined
 nodes, every rule of gpuguard) and asks for the step back through a callback.
 """
 
@@ -18,12 +18,13 @@ import structlog
 
 from gpuguard.config import NodeSettings
 from gpuguard.errors import NodeUpdateError
-from gpuguard.node.budget import VERIFY_SETTLE, Budget
-from gpuguard.node.deviceorder import rules_past_limit, rules_share
-from gpuguard.node.devices import NONE_EFFECT, DeviceRule
-from gpuguard.node.view import ANN_DEFERRED, TAINT_KEY, NodeView
+from gpuguard.quarantine.budget import VERIFY_SETTLE, Budget
+from gpuguard.quarantine.gpu.order import rules_past_limit, rules_share
+from gpuguard.quarantine.gpu.plan import step_back
+from gpuguard.quarantine.gpu.rules import NONE_EFFECT, DeviceRule
+from gpuguard.quarantine.record import NodeRef
 
-log = structlog.get_logger("gpuguard.node.devices")
+log = structlog.get_logger(__name__)
 
 # A change to one rule: the rule as the API server answered, or None when it did not land.
 Patch = Callable[[DeviceRule, Mapping[str, Any]], DeviceRule | None]
@@ -70,7 +71,7 @@ class RuleBudget:
         self._fresh.add(rule.name)
         self._check_now = True
 
-    def verify(self, node: NodeView, rules: Mapping[str, DeviceRule], patch: Patch) -> list[DeviceRule]:
+    def verify(self, node: NodeRef, rules: Mapping[str, DeviceRule], patch: Patch) -> list[DeviceRule]:
         """The order check of fresh rules when it is due: at once after the write, then once more after
         VERIFY_SETTLE (a failed list tries again VERIFY_SETTLE later). `rules`: this node's rules as last
         read; returns the rules it stepped back, as the API server answered."""
@@ -90,7 +91,7 @@ class RuleBudget:
         return changed
 
     def _check_order(
-        self, node: NodeView, rules: Mapping[str, DeviceRule], patch: Patch
+        self, node: NodeRef, rules: Mapping[str, DeviceRule], patch: Patch
     ) -> tuple[bool, list[DeviceRule]]:
         """Is a fresh rule of this node past the limit in the cluster's quarantine order? Steps it back to
         effect None (deferred). False when the lists failed or a step back did not land (checked again
@@ -124,7 +125,7 @@ class RuleBudget:
         return landed, changed
 
     def _step_back(
-        self, node: NodeView, rule: DeviceRule, ahead: Fraction, limit: int, patch: Patch
+        self, node: NodeRef, rule: DeviceRule, ahead: Fraction, limit: int, patch: Patch
     ) -> DeviceRule | None:
         """A blocking rule past the budget (agents that faulted at the same instant all saw room) steps back
         to the deferred state: effect None and gpuguard.io/quarantine-deferred, until a re-check has room."""
@@ -133,11 +134,7 @@ class RuleBudget:
             f"quarantine budget spent: {float(ahead):g} {worth} quarantined before this rule, "
             f"limit {limit} (--max-quarantined {self._settings.max_quarantined})"
         )
-        body = {
-            "metadata": {"annotations": {ANN_DEFERRED: why}, "resourceVersion": rule.resource_version},
-            "spec": {"taint": {"key": TAINT_KEY, "value": rule.taint_value, "effect": NONE_EFFECT}},
-        }
-        updated = patch(rule, body)
+        updated = patch(rule, step_back(rule, why))
         if updated is None:
             return None  # a conflict: the rules are read again, the settle re-check looks again
         self._fresh.discard(updated.name)
@@ -154,7 +151,7 @@ class RuleBudget:
         )
         return updated
 
-    def room(self, node: NodeView, rule: DeviceRule | None, *, node_gpus: int) -> bool:
+    def room(self, node: NodeRef, rule: DeviceRule | None, *, node_gpus: int) -> bool:
         """Whether one more GPU fits the budget: the fully quarantined nodes plus every rule's share (this
         one's included), at most --max-quarantined. Re-checked at most every --budget-recheck seconds for a
         deferred rule. `node_gpus`: the GPUs this node publishes (a rule's share is 1/that). No budget

@@ -1,7 +1,9 @@
-"""The reconciler: applies the newest verdict to the node on its own thread, so the GPU checks never wait
-for the API server. Optimistic concurrency (every patch carries the resourceVersion it was planned against; a
-409 means re-read and re-plan) and tenacity retries of transient failures. The budget's state lives in
-`budget.QuarantineBudget`; this module only asks it."""
+"""The reconciler: applies the newest verdict to both quarantines on its own thread, so the GPU checks never
+wait for the API server. The node as last read (a cache kept from the answers to its own writes),
+optimistic concurrency (every patch carries the resourceVersion it was planned against; a 409 means re-read
+and re-plan) and tenacity retries of transient failures. The verdict's hand-off is `handoff`'s, the
+condition, Events and log lines `nodereport`'s; the budget's state lives in `node.budget.QuarantineBudget`
+and the GPUs' in `gpu.quarantine.DeviceQuarantine`: this module only asks them."""
 
 from __future__ import annotations
 
@@ -17,20 +19,21 @@ from datetime import UTC, datetime
 import structlog
 import tenacity
 
-from gpuguard import validation
 from gpuguard.config import NodeSettings
 from gpuguard.errors import ConflictError, NodeUpdateError, PermanentApiError, TransientApiError
 from gpuguard.metrics import Metrics
 from gpuguard.model import GpuQuarantine, Verdict
-from gpuguard.node.apistate import ApiState, Intent
-from gpuguard.node.budget import QuarantineBudget
-from gpuguard.node.devicequarantine import DeviceQuarantine
-from gpuguard.node.plan import plan, plan_condition
-from gpuguard.node.view import ANN_REASON, ANN_SINCE, EventSpec, NodeChange, NodeView, join_keys
-from gpuguard.node.writers import DRY_RUN_NODE, NodeWriter
-from gpuguard.policy import primary
+from gpuguard.quarantine.apistate import ApiState, Intent
+from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
+from gpuguard.quarantine.handoff import Handoff
+from gpuguard.quarantine.node.budget import QuarantineBudget
+from gpuguard.quarantine.node.plan import plan
+from gpuguard.quarantine.node.view import NodeChange, NodeView
+from gpuguard.quarantine.node.writers import DRY_RUN_NODE, NodeWriter
+from gpuguard.quarantine.nodereport import NodeReport
+from gpuguard.quarantine.record import ANN_REASON, ANN_SINCE
 
-log = structlog.get_logger("gpuguard.node.reconciler")
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,29 +86,20 @@ class NodeReconciler:
         self.budget = budget
         self.devices = devices
         self._metrics = metrics
-        self._condition_keys: frozenset[str] | None = None
         self._settings = settings
         self._now = now
         self._retry_deadline = retry_deadline
         self._max_conflicts = max_conflicts
-        self._cond = threading.Condition()
-        self._latest: tuple[Verdict, int, bool, Mapping[str, int] | None] | None = None
-        self._fault_keys: tuple[Verdict, frozenset[str]] | None = None
-        # The decision-relevant summary of the last verdict reconciled without error (see submit()).
-        self._settled: tuple[object, ...] | None = None
-        self._pending_sig: tuple[object, ...] | None = None
         self._blocked = False
-        self._generation = 0
-        self._done_generation = 0
         self._stop = threading.Event()
+        self._handoff = Handoff(recover_after=settings.recover_after, stop=self._stop, clock=clock)
+        self._report = NodeReport(writer, settings, now=now, set_node=self._set_node)
         self._thread: threading.Thread | None = None
         self._node: NodeView | None = None
         self._status = NodeStatus()
         self.api = api or ApiState(self._name, backoff=settings.refusal_backoff, clock=clock)
         self._read_intent = Intent("get", f"node {self._name}")
         self._intent: Intent | None = None  # the request in flight, named if it is refused
-        self._override_logged: frozenset[str] = frozenset()
-        self._first_verdict_at: float | None = None
         self.writes = 0
 
     @property
@@ -118,8 +112,7 @@ class NodeReconciler:
 
     def stop(self, timeout: float = 1.5) -> None:
         self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
+        self._handoff.wake()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -137,54 +130,23 @@ class NodeReconciler:
 
         A verdict that cannot change any decision (same faults, a streak past --recover-after, the node
         cached and not deferred) does not wake the writer thread: an idle agent costs next to nothing."""
-        keys = self._fault_keys
-        if keys is None or keys[0] is not verdict:
-            # Once per verdict object: the agent hands over its remembered verdict at every steady check.
-            keys = self._fault_keys = (verdict, frozenset(f.key for f in verdict.faults))
-        sig = (
-            keys[1],
-            verdict.healthy,
-            min(healthy_streak, self._settings.recover_after),
-            tuple(sorted((u, min(n, self._settings.recover_after)) for u, n in (gpu_streaks or {}).items())),
-            flapping,
-            bool(verdict.gpus),
-        )
         settling = (self.budget is not None and self.budget.settling) or (
             self.devices is not None and self.devices.settling
         )
-        with self._cond:
-            if self._first_verdict_at is None:
-                self._first_verdict_at = self._clock()
-            self._latest = (verdict, healthy_streak, flapping, gpu_streaks)
+
+        def quiet() -> bool:
             node = self._node
-            if (
-                sig == self._settled
-                and node is not None
-                and not node.deferred
-                and not settling
-                and not self._resync_due(node)
-            ):
-                return
-            self._pending_sig = sig
-            self._generation += 1
-            self._cond.notify_all()
+            return node is not None and not node.deferred and not settling and not self._resync_due(node)
+
+        self._handoff.submit(verdict, healthy_streak, flapping=flapping, gpu_streaks=gpu_streaks, quiet=quiet)
 
     def wait_idle(self, timeout: float) -> bool:
         """For tests and one-shot runs: block until every submitted verdict has been reconciled."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._done_generation < self._generation:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
+        return self._handoff.wait_idle(timeout)
 
     def reconcile_now(self) -> None:
         """One synchronous reconcile of the latest verdict (the thread's body; also for tests)."""
-        with self._cond:
-            generation = self._generation
-            sig = self._pending_sig
+        generation, sig = self._handoff.begin()
         settled = False
         self._blocked = False
         retrying = tenacity.Retrying(
@@ -215,48 +177,19 @@ class NodeReconciler:
                 # failure): /readyz may say so. Not at the first read: a rollout would count a node ready
                 # whose agent has not yet done its first reconcile.
                 self._status = replace(self._status, reconciled=True)
-            with self._cond:
-                self._settled = sig if settled else None
-                self._done_generation = max(self._done_generation, generation)
-                self._cond.notify_all()
+            self._handoff.done(generation, sig, settled=settled)
 
     def _run(self) -> None:
-        self._hold_start()
-        while not self._stop.is_set():
-            with self._cond:
-                while self._done_generation >= self._generation and not self._stop.is_set():
-                    self._cond.wait()
-            if self._stop.is_set():
-                return
+        self._handoff.hold_start(self._start_delay)
+        while self._handoff.wait_work():
             try:
                 self.reconcile_now()
             except Exception:
                 # A bug must not kill the writer thread for good: log it, and the next verdict retries.
                 log.exception("node.reconcile_failed", node=self._name)
 
-    def _hold_start(self) -> None:
-        """The start-up jitter: the first request waits until `start_delay` after the first verdict (the
-        agent's first check, right after start), so a fleet that starts at once reaches the API server
-        spread out. A verdict with a fault ends the wait at once (the taint is never delayed); the checks
-        and /healthz run meanwhile, only /readyz waits."""
-        if self._start_delay <= 0:
-            return
-        with self._cond:
-            while not self._stop.is_set():
-                latest, first = self._latest, self._first_verdict_at
-                if latest is None or first is None:
-                    self._cond.wait()
-                    continue
-                if latest[0].faults:
-                    break
-                left = first + self._start_delay - self._clock()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-
     def _reconcile_once(self) -> None:
-        with self._cond:
-            latest = self._latest
+        latest = self._handoff.latest()
         if latest is None:
             return
         verdict, streak, flapping, gpu_streaks = latest
@@ -278,9 +211,9 @@ class NodeReconciler:
         for attempt in range(self._max_conflicts):
             change = self._plan(node, verdict, streak, flapping)
             if change is None:
-                self._log_override(node, verdict)
+                self._report.override(node, verdict)
                 self._set_node(node)
-                self._update_condition(node, full, flapping)
+                self._condition(node, full, flapping)
                 return
             intent = self._intent = self._patch_intent(change)
             if self.api.blocked(intent):
@@ -302,10 +235,10 @@ class NodeReconciler:
             self.api.accepted(intent)
             self._intent = None  # a refusal after this (the budget's order list) is not this write's
             self._set_node(node)
-            self._log_change(before, change, verdict)
-            self._update_condition(node, full, flapping)
+            self._report.change(before, change, verdict)
+            self._condition(node, full, flapping)
             if change.event is not None:
-                self._record_event(node, change.event)
+                self._report.event(node, change.event)
             if self.budget is not None and self.budget.written(node, change):
                 continue  # past the budget's limit: the next plan is the yield
             return
@@ -373,90 +306,9 @@ class NodeReconciler:
             gpus=self.devices.quarantined if self.devices is not None else (),
         )
 
-    def _update_condition(self, node: NodeView, verdict: Verdict, flapping: bool) -> None:
-        """The GPUHealthy condition, written only when it changes (best effort, like Events). Flap damping
-        holds it like the quarantine: a healthy reading between faults within --flap-window does not set
-        it back to True (one status write per episode, not one per flip)."""
-        if flapping and verdict.healthy:
-            return
-        condition = plan_condition(
-            node.gpu_condition,
-            verdict,
-            last_keys=self._condition_keys,
-            now=self._now(),
-            device_tainted=len(self.devices.quarantined) if self.devices is not None else 0,
-        )
-        if condition is None:
-            self._condition_keys = frozenset(f.key for f in verdict.faults)
-            return
-        try:
-            updated = self._writer.set_condition(node, condition)
-        except NodeUpdateError as exc:
-            log.warning("node.condition_failed", node=node.name, error=str(exc))
-            return
-        self._condition_keys = frozenset(f.key for f in verdict.faults)
-        self._set_node(updated)
-        log.info("node.condition", node=node.name, status=condition["status"], reason=condition["reason"])
-
-    def _record_event(self, node: NodeView, event: EventSpec) -> None:
-        # Best effort: the taint is what protects the scale-out; a lost Event must not block it.
-        try:
-            self._writer.record_event(node, event)
-        except NodeUpdateError as exc:
-            log.warning("node.event_failed", node=node.name, reason=event.reason, error=str(exc))
-
-    def _log_change(self, before: NodeView, change: NodeChange, verdict: Verdict) -> None:
-        """One line per write; reason, GPU, UUID and detail are of one fault: for "add-faults" the first of
-        those it added, else the fault the taint names."""
-        name = {
-            "taint": "node.tainted",
-            "defer": "node.tainted_soft",
-            "escalate": "node.quarantine_escalated",
-            "yield": "node.quarantine_yielded",
-            "add-faults": "node.fault_added",
-            "recover": "node.recovered",
-            "verified": "node.verified",
-            "override": "node.taint_removed_by_operator",
-            "release-cordon": "node.cordon_released",
-        }[change.action]
-        if change.action in ("recover", "verified", "override", "release-cordon"):
-            if change.action == "override":
-                self._override_logged = frozenset(f.key for f in verdict.faults)
-            log.info(
-                name,
-                node=before.name,
-                uncordoned=change.unschedulable is False,
-                dry_run=self._settings.dry_run,
-            )
-            return
-        faults = verdict.faults
-        if change.action == "add-faults":
-            faults = tuple(f for f in faults if validation.fault_key(f.key) not in before.current_faults)
-        first = primary(faults)
-        log.warning(
-            name,
-            node=before.name,
-            reason=first.reason if first else None,
-            gpu=first.gpu_index if first else None,
-            uuid=first.uuid if first else None,
-            detail=first.message if first else None,
-            faults=len(verdict.faults),
-            # The node's cordon after this write (a fault added to a cordoned node: still cordoned).
-            cordoned=before.unschedulable if change.unschedulable is None else change.unschedulable,
-            uncordoned=change.unschedulable is False,
-            dry_run=self._settings.dry_run,
-        )
-
-    def _log_override(self, node: NodeView, verdict: Verdict) -> None:
-        keys = frozenset(f.key for f in verdict.faults)
-        if keys and node.our_taint is None and keys != self._override_logged:
-            self._override_logged = keys
-            log.warning(
-                "node.taint_removed_by_operator",
-                node=node.name,
-                faults=join_keys(keys),
-                note="not re-added for the same fault; a new fault taints again",
-            )
+    def _condition(self, node: NodeView, verdict: Verdict, flapping: bool) -> None:
+        tainted = len(self.devices.quarantined) if self.devices is not None else 0
+        self._report.condition(node, verdict, flapping, device_tainted=tainted)
 
     def _wait(self, state: tenacity.RetryCallState) -> float:
         base = tenacity.wait_exponential_jitter(

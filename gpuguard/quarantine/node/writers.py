@@ -1,7 +1,7 @@
 """The writers: `KubeNodeWriter` (the API server, through `gpuguard.kube.client`, which raises gpuguard's
 errors itself) and `DryRunNodeWriter` (logs the exact patch, applies it to an in-memory copy, needs no
 cluster). `make_writer` is the one place that knows which one a setting asks for. Both are also the budget's
-`BudgetSource`: the API server lists the fleet (the fallback of `fleet.WatchedBudget`, which keeps the
+`BudgetSource`: the API server lists the fleet (the fallback of `budgetwatch.WatchedBudget`, which keeps the
 budget in memory); a dry run has no fleet (every quarantine is full)."""
 
 from __future__ import annotations
@@ -17,22 +17,16 @@ from typing import Any, Protocol
 import structlog
 
 from gpuguard import validation
-from gpuguard.config import GPU_NODE_SELECTOR, NodeSettings
+from gpuguard.config import GPU_NODE_SELECTOR, NodeSettings, QuarantineLimit
 from gpuguard.errors import ConfigError, GpuguardError, PermanentApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.metrics import Metrics, counted
-from gpuguard.node.budget import Budget, OtherNodes, count_budget
-from gpuguard.node.view import (
-    ANN_REASON,
-    ANN_SINCE,
-    LABEL_QUARANTINED,
-    EventSpec,
-    NodeChange,
-    NodeView,
-    apply_change,
-)
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.node.budget import OtherNodes, count_budget
+from gpuguard.quarantine.node.view import LABEL_QUARANTINED, EventSpec, NodeChange, NodeView, apply_change
+from gpuguard.quarantine.record import ANN_REASON, ANN_SINCE
 
-log = structlog.get_logger("gpuguard.node.writers")
+log = structlog.get_logger(__name__)
 
 _METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 DRY_RUN_NODE = "dry-run"
@@ -80,7 +74,7 @@ class DryRunNodeWriter:
     def record_event(self, node: NodeView, event: EventSpec) -> None:
         log.info("node.dry_run_event", node=node.name, type=event.type, reason=event.reason)
 
-    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+    def budget(self, spec: QuarantineLimit, *, exclude: str) -> Budget | None:
         return None
 
     def quarantine_order(self) -> list[tuple[str, str]]:
@@ -186,13 +180,13 @@ class KubeNodeWriter:
         with self._counted("create"):
             self._api.request("POST", path, body=body, timeout=self._timeout, what="create event")
 
-    def budget(self, spec: str, *, exclude: str) -> Budget | None:
-        """One list (`fleet.WatchedBudget`'s fallback while its watch is not synced): for a count, the
+    def budget(self, spec: QuarantineLimit, *, exclude: str) -> Budget | None:
+        """One list (`budgetwatch.WatchedBudget`'s fallback while its watch is not synced): for a count, the
         quarantined nodes (by label: a few items); for a percentage, every GPU node's metadata
         (PartialObjectMetadataList: no specs, no statuses): the total, and the quarantined by label."""
-        if not spec.endswith("%"):
+        if spec.count is not None:
             quarantined = sum(1 for _, name in self.quarantine_order() if name != exclude)
-            return Budget(quarantined=quarantined, limit=int(spec))
+            return Budget(quarantined=quarantined, limit=spec.count)
         items = self._list_metadata("list GPU nodes", self._gpu_nodes)
         return count_budget(items, spec, exclude=exclude, quarantined=self._others.quarantined(items))
 

@@ -1,7 +1,7 @@
 """The cluster-wide quarantine budget (--max-quarantined): how many GPU nodes gpuguard may fully quarantine at
 once, so that a bad driver roll-out that makes every node report an Xid cannot take the fleet out of service.
 
-- arithmetic: `Budget`, `budget_limit`, `count_budget` (from the nodes' metadata);
+- arithmetic: `Budget`, `count_budget` (from the nodes' metadata; the limit is `config.QuarantineLimit`);
 - what another node claims, validated before it counts: `quarantine_entry` (pure) and `OtherNodes`, which
   ignores a malformed or forged claim and logs it once;
 - the quarantine order (`quarantine_rank`) and the step back of a node past the limit (`plan_yield`);
@@ -15,66 +15,39 @@ The fleet is read through `BudgetSource`, a two-method seam of its own: this mod
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
-from datetime import UTC, datetime, timedelta
-from fractions import Fraction
+from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import structlog
 
 from gpuguard import validation
-from gpuguard.config import NodeSettings
+from gpuguard.config import NodeSettings, QuarantineLimit
 from gpuguard.errors import NodeUpdateError
 from gpuguard.model import Verdict, plural
-from gpuguard.node.plan import record_faults
-from gpuguard.node.view import (
+from gpuguard.quarantine.budget import VERIFY_SETTLE, Budget, api_time, since_time
+from gpuguard.quarantine.node.plan import record_faults
+from gpuguard.quarantine.node.view import (
     ANN_CORDONED,
-    ANN_DEFERRED,
-    ANN_REASON,
-    ANN_SINCE,
     LABEL_QUARANTINED,
     SOFT_EFFECT,
-    TAINT_KEY,
     EventSpec,
     NodeChange,
     NodeView,
     with_our_effect,
 )
+from gpuguard.quarantine.record import ANN_DEFERRED, ANN_REASON, ANN_SINCE, TAINT_KEY
 
-log = structlog.get_logger("gpuguard.node.budget")
-
-# Seconds after a full quarantine when the quarantine order is checked a second time: by then the writes of
-# every agent that faulted in the same burst have landed (the first check runs right after our own write).
-VERIFY_SETTLE = 10.0
-# How far ahead of this node's clock another node's gpuguard.io/since may lie before it counts as a lie: node
-# clocks drift apart by seconds (NTP), not by minutes.
-SINCE_SKEW = timedelta(minutes=5)
-# The one form gpuguard writes (view.rfc3339): one form, so that comparing the strings compares the times.
-_SINCE = re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})Z")
-
-
-@dataclass(frozen=True)
-class Budget:
-    """The cluster-wide quarantine budget as read from the API server (this node not counted).
-    `gpu_nodes`: counted for a percentage, None for a count (`--max-quarantined 5` needs no total)."""
-
-    quarantined: int
-    limit: int
-    gpu_nodes: int | None = None
-
-    @property
-    def has_room(self) -> bool:
-        return self.quarantined < self.limit
+log = structlog.get_logger(__name__)
 
 
 class BudgetSource(Protocol):
-    """Where the budget is read: a watch kept in memory (`fleet.WatchedBudget`), the API server's lists
+    """Where the budget is read: a watch kept in memory (`budgetwatch.WatchedBudget`), the API server's lists
     (`writers.KubeNodeWriter`, its fallback), or nowhere in a dry run."""
 
-    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+    def budget(self, spec: QuarantineLimit, *, exclude: str) -> Budget | None:
         """The quarantine budget, or None where there is no cluster to ask."""
 
     def quarantine_order(self) -> list[tuple[str, str]]:
@@ -85,23 +58,19 @@ class BudgetSource(Protocol):
         node checks the order again (free from memory); a constant where every read is a request."""
 
 
-def budget_limit(spec: str, gpu_nodes: int) -> int:
-    """--max-quarantined as a node count: "5" or "10%" (of GPU nodes, rounded up so that a small pool can
-    still quarantine one node). "100%" never defers. Exact: a float makes 8.8% of 375 nodes 34, not 33."""
-    if spec.endswith("%"):
-        return math.ceil(Fraction(spec[:-1]) * gpu_nodes / 100)
-    return int(spec)
-
-
 def count_budget(
-    items: Iterable[Mapping[str, Any]], spec: str, *, exclude: str, quarantined: Iterable[tuple[str, str]]
+    items: Iterable[Mapping[str, Any]],
+    spec: QuarantineLimit,
+    *,
+    exclude: str,
+    quarantined: Iterable[tuple[str, str]],
 ) -> Budget:
     """A percentage budget from the GPU nodes' metadata: the total (this node counted even if its label is
     missing) and the fully quarantined ones other than this node, as `OtherNodes` let them count."""
     names = {i["metadata"]["name"] for i in items}
     total = len(names) if exclude in names else len(names) + 1
     counted = sum(1 for _, name in set(quarantined) if name != exclude)
-    return Budget(gpu_nodes=total, quarantined=counted, limit=budget_limit(spec, total))
+    return Budget(gpu_nodes=total, quarantined=counted, limit=spec.of(total))
 
 
 def quarantine_entry(meta: Mapping[str, Any], *, now: datetime) -> tuple[str, str] | str:
@@ -124,39 +93,6 @@ def quarantine_entry(meta: Mapping[str, Any], *, now: datetime) -> tuple[str, st
     if created is not None and when < created:
         return f"{ANN_SINCE} {since} lies before the node was created ({meta.get('creationTimestamp')})"
     return (str(since), str(meta["name"]))
-
-
-def since_time(since: object, *, now: datetime) -> datetime | str:
-    """A gpuguard.io/since claim as a time, or why it is not one: gpuguard's own form (RFC 3339 UTC, whole
-    seconds), a valid time, not ahead of `now` by more than SINCE_SKEW. Pure; shared by the nodes' claims
-    and the DeviceTaintRules' (`deviceorder`)."""
-    if not isinstance(since, str) or not _SINCE.fullmatch(since):
-        return f"{ANN_SINCE} is not an RFC 3339 UTC time: {since!r:.80}"
-    when = _utc_seconds(since)
-    if when is None:
-        return f"{ANN_SINCE} is not a valid time: {since!r}"
-    if when > now + SINCE_SKEW:
-        return f"{ANN_SINCE} {since} lies in the future"
-    return when
-
-
-def api_time(value: object) -> datetime | None:
-    """The API server's own timestamps (creationTimestamp): RFC 3339, second precision, UTC."""
-    return _utc_seconds(value) if isinstance(value, str) else None
-
-
-def _utc_seconds(value: str) -> datetime | None:
-    """YYYY-MM-DDTHH:MM:SSZ as an aware UTC time; None if it is not one (a malformed or impossible date).
-    Not datetime.strptime: its first call in a process builds the locale's regular expressions (milliseconds),
-    and the first call here is in a fault's path, before its taint."""
-    m = _SINCE.fullmatch(value)
-    if m is None:
-        return None
-    try:
-        year, month, day, hour, minute, second = (int(g) for g in m.groups())
-        return datetime(year, month, day, hour, minute, second, tzinfo=UTC)
-    except ValueError:
-        return None
 
 
 class OtherNodes:
@@ -338,7 +274,7 @@ class QuarantineBudget:
         """The planned change as the budget allows it; lists the budget only for a full quarantine."""
         if change is None or change.action not in ("taint", "escalate"):
             return change
-        if self._settings.max_quarantined == "100%":
+        if self._settings.max_quarantined.unlimited:
             return change  # no budget: no list request
         if self._call is not None:
             budget = self._call[0]  # a re-plan after a 409 in this reconcile: the count has not moved

@@ -4,7 +4,7 @@ gpuguard's own for its node and device (`DeviceRule.own`) is taken over, release
 
 - `trusted_rules`: the node's own rules among those listed under its label;
 - `adopt`: a create whose 409 takes over the existing rule only when it is this node's rule for this device;
-- `countable`: the rules the GPU budget counts (blocking, one per (pool, device)); `deviceorder` caps each
+- `countable`: the rules the GPU budget counts (blocking, one per (pool, device)); `gpu.order` caps each
   node at one node's worth.
 """
 
@@ -16,14 +16,14 @@ from typing import Any, Protocol
 import structlog
 
 from gpuguard.errors import ConflictError
-from gpuguard.node.devices import NONE_EFFECT, RULE_PREFIX, DeviceRule
-from gpuguard.node.deviceslices import SliceDevice
+from gpuguard.quarantine.gpu.rules import NONE_EFFECT, RULE_PREFIX, DeviceRule
+from gpuguard.quarantine.gpu.slices import SliceDevice
 
-log = structlog.get_logger("gpuguard.node.devices")
+log = structlog.get_logger(__name__)
 
 
 class RuleWriter(Protocol):
-    """The part of `devices.DeviceSource` a create needs."""
+    """The part of `rules.DeviceSource` a create needs."""
 
     def create(self, body: Mapping[str, Any]) -> DeviceRule:
         """Create; ConflictError when a rule of that name exists."""
@@ -85,7 +85,7 @@ def adopt(source: RuleWriter, node: str, dev: SliceDevice, body: Mapping[str, An
 def countable(rules: Iterable[DeviceRule]) -> list[DeviceRule]:
     """The rules the GPU budget counts: blocking (neither deferred nor effect None: a rule that blocks
     nothing takes no room), each its own pool's (`DeviceRule.own`), and one per (pool, device), the first
-    by name. What a rule costs, and the cap of one node's worth per node, is `deviceorder`'s."""
+    by name. What a rule costs, and the cap of one node's worth per node, is `gpu.order`'s."""
     seen: set[tuple[str, str]] = set()
     out = []
     for r in sorted(rules, key=lambda r: (not r.name.startswith(RULE_PREFIX), r.name)):

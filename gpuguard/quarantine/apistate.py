@@ -22,7 +22,7 @@ import structlog
 from gpuguard.errors import NodeUpdateError, PermanentApiError
 from gpuguard.model import ApiHealth
 
-log = structlog.get_logger("gpuguard.node.apistate")
+log = structlog.get_logger(__name__)
 
 # Seconds a refused request is not sent again. A refusal is a policy's or RBAC's answer, not the API server's
 # load: sending it again at every check (every 3 s) only fills the audit log. 5 minutes: an operator who

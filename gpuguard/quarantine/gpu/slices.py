@@ -9,7 +9,7 @@ from typing import Any
 
 import structlog
 
-log = structlog.get_logger("gpuguard.node.deviceslices")
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)

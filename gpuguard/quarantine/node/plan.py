@@ -1,7 +1,7 @@
 """The pure planner: given the node as last read and the policy's verdict, the one change that brings the node
 in line, or None when it already matches (the idempotence every restart relies on). All ownership and
-recovery rules live here. It always plans the full quarantine; `gpuguard.node.budget` turns that into the
-deferred one when the cluster's budget is spent.
+recovery rules live here. It always plans the full quarantine; `gpuguard.quarantine.node.budget` turns that
+into the deferred one when the cluster's budget is spent.
 
 Ownership: only the taints with key TAINT_KEY (and the startup gate's, --gate-taint-key, unless another
 controller lifts it: --gate-removal external), the annotations in OUR_ANNOTATIONS, the label
@@ -14,30 +14,32 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import datetime
 
-from gpuguard import validation
 from gpuguard.config import NodeSettings
 from gpuguard.model import Fault, Verdict, plural
-from gpuguard.node.view import (
-    ANN_BOOT_ID,
+from gpuguard.policy import primary
+from gpuguard.quarantine.node.view import (
     ANN_CORDONED,
-    ANN_DEFERRED,
-    ANN_FAULTS,
-    ANN_REASON,
-    ANN_SINCE,
     CONDITION_TYPE,
     LABEL_QUARANTINED,
     OUR_ANNOTATIONS,
-    TAINT_KEY,
     EventSpec,
     NodeChange,
     NodeView,
     Taint,
+    with_our_effect,
+)
+from gpuguard.quarantine.record import (
+    ANN_BOOT_ID,
+    ANN_DEFERRED,
+    ANN_FAULTS,
+    ANN_REASON,
+    ANN_SINCE,
+    TAINT_KEY,
+    fault_keys,
     join_keys,
     reason_text,
     rfc3339,
-    with_our_effect,
 )
-from gpuguard.policy import cleared_without_reboot, primary
 
 
 def plan(
@@ -66,8 +68,8 @@ def plan(
         # Compared through fault_key on both sides: a hostile UUID can neither split a key nor make a
         # recorded fault look new at every check.
         recorded = node.current_faults
-        keys = {validation.fault_key(f.key) for f in faults}
-        new = [f for f in faults if validation.fault_key(f.key) not in recorded]
+        keys = fault_keys(faults)
+        new = node.record.new(faults, boot_id=node.boot_id)
         if ours is None and new:
             return _quarantine(node, faults, new, recorded | keys, settings=settings, now=now)
         if ours is not None and node.deferred:
@@ -116,20 +118,13 @@ def lifts_gate(node: NodeView, settings: NodeSettings) -> bool:
 
 def record_faults(node: NodeView, faults: tuple[Fault, ...]) -> NodeChange | None:
     """Faults on a node that is already tainted for others (or whose taint was removed by hand for these
-    very faults): the new ones are added to the record, no second taint. None when nothing is new. A
-    record from an earlier boot is replaced, with the current bootID (a fault that recurred after a reboot
-    must not be "proven" gone by the next agent restart)."""
-    recorded = node.current_faults
-    new = [f for f in faults if validation.fault_key(f.key) not in recorded]
-    if not new:
+    very faults): the new ones are added to the record (`FaultRecord.merge`), no second taint. None when
+    nothing is new."""
+    record = node.record
+    new = record.new(faults, boot_id=node.boot_id)
+    annotations = record.merge(faults, boot_id=node.boot_id)
+    if annotations is None:
         return None
-    keys = {validation.fault_key(f.key) for f in faults}
-    annotations: dict[str, str | None] = {
-        ANN_FAULTS: join_keys(recorded | keys),
-        ANN_REASON: reason_text(faults),
-    }
-    if node.record_from_earlier_boot:
-        annotations[ANN_BOOT_ID] = node.boot_id
     return NodeChange(
         action="add-faults",
         annotations=annotations,
@@ -273,15 +268,7 @@ def _out(verdict: Verdict, device_tainted: int) -> str:
 
 
 def evidence_gone(node: NodeView, verdict: Verdict | None = None) -> bool:
-    """Whether every recorded fault is proven cleared, given that the GPUs now read healthy.
-
-    The healthy reading itself proves some faults gone (policy.cleared_without_reboot: ECC, NVML init, a
-    recovery action back to NONE, an Xid a driver-requested GPU reset cleared); everything else (an Xid, a
-    lost or missing GPU, a failed row remap) needs a reboot, shown by a bootID that differs from the one
-    recorded when the taint was placed. An agent restart changes neither.
-    """
+    """Whether every fault the node records is proven cleared, given that the GPUs now read healthy: by the
+    reading, or by a reboot (`FaultRecord.evidence_gone`)."""
     cleared = verdict.reset_cleared if verdict is not None else frozenset()
-    if all(cleared_without_reboot(k, cleared) for k in node.recorded_faults):
-        return True
-    recorded_boot = node.annotations.get(ANN_BOOT_ID, "")
-    return bool(recorded_boot) and bool(node.boot_id) and recorded_boot != node.boot_id
+    return node.record.evidence_gone(node.boot_id, cleared)

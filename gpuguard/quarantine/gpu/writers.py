@@ -17,7 +17,7 @@ from gpuguard.config import NodeSettings
 from gpuguard.errors import GpuguardError, PermanentApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.metrics import Metrics, counted
-from gpuguard.node.devices import (
+from gpuguard.quarantine.gpu.rules import (
     API,
     LABEL_MANAGED_BY,
     LABEL_NODE,
@@ -26,9 +26,9 @@ from gpuguard.node.devices import (
     DeviceRule,
     trim_rule,
 )
-from gpuguard.node.view import ANN_REASON, ANN_SINCE
+from gpuguard.quarantine.record import ANN_REASON, ANN_SINCE
 
-log = structlog.get_logger("gpuguard.node.devicewriters")
+log = structlog.get_logger(__name__)
 
 _SLICES = f"{API}/resourceslices"
 # DeviceTaintRules are resource.k8s.io/v1 from Kubernetes 1.37; 1.36 serves them as v1beta2 (beta, off by
@@ -81,7 +81,7 @@ class KubeDeviceSource:
     @property
     def rules_path(self) -> str | None:
         """The rules' collection path once a list found the version served; None before, or where none is
-        (devicewatch.WatchedRules watches it)."""
+        (gpu.watch.WatchedRules watches it)."""
         return self._rules_path if self._version_known else None
 
     @property
@@ -111,7 +111,7 @@ class KubeDeviceSource:
 
     def _list(self, selector: str, *, trim: bool = False) -> list[DeviceRule]:
         """`trim`: every node's rules, in pages, each kept only as far as the budget reads it
-        (`devices.trim_rule`)."""
+        (`rules.trim_rule`)."""
         versions = (self._rule_version,) if self._version_known else _RULE_VERSIONS
         for version in versions:
             self._rule_version = version

@@ -1,27 +1,28 @@
 """Per-GPU quarantine with DRA device taints (KEP-5055): a fault that belongs to one GPU becomes one
 `DeviceTaintRule` (resource.k8s.io/v1) for that device only, where the node's GPUs are published in
 ResourceSlices (NVIDIA's DRA driver, `gpu.nvidia.com`, pool = the node's name). Every other fault, and every
-fault on a node without such slices (device-plugin clusters), stays with the node taint (`plan`).
+fault on a node without such slices (device-plugin clusters), stays with the node taint (`node.plan`).
 
-This module is the pure part: which faults are one GPU's (`per_gpu`), the split of a verdict into the GPUs'
-part and the node's (`Split`, `split`), gpuguard's rules as read (`DeviceRule`, with its share of the budget)
-and the rule gpuguard writes (`rule_body`: a deterministic name, the node taint's record). The node's
-published devices are `deviceslices`', the budget's order of rules `deviceorder`'s, and the state across
-reconciles `devicequarantine`'s (docs/design.md).
+This module is the rules themselves: gpuguard's rules as read (`DeviceRule`, with its fault record and its
+share of the budget), the rule gpuguard writes (`rule_body`: a deterministic name, the node taint's record)
+and the seam to the API server (`DeviceSource`). Which faults go to a rule is `plan`'s, the node's published
+devices `slices`', the budget's order of rules `order`'s, and the state across reconciles `quarantine`'s
+(docs/design.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Protocol
 
 from gpuguard import validation
 from gpuguard.errors import ConfigError
-from gpuguard.model import ECC, RESET_REQUIRED, ROW_REMAP, Fault, Verdict, recovery_reason
-from gpuguard.node.deviceslices import SliceDevice
-from gpuguard.node.view import (
+from gpuguard.model import Fault
+from gpuguard.policy import primary
+from gpuguard.quarantine.gpu.slices import SliceDevice
+from gpuguard.quarantine.record import (
     ANN_BOOT_ID,
     ANN_DEFERRED,
     ANN_FAULTS,
@@ -29,11 +30,11 @@ from gpuguard.node.view import (
     ANN_SINCE,
     DOMAIN,
     TAINT_KEY,
-    NodeView,
+    FaultRecord,
+    NodeRef,
     join_keys,
     reason_text,
 )
-from gpuguard.policy import primary
 
 API = "/apis/resource.k8s.io/v1"
 # Labels on every rule gpuguard writes: which node's (what `gpuguard status`, the budget and the admission
@@ -52,17 +53,6 @@ _MAX_NAME = 253
 LIST_PAGE = 100
 """Rules per list page: one list of rules others wrote never sits in memory whole."""
 RULE_PREFIX = "gpuguard."
-_RESET_ACTIONS = frozenset({recovery_reason(1), recovery_reason(4)})  # gpu-reset, drain-and-reset
-
-
-def per_gpu(fault: Fault) -> bool:
-    """A fault that belongs to one GPU: uncorrected ECC, an Xid on that GPU, a failed row remap, the driver
-    asking for a reset of that GPU. A lost or missing GPU, NVML that does not start, a GPU that does not
-    answer and a recovery action beyond the GPU (node reboot, ...) are the node's: the node taint."""
-    if not fault.uuid:
-        return False
-    r = fault.reason
-    return r in (ECC, ROW_REMAP, RESET_REQUIRED) or r.startswith("xid-") or r in _RESET_ACTIONS
 
 
 def device_effect(node_effect: str) -> str:
@@ -152,9 +142,13 @@ class DeviceRule:
         return self.annotations.get(ANN_UUID, "")
 
     @property
+    def record(self) -> FaultRecord:
+        """The rule's fault record (its annotations), as the node taint's."""
+        return FaultRecord.read(self.annotations)
+
+    @property
     def faults(self) -> frozenset[str]:
-        raw = self.annotations.get(ANN_FAULTS, "")
-        return frozenset(validation.fault_key(k) for k in raw.split(",") if k)
+        return self.record.faults
 
     @property
     def reason(self) -> str:
@@ -162,10 +156,8 @@ class DeviceRule:
         return validation.clean_text(self.annotations.get(ANN_REASON, ""))
 
     def from_earlier_boot(self, boot_id: str) -> bool:
-        """The rule's record was written in an earlier boot than the node's current one (`boot_id`); as
-        `NodeView.record_from_earlier_boot`: both known and different, else nothing is proven."""
-        recorded = self.annotations.get(ANN_BOOT_ID, "")
-        return bool(recorded) and bool(boot_id) and recorded != boot_id
+        """The rule's record was written in an earlier boot than the node's current one (`boot_id`)."""
+        return self.record.from_earlier_boot(boot_id)
 
     @property
     def deferred(self) -> bool:
@@ -180,7 +172,7 @@ class DeviceRule:
         return Fraction(1, gpus if 1 <= gpus <= 1024 else 1)
 
 
-# What of another agent's rule the budget reads (devicewatch keeps only this): its claim of a share, of a
+# What of another agent's rule the budget reads (gpu.watch keeps only this): its claim of a share, of a
 # place in the order, of being deferred, and its GPU. A value longer than gpuguard writes is cut.
 _BUDGET_ANNOTATIONS = (ANN_NODE_GPUS, ANN_SINCE, ANN_DEFERRED, ANN_UUID)
 _MAX_KEPT_VALUE = 256
@@ -218,7 +210,7 @@ def trim_rule(doc: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def rule_body(
-    node: NodeView,
+    node: NodeRef,
     dev: SliceDevice,
     faults: Iterable[Fault],
     *,
@@ -267,32 +259,8 @@ def taint_value(faults: tuple[Fault, ...]) -> str:
         return "unhealthy"
 
 
-@dataclass(frozen=True)
-class Split:
-    """A verdict split by quarantine: the GPUs' faults that rules carry, and the verdict left for the node."""
-
-    node_verdict: Verdict
-    by_gpu: Mapping[str, tuple[Fault, ...]]
-
-
-def split(verdict: Verdict, devices: Mapping[str, SliceDevice], *, mode: str, held: frozenset[str]) -> Split:
-    """Pure. With mode "node" everything stays with the node. Otherwise a per-GPU fault whose GPU is
-    published (`devices`) goes to that GPU's rule, unless the rule could not be written (`held`: UUIDs whose
-    rule the API server refused), where the node taint stands in: never a fault without a quarantine."""
-    if mode == "node":
-        return Split(node_verdict=verdict, by_gpu={})
-    by_gpu: dict[str, tuple[Fault, ...]] = {}
-    gpus = []
-    for g in verdict.gpus:
-        moved = tuple(f for f in g.faults if per_gpu(f) and g.uuid in devices and g.uuid not in held)
-        if moved:
-            by_gpu[g.uuid] = moved
-        gpus.append(replace(g, faults=tuple(f for f in g.faults if f not in moved)) if moved else g)
-    return Split(node_verdict=replace(verdict, gpus=tuple(gpus)), by_gpu=by_gpu)
-
-
 class DeviceSource(Protocol):
-    """The API server's ResourceSlices and DeviceTaintRules for one node (`devicewriters`)."""
+    """The API server's ResourceSlices and DeviceTaintRules for one node (`gpu.writers`)."""
 
     def slices(self) -> list[dict[str, Any]] | None:
         """The node's ResourceSlices of the driver; None where the API server does not serve them."""

@@ -3,22 +3,22 @@ resourceVersion) and `NodeChange` (one write, as a JSON merge patch with its pre
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
-from gpuguard import validation
-from gpuguard.model import Fault
+from gpuguard.quarantine.record import (
+    ANN_BOOT_ID,
+    ANN_DEFERRED,
+    ANN_FAULTS,
+    ANN_REASON,
+    ANN_SINCE,
+    DOMAIN,
+    TAINT_KEY,
+    FaultRecord,
+)
 
-DOMAIN = "gpuguard.io"
-TAINT_KEY = f"{DOMAIN}/gpu-unhealthy"
-ANN_REASON = f"{DOMAIN}/reason"
-ANN_SINCE = f"{DOMAIN}/since"
-ANN_BOOT_ID = f"{DOMAIN}/boot-id"
 ANN_CORDONED = f"{DOMAIN}/cordoned"
-ANN_FAULTS = f"{DOMAIN}/faults"
-ANN_DEFERRED = f"{DOMAIN}/quarantine-deferred"
 OUR_ANNOTATIONS = (ANN_REASON, ANN_SINCE, ANN_BOOT_ID, ANN_CORDONED, ANN_FAULTS, ANN_DEFERRED)
 # "true": fully quarantined (counts against --max-quarantined); "deferred": the budget was spent, so only a
 # PreferNoSchedule taint until there is room.
@@ -29,7 +29,6 @@ LABEL_QUARANTINED = f"{DOMAIN}/quarantined"
 UNVERIFIED_TAINT_KEY = f"{DOMAIN}/unverified"
 CONDITION_TYPE = "GPUHealthy"
 SOFT_EFFECT = "PreferNoSchedule"
-_MAX_REASON = 1024
 
 
 @dataclass(frozen=True)
@@ -110,21 +109,23 @@ class NodeView:
         return next((t for t in self.taints if t.key == TAINT_KEY), None)
 
     @property
+    def record(self) -> FaultRecord:
+        """gpuguard's fault record on the node (its annotations)."""
+        return FaultRecord.read(self.annotations)
+
+    @property
     def recorded_faults(self) -> frozenset[str]:
-        raw = self.annotations.get(ANN_FAULTS, "")
-        return frozenset(validation.fault_key(k) for k in raw.split(",") if k)
+        return self.record.faults
 
     @property
     def record_from_earlier_boot(self) -> bool:
         """The recorded faults were seen in an earlier boot than the node's current one."""
-        recorded = self.annotations.get(ANN_BOOT_ID, "")
-        return bool(recorded) and bool(self.boot_id) and recorded != self.boot_id
+        return self.record.from_earlier_boot(self.boot_id)
 
     @property
     def current_faults(self) -> frozenset[str]:
-        """The recorded faults of this boot: a record from an earlier boot suppresses nothing (the reboot
-        cleared its evidence), so the same fault in a new boot is a new fault."""
-        return frozenset() if self.record_from_earlier_boot else self.recorded_faults
+        """The recorded faults of this boot (`FaultRecord.current`)."""
+        return self.record.current(self.boot_id)
 
     @property
     def overridden(self) -> bool:
@@ -165,11 +166,18 @@ class EventSpec:
     message: str
 
 
+# What a NodeChange does: the planner's (plan.py) and the budget's (budget.py: defer, yield). Plain strings,
+# so the dry-run writer logs them as they are; the reconciler names its log line after each.
+NodeAction = Literal[
+    "taint", "defer", "escalate", "yield", "add-faults", "recover", "verified", "override", "release-cordon"
+]
+
+
 @dataclass(frozen=True)
 class NodeChange:
     """One write to the node. `taints` is the whole new list (the API replaces it whole) or None."""
 
-    action: str  # taint | defer | escalate | yield | add-faults | recover | verified
+    action: NodeAction
     taints: tuple[Taint, ...] | None = None
     unschedulable: bool | None = None
     annotations: Mapping[str, str | None] = field(default_factory=dict)
@@ -223,15 +231,3 @@ def with_our_effect(node: NodeView, ours: Taint, effect: str) -> tuple[Taint, ..
     """The node's taints with ours set to `effect`, in place (timeAdded dropped: the API sets it)."""
     changed = replace(ours, effect=effect, time_added=None)
     return tuple(changed if t.key == TAINT_KEY else t for t in node.taints)
-
-
-def reason_text(faults: Iterable[Fault]) -> str:
-    return validation.clean_text("; ".join(f.message for f in faults), max_bytes=_MAX_REASON)
-
-
-def join_keys(keys: Iterable[str]) -> str:
-    return ",".join(sorted(keys))
-
-
-def rfc3339(t: datetime) -> str:
-    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -26,16 +26,17 @@ from collections.abc import Callable
 
 import structlog
 
-from gpuguard.config import NodeSettings
+from gpuguard.config import NodeSettings, QuarantineLimit
 from gpuguard.errors import NodeUpdateError, TransientApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube.listwatch import ListWatch
-from gpuguard.node.apistate import ApiState
-from gpuguard.node.budget import Budget, BudgetSource, OtherNodes, budget_limit
-from gpuguard.node.view import LABEL_QUARANTINED
-from gpuguard.node.writers import DryRunNodeWriter, KubeNodeWriter
+from gpuguard.quarantine.apistate import ApiState
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.node.budget import BudgetSource, OtherNodes
+from gpuguard.quarantine.node.view import LABEL_QUARANTINED
+from gpuguard.quarantine.node.writers import DryRunNodeWriter, KubeNodeWriter
 
-log = structlog.get_logger("gpuguard.node.fleet")
+log = structlog.get_logger(__name__)
 
 _METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 _METADATA = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
@@ -55,7 +56,7 @@ class WatchedBudget:
     def __init__(
         self,
         node: str,
-        spec: str,
+        spec: QuarantineLimit,
         *,
         api: kubeclient.Client,
         fallback: BudgetSource,
@@ -97,7 +98,7 @@ class WatchedBudget:
 
     # -- BudgetSource ------------------------------------------------------------------------------------
 
-    def budget(self, spec: str, *, exclude: str) -> Budget | None:
+    def budget(self, spec: QuarantineLimit, *, exclude: str) -> Budget | None:
         """From memory; from the fallback's list while the watch is not synced or nothing is counted yet."""
         synced = self._watched.synced
         with self._lock:
@@ -105,20 +106,20 @@ class WatchedBudget:
         if not synced:
             return self._fallback.budget(spec, exclude=exclude)
         quarantined = sum(1 for _, name in self.quarantine_order() if name != exclude)
-        if not spec.endswith("%"):
-            return Budget(quarantined=quarantined, limit=int(spec))
+        if spec.count is not None:
+            return Budget(quarantined=quarantined, limit=spec.count)
         if total is None:
             # Not counted yet (the agent's first hour). The GPU nodes are at least the quarantined ones
             # and this one, so the limit is at least that share of them: room proven without a list
             # (always in a fleet with nothing quarantined). Otherwise the fallback's list, as before.
-            floor = budget_limit(spec, quarantined + 1)
+            floor = spec.of(quarantined + 1)
             if quarantined < floor:
                 return Budget(quarantined=quarantined, limit=floor, gpu_nodes=quarantined + 1)
             budget = self._fallback.budget(spec, exclude=exclude)
             if budget is not None and budget.gpu_nodes is not None:
                 self._counted(budget.gpu_nodes)
             return budget
-        return Budget(quarantined=quarantined, limit=budget_limit(spec, total[0]), gpu_nodes=total[0])
+        return Budget(quarantined=quarantined, limit=spec.of(total[0]), gpu_nodes=total[0])
 
     def quarantine_order(self) -> list[tuple[str, str]]:
         """(since, name) of the fully quarantined GPU nodes, each claim validated (`OtherNodes`)."""
@@ -145,7 +146,7 @@ class WatchedBudget:
 
     def start(self) -> None:
         self._threads = [threading.Thread(target=self._watch_loop, name="gpuguard-budget-watch", daemon=True)]
-        if self._spec.endswith("%"):
+        if self._spec.percent is not None:
             self._threads.append(
                 threading.Thread(target=self._count_loop, name="gpuguard-budget-count", daemon=True)
             )
@@ -236,7 +237,7 @@ def watched(
 ) -> WatchedBudget | None:
     """The watched budget for a writer to the API server with a budget to keep (not "100%"); else None:
     the writer is the source (a dry run has no fleet; an unlimited budget is never read)."""
-    if not isinstance(writer, KubeNodeWriter) or settings.max_quarantined == "100%":
+    if not isinstance(writer, KubeNodeWriter) or settings.max_quarantined.unlimited:
         return None
     assert settings.name is not None  # validated: a writer to the API server has a node
     return WatchedBudget(

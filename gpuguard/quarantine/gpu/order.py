@@ -1,7 +1,7 @@
 """The quarantine order of rules and nodes: the budget counts GPUs as well as nodes (docs/design.md). A rule
 costs 1/G of a node's share (G: the GPUs its node publishes, recorded on the rule); agents that fault at the
 same instant all see room, so after a rule is made blocking the order of every blocking rule and every fully
-quarantined node is checked, and a rule of this node past the limit steps back (`devicequarantine`). Pure."""
+quarantined node is checked, and a rule of this node past the limit steps back (`gpu.quarantine`). Pure."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from collections.abc import Iterable
 from datetime import datetime
 from fractions import Fraction
 
-from gpuguard.node.budget import SINCE_SKEW, api_time, since_time
-from gpuguard.node.devices import DeviceRule
-from gpuguard.node.devicetrust import countable
-from gpuguard.node.view import ANN_SINCE
+from gpuguard.quarantine.budget import SINCE_SKEW, api_time, since_time
+from gpuguard.quarantine.gpu.rules import DeviceRule
+from gpuguard.quarantine.gpu.trust import countable
+from gpuguard.quarantine.record import ANN_SINCE
 
 
 def rule_since(rule: DeviceRule, *, now: datetime) -> str | None:
@@ -40,7 +40,7 @@ def rules_past_limit(
     nodes, so every agent computes the same order, and the earliest keep their place. Only rules are ever
     named: a node past the limit is the node budget's to step back (budget.plan_yield), never a rule's. A
     rule of a fully quarantined node is not in the order at all: the node's taint covers its GPUs, so the
-    node counts once. Only countable rules (`devicetrust.countable`) are in it, each node's at most one
+    node counts once. Only countable rules (`gpu.trust.countable`) are in it, each node's at most one
     node's worth together. A rule whose since is not valid (`rule_since`) still counts its share, after
     every valid claim: it can neither escape the limit nor push an honest rule past it."""
     nodes = set(nodes)
@@ -69,7 +69,7 @@ def rules_past_limit(
 
 
 def rules_share(rules: Iterable[DeviceRule], *, covered: Iterable[str] = ()) -> Fraction:
-    """What the countable rules (`devicetrust.countable`: blocking, gpuguard's own) cost the budget: the sum
+    """What the countable rules (`gpu.trust.countable`: blocking, gpuguard's own) cost the budget: the sum
     of their shares, at most one node's worth per node, and nothing for a rule of a node in `covered`
     (fully quarantined: the node already counts as a whole, its GPUs with it). Exact."""
     nodes = set(covered)

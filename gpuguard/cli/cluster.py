@@ -1,0 +1,100 @@
+"""The operator's commands on the cluster: `status` (what gpuguard holds out, from the API server) and
+`uninstall` (every gpuguard mark off the nodes). Exit 2 for a kubeconfig that cannot work, 4 when the API
+server is unreachable or refuses the request."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from gpuguard import validation
+from gpuguard.cli.commands import EXIT_API, EXIT_OK, cli
+from gpuguard.cli.flags import FLAGS
+from gpuguard.errors import ConfigError, GpuguardError, NodeUpdateError, TransientApiError
+
+
+@cli.command()
+@FLAGS["kubeconfig"].option()
+@click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
+def status(kubeconfig: str | None, output: str) -> int:
+    """The cluster view for an operator: nodes quarantined by gpuguard, and GPUs held out by its DRA device
+    taint rules (the per-GPU quarantine), with reason, since and GPU. Exit 0; 2 a kubeconfig that cannot
+    work; 4 the API server is unreachable or refused the request."""
+    from gpuguard.quarantine.gpu.writers import quarantined_gpus  # noqa: PLC0415
+    from gpuguard.quarantine.node.writers import quarantined_nodes  # noqa: PLC0415
+
+    api = _client("status", kubeconfig)
+    try:
+        rows = [_printable(r) for r in (*quarantined_nodes(api), *quarantined_gpus(api))]
+    except GpuguardError as exc:
+        return _api_failed("status", api, exc)
+    from gpuguard import report  # noqa: PLC0415
+
+    click.echo(json.dumps(rows, indent=2) if output == "json" else report.status_table(rows))
+    return EXIT_OK
+
+
+def _printable(value: Any) -> Any:
+    """A value read from the API, for the terminal: no control characters in the table or the JSON (another
+    node's annotations can hold anything, an escape sequence included)."""
+    if isinstance(value, str):
+        return validation.printable(value)
+    if isinstance(value, list):
+        return [_printable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _printable(v) for k, v in value.items()}
+    return value
+
+
+@cli.command()
+@FLAGS["kubeconfig"].option()
+@click.option("--node", "nodes", multiple=True, help="A node to clean (repeatable).")
+@click.option("--all", "all_nodes", is_flag=True, default=False, help="Every node of the cluster.")
+@click.option("--dry-run", is_flag=True, default=False, help="Only say what would be removed.")
+def uninstall(kubeconfig: str | None, nodes: tuple[str, ...], all_nodes: bool, dry_run: bool) -> int:
+    """Remove every gpuguard.io/ taint, label and annotation, the GPUHealthy condition and the cordons
+    gpuguard made, from the nodes named (--node) or all (--all), and gpuguard's DRA DeviceTaintRules of
+    those nodes. Run it after removing the DaemonSet."""
+    from gpuguard.cleanup import clean_node, clean_rules, node_names  # noqa: PLC0415
+
+    if bool(nodes) == all_nodes:
+        raise ConfigError("uninstall: name the nodes with --node NAME, or pass --all")
+    api = _client("uninstall", kubeconfig)
+    try:
+        names = list(nodes) if nodes else list(node_names(api))
+        for name in names:
+            plan = clean_node(api, name, dry_run=dry_run)
+            verb = "would remove" if dry_run and not plan.empty else "removed"
+            click.echo(f"{name}: {verb if not plan.empty else 'clean:'} {plan.describe()}")
+        for rule in clean_rules(api, nodes or None, dry_run=dry_run):
+            click.echo(f"{rule}: {'would delete' if dry_run else 'deleted'} device taint rule")
+    except GpuguardError as exc:
+        return _api_failed("uninstall", api, exc)
+    return EXIT_OK
+
+
+def _client(command: str, kubeconfig: str | None) -> Any:
+    """The API client of `status` and `uninstall`; a kubeconfig that cannot work is a usage error (exit 2)."""
+    from gpuguard.kube import client as kubeclient  # noqa: PLC0415
+
+    try:
+        return kubeclient.load(kubeconfig)
+    except GpuguardError as exc:
+        raise ConfigError(f"{command}: {exc}") from None
+
+
+def _api_failed(command: str, api: Any, exc: GpuguardError) -> int:
+    """One line on stderr saying what happened to the request; exit 4 (not 2: the command was right)."""
+    if not isinstance(exc, NodeUpdateError):
+        raise ConfigError(f"{command}: {exc}") from None
+    server = getattr(getattr(api, "creds", None), "server", "")
+    if isinstance(exc, TransientApiError) and exc.status is None:
+        what = f"the API server {server} is unreachable"
+    elif isinstance(exc, TransientApiError):
+        what = f"the API server {server} is unavailable (HTTP {exc.status})"
+    else:
+        what = f"the API server {server} refused the request (HTTP {exc.status})"
+    click.echo(f"gpuguard: error: {command}: {what}: {' '.join(str(exc).split())}", err=True)
+    return EXIT_API

@@ -1,0 +1,307 @@
+"""Every flag of gpuguard's commands, declared once (gpuguard.cli.flag.Flag: name, variable, type, the
+settings field whose default is the flag's, parser, help). The click options are made from these
+declarations and the settings are built from them (gpuguard.cli.settings), so a default is written only in
+gpuguard.config."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import click
+
+from gpuguard.cli.flag import F, Flag
+from gpuguard.config import (
+    DEFAULT_IGNORED_XIDS,
+    GATE_REMOVALS,
+    QUARANTINE_MODES,
+    STATE_DIR,
+    TAINT_EFFECTS,
+    Config,
+    NodeSettings,
+    PolicySettings,
+    QuarantineLimit,
+    ServerSettings,
+    parse_listen,
+)
+
+
+def _strip(text: str) -> str:
+    return text.strip()
+
+
+def _or_none(text: str | None) -> str | None:
+    return text or None
+
+
+def _listen_text(server: ServerSettings) -> str:
+    return f"{server.host}:{server.port}"
+
+
+def _declare(*flags: Flag) -> dict[str, Flag]:
+    return {f.dest: f for f in flags}
+
+
+FLAGS = _declare(
+    # the GPUs: `watch` and `check`
+    Flag(
+        "--backend",
+        "nvml: the GPUs through NVIDIA's NVML. mock: a scenario file, no GPU needed.",
+        (Config, "backend"),
+        type=click.Choice(["nvml", "mock"]),
+    ),
+    Flag("--scenario", "Mock scenario file (YAML). Default: the embedded demo.", (Config, "scenario")),
+    Flag(
+        "--ecc-threshold",
+        "Volatile uncorrected ECC errors tolerated per GPU.",
+        (PolicySettings, "ecc_threshold"),
+        type=int,
+    ),
+    Flag(
+        "--ignore-xids",
+        "Comma-separated Xids that are not faults ('' for none); replaces the default list "
+        f"({', '.join(map(str, sorted(DEFAULT_IGNORED_XIDS)))}).",
+        default=None,
+        empty_env=True,
+    ),
+    Flag("--fatal-xids", "Comma-separated Xids to remove from the ignored list.", default=""),
+    Flag(
+        "--expected-gpus",
+        "GPUs this node must have. Default: the count at the first successful NVML init.",
+        (PolicySettings, "expected_gpus"),
+        type=int,
+    ),
+    Flag(
+        "--allow-no-gpu",
+        "'No GPU here' (no NVML library, no driver, zero GPUs) is not a fault; a broken driver still is.",
+        (PolicySettings, "allow_no_gpu"),
+        is_flag=True,
+    ),
+    Flag(
+        "--log-format",
+        "Default: console on a terminal, JSON otherwise (in a cluster).",
+        (Config, "log_format"),
+        type=click.Choice(["json", "console"]),
+        default=None,
+    ),
+    # `watch`
+    Flag(
+        "--interval",
+        "Seconds between polls (>= 0.05). Xids do not wait for it.",
+        (Config, "interval"),
+        type=float,
+    ),
+    Flag(
+        "--node",
+        "This agent's node. Default: env NODE_NAME (the downward API).",
+        (NodeSettings, "name"),
+        parse=_or_none,
+        envvars=("NODE_NAME",),
+    ),
+    Flag(
+        "--kubeconfig",
+        "Default: in-cluster config, then KUBECONFIG, then ~/.kube/config.",
+        (NodeSettings, "kubeconfig"),
+    ),
+    Flag(
+        "--listen",
+        "HOST:PORT for /healthz, /readyz and /metrics (port 0: any free port).",
+        (Config, "server"),
+        parse=parse_listen,
+        text=_listen_text,
+    ),
+    Flag(
+        "--dry-run",
+        "Write nothing to the cluster; log the exact change instead. Needs no cluster.",
+        (NodeSettings, "dry_run"),
+        is_flag=True,
+    ),
+    Flag(
+        "--taint-effect",
+        "Effect of gpuguard.io/gpu-unhealthy.",
+        (NodeSettings, "taint_effect"),
+        type=click.Choice(TAINT_EFFECTS),
+    ),
+    Flag(
+        "--gate-taint-key",
+        "The startup gate's taint key: nodes that register with it get no workload before gpuguard's "
+        "first complete healthy check (e.g. startup-taint.cluster-autoscaler.kubernetes.io/gpuguard for "
+        "Cluster Autoscaler; any key listed in a Karpenter NodePool's startupTaints).",
+        (NodeSettings, "gate_taint_key"),
+        parse=_strip,
+    ),
+    Flag(
+        "--gate-removal",
+        "Who lifts the gate: gpuguard itself, or a node-readiness controller that removes it when the "
+        "GPUHealthy condition turns True (gpuguard then only writes the condition).",
+        (NodeSettings, "gate_removal"),
+        type=click.Choice(GATE_REMOVALS),
+    ),
+    Flag("--no-cordon", "Taint only; do not cordon.", (NodeSettings, "cordon"), is_flag=True, negate=True),
+    Flag(
+        "--recover-after",
+        "Consecutive healthy checks before gpuguard removes its own taint.",
+        (NodeSettings, "recover_after"),
+        type=int,
+    ),
+    Flag(
+        "--no-recover",
+        "Never remove the taint; a human does.",
+        (NodeSettings, "recover"),
+        is_flag=True,
+        negate=True,
+    ),
+    Flag(
+        "--max-quarantined",
+        "Cluster-wide budget of GPU nodes gpuguard may fully quarantine: a count or a percentage of "
+        "the GPU nodes (--gpu-node-selector). Past it, only a PreferNoSchedule taint.",
+        (NodeSettings, "max_quarantined"),
+        parse=lambda text: QuarantineLimit.parse(text.strip()),
+    ),
+    Flag(
+        "--gpu-node-selector",
+        "Label selector of the GPU nodes a percentage budget counts: the DaemonSet's nodeSelector, "
+        "as key=value[,key=value] ('' for every node).",
+        (NodeSettings, "gpu_node_selector"),
+        parse=_strip,
+        empty_env=True,
+    ),
+    Flag(
+        "--quarantine",
+        "What a fault of one GPU (ECC, an Xid, a row-remap failure, a GPU reset asked for) quarantines: "
+        "auto that GPU alone (a DRA DeviceTaintRule) where the node's GPUs are in ResourceSlices of "
+        "--dra-driver, else the node; node always the node; gpu as auto, an unpublished GPU logged as an "
+        "error.",
+        (NodeSettings, "quarantine"),
+        type=click.Choice(QUARANTINE_MODES),
+    ),
+    Flag(
+        "--dra-driver",
+        "The DRA driver whose ResourceSlices (pool = the node's name) publish the GPUs, matched by UUID.",
+        (NodeSettings, "dra_driver"),
+        parse=_strip,
+    ),
+    Flag(
+        "--flap-window",
+        "Seconds: a fault that returns within this window keeps the node quarantined until the GPUs "
+        "stay healthy for a whole window.",
+        (NodeSettings, "flap_window"),
+        type=float,
+    ),
+    Flag(
+        "--state-dir",
+        "Where faults that only a reboot clears are kept across agent restarts ('' to disable; a dry run "
+        "keeps none).",
+        (Config, "state_dir"),
+        parse=_or_none,
+        default=STATE_DIR,
+        empty_env=True,
+    ),
+    Flag(
+        "--startup-jitter",
+        "Seconds: the first request to the API server waits a random 0..this, so agents that start at "
+        "once across a fleet do not arrive together (0: none). A fault found meanwhile does not wait.",
+        (NodeSettings, "startup_jitter"),
+        type=float,
+    ),
+    Flag(
+        "--api-qps",
+        "Client-side rate limit: API requests per second on average (0: none).",
+        (NodeSettings, "api_qps"),
+        type=float,
+    ),
+    Flag(
+        "--api-burst",
+        "Client-side rate limit: requests sent at once before --api-qps applies.",
+        (NodeSettings, "api_burst"),
+        type=int,
+    ),
+    Flag(
+        "--budget-recheck",
+        "Seconds between budget lists while a quarantine is deferred.",
+        (NodeSettings, "budget_recheck"),
+        type=float,
+        hidden=True,
+    ),
+    Flag(
+        "--budget-count-spread",
+        "Seconds over which the first GPU-node count (a percentage budget) falls after start.",
+        (NodeSettings, "budget_count_spread"),
+        type=float,
+        hidden=True,
+    ),
+    Flag(
+        "--slice-refresh",
+        "Seconds: a GPU fault that finds no device re-reads the slices if the last read is older.",
+        (NodeSettings, "slice_refresh"),
+        type=float,
+        hidden=True,
+    ),
+    Flag(
+        "--node-resync",
+        "Seconds between re-reads of the node while gpuguard holds anything on it.",
+        (NodeSettings, "node_resync"),
+        type=float,
+        hidden=True,
+    ),
+    Flag(
+        "--refusal-backoff",
+        "Seconds a request the API server refused is not sent again (tests shorten it).",
+        (NodeSettings, "refusal_backoff"),
+        type=float,
+        hidden=True,
+    ),
+    Flag(
+        "--boot-id-file",
+        "The host's boot ID (tests point it elsewhere to simulate a reboot).",
+        (Config, "boot_id_file"),
+        hidden=True,
+    ),
+    Flag("--run-for", "Stop after this many seconds (demos, tests).", (Config, "run_for"), type=float),
+    Flag(
+        "--nvml-load-timeout",
+        "Seconds to wait for a loadable libnvidia-ml.so.1 at start, then exit 3 so kubelet restarts "
+        "the container (the container toolkit injects the library at container start).",
+        (Config, "nvml_load_timeout"),
+        type=float,
+    ),
+    Flag(
+        "--nvml-call-timeout",
+        "Seconds one NVML call may take before its GPU (or the node) is reported unresponsive.",
+        (Config, "nvml_call_timeout"),
+        type=float,
+        hidden=True,
+    ),
+    # `check`
+    Flag(
+        "--expected-gpus-label",
+        "The node label holding how many GPUs the node has (GPU Feature Discovery's; an instance type's "
+        "count where the cloud labels one). Empty: never read the node.",
+        (Config, "expected_gpus_label"),
+        parse=_strip,
+    ),
+)
+
+# The flags of each command, in the order of their --help (FLAGS is declared in that order).
+GPU_FLAGS = (
+    "backend",
+    "scenario",
+    "ecc_threshold",
+    "ignore_xids",
+    "fatal_xids",
+    "expected_gpus",
+    "allow_no_gpu",
+    "log_format",
+)
+# `watch`: every flag but check's own (the last declared).
+WATCH_FLAGS = tuple(name for name in FLAGS if name != "expected_gpus_label")
+
+
+def options(names: tuple[str, ...]) -> Callable[[F], F]:
+    """The click options of these flags, in this order in --help."""
+
+    def decorate(f: F) -> F:
+        for name in reversed(names):
+            f = FLAGS[name].option()(f)
+        return f
+
+    return decorate

@@ -1,0 +1,131 @@
+"""What the reconciler says about the node besides the quarantine itself: the GPUHealthy condition (written
+only when it changes), the Event of each change (best effort) and one log line per write, naming one fault."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+
+import structlog
+
+from gpuguard import validation
+from gpuguard.config import NodeSettings
+from gpuguard.errors import NodeUpdateError
+from gpuguard.model import Verdict
+from gpuguard.policy import primary
+from gpuguard.quarantine.node.plan import plan_condition
+from gpuguard.quarantine.node.view import EventSpec, NodeChange, NodeView
+from gpuguard.quarantine.node.writers import NodeWriter
+from gpuguard.quarantine.record import join_keys
+
+log = structlog.get_logger(__name__)
+
+# The line each kind of write logs.
+_LINES = {
+    "taint": "node.tainted",
+    "defer": "node.tainted_soft",
+    "escalate": "node.quarantine_escalated",
+    "yield": "node.quarantine_yielded",
+    "add-faults": "node.fault_added",
+    "recover": "node.recovered",
+    "verified": "node.verified",
+    "override": "node.taint_removed_by_operator",
+    "release-cordon": "node.cordon_released",
+}
+
+
+class NodeReport:
+    """`set_node`: the reconciler's record of the node as the API server last answered (a condition write
+    answers with the node)."""
+
+    def __init__(
+        self,
+        writer: NodeWriter,
+        settings: NodeSettings,
+        *,
+        now: Callable[[], datetime],
+        set_node: Callable[[NodeView], None],
+    ) -> None:
+        self._writer = writer
+        self._settings = settings
+        self._now = now
+        self._set_node = set_node
+        self._condition_keys: frozenset[str] | None = None
+        self._override_logged: frozenset[str] = frozenset()
+
+    def condition(self, node: NodeView, verdict: Verdict, flapping: bool, *, device_tainted: int) -> None:
+        """The GPUHealthy condition, written only when it changes (best effort, like Events). Flap damping
+        holds it like the quarantine: a healthy reading between faults within --flap-window does not set
+        it back to True (one status write per episode, not one per flip). `device_tainted`: the GPUs
+        DeviceTaintRules hold out."""
+        if flapping and verdict.healthy:
+            return
+        condition = plan_condition(
+            node.gpu_condition,
+            verdict,
+            last_keys=self._condition_keys,
+            now=self._now(),
+            device_tainted=device_tainted,
+        )
+        if condition is None:
+            self._condition_keys = frozenset(f.key for f in verdict.faults)
+            return
+        try:
+            updated = self._writer.set_condition(node, condition)
+        except NodeUpdateError as exc:
+            log.warning("node.condition_failed", node=node.name, error=str(exc))
+            return
+        self._condition_keys = frozenset(f.key for f in verdict.faults)
+        self._set_node(updated)
+        log.info("node.condition", node=node.name, status=condition["status"], reason=condition["reason"])
+
+    def event(self, node: NodeView, event: EventSpec) -> None:
+        # Best effort: the taint is what protects the scale-out; a lost Event must not block it.
+        try:
+            self._writer.record_event(node, event)
+        except NodeUpdateError as exc:
+            log.warning("node.event_failed", node=node.name, reason=event.reason, error=str(exc))
+
+    def change(self, before: NodeView, change: NodeChange, verdict: Verdict) -> None:
+        """One line per write; reason, GPU, UUID and detail are of one fault: for "add-faults" the first of
+        those it added, else the fault the taint names."""
+        name = _LINES[change.action]
+        if change.action in ("recover", "verified", "override", "release-cordon"):
+            if change.action == "override":
+                self._override_logged = frozenset(f.key for f in verdict.faults)
+            log.info(
+                name,
+                node=before.name,
+                uncordoned=change.unschedulable is False,
+                dry_run=self._settings.dry_run,
+            )
+            return
+        faults = verdict.faults
+        if change.action == "add-faults":
+            faults = tuple(f for f in faults if validation.fault_key(f.key) not in before.current_faults)
+        first = primary(faults)
+        log.warning(
+            name,
+            node=before.name,
+            reason=first.reason if first else None,
+            gpu=first.gpu_index if first else None,
+            uuid=first.uuid if first else None,
+            detail=first.message if first else None,
+            faults=len(verdict.faults),
+            # The node's cordon after this write (a fault added to a cordoned node: still cordoned).
+            cordoned=before.unschedulable if change.unschedulable is None else change.unschedulable,
+            uncordoned=change.unschedulable is False,
+            dry_run=self._settings.dry_run,
+        )
+
+    def override(self, node: NodeView, verdict: Verdict) -> None:
+        """Our taint gone while faults remain: an operator removed it (said once per set of faults)."""
+        keys = frozenset(f.key for f in verdict.faults)
+        if keys and node.our_taint is None and keys != self._override_logged:
+            self._override_logged = keys
+            log.warning(
+                "node.taint_removed_by_operator",
+                node=node.name,
+                faults=join_keys(keys),
+                note="not re-added for the same fault; a new fault taints again",
+            )
