@@ -162,6 +162,10 @@ class GpuVerdict:
     # Shown, not judged: a row remap waiting for a GPU reset (None: no row remapping here).
     remap_pending: bool | None = None
     retired_pages: int | None = None
+    # Issue 29's second level: signals that make this GPU `degraded` (shown, scheduled around softly with a
+    # PreferNoSchedule taint or an effect-None DeviceTaintRule, never cordoned, never counted by the budget).
+    # `reason` is the signal's name (e.g. `nvlink-down`); a GPU may be degraded and faulty at once.
+    degraded: tuple[Fault, ...] = ()
 
     @property
     def healthy(self) -> bool:
@@ -194,11 +198,18 @@ class Verdict:
     unidentified_streaks: tuple[tuple[int, int], ...] = ()
     # Consecutive checks a node-wide query failed (Snapshot.node_error).
     node_error_streak: int = 0
+    # Node-wide `degraded` signals (issue 29), as GpuVerdict.degraded for one GPU.
+    node_degraded: tuple[Fault, ...] = ()
 
     @cached_property
     def faults(self) -> tuple[Fault, ...]:
         # Computed once per verdict (frozen: it cannot change); the loop asks for it several times a check.
         return self.node_faults + tuple(f for g in self.gpus for f in g.faults)
+
+    @cached_property
+    def degraded(self) -> tuple[Fault, ...]:
+        # Every `degraded` signal, the node's first (issue 29). Not faults: `healthy` ignores them.
+        return self.node_degraded + tuple(f for g in self.gpus for f in g.degraded)
 
     @property
     def healthy(self) -> bool:
