@@ -93,6 +93,11 @@ kube-down: install
 kube-status: install
 	$(BIN)/python -m harness.controlplane status
 
+# pytest-xdist workers for `make test`: 2 uses both cores of the CI machine (the tests wait on the API server,
+# etcd and subprocess agents much of the time); each worker starts its own control planes, so more workers
+# cost about 300 MB of memory each. --dist loadfile keeps a file's tests (and its fixtures) on one worker.
+TEST_WORKERS ?= 2
+
 # The linters on the code first (a style or typing regression fails in a minute, before the builds), then
 # every pinned build (hack/build-all.sh), the chart's lint, and the tests: unit tests, the nvml backend
 # through the fake library, and the integration tests against a real etcd + kube-apiserver that the test
@@ -101,7 +106,7 @@ test: install fakenvml
 	$(MAKE) --no-print-directory lint-code
 	hack/build-all.sh
 	"$$(hack/helm/build.sh)" lint --strict deploy/helm/gpuguard
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Every pinned build the tests use (Kubernetes twice, etcd, kwok, Karpenter, Helm 4 and 3, promtool, the
 # image), each timed; one shared Go module and build cache (hack/lib/gobuild.sh).
