@@ -94,8 +94,8 @@ kube-status: install
 	$(BIN)/python -m harness.controlplane status
 
 # pytest-xdist workers for `make test`: 2 uses both cores of the CI machine (the tests wait on the API server,
-# etcd and subprocess agents much of the time); each worker starts its own control planes, so more workers
-# cost about 300 MB of memory each. --dist loadfile keeps a file's tests (and its fixtures) on one worker.
+# etcd and subprocess agents much of the time); each worker starts its own control planes, so each worker
+# adds their memory. --dist loadfile keeps a file's tests (and its fixtures) on one worker.
 TEST_WORKERS ?= 2
 
 # The linters on the code first (a style or typing regression fails in a minute, before the builds), then
