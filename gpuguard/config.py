@@ -114,6 +114,9 @@ class NodeSettings:
     """Remove our own taint once the fault's evidence is gone (a repaired node returns without a human)."""
     recover_after: int = 3
     """Consecutive healthy checks before recovery: one lucky read must not undo a quarantine."""
+    degraded_taint: bool = True
+    """A degraded GPU (issue 29's second level) also puts a PreferNoSchedule taint gpuguard.io/gpu-degraded
+    on its node, so the scheduler prefers other nodes; False: the condition, label and annotation only."""
     dry_run: bool = False
     """Log the exact change instead of writing it."""
     kubeconfig: str | None = None

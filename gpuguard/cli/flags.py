@@ -138,6 +138,14 @@ FLAGS = _declare(
     ),
     Flag("--no-cordon", "Taint only; do not cordon.", (NodeSettings, "cordon"), is_flag=True, negate=True),
     Flag(
+        "--no-degraded-taint",
+        "A degraded GPU gets no PreferNoSchedule taint gpuguard.io/gpu-degraded on its node (the GPUDegraded "
+        "condition, label and annotation stay).",
+        (NodeSettings, "degraded_taint"),
+        is_flag=True,
+        negate=True,
+    ),
+    Flag(
         "--recover-after",
         "Consecutive healthy checks before gpuguard removes its own taint.",
         (NodeSettings, "recover_after"),

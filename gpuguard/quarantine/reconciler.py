@@ -27,6 +27,7 @@ from gpuguard.quarantine.apistate import ApiState, Intent
 from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
 from gpuguard.quarantine.handoff import Handoff
 from gpuguard.quarantine.node.budget import QuarantineBudget
+from gpuguard.quarantine.node.degraded import DEGRADED_ACTIONS, plan_degraded
 from gpuguard.quarantine.node.plan import plan
 from gpuguard.quarantine.node.view import NodeChange, NodeView
 from gpuguard.quarantine.node.writers import DRY_RUN_NODE, NodeWriter
@@ -101,6 +102,8 @@ class NodeReconciler:
         self._read_intent = Intent("get", f"node {self._name}")
         self._intent: Intent | None = None  # the request in flight, named if it is refused
         self.writes = 0
+        # Checks in a row without a degraded signal (issue 29): the degraded marks go after --recover-after.
+        self._degraded_streak = 0
 
     @property
     def status(self) -> NodeStatus:
@@ -138,7 +141,16 @@ class NodeReconciler:
             node = self._node
             return node is not None and not node.deferred and not settling and not self._resync_due(node)
 
-        self._handoff.submit(verdict, healthy_streak, flapping=flapping, gpu_streaks=gpu_streaks, quiet=quiet)
+        # One submit per check: the agent hands over its remembered verdict at every steady check too.
+        self._degraded_streak = 0 if verdict.degraded else self._degraded_streak + 1
+        self._handoff.submit(
+            verdict,
+            healthy_streak,
+            flapping=flapping,
+            gpu_streaks=gpu_streaks,
+            quiet=quiet,
+            degraded_streak=self._degraded_streak,
+        )
 
     def wait_idle(self, timeout: float) -> bool:
         """For tests and one-shot runs: block until every submitted verdict has been reconciled."""
@@ -192,7 +204,7 @@ class NodeReconciler:
         latest = self._handoff.latest()
         if latest is None:
             return
-        verdict, streak, flapping, gpu_streaks = latest
+        verdict, streak, flapping, gpu_streaks, degraded_streak = latest
         self._intent = None
         node = self._node
         if node is None or self._resync_due(node):
@@ -209,11 +221,13 @@ class NodeReconciler:
                 node, verdict, streak=streak, flapping=flapping, gpu_streaks=gpu_streaks
             )
         for attempt in range(self._max_conflicts):
-            change = self._plan(node, verdict, streak, flapping)
+            change = self._plan(node, verdict, streak, flapping) or self._degraded(
+                node, verdict, degraded_streak
+            )
             if change is None:
                 self._report.override(node, verdict)
                 self._set_node(node)
-                self._condition(node, full, flapping)
+                self._condition(node, full, flapping, degraded_streak)
                 return
             intent = self._intent = self._patch_intent(change)
             if self.api.blocked(intent):
@@ -236,11 +250,13 @@ class NodeReconciler:
             self._intent = None  # a refusal after this (the budget's order list) is not this write's
             self._set_node(node)
             self._report.change(before, change, verdict)
-            self._condition(node, full, flapping)
+            self._condition(node, full, flapping, degraded_streak)
             if change.event is not None:
                 self._report.event(node, change.event)
             if self.budget is not None and self.budget.written(node, change):
                 continue  # past the budget's limit: the next plan is the yield
+            if change.action not in DEGRADED_ACTIONS and self._degraded(node, verdict, degraded_streak):
+                continue  # one pass writes both levels: the degraded marks next
             return
         raise TransientApiError(f"node {node.name}: still conflicting after {self._max_conflicts} tries")
 
@@ -261,6 +277,16 @@ class NodeReconciler:
         if self.budget is None:
             return change
         return self.budget.gate(node, change, verdict)
+
+    def _degraded(self, node: NodeView, verdict: Verdict, degraded_streak: int) -> NodeChange | None:
+        """The degraded marks (node/degraded.py): never gated by the budget, never a cordon."""
+        return plan_degraded(
+            node,
+            verdict.degraded,
+            clean_streak=degraded_streak,
+            recover_after=self._settings.recover_after,
+            taint=self._settings.degraded_taint,
+        )
 
     def _resync_due(self, node: NodeView) -> bool:
         due = self._clock() - self._read_at >= self._settings.node_resync
@@ -306,9 +332,12 @@ class NodeReconciler:
             gpus=self.devices.quarantined if self.devices is not None else (),
         )
 
-    def _condition(self, node: NodeView, verdict: Verdict, flapping: bool) -> None:
+    def _condition(self, node: NodeView, verdict: Verdict, flapping: bool, degraded_streak: int) -> None:
         tainted = len(self.devices.quarantined) if self.devices is not None else 0
         self._report.condition(node, verdict, flapping, device_tainted=tainted)
+        if self._node is not None:  # the GPUHealthy write answers with the node: its resourceVersion
+            node = self._node
+        self._report.degraded_condition(node, verdict, clean_streak=degraded_streak)
 
     def _wait(self, state: tenacity.RetryCallState) -> float:
         base = tenacity.wait_exponential_jitter(

@@ -23,7 +23,14 @@ from gpuguard.kube import client as kubeclient
 from gpuguard.metrics import Metrics, counted
 from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.node.budget import OtherNodes, count_budget
-from gpuguard.quarantine.node.view import LABEL_QUARANTINED, EventSpec, NodeChange, NodeView, apply_change
+from gpuguard.quarantine.node.view import (
+    DEGRADED_CONDITION_TYPE,
+    LABEL_QUARANTINED,
+    EventSpec,
+    NodeChange,
+    NodeView,
+    apply_change,
+)
 from gpuguard.quarantine.record import ANN_REASON, ANN_SINCE
 
 log = structlog.get_logger(__name__)
@@ -86,7 +93,10 @@ class DryRunNodeWriter:
     def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
         _checked_condition(node, condition)
         log.info("node.dry_run_condition", node=node.name, condition=dict(condition))
-        self._node = replace(self._node, gpu_condition=condition["status"])
+        if condition["type"] == DEGRADED_CONDITION_TYPE:
+            self._node = replace(self._node, degraded_condition=condition["status"])
+        else:
+            self._node = replace(self._node, gpu_condition=condition["status"])
         return self._node
 
 
