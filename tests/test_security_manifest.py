@@ -21,6 +21,7 @@ import yaml
 
 from gpuguard.kube import client as kubeclient
 from gpuguard.quarantine import record
+from gpuguard.quarantine.node import degraded
 from gpuguard.quarantine.node import view as node
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,9 +243,11 @@ def test_what_the_policy_lets_through_is_exactly_what_the_agent_writes() -> None
     expected = {prefix, f"f:{prefix}", CLUSTER_AUTOSCALER_STARTUP_PREFIX}
     assert set(re.findall(r"startsWith\('([^']*)'\)", cel)) == expected
     written = [record.TAINT_KEY, node.UNVERIFIED_TAINT_KEY, node.LABEL_QUARANTINED, *node.OUR_ANNOTATIONS]
+    written += [degraded.DEGRADED_TAINT_KEY, degraded.LABEL_DEGRADED, degraded.ANN_DEGRADED]
     assert all(key.startswith(prefix) for key in written), written
-    assert set(re.findall(r"'(GPU\w+)'", cel)) == {node.CONDITION_TYPE}
-    assert set(re.findall(r'k:\{"type":"(\w+)"\}', cel)) == {node.CONDITION_TYPE}
+    conditions = {node.CONDITION_TYPE, node.DEGRADED_CONDITION_TYPE}
+    assert set(re.findall(r"'(GPU\w+)'", cel)) == conditions
+    assert set(re.findall(r'k:\{"type":"(\w+)"\}', cel)) == conditions
     # The fields that change on every write are never compared; everything else in metadata is, and
     # managedFields by rules of its own.
     assert "'resourceVersion', 'managedFields', 'generation'" in cel
