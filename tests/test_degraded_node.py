@@ -14,7 +14,6 @@ from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.node.budget import QuarantineBudget
 from gpuguard.quarantine.node.degraded import (
     ANN_DEGRADED,
-    DEGRADED_TAINT_KEY,
     LABEL_DEGRADED,
     MAX_DEGRADED_KEYS,
     DegradedRecord,
@@ -23,6 +22,7 @@ from gpuguard.quarantine.node.degraded import (
 )
 from gpuguard.quarantine.node.view import LABEL_QUARANTINED, NodeView, Taint, apply_change
 from gpuguard.quarantine.reconciler import NodeReconciler
+from gpuguard.quarantine.record import DEGRADED_TAINT_KEY
 from harness.fakes import FakeNodeWriter
 
 NOW = datetime(2026, 12, 5, 9, 0, tzinfo=UTC)

@@ -243,7 +243,7 @@ def test_what_the_policy_lets_through_is_exactly_what_the_agent_writes() -> None
     expected = {prefix, f"f:{prefix}", CLUSTER_AUTOSCALER_STARTUP_PREFIX}
     assert set(re.findall(r"startsWith\('([^']*)'\)", cel)) == expected
     written = [record.TAINT_KEY, node.UNVERIFIED_TAINT_KEY, node.LABEL_QUARANTINED, *node.OUR_ANNOTATIONS]
-    written += [degraded.DEGRADED_TAINT_KEY, degraded.LABEL_DEGRADED, degraded.ANN_DEGRADED]
+    written += [record.DEGRADED_TAINT_KEY, degraded.LABEL_DEGRADED, degraded.ANN_DEGRADED]
     assert all(key.startswith(prefix) for key in written), written
     conditions = {node.CONDITION_TYPE, node.DEGRADED_CONDITION_TYPE}
     assert set(re.findall(r"'(GPU\w+)'", cel)) == conditions
@@ -337,10 +337,13 @@ def test_the_other_policies_guard_the_service_account_fail_closed_and_name_every
 
 def test_the_device_policy_requires_the_name_and_bounds_the_agent_writes() -> None:
     from gpuguard import validation
+    from gpuguard.quarantine.gpu import degraded as degraded_rules
     from gpuguard.quarantine.gpu import rules as devices
 
     cel = _cel(DEVICE_POLICY)
-    assert f"'{devices.RULE_PREFIX}' + variables.node + '.'" in cel
+    assert f"'{devices.RULE_PREFIX}') + variables.node + '.'" in cel
+    assert f"'{degraded_rules.DEGRADED_RULE_PREFIX}' : '{devices.RULE_PREFIX}'" in cel
+    assert f"'{record.DEGRADED_TAINT_KEY}' && r.spec.taint.?effect.orValue('') == 'None'" in cel
     assert f"variables.annotationBytes > {validation.MAX_ANNOTATION_BYTES}" in cel
     assert f"'{devices.LABEL_NODE}', '{devices.LABEL_MANAGED_BY}'" in cel
 

@@ -8,12 +8,26 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from gpuguard.model import Verdict
 
+
+@dataclass(frozen=True)
+class DegradedStreaks:
+    """Checks in a row without a degraded signal (issue 29's second level): the node's (no GPU degraded,
+    nor the node) and each GPU's by UUID. The marks and rules go once these reach --recover-after."""
+
+    node: int = 0
+    gpus: Mapping[str, int] = field(default_factory=dict)
+
+    def capped(self, most: int) -> tuple[object, ...]:
+        return (min(self.node, most), tuple(sorted((u, min(n, most)) for u, n in self.gpus.items())))
+
+
 # What the writer applies: the verdict, the node's healthy streak, flapping, each GPU's healthy streak, and
-# the checks in a row without a degraded signal (issue 29's second level).
-Latest = tuple[Verdict, int, bool, Mapping[str, int] | None, int]
+# the degraded streaks.
+Latest = tuple[Verdict, int, bool, Mapping[str, int] | None, DegradedStreaks]
 # The decision-relevant summary of a verdict (see Handoff.submit).
 Signature = tuple[object, ...]
 
@@ -45,7 +59,7 @@ class Handoff:
         flapping: bool,
         gpu_streaks: Mapping[str, int] | None,
         quiet: Callable[[], bool],
-        degraded_streak: int = 0,
+        degraded: DegradedStreaks | None = None,
     ) -> None:
         """Hand over the newest verdict. One whose summary (fault keys, health, the streaks up to
         --recover-after, flapping, GPUs seen, the degraded signals and their clean streak) is that of the last
@@ -68,12 +82,12 @@ class Handoff:
             flapping,
             bool(verdict.gpus),
             keys[2],
-            min(degraded_streak, most),
+            (degraded or DegradedStreaks()).capped(most),
         )
         with self._cond:
             if self._first_verdict_at is None:
                 self._first_verdict_at = self._clock()
-            self._latest = (verdict, healthy_streak, flapping, gpu_streaks, degraded_streak)
+            self._latest = (verdict, healthy_streak, flapping, gpu_streaks, degraded or DegradedStreaks())
             if sig == self._settled and quiet():
                 return
             self._pending = sig

@@ -15,14 +15,13 @@ from gpuguard.model import Verdict
 from gpuguard.policy import primary
 from gpuguard.quarantine.node.degraded import (
     DEGRADED_ACTIONS,
-    DEGRADED_TAINT_KEY,
     degraded_keys,
     plan_degraded_condition,
 )
 from gpuguard.quarantine.node.plan import plan_condition
 from gpuguard.quarantine.node.view import EventSpec, NodeChange, NodeView
 from gpuguard.quarantine.node.writers import NodeWriter
-from gpuguard.quarantine.record import join_keys
+from gpuguard.quarantine.record import DEGRADED_TAINT_KEY, join_keys
 
 log = structlog.get_logger(__name__)
 

@@ -25,7 +25,7 @@ from gpuguard.metrics import Metrics
 from gpuguard.model import GpuQuarantine, Verdict
 from gpuguard.quarantine.apistate import ApiState, Intent
 from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
-from gpuguard.quarantine.handoff import Handoff
+from gpuguard.quarantine.handoff import DegradedStreaks, Handoff
 from gpuguard.quarantine.node.budget import QuarantineBudget
 from gpuguard.quarantine.node.degraded import DEGRADED_ACTIONS, plan_degraded
 from gpuguard.quarantine.node.plan import plan
@@ -103,7 +103,7 @@ class NodeReconciler:
         self._intent: Intent | None = None  # the request in flight, named if it is refused
         self.writes = 0
         # Checks in a row without a degraded signal (issue 29): the degraded marks go after --recover-after.
-        self._degraded_streak = 0
+        self._degraded_streaks = DegradedStreaks()
 
     @property
     def status(self) -> NodeStatus:
@@ -142,14 +142,20 @@ class NodeReconciler:
             return node is not None and not node.deferred and not settling and not self._resync_due(node)
 
         # One submit per check: the agent hands over its remembered verdict at every steady check too.
-        self._degraded_streak = 0 if verdict.degraded else self._degraded_streak + 1
+        before = self._degraded_streaks
+        self._degraded_streaks = DegradedStreaks(
+            node=0 if verdict.degraded else before.node + 1,
+            gpus={
+                g.uuid: 0 if g.degraded else before.gpus.get(g.uuid, 0) + 1 for g in verdict.gpus if g.uuid
+            },
+        )
         self._handoff.submit(
             verdict,
             healthy_streak,
             flapping=flapping,
             gpu_streaks=gpu_streaks,
             quiet=quiet,
-            degraded_streak=self._degraded_streak,
+            degraded=self._degraded_streaks,
         )
 
     def wait_idle(self, timeout: float) -> bool:
@@ -204,7 +210,8 @@ class NodeReconciler:
         latest = self._handoff.latest()
         if latest is None:
             return
-        verdict, streak, flapping, gpu_streaks, degraded_streak = latest
+        verdict, streak, flapping, gpu_streaks, degraded = latest
+        degraded_streak = degraded.node
         self._intent = None
         node = self._node
         if node is None or self._resync_due(node):
@@ -218,7 +225,12 @@ class NodeReconciler:
         if self.devices is not None:
             # Per-GPU faults become DeviceTaintRules; the node is planned for what is left (docs/design.md).
             verdict = self.devices.apply(
-                node, verdict, streak=streak, flapping=flapping, gpu_streaks=gpu_streaks
+                node,
+                verdict,
+                streak=streak,
+                flapping=flapping,
+                gpu_streaks=gpu_streaks,
+                degraded_streaks=degraded.gpus,
             )
         for attempt in range(self._max_conflicts):
             change = self._plan(node, verdict, streak, flapping) or self._degraded(

@@ -9,15 +9,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+import kubernetes
 import pytest
 
 from gpuguard.config import NodeSettings, QuarantineLimit
 from gpuguard.kube import client as kubeclient
 from gpuguard.model import Fault, GpuVerdict, Verdict
+from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
+from gpuguard.quarantine.gpu.writers import KubeDeviceSource
 from gpuguard.quarantine.node.budget import QuarantineBudget
 from gpuguard.quarantine.node.writers import KubeNodeWriter
 from gpuguard.quarantine.reconciler import NodeReconciler
-from harness.kube import Admin, token_kubeconfig
+from harness.dra import DRIVER, gpu_uuid, nvidia_slice
+from harness.kube import Admin, enforced_admin, token_client, token_kubeconfig
 from tests.integration.test_admission import FOREIGN, admin, new_node  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
@@ -115,3 +119,91 @@ def test_without_the_degraded_taint_the_condition_and_label_still_show_it(
     assert not any(t["key"] == DEGRADED_KEY for t in n["spec"].get("taints") or [])
     assert n["metadata"]["labels"]["gpuguard.io/degraded"] == "true"
     assert conditions(n)["GPUDegraded"]["status"] == "True"
+
+
+# -- a DRA node: the GPU's own effect-None DeviceTaintRule ---------------------------------------------------
+
+DEVICE_POLICY = "gpuguard-own-devices-only"
+
+
+@pytest.fixture(scope="module")
+def dra_admin(admin_api: kubernetes.client.ApiClient, control_plane: Any) -> Admin:
+    """deploy/ applied and the device policy enforced (probe: a rule for another node's GPU)."""
+
+    def probe(a: Admin) -> Any:
+        here, there = new_node(a), new_node(a)
+        api = kubernetes.client.CustomObjectsApi(
+            token_client(control_plane.url, control_plane.ca_path, a.agent_token(here))
+        )
+        body = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "DeviceTaintRule",
+            "metadata": {"name": f"gpuguard-degraded.{there}.gpu-0"},
+            "spec": {
+                "deviceSelector": {"driver": DRIVER, "pool": there, "device": "gpu-0"},
+                "taint": {"key": DEGRADED_KEY, "effect": "None"},
+            },
+        }
+        return lambda: api.create_cluster_custom_object(*RULES, body, dry_run="All")
+
+    return enforced_admin(admin_api, policy=DEVICE_POLICY, probe=probe)
+
+
+RULES = ("resource.k8s.io", "v1", "devicetaintrules")
+
+
+def test_on_a_dra_node_a_degraded_gpu_gets_an_effect_none_rule_deleted_when_clean(
+    dra_admin: Admin, control_plane: Any, tmp_path: Path
+) -> None:
+    admin = dra_admin
+    node = new_node(admin)
+    custom: Any = kubernetes.client.CustomObjectsApi(admin.api)
+    uuids = [gpu_uuid(node, i) for i in range(8)]
+    custom.create_cluster_custom_object("resource.k8s.io", "v1", "resourceslices", nvidia_slice(node))
+    api = kubeclient.load(
+        str(
+            token_kubeconfig(
+                tmp_path / f"{node}.kubeconfig",
+                server=control_plane.url,
+                ca_path=control_plane.ca_path,
+                token=admin.agent_token(node),
+            )
+        )
+    )
+    config = NodeSettings(name=node, max_quarantined=QuarantineLimit.parse("100%"))
+    source = KubeDeviceSource(node, api=api, driver=DRIVER)
+    r = NodeReconciler(KubeNodeWriter(node, api=api), config, devices=DeviceQuarantine(source, config))
+    sick = Verdict(
+        gpus=tuple(
+            GpuVerdict(
+                index=i,
+                uuid=uuids[i],
+                degraded=(Fault("nvlink-down", "link 3 inactive", uuid=uuids[i], gpu_index=i),)
+                if i == 2
+                else (),
+            )
+            for i in range(8)
+        )
+    )
+    clean = Verdict(gpus=tuple(GpuVerdict(index=i, uuid=uuids[i]) for i in range(8)))
+
+    def ours() -> list[dict[str, Any]]:
+        items = custom.list_cluster_custom_object(*RULES, label_selector=f"gpuguard.io/node={node}")["items"]
+        return list(items)
+
+    step(r, sick)
+    (rule,) = ours()
+    assert rule["metadata"]["name"] == f"gpuguard-degraded.{node}.gpu-2"
+    taint = {k: v for k, v in rule["spec"]["taint"].items() if k != "timeAdded"}
+    assert taint == {"key": DEGRADED_KEY, "value": "nvlink-down", "effect": "None"}
+    assert rule["spec"]["deviceSelector"] == {"driver": DRIVER, "pool": node, "device": "gpu-2"}
+    n = admin.node(node)
+    assert not any(t["key"] == DEGRADED_KEY for t in n["spec"].get("taints") or [])  # the rule shows it
+    assert conditions(n)["GPUDegraded"]["status"] == "True"
+    assert not n["spec"].get("unschedulable")
+    for _ in range(2):
+        step(r, clean)
+    assert len(ours()) == 1  # within the recovery window
+    step(r, clean)
+    assert ours() == []
+    assert conditions(admin.node(node))["GPUDegraded"]["status"] == "False"

@@ -31,9 +31,8 @@ from gpuguard.quarantine.node.view import (
     NodeView,
     Taint,
 )
-from gpuguard.quarantine.record import DOMAIN, rfc3339
+from gpuguard.quarantine.record import DEGRADED_TAINT_KEY, DOMAIN, rfc3339
 
-DEGRADED_TAINT_KEY = f"{DOMAIN}/gpu-degraded"
 LABEL_DEGRADED = f"{DOMAIN}/degraded"
 ANN_DEGRADED = f"{DOMAIN}/degraded-signals"
 DEGRADED_CONDITION = DEGRADED_CONDITION_TYPE
