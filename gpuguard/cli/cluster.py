@@ -20,14 +20,17 @@ from gpuguard.errors import ConfigError, GpuguardError, NodeUpdateError, Transie
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
 def status(kubeconfig: str | None, output: str) -> int:
     """The cluster view for an operator: nodes quarantined by gpuguard, and GPUs held out by its DRA device
-    taint rules (the per-GPU quarantine), with reason, since and GPU. Exit 0; 2 a kubeconfig that cannot
-    work; 4 the API server is unreachable or refused the request."""
+    taint rules (the per-GPU quarantine), with reason, since and GPU; and the degraded nodes and GPUs (the
+    DEGRADED column: their signals). Exit 0; 2 a kubeconfig that cannot work; 4 the API server is
+    unreachable or refused the request."""
     from gpuguard.quarantine.gpu.writers import quarantined_gpus  # noqa: PLC0415
-    from gpuguard.quarantine.node.writers import quarantined_nodes  # noqa: PLC0415
+    from gpuguard.quarantine.node.writers import degraded_nodes, quarantined_nodes  # noqa: PLC0415
 
     api = _client("status", kubeconfig)
     try:
-        rows = [_printable(r) for r in (*quarantined_nodes(api), *quarantined_gpus(api))]
+        nodes = quarantined_nodes(api)
+        degraded = degraded_nodes(api, skip={str(r["node"]) for r in nodes})
+        rows = [_printable(r) for r in (*nodes, *degraded, *quarantined_gpus(api))]
     except GpuguardError as exc:
         return _api_failed("status", api, exc)
     from gpuguard import report  # noqa: PLC0415

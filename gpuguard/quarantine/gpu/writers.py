@@ -367,6 +367,7 @@ def quarantined_gpus(api: kubeclient.Client, *, timeout: float = 10.0) -> list[d
                 "detail": rule.annotations.get(ANN_REASON),
                 "cordoned_by_gpuguard": False,
                 "unschedulable": False,
+                "degraded": sorted(rule.faults) if is_degraded_rule(rule) else [],
             }
         )
     return sorted(rows, key=lambda r: (str(r["node"]), str(r["device"])))

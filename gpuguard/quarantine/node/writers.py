@@ -23,6 +23,7 @@ from gpuguard.kube import client as kubeclient
 from gpuguard.metrics import Metrics, counted
 from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.node.budget import OtherNodes, count_budget
+from gpuguard.quarantine.node.degraded import LABEL_DEGRADED, DegradedRecord, degraded_taint
 from gpuguard.quarantine.node.view import (
     DEGRADED_CONDITION_TYPE,
     LABEL_QUARANTINED,
@@ -312,6 +313,41 @@ def quarantined_nodes(api: kubeclient.Client, *, timeout: float = 10.0) -> list[
                 "detail": n.annotations.get(ANN_REASON),
                 "cordoned_by_gpuguard": n.cordoned_by_us and n.unschedulable,
                 "unschedulable": n.unschedulable,
+                "degraded": sorted(DegradedRecord.read(n.annotations).keys),
+            }
+        )
+    return sorted(rows, key=lambda r: str(r["node"]))
+
+
+def degraded_nodes(api: kubeclient.Client, *, skip: set[str], timeout: float = 10.0) -> list[dict[str, Any]]:
+    """For `gpuguard status`: the nodes gpuguard marks degraded (label gpuguard.io/degraded) that are not
+    quarantined too (`skip`: those already listed), one list request. Rows as `quarantined_nodes`'s."""
+    doc = api.request(
+        "GET",
+        "/api/v1/nodes",
+        query={"labelSelector": LABEL_DEGRADED},
+        timeout=timeout,
+        what="list degraded nodes",
+    )
+    rows = []
+    for item in doc["items"] or []:
+        n = NodeView.from_api(item)
+        record = DegradedRecord.read(n.annotations)
+        if n.name in skip or not record.present:
+            continue
+        taint = degraded_taint(n)
+        rows.append(
+            {
+                "node": n.name,
+                "state": "degraded",
+                "reason": taint.value if taint else None,
+                "effect": taint.effect if taint else None,
+                "since": None,
+                "faults": [],
+                "detail": None,
+                "cordoned_by_gpuguard": False,
+                "unschedulable": n.unschedulable,
+                "degraded": sorted(record.keys),
             }
         )
     return sorted(rows, key=lambda r: str(r["node"]))
