@@ -170,3 +170,25 @@ def test_status_lists_degraded_nodes_and_rules_with_their_signals_in_a_degraded_
         "DETAIL",
     ]
     assert table[2].split()[:2] == ["only", "degraded"] and "nvlink-down/GPU-1" in table[2]
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "taint"),
+    [
+        ((), {}, True),
+        (("--no-degraded-taint",), {}, False),
+        ((), {"GPUGUARD_NO_DEGRADED_TAINT": "true"}, False),
+    ],
+)
+def test_the_degraded_taint_is_on_by_default_and_a_flag_or_its_variable_turns_it_off(
+    monkeypatch: pytest.MonkeyPatch, args: tuple[str, ...], env: dict[str, str], taint: bool
+) -> None:
+    seen: list[bool] = []
+    monkeypatch.setattr(running, "watch", lambda cfg: seen.append(cfg.node.degraded_taint))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    result = CliRunner().invoke(
+        cli, ["watch", "--dry-run", "--backend", "mock", *args], standalone_mode=False
+    )
+    assert result.exception is None, result.output
+    assert seen == [taint]
