@@ -11,7 +11,7 @@ from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
 from gpuguard.model import Fault, GpuReading, GpuVerdict, Snapshot, Verdict
 from gpuguard.policy import evaluate
 from gpuguard.quarantine.budget import Budget
-from gpuguard.quarantine.node.budget import QuarantineBudget
+from gpuguard.quarantine.node.budget import OtherNodes, QuarantineBudget, count_budget
 from gpuguard.quarantine.node.degraded import (
     ANN_DEGRADED,
     LABEL_DEGRADED,
@@ -225,3 +225,23 @@ def test_a_healthy_node_still_costs_nothing_after_its_first_read() -> None:
     for _ in range(20):
         step(r, healthy, 1)
     assert (writer.reads, writer.writes, writer.conditions[1:]) == (1, 0, [])
+
+
+def test_the_budget_never_counts_a_degraded_only_node_whatever_its_marks() -> None:
+    """The budget (node/budget.py, and budgetwatch.py's watch of `gpuguard.io/quarantined=true`) counts only
+    the quarantine label with gpuguard's since: the degraded marks are neither."""
+    node = marks(NODE, NVLINK)
+    meta = {
+        "metadata": {
+            "name": node.name,
+            "labels": dict(node.labels),
+            "annotations": dict(node.annotations),
+            "creationTimestamp": "2026-12-01T00:00:00Z",
+        }
+    }
+    others = OtherNodes(clock=lambda: NOW)
+    claims = others.quarantined([meta])
+    assert claims == []
+    budget = count_budget([meta], QuarantineLimit.parse("50%"), exclude="other", quarantined=claims)
+    assert (budget.quarantined, budget.gpu_nodes) == (0, 2)
+    assert not node.fully_quarantined and not node.deferred and not node.holds_gpuguard_state()

@@ -57,9 +57,9 @@ def _printable(value: Any) -> Any:
 @click.option("--all", "all_nodes", is_flag=True, default=False, help="Every node of the cluster.")
 @click.option("--dry-run", is_flag=True, default=False, help="Only say what would be removed.")
 def uninstall(kubeconfig: str | None, nodes: tuple[str, ...], all_nodes: bool, dry_run: bool) -> int:
-    """Remove every gpuguard.io/ taint, label and annotation, the GPUHealthy condition and the cordons
-    gpuguard made, from the nodes named (--node) or all (--all), and gpuguard's DRA DeviceTaintRules of
-    those nodes. Run it after removing the DaemonSet."""
+    """Remove every gpuguard.io/ taint, label and annotation, the GPUHealthy and GPUDegraded conditions and
+    the cordons gpuguard made, from the nodes named (--node) or all (--all), and gpuguard's DRA
+    DeviceTaintRules of those nodes. Run it after removing the DaemonSet."""
     from gpuguard.cleanup import clean_node, clean_rules, node_names  # noqa: PLC0415
 
     if bool(nodes) == all_nodes:

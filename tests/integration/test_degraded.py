@@ -12,6 +12,7 @@ from typing import Any
 import kubernetes
 import pytest
 
+from gpuguard.cleanup import clean_node
 from gpuguard.config import NodeSettings, QuarantineLimit
 from gpuguard.kube import client as kubeclient
 from gpuguard.model import Fault, GpuVerdict, Verdict
@@ -207,3 +208,19 @@ def test_on_a_dra_node_a_degraded_gpu_gets_an_effect_none_rule_deleted_when_clea
     step(r, clean)
     assert ours() == []
     assert conditions(admin.node(node))["GPUDegraded"]["status"] == "False"
+
+
+def test_uninstall_takes_the_degraded_marks_and_condition_off(
+    admin: Admin, control_plane: Any, tmp_path: Path
+) -> None:
+    node = new_node(admin, taints=[FOREIGN])
+    r, _ = agent_reconciler(admin, control_plane, node, tmp_path)
+    step(r, verdict(NVLINK))
+    assert conditions(admin.node(node))["GPUDegraded"]["status"] == "True"
+    plan = clean_node(kubeclient.load(str(control_plane.kubeconfig_path)), node)
+    assert "condition GPUDegraded" in plan.describe() and "taint gpuguard.io/gpu-degraded" in plan.describe()
+    n = admin.node(node)
+    assert "GPUDegraded" not in conditions(n)
+    assert not any(k.startswith("gpuguard.io/") for k in (n["metadata"].get("labels") or {}))
+    assert not any(t["key"].startswith("gpuguard.io/") for t in n["spec"].get("taints") or [])
+    assert FOREIGN in n["spec"]["taints"]
