@@ -7,6 +7,8 @@ import json
 from dataclasses import replace
 from datetime import UTC, datetime
 
+from structlog.testing import capture_logs
+
 from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
 from gpuguard.model import Fault, GpuReading, GpuVerdict, Snapshot, Verdict
 from gpuguard.policy import evaluate
@@ -21,6 +23,7 @@ from gpuguard.quarantine.node.degraded import (
     plan_degraded_condition,
 )
 from gpuguard.quarantine.node.view import LABEL_QUARANTINED, NodeView, Taint, apply_change
+from gpuguard.quarantine.node.writers import DryRunNodeWriter
 from gpuguard.quarantine.reconciler import NodeReconciler
 from gpuguard.quarantine.record import DEGRADED_TAINT_KEY
 from harness.fakes import FakeNodeWriter
@@ -245,3 +248,14 @@ def test_the_budget_never_counts_a_degraded_only_node_whatever_its_marks() -> No
     budget = count_budget([meta], QuarantineLimit.parse("50%"), exclude="other", quarantined=claims)
     assert (budget.quarantined, budget.gpu_nodes) == (0, 2)
     assert not node.fully_quarantined and not node.deferred and not node.holds_gpuguard_state()
+
+
+def test_a_dry_run_logs_the_degraded_patch_and_condition_it_would_write() -> None:
+    writer = DryRunNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="dry-run"))
+    r = NodeReconciler(writer, NodeSettings(name="gpu-1", dry_run=True))
+    with capture_logs() as logs:
+        step(r, degraded_verdict(NVLINK))
+    node = writer.read()
+    assert node.labels.get(LABEL_DEGRADED) == "true" and node.degraded_condition == "True"
+    events = [e["event"] for e in logs]
+    assert "node.dry_run" in events and "node.degraded" in events and "node.dry_run_condition" in events

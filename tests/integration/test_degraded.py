@@ -19,7 +19,7 @@ from gpuguard.model import Fault, GpuVerdict, Verdict
 from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
 from gpuguard.quarantine.gpu.writers import KubeDeviceSource
 from gpuguard.quarantine.node.budget import QuarantineBudget
-from gpuguard.quarantine.node.writers import KubeNodeWriter
+from gpuguard.quarantine.node.writers import KubeNodeWriter, degraded_nodes
 from gpuguard.quarantine.reconciler import NodeReconciler
 from harness.dra import DRIVER, gpu_uuid, nvidia_slice
 from harness.kube import Admin, enforced_admin, token_client, token_kubeconfig
@@ -217,7 +217,14 @@ def test_uninstall_takes_the_degraded_marks_and_condition_off(
     r, _ = agent_reconciler(admin, control_plane, node, tmp_path)
     step(r, verdict(NVLINK))
     assert conditions(admin.node(node))["GPUDegraded"]["status"] == "True"
-    plan = clean_node(kubeclient.load(str(control_plane.kubeconfig_path)), node)
+    api = kubeclient.load(str(control_plane.kubeconfig_path))
+    (row,) = [r for r in degraded_nodes(api, skip=set()) if r["node"] == node]  # `gpuguard status`
+    assert (row["state"], row["reason"], row["degraded"]) == (
+        "degraded",
+        "nvlink-down",
+        ["nvlink-down/GPU-deg-0"],
+    )
+    plan = clean_node(api, node)
     assert "condition GPUDegraded" in plan.describe() and "taint gpuguard.io/gpu-degraded" in plan.describe()
     n = admin.node(node)
     assert "GPUDegraded" not in conditions(n)
