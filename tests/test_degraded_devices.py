@@ -185,3 +185,29 @@ def test_the_plan_keeps_unpublished_gpus_for_the_node_and_names_are_exact() -> N
     )
     assert not own_degraded(forged, NODE)
     assert own_degraded(replace(forged, pool=NODE), NODE)
+
+
+def test_a_node_with_only_degraded_rules_costs_no_periodic_read() -> None:
+    writer = FakeNodeWriter(NodeView(name=NODE, resource_version="1", boot_id="boot-1"))
+    source = FakeDeviceSource([nvidia_slice(NODE)])
+    clock = Clock()
+    devices = DeviceQuarantine(source, SETTINGS, clock=clock)
+    r = NodeReconciler(writer, SETTINGS, devices=devices, clock=clock)
+    run(r, verdict(nvlink(2)))
+    reads = (writer.reads, source.calls.count("rules"), source.calls.count("slices"))
+    for _ in range(5):
+        clock.t += SETTINGS.node_resync + 1
+        run(r, verdict(nvlink(2)))
+    assert (writer.reads, source.calls.count("rules"), source.calls.count("slices")) == reads
+
+
+def test_a_degraded_rule_deleted_by_someone_is_made_again_while_its_gpu_is_degraded() -> None:
+    _, source, r = make()
+    run(r, verdict(nvlink(2)))
+    source.operator_delete(NAME)
+    source.inject_error(PermanentApiError("not found", status=404))  # the update's patch meets it gone
+    pcie = Fault("pcie-width", "x8 of x16", uuid=UUIDS[2], gpu_index=2)
+    run(r, verdict(nvlink(2), pcie))
+    assert NAME not in source.store
+    run(r, verdict(nvlink(2), pcie))
+    assert source.store[NAME]["metadata"]["annotations"]["gpuguard.io/faults"].count("/") == 2

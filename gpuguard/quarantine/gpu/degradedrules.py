@@ -51,14 +51,6 @@ class DegradedRules:
         # A write met a conflict: the caller reads the rules again at its next reconcile.
         self.stale = False
 
-    @property
-    def holds_rules(self) -> bool:
-        return bool(self._rules)
-
-    @property
-    def rules(self) -> tuple[DeviceRule, ...]:
-        return tuple(sorted(self._rules.values(), key=lambda r: r.device))
-
     def read(self, node: str, listed: Iterable[DeviceRule]) -> list[DeviceRule]:
         """Take the degraded rules out of `listed` (the node's rules under gpuguard's label): those provably
         ours are held, the others logged once and left alone. Returns the rest (the fault rules' to judge)."""
@@ -161,6 +153,10 @@ class DegradedRules:
         except ConflictError:
             self.stale = True
         except PermanentApiError as exc:
+            if exc.status == 404:  # deleted by someone: made again while its GPU is degraded
+                self._rules.pop(rule.uuid, None)
+                log.info("device.degraded_rule_gone", node=node.name, rule=rule.name)
+                return None
             log.error("device.degraded_rule_write_rejected", node=node.name, rule=rule.name, error=str(exc))
         return None
 

@@ -116,7 +116,7 @@ class DeviceQuarantine:
     def holds_rules(self) -> bool:
         """Rules are held: the reconciler reads the node (its bootID) every --node-resync seconds, and the
         rules are read again then (an operator's deletion)."""
-        return bool(self._rules) or self.degraded.holds_rules
+        return bool(self._rules)
 
     @property
     def gate_held(self) -> bool:
@@ -148,7 +148,8 @@ class DeviceQuarantine:
             return verdict
         wanted = gpu_plan.wanted(verdict)
         due = self._clock() - self._read_at >= self._settings.node_resync
-        if self._read_at == -math.inf or (due and self.holds_rules) or self.degraded.stale:
+        # Degraded rules alone (effect None) cost no periodic read: nothing they hold depends on the bootID.
+        if self._read_at == -math.inf or (due and self._rules) or self.degraded.stale:
             self._read(node)
         # A fault on a GPU the slices did not list: the node taint now, and the slices read again after this
         # reconcile's node write (`refresh`), once per fault and at most every --slice-refresh seconds: a
