@@ -259,3 +259,23 @@ def test_a_dry_run_logs_the_degraded_patch_and_condition_it_would_write() -> Non
     assert node.labels.get(LABEL_DEGRADED) == "true" and node.degraded_condition == "True"
     events = [e["event"] for e in logs]
     assert "node.dry_run" in events and "node.degraded" in events and "node.dry_run_condition" in events
+
+
+def test_the_writer_thread_wakes_for_the_degraded_signals_and_their_clean_streak() -> None:
+    """Through the hand-off (not reconcile_now): a degraded verdict wakes the writer, and so does each
+    clean check up to --recover-after, so the marks go without any other change to the verdict."""
+    writer, r = make()
+    r.start()
+    try:
+        clean = degraded_verdict()
+        r.submit(clean, 1)
+        assert r.wait_idle(5)
+        r.submit(degraded_verdict(NVLINK), 1)  # the same healthy streak: only the signals differ
+        assert r.wait_idle(5)
+        assert writer.node.labels.get(LABEL_DEGRADED) == "true"
+        for streak in (3, 4, 5):  # past --recover-after for the faults: only the clean streak moves
+            r.submit(clean, streak)
+            assert r.wait_idle(5)
+        assert LABEL_DEGRADED not in writer.node.labels and writer.node.degraded_condition == "False"
+    finally:
+        r.stop()
