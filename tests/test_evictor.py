@@ -4,6 +4,7 @@ retried, a pod that leaves between the kubelet's list and the eviction, Events, 
 
 from __future__ import annotations
 
+import copy
 import re
 import shutil
 import tempfile
@@ -34,9 +35,11 @@ class FakeApi:
     outage as injected errors."""
 
     def __init__(self, pods: list[dict[str, Any]]) -> None:
-        self.pods = {(p["metadata"]["namespace"], p["metadata"]["name"]): p for p in pods}
+        self.pods = {(p["metadata"]["namespace"], p["metadata"]["name"]): copy.deepcopy(p) for p in pods}
         self.blocked: set[str] = set()  # pod names a PDB protects now
         self.down = False
+        self.forbidden: set[str] = set()  # namespaces the token may not read or evict in
+        self.reads: list[str] = []
         self.evictions: list[tuple[str, str, dict[str, Any]]] = []
         self.evicted: list[str] = []
         self.events: list[dict[str, Any]] = []
@@ -46,9 +49,15 @@ class FakeApi:
         if self.down:
             raise TransientApiError(f"{kw.get('what')}: ConnectionRefusedError: [Errno 111] refused")
         with self.lock:
-            if method == "GET" and path == "/api/v1/pods":
-                node = query["fieldSelector"].removeprefix("spec.nodeName=")
-                return {"items": [p for p in self.pods.values() if p["spec"]["nodeName"] == node]}
+            got = re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)", path)
+            if method == "GET" and got:
+                ns, name = got.groups()
+                self.reads.append(f"{ns}/{name}")
+                if ns in self.forbidden:
+                    raise PermanentApiError(f"read pod {ns}/{name}: HTTP 403: forbidden", status=403)
+                if (ns, name) not in self.pods:
+                    raise PermanentApiError(f"read pod {ns}/{name}: HTTP 404: not found", status=404)
+                return self.pods[(ns, name)]
             if method == "POST" and path.endswith("/events"):
                 self.events.append(body)
                 return body
@@ -140,6 +149,36 @@ def test_an_xid_on_gpu_3_evicts_only_the_pod_holding_it_with_an_event_on_the_pod
     assert [e["event"] for e in logs] == ["eviction.pod_evicted"]
     assert logs[0]["pod"] == "ml/train-3" and logs[0]["gpus"] == [GPU[3]]
     assert "Get ml/train-3" in kubelet.calls  # checked again just before the eviction
+    assert api.reads == ["ml/train-3"]  # only the pod the kubelet says holds the GPU is read
+
+
+def test_a_pod_in_a_namespace_the_role_does_not_list_is_reported_once_on_the_node_and_not_evicted(
+    sock: str, kubelet: FakeKubelet
+) -> None:
+    api = FakeApi(EIGHT)
+    api.forbidden.add("ml")
+    evictor, metrics = make(sock, api)
+    evictor.observe(verdict(3))
+    with structlog.testing.capture_logs() as logs:
+        assert evictor.round() is None
+        assert evictor.round() is None
+    assert [(e["event"], e["why"]) for e in logs] == [("eviction.not_permitted", "namespace-not-permitted")]
+    assert "403" in logs[0]["error"]
+    assert api.evictions == []
+    assert [(e["involvedObject"]["kind"], e["reason"]) for e in api.events] == [
+        ("Node", "GPUEvictionBlocked")
+    ]
+    assert evictions(metrics, "failed") == 1
+
+
+def test_a_pod_the_api_server_has_on_another_node_is_not_evicted(sock: str, kubelet: FakeKubelet) -> None:
+    api = FakeApi(EIGHT)
+    api.pods[("ml", "train-3")]["spec"]["nodeName"] = "elsewhere"
+    evictor, _ = make(sock, api)
+    evictor.observe(verdict(3))
+    with structlog.testing.capture_logs() as logs:
+        assert evictor.round() is None
+    assert api.evictions == [] and logs[0]["why"] == "not-on-this-node"
 
 
 def test_a_healthy_node_asks_nobody_anything(sock: str, kubelet: FakeKubelet) -> None:
@@ -255,8 +294,8 @@ def test_a_pod_replaced_under_the_same_name_is_not_evicted_and_one_already_delet
 
     def racing(method: str, path: str, **kw: Any) -> Any:
         answer = real_request(method, path, **kw)
-        if method == "GET":  # after the list: train-3 is made again (a StatefulSet), train-4 deleted
-            api.pods[("ml", "train-3")] = api_pod("train-3", uid="new-uid")
+        if method == "GET" and path.endswith("train-4"):  # after the reads: train-3 is made again (a
+            api.pods[("ml", "train-3")] = api_pod("train-3", uid="new-uid")  # StatefulSet), train-4 deleted
             del api.pods[("ml", "train-4")]
         return answer
 

@@ -1,8 +1,9 @@
 """The evictor: the thread that evicts the pods holding a faulty GPU (--evict gpu-pods) while the fault holds.
 
 Each round, after the node reconciler has applied the verdict (so the taint is on before a pod leaves, and its
-replacement is not placed back on this node): the kubelet's PodResources List, the pods the API server lists
-on this node, the plan (`plan.plan`), then for each pod to evict the kubelet's Get (a pod that left since the
+replacement is not placed back on this node): the kubelet's PodResources List, a read by name of each pod
+that holds a faulty GPU (`kube.pods.get`: the Role's `get` in the listed namespaces suffices; a 403 is
+reported, not evicted), the plan (`plan.plan`), then for each pod to evict the kubelet's Get (a pod that left since the
 List is not evicted) and a policy/v1 Eviction with the pod's UID as precondition. The API server refuses an
 eviction with 429 while a PodDisruptionBudget allows no disruption: retried with backoff, 1 s doubling to
 60 s, never forced. A kubelet or an API server that does not answer is reported and retried the same way.
@@ -31,7 +32,7 @@ from gpuguard.errors import (
     PermanentApiError,
     TransientApiError,
 )
-from gpuguard.eviction.plan import Decision, Faulty, Pod, plan
+from gpuguard.eviction.plan import NOT_LISTED, Decision, Faulty, Pod, held, plan
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import pods
 from gpuguard.metrics import Metrics, counted
@@ -43,6 +44,8 @@ BACKOFF_MIN = 1.0
 BACKOFF_MAX = 60.0
 # A kubelet without the PodResources API will not grow one: asked again this rarely.
 UNSUPPORTED_RETRY = 300.0
+# Why a pod is kept that the plan cannot know: the eviction Role does not cover its namespace (a 403).
+NOT_PERMITTED = "namespace-not-permitted"
 EVENT_NAMESPACE = "default"  # the node's Events, where the quarantine's are (kubectl describe node)
 
 
@@ -106,6 +109,7 @@ class Evictor:
         self._reported: set[tuple[str, str]] = set()  # (pod UID, what) already logged or told in an Event
         self._failures = 0  # rounds in a row that could not read the kubelet or the API server
         self._unsupported = False  # the kubelet answered UNIMPLEMENTED
+        self._forbidden: dict[tuple[str, str], str] = {}  # pods the token may not read: the refusal
         self._thread: threading.Thread | None = None
         self.rounds = 0
 
@@ -173,11 +177,13 @@ class Evictor:
                 event, node=node, error=str(exc), gpus=sorted(faulty.uuids), retry_in_s=self._failure_wait()
             )
             return None
-        if not any(d.devices or d.claims for d in resources):
-            return []
+        holders = [r for r in resources if held(r, faulty)]
+        found: dict[tuple[str, str], Pod] = {}
         try:
-            with counted(self._metrics, "list"):
-                listed = pods.on_node(self._api(), node, timeout=self._s.timeout)
+            for r in holders:
+                obj = self._read(r.namespace, r.name)
+                if obj is not None:
+                    found[(r.namespace, r.name)] = Pod.from_api(obj)
         except (NodeUpdateError, ConfigError) as exc:  # ConfigError: a kubeconfig that cannot be used
             self._failures += 1
             log.warning(
@@ -188,8 +194,25 @@ class Evictor:
                 retry_in_s=self._failure_wait(),
             )
             return None
-        by_key = {p.key: p for p in map(Pod.from_api, listed) if p.node == node}
-        return plan(faulty, resources, by_key)
+        by_key = {k: p for k, p in found.items() if p.node == node}
+        return [
+            replace(d, keep=NOT_PERMITTED) if d.pod.key in self._forbidden and d.keep == NOT_LISTED else d
+            for d in plan(faulty, holders, by_key)
+        ]
+
+    def _read(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The pod, None if it is gone; a pod in a namespace the eviction Role does not list (403) is noted
+        in `_forbidden` (reported, not evicted) and read as None."""
+        try:
+            with counted(self._metrics, "get"):
+                obj = pods.get(self._api(), namespace, name, timeout=self._s.timeout)
+        except PermanentApiError as exc:
+            if exc.status != 403:
+                raise
+            self._forbidden[(namespace, name)] = str(exc)
+            return None
+        self._forbidden.pop((namespace, name), None)
+        return obj
 
     def _failure_wait(self) -> float:
         return UNSUPPORTED_RETRY if self._unsupported else backoff(self._failures)
@@ -201,6 +224,18 @@ class Evictor:
             "pod": f"{pod.namespace}/{pod.name}",
             "gpus": list(d.gpus),
         }
+        if d.keep == NOT_PERMITTED:
+            if self._once(f"{pod.namespace}/{pod.name}", NOT_PERMITTED):
+                error = self._forbidden.get(pod.key, "")
+                log.warning("eviction.not_permitted", why=d.keep, error=error, **fields)
+                self._count("failed")
+                self._node_event(
+                    "GPUEvictionBlocked",
+                    f"gpuguard may not evict pod {pod.namespace}/{pod.name} from faulty GPU "
+                    f"{', '.join(d.gpus)} on node {self._s.node}: namespace {pod.namespace} is not in the "
+                    "eviction's namespaces",
+                )
+            return None
         if d.keep is not None:
             if self._once(pod.uid or pod.name, f"kept:{d.keep}"):
                 log.info("eviction.pod_kept", why=d.keep, **fields)
@@ -286,21 +321,16 @@ class Evictor:
         if self._metrics is not None:
             self._metrics.pod_evictions.labels(result).inc()
 
-    def _events(self, pod: Pod, reason: str, kind: str, message: str) -> None:
+    def _node_event(self, reason: str, message: str) -> None:
+        self._events(None, reason, "Warning", message)
+
+    def _events(self, pod: Pod | None, reason: str, kind: str, message: str) -> None:
         """The Event on the pod (in its namespace) and on the node; one that cannot be written is logged."""
-        subjects = (
-            (
-                pod.namespace,
-                {
-                    "apiVersion": "v1",
-                    "kind": "Pod",
-                    "namespace": pod.namespace,
-                    "name": pod.name,
-                    "uid": pod.uid,
-                },
-            ),
-            (EVENT_NAMESPACE, {"apiVersion": "v1", "kind": "Node", "name": self._s.node}),
-        )
+        subjects: list[tuple[str, dict[str, str]]] = []
+        if pod is not None:
+            subject = {"apiVersion": "v1", "kind": "Pod", "namespace": pod.namespace, "name": pod.name}
+            subjects.append((pod.namespace, {**subject, "uid": pod.uid}))
+        subjects.append((EVENT_NAMESPACE, {"apiVersion": "v1", "kind": "Node", "name": self._s.node}))
         stamp = self._now().strftime("%Y-%m-%dT%H:%M:%SZ")
         for namespace, subject in subjects:
             body = {

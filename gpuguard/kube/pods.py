@@ -1,31 +1,35 @@
-"""Pods through the API server, for the eviction of the pods that hold a faulty GPU (gpuguard.eviction): the
-pods on one node (a list with the fieldSelector spec.nodeName, which the API server answers from its watch
-cache) and a policy/v1 Eviction, which the API server refuses with 429 while a PodDisruptionBudget allows no
-disruption. Errors are the client's (`gpuguard.kube.client`): a 429 is a `TransientApiError`, whose
-`budget` tells a budget's refusal from the API server's own throttling."""
+"""Pods through the API server, for the eviction of the pods that hold a faulty GPU (gpuguard.eviction): one
+pod read by name (only the pods the kubelet says hold a faulty GPU: a `get` in the namespaces the eviction
+Role lists, where a list of the node's pods would need every pod of the cluster readable, since RBAC cannot
+limit a list to one node) and a policy/v1 Eviction, which the API server refuses with 429 while a
+PodDisruptionBudget allows no disruption. Errors are the client's (`gpuguard.kube.client`): a 429 is a
+`TransientApiError`, and `budget_refused` tells a budget's refusal from the API server's own throttling."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from gpuguard.errors import TransientApiError
+from gpuguard.errors import PermanentApiError, TransientApiError
 from gpuguard.kube import client as kubeclient
 
 # The API server's words when a PodDisruptionBudget refuses an eviction (its 429's message and cause).
 _BUDGET_WORDS = ("disruption budget", "DisruptionBudget")
 
 
-def on_node(api: kubeclient.Client, node: str, *, timeout: float = 10.0) -> list[dict[str, Any]]:
-    """Every pod bound to `node`, as the API server lists them (resourceVersion 0: from its cache)."""
-    doc = api.request(
-        "GET",
-        "/api/v1/pods",
-        query={"fieldSelector": f"spec.nodeName={node}", "resourceVersion": "0"},
-        timeout=timeout,
-        what=f"list pods on node {node}",
-    )
-    items = doc.get("items") if isinstance(doc, dict) else None
-    return [i for i in items or () if isinstance(i, dict)]
+def get(api: kubeclient.Client, namespace: str, name: str, *, timeout: float = 10.0) -> dict[str, Any] | None:
+    """One pod as the API server has it; None when it has none of that name (404)."""
+    try:
+        doc = api.request(
+            "GET",
+            kubeclient.path_of("api/v1/namespaces", namespace, "pods", name),
+            timeout=timeout,
+            what=f"read pod {namespace}/{name}",
+        )
+    except PermanentApiError as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return doc if isinstance(doc, dict) else None
 
 
 def evict(
