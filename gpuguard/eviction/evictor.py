@@ -6,10 +6,10 @@ that holds a faulty GPU (`kube.pods.get`: the Role's `get` in the listed namespa
 reported, not evicted), the plan (`plan.plan`), then for each pod to evict the kubelet's Get (a pod that
 left since the List is not evicted) and a policy/v1 Eviction with the pod's UID as precondition. The API
 server refuses an eviction with 429 while a PodDisruptionBudget allows no disruption: retried with backoff,
-1 s doubling to 60 s, never forced. A kubelet or an API server that does not answer is reported and retried the same way.
-Every eviction and every refusal is a log line with a stable event name, a count in
-gpuguard_pod_evictions_total{result} and, for the eviction and the first refusal of a pod, an Event on the
-pod and on the node. In a dry run it logs what it would evict and sends nothing.
+1 s doubling to 60 s, never forced. A kubelet or an API server that does not answer is reported and
+retried the same way. Every eviction and every refusal is a log line with a stable event name, a count in
+gpuguard_pod_evictions_total{result} and, for the eviction and the first refusal of a pod, an Event on
+the pod and on the node. In a dry run it logs what it would evict and sends nothing.
 """
 
 from __future__ import annotations
