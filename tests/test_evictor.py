@@ -23,6 +23,7 @@ from gpuguard.eviction.plan import Faulty
 from gpuguard.metrics import Metrics
 from gpuguard.model import Fault, GpuVerdict, PodDevices, Verdict
 from gpuguard.podresources.client import PodResourcesClient
+from harness.kube import eventually
 from harness.kubelet import FakeKubelet, gpu_pod
 
 NODE = "gpu-node-1"
@@ -363,6 +364,25 @@ def test_the_thread_evicts_as_soon_as_it_observes_the_fault(sock: str, kubelet: 
     finally:
         evictor.stop()
     assert api.evicted == ["train-3"]
+
+
+def test_while_the_fault_holds_a_pod_that_lands_on_the_faulty_gpu_later_is_found_and_evicted(
+    sock: str, kubelet: FakeKubelet
+) -> None:
+    api = FakeApi(EIGHT)
+    evictor, _ = make(sock, api)
+    evictor._rescan = 0.05
+    evictor.start()
+    try:
+        evictor.observe(verdict(3))
+        eventually(lambda: api.evicted == ["train-3"], 10, what="the first eviction")
+        kubelet.remove("ml", "train-3")
+        with kubelet.lock:  # a pod that tolerated the deferred taint lands on GPU 3
+            kubelet.pods.append(gpu_pod("ml", "late", GPU[3]))
+        api.pods[("ml", "late")] = api_pod("late")
+        eventually(lambda: api.evicted == ["train-3", "late"], 10, what="the late pod evicted")
+    finally:
+        evictor.stop()
 
 
 def test_a_node_wide_fault_names_no_gpu_and_evicts_nothing() -> None:

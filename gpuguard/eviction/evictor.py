@@ -44,6 +44,10 @@ BACKOFF_MIN = 1.0
 BACKOFF_MAX = 60.0
 # A kubelet without the PodResources API will not grow one: asked again this rarely.
 UNSUPPORTED_RETRY = 300.0
+# While a fault holds, the kubelet is asked again this often even when nothing waits: a pod that lands on the
+# faulty GPU later (one that tolerates a deferred PreferNoSchedule taint, a static pod's restart) is found.
+# One local gRPC call a minute; the API server is asked only about pods that hold a faulty GPU.
+RESCAN_S = 60.0
 # Why a pod is kept that the plan cannot know: the eviction Role does not cover its namespace (a 403).
 NOT_PERMITTED = "namespace-not-permitted"
 EVENT_NAMESPACE = "default"  # the node's Events, where the quarantine's are (kubectl describe node)
@@ -90,6 +94,7 @@ class Evictor:
         settled: Callable[[float], bool] = lambda timeout: True,
         metrics: Metrics | None = None,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        rescan: float = RESCAN_S,
     ) -> None:
         """`context`: what the quarantine does now (DRA devices and NoExecute rules, the node taint's effect),
         as a Faulty without GPUs; `settled(timeout)`: waits until the node reconciler applied the newest
@@ -101,6 +106,7 @@ class Evictor:
         self._settled = settled
         self._metrics = metrics
         self._now = now
+        self._rescan = rescan
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -139,6 +145,10 @@ class Evictor:
                 return
             try:
                 wait = self.round()
+                with self._lock:
+                    holds = bool(self._faulty[0])
+                if wait is None and holds:
+                    wait = self._rescan
             except Exception:
                 # A bug must not end evictions for good: logged, and the next round tries again.
                 log.exception("eviction.round_failed", node=self._s.node)
