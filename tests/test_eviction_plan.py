@@ -154,3 +154,23 @@ def test_a_pod_from_the_api_keeps_what_the_plan_needs() -> None:
 
 def test_the_plans_taint_key_is_the_quarantines() -> None:
     assert p.TAINT_KEY == TAINT_KEY
+
+
+def test_operations_md_explains_every_reason_a_pod_is_kept_and_every_eviction_line() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    section = text.split("## Evicting the pods on a faulty GPU", 1)[1].split("\n## ", 1)[0]
+    reasons = [v for k, v in vars(p).items() if k.isupper() and isinstance(v, str) and "/" not in v]
+    reasons = [r for r in reasons if r not in (p.GPU_RESOURCE_PREFIX, p.MIRROR_ANNOTATION)]
+    assert len(reasons) == 8
+    for word in reasons:
+        assert f"`{word}`" in section, word
+    evictor = (Path(__file__).resolve().parent.parent / "gpuguard" / "eviction" / "evictor.py").read_text()
+    import re
+
+    for event in set(re.findall(r'"(eviction\.[a-z_]+)"', evictor)) - {
+        "eviction.round_failed",
+        "eviction.event_failed",
+    }:
+        assert f"`{event}`" in section, event
