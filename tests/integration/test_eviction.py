@@ -185,8 +185,12 @@ def test_an_xid_on_gpu_3_evicts_only_its_pod_a_pdb_holds_it_back_until_it_allows
             assert "disruption budget" in blocked["error"]
             pod = read_pod(cluster, victim)
             assert pod is not None and pod["metadata"].get("deletionTimestamp") is None
+            eventually(
+                lambda: "GPUEvictionBlocked" in gpuguard_events(cluster, "default", "Node", node),
+                10,
+                what="GPUEvictionBlocked about the node",
+            )
             assert gpuguard_events(cluster, WORKLOADS, "Pod", victim) == ["GPUEvictionBlocked"]
-            assert "GPUEvictionBlocked" in gpuguard_events(cluster, "default", "Node", node)
             # The budget allows one: the next retry goes through.
             allowed_at = time.monotonic()
             policy.patch_namespaced_pod_disruption_budget(app, WORKLOADS, {"spec": {"maxUnavailable": 1}})
@@ -201,8 +205,12 @@ def test_an_xid_on_gpu_3_evicts_only_its_pod_a_pdb_holds_it_back_until_it_allows
             evicted_at = time.monotonic()
             kubelet.remove(WORKLOADS, victim)
             assert agent.events("eviction.pod_evicted")[0]["pod"] == f"{WORKLOADS}/{victim}"
-            assert "GPUPodEvicted" in gpuguard_events(cluster, WORKLOADS, "Pod", victim)
-            assert "GPUPodEvicted" in gpuguard_events(cluster, "default", "Node", node)
+            for namespace, kind, name in ((WORKLOADS, "Pod", victim), ("default", "Node", node)):
+
+                def told(n: str = namespace, k: str = kind, o: str = name) -> bool:
+                    return "GPUPodEvicted" in gpuguard_events(cluster, n, k, o)
+
+                eventually(told, 10, what=f"GPUPodEvicted about {kind} {name}")
 
             def replaced() -> dict[str, Any] | None:
                 new = [
