@@ -41,7 +41,7 @@ def test_a_time_sliced_share_of_the_gpu_is_held_by_each_pod_that_has_a_share() -
     shares = [dp("a", f"{GPU[3]}::0"), dp("b", f"{GPU[3]}::1"), dp("c", f"{GPU[4]}::0")]
     listed = {("ml", n): pod(n) for n in "abc"}
     got = plan(Faulty(frozenset({GPU[3]})), shares, listed)
-    assert [d.pod.name for d in got if d.evict] == ["a", "b"]
+    assert [(d.pod.name, d.gpus) for d in got if d.evict] == [("a", (GPU[3],)), ("b", (GPU[3],))]
 
 
 def test_a_mig_resource_of_nvidia_counts_another_vendors_device_with_the_same_id_does_not() -> None:
@@ -149,7 +149,15 @@ def test_a_pod_from_the_api_keeps_what_the_plan_needs() -> None:
         terminating=True,
         tolerations=(Toleration(TAINT_KEY, "Exists"), Toleration("", "Equal", "", "NoExecute")),
     )
-    assert Pod.from_api({}).key == ("", "")
+    assert Pod.from_api({}) == Pod("", "", uid="", node="", phase="")
+    equal = {"spec": {"tolerations": [{"key": TAINT_KEY, "operator": "Equal", "value": "xid-79"}]}}
+    assert Pod.from_api(equal).tolerations == (Toleration(TAINT_KEY, "Equal", "xid-79", ""),)
+
+
+def test_a_pod_the_api_does_not_list_does_not_stop_the_plan_for_the_pods_after_it() -> None:
+    pods = [dp("gone", GPU[3]), dp("x", GPU[3])]
+    got = plan(Faulty(frozenset({GPU[3]})), pods, {("ml", "x"): pod("x")})
+    assert [(d.pod.name, d.keep) for d in got] == [("gone", p.NOT_LISTED), ("x", None)]
 
 
 def test_the_plans_taint_key_is_the_quarantines() -> None:
