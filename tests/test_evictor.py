@@ -236,6 +236,23 @@ def test_the_api_server_down_is_reported_and_retried_then_the_eviction_goes_thro
     assert api.evicted == ["train-3"]
 
 
+def test_a_kubeconfig_that_cannot_be_used_is_reported_and_retried_without_a_traceback(
+    sock: str, kubelet: FakeKubelet
+) -> None:
+    from gpuguard.errors import ConfigError
+
+    def unusable() -> Any:
+        raise ConfigError("kubeconfig /nowhere: no such file")
+
+    evictor, _ = make(sock, FakeApi(EIGHT))
+    evictor._api = unusable
+    evictor.observe(verdict(3))
+    with structlog.testing.capture_logs() as logs:
+        assert evictor.round() == 1.0
+    assert [(e["event"], e["log_level"]) for e in logs] == [("eviction.api_unavailable", "warning")]
+    assert "no such file" in logs[0]["error"]
+
+
 def test_a_kubelet_that_is_gone_is_reported_and_retried(sock: str) -> None:
     api = FakeApi(EIGHT)
     evictor, _ = make(sock, api)

@@ -289,6 +289,8 @@ class Evictor:
             return self._refused(d, fields, exc, blocked=False)
         except TransientApiError as exc:
             return self._refused(d, fields, exc, blocked=pods.budget_refused(exc))
+        except ConfigError as exc:  # a kubeconfig that cannot be used: as good as no answer
+            return self._refused(d, fields, exc, blocked=False)
         self._attempts.pop(pod.uid, None)
         self._count("evicted")
         log.warning("eviction.pod_evicted", grace_period_s=self._s.grace_period, **fields)
@@ -302,7 +304,9 @@ class Evictor:
         )
         return None
 
-    def _refused(self, d: Decision, fields: dict[str, Any], exc: NodeUpdateError, *, blocked: bool) -> float:
+    def _refused(
+        self, d: Decision, fields: dict[str, Any], exc: NodeUpdateError | ConfigError, *, blocked: bool
+    ) -> float:
         pod = d.pod
         attempt = self._attempts.get(pod.uid, 0) + 1
         self._attempts[pod.uid] = attempt
@@ -367,5 +371,5 @@ class Evictor:
                         timeout=self._s.timeout,
                         what=f"create event {reason} about {subject['kind']} {subject['name']}",
                     )
-            except NodeUpdateError as exc:
+            except (NodeUpdateError, ConfigError) as exc:
                 log.warning("eviction.event_failed", node=self._s.node, reason=reason, error=str(exc))
