@@ -454,18 +454,24 @@ def test_the_default_socket_is_the_kubelets() -> None:
     assert NodeSettings().pod_resources_socket == SOCKET == "/var/lib/kubelet/pod-resources/kubelet.sock"
 
 
-@pytest.mark.parametrize(("mode", "loaded"), [("none", False), ("gpu-pods", True)])
-def test_grpc_is_loaded_only_when_the_agent_evicts(mode: str, loaded: bool) -> None:
+@pytest.mark.parametrize(
+    ("call", "loaded"),
+    [
+        ("build(Config(backend='mock', node=NodeSettings(name='n1', dry_run=True, evict='none')))", False),
+        ("build(Config(backend='mock', node=NodeSettings(name='n1', dry_run=True, evict='gpu-pods')))", True),
+        ("check_once(Config(backend='mock', node=NodeSettings(dry_run=True, evict='gpu-pods')))", False),
+    ],
+    ids=["watch", "watch --evict gpu-pods", "check"],
+)
+def test_grpc_is_loaded_only_when_the_agent_evicts(call: str, loaded: bool) -> None:
     import subprocess
     import sys
 
     code = (
         "import sys\n"
-        "from prometheus_client import CollectorRegistry\n"
         "from gpuguard.config import Config, NodeSettings\n"
-        "from gpuguard.running import build\n"
-        f"build(Config(backend='mock', node=NodeSettings(name='n1', dry_run=True, evict='{mode}')),"
-        " registry=CollectorRegistry())\n"
+        "from gpuguard.running import build, check_once\n"
+        f"{call}\n"
         "print('grpc' in sys.modules, 'google.protobuf' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
