@@ -476,3 +476,43 @@ def test_grpc_is_loaded_only_when_the_agent_evicts(call: str, loaded: bool) -> N
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == [str(loaded), str(loaded)]
+
+
+def test_the_evictor_sees_the_quarantine_through_the_reconcilers_status(sock: str) -> None:
+    """running.make_evictor's context: the GPUs' DeviceTaintRules (a NoExecute one, not deferred, is left to
+    kube-controller-manager; each rule's device for DRA claims) and a NoExecute node taint."""
+    from gpuguard.config import Config, NodeSettings
+    from gpuguard.model import GpuQuarantine
+    from gpuguard.quarantine.reconciler import NodeStatus
+    from gpuguard.running import Connection, make_evictor
+
+    class Reconciler:
+        status = NodeStatus(
+            tainted=True,
+            gpus=(
+                GpuQuarantine(GPU[3], "gpu-3", "r3", "xid-79", "NoExecute", deferred=False),
+                GpuQuarantine(GPU[4], "gpu-4", "r4", "xid-79", "NoExecute", deferred=True),
+                GpuQuarantine(GPU[5], "gpu-5", "r5", "xid-79", "NoSchedule", deferred=False),
+            ),
+        )
+
+        def wait_idle(self, timeout: float) -> bool:
+            return True
+
+    for effect, node_noexecute in (("NoSchedule", False), ("NoExecute", True)):
+        settings = NodeSettings(
+            name=NODE, dry_run=True, evict="gpu-pods", pod_resources_socket=sock, taint_effect=effect
+        )
+        cfg = Config(backend="mock", node=settings)
+        evictor = make_evictor(
+            cfg, Connection(settings), cast(Any, Reconciler()), Metrics(CollectorRegistry())
+        )
+        assert evictor is not None
+        got = evictor._context()
+        assert got.dra_noexecute == frozenset({GPU[3]})
+        assert dict(got.dra_devices or {}) == {
+            GPU[3]: ("gpu.nvidia.com", NODE, "gpu-3"),
+            GPU[4]: ("gpu.nvidia.com", NODE, "gpu-4"),
+            GPU[5]: ("gpu.nvidia.com", NODE, "gpu-5"),
+        }
+        assert (got.taint_effect, got.node_noexecute) == (effect, node_noexecute)

@@ -34,7 +34,7 @@ from harness.kube import (
     token_kubeconfig,
     with_workloads,
 )
-from harness.kubelet import FakeKubelet, gpu_pod
+from harness.kubelet import FakeContainer, FakeKubelet, FakePod, gpu_pod
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -250,3 +250,64 @@ def test_an_xid_on_gpu_3_evicts_only_its_pod_a_pdb_holds_it_back_until_it_allows
             agent.stop()
             apps.delete_namespaced_deployment(app, WORKLOADS)
             cluster.core.delete_namespaced_pod(keeper, WORKLOADS)
+
+
+def test_beside_a_noexecute_device_taint_rule_gpuguard_leaves_the_eviction_to_kube_controller_manager(
+    cluster: Admin, full_control_plane: Any, fakenvml: Path, tmp_path: Path, sock: str
+) -> None:
+    """DRA: the Xid on GPU 3 becomes a NoExecute DeviceTaintRule, whose eviction controller in
+    kube-controller-manager evicts the pod holding it; gpuguard, also set to evict, sends no eviction of its
+    own (never twice), and says why it keeps out."""
+    from tests.integration.test_scheduling import (
+        CLAIM_TEMPLATE,
+        _dra_objects,
+        allocated_device,
+        dra_node,
+        make_gpu_pod,
+    )
+
+    _dra_objects(cluster)
+    node, ds_pod, gpus = dra_node(cluster)
+    pods = [make_gpu_pod(cluster, node, claim=CLAIM_TEMPLATE) for _ in range(8)]
+    devices: dict[str, str] = {}
+    for p in pods:
+        eventually(lambda p=p: pod_ready(read_pod(cluster, p)), 90, what=f"{p} Ready")  # type: ignore[misc]
+        devices[p] = eventually(lambda p=p: allocated_device(cluster, p), 10, what=f"{p}'s GPU")  # type: ignore[misc]
+    holder = next(p for p, d in devices.items() if d == "gpu-3")
+    table = [
+        FakePod(WORKLOADS, p, [FakeContainer("server", claims=[("gpu.nvidia.com", node, d)])])
+        for p, d in devices.items()
+    ]
+    kubeconfig = token_kubeconfig(
+        tmp_path / "agent.kubeconfig",
+        server=full_control_plane.url,
+        ca_path=full_control_plane.ca_path,
+        token=cluster.pod_token(ds_pod["metadata"]["name"]),
+    )
+    state = tmp_path / "gpus.state"
+    state.write_text(gpus)
+    args = (
+        *("--taint-effect", "NoExecute", "--max-quarantined", "100%"),
+        *("--evict", "gpu-pods", "--pod-resources-socket", sock),
+    )
+    with FakeKubelet(sock, pods=table):
+        agent = Agent(node=node, kubeconfig=kubeconfig, state=state, lib=fakenvml, args=args).start()
+        try:
+            eventually(agent.ready, 15, what="agent /readyz")
+            state.write_text(gpus + "xid 3 79\n")
+            kept = eventually(lambda: agent.events("eviction.pod_kept"), 15, what="gpuguard keeps out")
+            assert kept[0]["pod"] == f"{WORKLOADS}/{holder}"
+            # The rule was NoExecute when gpuguard looked (or kube-controller-manager was already at work).
+            assert kept[0]["why"] in ("dra-noexecute", "terminating", "not-on-this-node"), kept[0]
+            eventually(
+                lambda: read_pod(cluster, holder) is None, 60, interval=0.1, what="GPU 3's pod evicted"
+            )
+            time.sleep(2)
+            assert not agent.events("eviction.pod_evicted") and not agent.events("eviction.blocked")
+            assert not agent.events("eviction.failed")
+            for p in pods:
+                if p != holder:
+                    assert pod_ready(read_pod(cluster, p)), f"{p} was disturbed"
+            print(f"beside DRA NoExecute: gpuguard kept out ({kept[0]['why']})")
+        finally:
+            agent.stop()
