@@ -146,6 +146,15 @@ class Metrics:
             registry=registry,
         )
         self._degraded_series: frozenset[tuple[str, str, str]] = frozenset()
+        # --evict gpu-pods (gpuguard.eviction): one per eviction asked of the API server, by its answer.
+        self.pod_evictions = Counter(
+            "gpuguard_pod_evictions_total",
+            "Evictions of pods that hold a faulty GPU, by result: evicted; blocked (a PodDisruptionBudget "
+            "said no: retried with backoff while the fault holds); gone (the pod left first); failed (the "
+            "API server did not answer or refused: retried); dry-run (logged, not sent).",
+            ["result"],
+            registry=registry,
+        )
         self.build = Info("gpuguard_build", "gpuguard build information.", registry=registry)
         self.build.info({"version": __version__})
         self._gpu_values: dict[tuple[str, str], tuple[int, int, int | None, bool | None, int | None]] = {}

@@ -12,6 +12,7 @@ import click
 from gpuguard.cli.flag import F, Flag
 from gpuguard.config import (
     DEFAULT_IGNORED_XIDS,
+    EVICT_MODES,
     GATE_REMOVALS,
     QUARANTINE_MODES,
     STATE_DIR,
@@ -277,6 +278,26 @@ FLAGS = _declare(
         "Seconds one NVML call may take before its GPU (or the node) is reported unresponsive.",
         (Config, "nvml_call_timeout"),
         type=float,
+        hidden=True,
+    ),
+    # eviction of the pods on a faulty GPU (gpuguard.eviction)
+    Flag(
+        "--evict",
+        "gpu-pods: evict (Eviction API; PodDisruptionBudgets hold) the pods whose containers hold a faulty "
+        "GPU, as the kubelet's PodResources API reports them; none: evict nothing.",
+        (NodeSettings, "evict"),
+        type=click.Choice(EVICT_MODES),
+    ),
+    Flag(
+        "--evict-grace-period",
+        "Seconds an evicted pod gets to stop. Default: the pod's terminationGracePeriodSeconds.",
+        (NodeSettings, "evict_grace_period"),
+        type=int,
+    ),
+    Flag(
+        "--pod-resources-socket",
+        "The kubelet's PodResources socket (tests point it at a fake kubelet).",
+        (NodeSettings, "pod_resources_socket"),
         hidden=True,
     ),
     # `check`
