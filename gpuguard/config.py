@@ -188,6 +188,13 @@ class NodeSettings:
     retry_max_wait: float = 2.0
     """Cap of the exponential backoff between retries of a transient API failure: a repaired API server
     sees the pending write within this long of coming back."""
+    repeat_limit: int = 3
+    """Fault episodes of one GPU within `repeat_window` that make it a repeat offender, held for repair
+    until an operator releases it (0: off). 3: GPUd asks for hardware inspection after more than 3 reboots
+    for the same Xid; NVSentinel escalates after 5 fatal Xids in 24 h or 5 remediations in 7 days."""
+    repeat_window: float = 604800.0
+    """Seconds over which `repeat_limit` counts episodes: 7 days, NVSentinel's window for remediations. A
+    GPU that faults once a week is never held."""
 
 
 @dataclass(frozen=True)
@@ -300,6 +307,10 @@ def validate(cfg: Config) -> None:
         )
     if not 0 <= n.flap_window <= 7 * 86400:  # NaN fails every comparison: rejected too
         raise ConfigError("--flap-window must be between 0 and 604800 seconds")
+    if not 0 <= n.repeat_limit <= 32:  # the history keeps 32 episodes per GPU
+        raise ConfigError("--repeat-limit must be between 0 (off) and 32")
+    if not 0 < n.repeat_window <= 365 * 86400:
+        raise ConfigError("--repeat-window must be between 0 and 31536000 seconds")
     if n.name is not None:
         try:
             validation.node_name(n.name)

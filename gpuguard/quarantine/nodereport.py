@@ -31,6 +31,7 @@ _LINES = {
     "verified": "node.verified",
     "override": "node.taint_removed_by_operator",
     "release-cordon": "node.cordon_released",
+    "repair": "node.repair_marks",
 }
 
 
@@ -90,7 +91,7 @@ class NodeReport:
         """One line per write; reason, GPU, UUID and detail are of one fault: for "add-faults" the first of
         those it added, else the fault the taint names."""
         name = _LINES[change.action]
-        if change.action in ("recover", "verified", "override", "release-cordon"):
+        if change.action in ("recover", "verified", "override", "release-cordon", "repair"):
             if change.action == "override":
                 self._override_logged = frozenset(f.key for f in verdict.faults)
             log.info(

@@ -169,7 +169,16 @@ class EventSpec:
 # What a NodeChange does: the planner's (plan.py) and the budget's (budget.py: defer, yield). Plain strings,
 # so the dry-run writer logs them as they are; the reconciler names its log line after each.
 NodeAction = Literal[
-    "taint", "defer", "escalate", "yield", "add-faults", "recover", "verified", "override", "release-cordon"
+    "taint",
+    "defer",
+    "escalate",
+    "yield",
+    "add-faults",
+    "recover",
+    "verified",
+    "override",
+    "release-cordon",
+    "repair",
 ]
 
 
