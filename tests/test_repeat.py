@@ -18,11 +18,16 @@ from gpuguard.model import GpuReading, Snapshot, Verdict, XidEvent
 from gpuguard.policy import evaluate
 from gpuguard.quarantine.escalation import Limits
 from gpuguard.quarantine.node.budget import QuarantineBudget
-from gpuguard.quarantine.node.view import NodeView
+from gpuguard.quarantine.node.view import (
+    ANN_REPAIR_PLACED,
+    ANN_REPEAT_OFFENDERS,
+    LABEL_NEEDS_REPAIR,
+    NodeView,
+)
 from gpuguard.quarantine.reconciler import NodeReconciler
 from gpuguard.quarantine.release import ANN_RELEASE
-from gpuguard.quarantine.repair import ANN_REPAIR_PLACED, ANN_REPEAT_OFFENDERS, LABEL_NEEDS_REPAIR
 from gpuguard.quarantine.repeat import RepeatOffenders
+from gpuguard.report import status_table
 from harness.fakes import FakeNodeWriter
 
 SETTINGS = NodeSettings(name="gpu-1", retry_max_wait=0.01, recover_after=3)
@@ -209,3 +214,31 @@ def test_a_release_the_agent_cannot_trust_is_refused_logged_and_removed(
 def test_an_escalation_past_the_budget_still_counts_as_a_quarantined_node(tmp_path: Path) -> None:
     node = held_node(tmp_path)
     assert node.writer.node.fully_quarantined  # the label the budget counts
+
+
+def test_status_shows_the_repeat_offenders_and_says_when_they_spend_the_budget() -> None:
+
+    base = {
+        "since": "2026-12-05T08:00:00Z",
+        "cordoned_by_gpuguard": True,
+        "unschedulable": True,
+        "faults": ["repeat-offender/GPU-0"],
+        "detail": "repeat-offender: 3 fault episodes",
+    }
+    rows = [
+        {
+            **base,
+            "node": "a",
+            "state": "quarantined",
+            "reason": "repeat-offender",
+            "repeat_offenders": {"GPU-0": 3},
+        },
+        {**base, "node": "b", "state": "quarantined", "reason": "ecc", "repeat_offenders": {}},
+        {**base, "node": "c", "device": "gpu-1", "state": "gpu-quarantined", "reason": "repeat-offender"},
+    ]
+    lines = status_table(rows).splitlines()
+    assert "REPEAT-OFFENDERS" in lines[0]
+    assert "GPU-0=3" in lines[1] and " held " in lines[3]
+    assert lines[-1].startswith("1 of 2 fully quarantined nodes are held as repeat offenders")
+    assert "budget" in lines[-1]
+    assert "repeat offenders" not in status_table(rows[1:2])

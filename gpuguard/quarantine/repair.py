@@ -13,30 +13,22 @@ import json
 from collections.abc import Mapping
 from dataclasses import replace
 
-from gpuguard.quarantine.node.view import EventSpec, NodeChange, NodeView
-from gpuguard.quarantine.record import DOMAIN
+from gpuguard.quarantine.node.view import (
+    ANN_REPAIR_PLACED,
+    ANN_REPEAT_OFFENDERS,
+    LABEL_NEEDS_REPAIR,
+    EventSpec,
+    NodeChange,
+    NodeView,
+)
 from gpuguard.quarantine.release import ANN_RELEASE
 
-LABEL_NEEDS_REPAIR = f"{DOMAIN}/needs-repair"
-ANN_REPEAT_OFFENDERS = f"{DOMAIN}/repeat-offenders"
-ANN_REPAIR_PLACED = f"{DOMAIN}/needs-repair-placed"
 MAX_LISTED = 16
 
 
 def listed(held: Mapping[str, int]) -> str:
     """The annotation's value: the held GPUs (at most MAX_LISTED, by UUID) and their episode counts."""
     return json.dumps(dict(sorted(held.items())[:MAX_LISTED]), sort_keys=True, separators=(",", ":"))
-
-
-def read_listed(annotations: Mapping[str, str]) -> dict[str, int]:
-    """The repeat offenders a node's annotation lists ({} when absent or not ours in shape)."""
-    try:
-        doc = json.loads(annotations.get(ANN_REPEAT_OFFENDERS, "{}"))
-    except ValueError:
-        return {}
-    if not isinstance(doc, dict):
-        return {}
-    return {str(k): v for k, v in doc.items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
 def marks(node: NodeView, held: Mapping[str, int], *, handled_release: str | None) -> NodeChange | None:
@@ -49,7 +41,7 @@ def marks(node: NodeView, held: Mapping[str, int], *, handled_release: str | Non
         value = listed(held)
         if ann.get(ANN_REPEAT_OFFENDERS) != value:
             annotations[ANN_REPEAT_OFFENDERS] = value
-        new = sorted(set(held) - set(read_listed(ann)))
+        new = sorted(set(held) - set(node.repeat_offenders))
         if new:
             counts = ", ".join(f"{u} ({held[u]} fault episodes)" for u in new)
             event = EventSpec(

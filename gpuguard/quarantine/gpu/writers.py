@@ -347,7 +347,7 @@ def quarantined_gpus(api: kubeclient.Client, *, timeout: float = 10.0) -> list[d
     where the API server serves no DeviceTaintRules). Rows shaped like `writers.quarantined_nodes`'s, plus the
     device and the GPU's UUID."""
     source = KubeDeviceSource("", api=api, driver="", timeout=timeout)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for rule in source.all_rules(whole=True):
         rows.append(
             {
@@ -362,6 +362,8 @@ def quarantined_gpus(api: kubeclient.Client, *, timeout: float = 10.0) -> list[d
                 "detail": rule.annotations.get(ANN_REASON),
                 "cordoned_by_gpuguard": False,
                 "unschedulable": False,
+                # A held repeat offender's rule says so in its value; the counts are on its node.
+                "repeat_offenders": {},
             }
         )
     return sorted(rows, key=lambda r: (str(r["node"]), str(r["device"])))

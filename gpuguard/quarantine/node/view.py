@@ -3,6 +3,7 @@ resourceVersion) and `NodeChange` (one write, as a JSON merge patch with its pre
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -28,6 +29,11 @@ LABEL_QUARANTINED = f"{DOMAIN}/quarantined"
 # healthy check, or replaces it with the unhealthy taint (--gate-removal gpuguard).
 UNVERIFIED_TAINT_KEY = f"{DOMAIN}/unverified"
 CONDITION_TYPE = "GPUHealthy"
+# A GPU of the node is held as a repeat offender (quarantine.repair): the label an operator or a node-repair
+# controller selects on, whether gpuguard placed it, and the held GPUs (JSON, UUID -> fault episodes).
+LABEL_NEEDS_REPAIR = f"{DOMAIN}/needs-repair"
+ANN_REPAIR_PLACED = f"{DOMAIN}/needs-repair-placed"
+ANN_REPEAT_OFFENDERS = f"{DOMAIN}/repeat-offenders"
 SOFT_EFFECT = "PreferNoSchedule"
 
 
@@ -153,6 +159,17 @@ class NodeView:
     def fully_quarantined(self) -> bool:
         """Our taint and the label that counts against the budget (not a deferred, soft quarantine)."""
         return self.our_taint is not None and self.labels.get(LABEL_QUARANTINED) == "true"
+
+    @property
+    def repeat_offenders(self) -> dict[str, int]:
+        """The GPUs the node's annotation lists as held repeat offenders ({} when absent or malformed)."""
+        try:
+            doc = json.loads(self.annotations.get(ANN_REPEAT_OFFENDERS, "{}"))
+        except (ValueError, RecursionError):
+            return {}
+        if not isinstance(doc, dict):
+            return {}
+        return {str(k): v for k, v in doc.items() if isinstance(v, int) and not isinstance(v, bool)}
 
     def gated(self, gate_key: str = UNVERIFIED_TAINT_KEY) -> bool:
         """The node still carries the startup gate's taint (--gate-taint-key)."""

@@ -302,6 +302,8 @@ def quarantined_nodes(api: kubeclient.Client, *, timeout: float = 10.0) -> list[
                 "detail": n.annotations.get(ANN_REASON),
                 "cordoned_by_gpuguard": n.cordoned_by_us and n.unschedulable,
                 "unschedulable": n.unschedulable,
+                # GPUs held for repair (issue 30): UUID -> fault episodes.
+                "repeat_offenders": n.repeat_offenders,
             }
         )
     return sorted(rows, key=lambda r: str(r["node"]))
