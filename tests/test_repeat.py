@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -242,3 +243,20 @@ def test_status_shows_the_repeat_offenders_and_says_when_they_spend_the_budget()
     assert lines[-1].startswith("1 of 2 fully quarantined nodes are held as repeat offenders")
     assert "budget" in lines[-1]
     assert "repeat offenders" not in status_table(rows[1:2])
+
+
+def test_a_release_is_on_disk_before_the_write_that_removes_its_annotation(tmp_path: Path) -> None:
+    """An agent killed between the two must not hold the GPU again after its restart."""
+    node = held_node(tmp_path)
+    node.now = T0 + 10 * DAY
+    seen: list[object] = []
+    patch = node.writer.patch
+
+    def spy(n: NodeView, change: Any) -> NodeView:
+        if change.annotations.get(ANN_RELEASE, "") is None:
+            seen.append(HistoryStore(tmp_path).load()["GPU-0"].escalated)
+        return patch(n, change)
+
+    node.writer.patch = spy  # type: ignore[method-assign,assignment]
+    release(node, at="2027-01-24T08:00:00Z")
+    assert seen == [None]

@@ -5,7 +5,8 @@ carries the fault `repeat-offender` (`escalation.held_faults`), so its node tain
 across reboots and resets, and counts against the budget like any quarantine.
 
 The history is written after the reconcile's writes (`flush`), never before the taint: a fault's path costs
-no fsync. One thread (the reconciler's) calls every method.
+no fsync. A release is the exception: written before the write that removes its annotation, so that no crash
+loses it. One thread (the reconciler's) calls every method.
 """
 
 from __future__ import annotations
@@ -112,6 +113,9 @@ class RepeatOffenders:
             log.warning("repeat.release_refused", node=node.name, error=str(exc), annotation=text[:200])
             return
         self._history, released = escalation.release(self._history, request.gpu, by=request.by, at=request.at)
+        # On disk before the write that removes the annotation: an agent killed in between must not
+        # forget a release the node no longer shows (the GPU would be held again).
+        self.flush()
         log.warning(
             "repeat.released",
             node=node.name,

@@ -48,14 +48,22 @@ def condition(admin: Admin, node: str) -> dict[str, Any]:
 
 
 def reboot(
-    admin: Admin, start_agent: Any, agent: Agent, node: str, state: Path, boot: str, args: tuple[str, ...]
+    admin: Admin,
+    start_agent: Any,
+    agent: Agent,
+    *,
+    node: str,
+    state: Path,
+    boot: str,
+    args: tuple[str, ...] = (),
 ) -> Agent:
     """The node reboots: the agent stops, the kubelet posts a new bootID, the GPUs read healthy, a new agent
     (the same --state-dir on the node's disk) starts."""
     agent.stop()
     admin.set_boot_id(node, boot)
     state.write_text(GPUS_OK)
-    new, _, _ = start_agent(node=node, state=state, host_boot_id=f"host-rebooted-to-{boot}", env=RESYNC, args=args)
+    host = f"host-rebooted-to-{boot}"
+    new, _, _ = start_agent(node=node, state=state, host_boot_id=host, env=RESYNC, args=args)
     return new  # type: ignore[no-any-return]
 
 
@@ -66,7 +74,7 @@ def test_an_xid_that_returns_after_two_reboots_holds_the_gpu_until_an_operator_r
     state.write_text(XID)
     eventually(lambda: admin.our_taint(node), 10, what="taint")
     for boot in ("boot-b", "boot-c"):
-        agent = reboot(admin, start_agent, agent, node, state, boot, ())
+        agent = reboot(admin, start_agent, agent, node=node, state=state, boot=boot)
         eventually(lambda: admin.our_taint(node) is None, 10, what=f"released by the reboot to {boot}")
         state.write_text(XID)  # the Xid returns
         eventually(lambda: admin.our_taint(node), 10, what=f"taint in {boot}")
@@ -84,7 +92,7 @@ def test_an_xid_that_returns_after_two_reboots_holds_the_gpu_until_an_operator_r
     assert agent.events("repeat.escalated")
 
     # A fourth boot: the GPU reads healthy, the Xid's evidence is gone, and still the GPU is held.
-    agent = reboot(admin, start_agent, agent, node, state, "boot-d", ())
+    agent = reboot(admin, start_agent, agent, node=node, state=state, boot="boot-d")
     eventually(
         lambda: annotations_of(admin, node).get("gpuguard.io/boot-id") == "boot-d", 10, what="new boot"
     )
@@ -120,7 +128,7 @@ def test_faults_further_apart_than_the_window_never_hold_the_gpu(admin: Admin, s
         state.write_text(XID)
         eventually(lambda: admin.our_taint(node), 10, what=f"taint {i}")
         time.sleep(3.0)
-        agent = reboot(admin, start_agent, agent, node, state, f"boot-{i}", window)
+        agent = reboot(admin, start_agent, agent, node=node, state=state, boot=f"boot-{i}", args=window)
         eventually(lambda: admin.our_taint(node) is None, 10, what=f"released by reboot {i}")
     assert "gpuguard.io/needs-repair" not in labels(admin, node)
     assert not [e for e in admin.events_for(node) if e["reason"] == "GPURepeatOffender"]
