@@ -22,6 +22,7 @@ from tests.integration.fixtures import (  # noqa: F401
     labels,
     start_agent,
 )
+from tests.integration.test_ecosystem import sample, scrape
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -98,6 +99,8 @@ def test_an_xid_that_returns_after_two_reboots_holds_the_gpu_until_an_operator_r
     )
     time.sleep(1.5)  # 7 checks, more than 3x --recover-after, and 5 re-reads
     assert (admin.our_taint(node) or {}).get("value") == "repeat-offender"
+    metric = "gpuguard_gpu_repeat_offender"
+    assert sample(scrape(agent.port), metric, gpu="0", uuid=UUID) == 3.0  # the new agent's, from the disk
 
     status = gpuguard(control_plane, "status", "-o", "json")
     assert status.returncode == 0, status.stderr
@@ -115,6 +118,7 @@ def test_an_xid_that_returns_after_two_reboots_holds_the_gpu_until_an_operator_r
     gone = {"gpuguard.io/release", "gpuguard.io/repeat-offenders", "gpuguard.io/needs-repair-placed"}
     assert not gone & set(n["metadata"].get("annotations") or {})
     assert [e["by"] for e in agent.events("repeat.released")] == ["it-operator"]
+    assert sample(scrape(agent.port), metric, gpu="0", uuid=UUID) is None
     history = json.loads((agent.state_dir / "history.json").read_text())["gpus"][UUID]
     assert history["escalated"] is None and history["releases"][-1]["by"] == "it-operator"
     assert [e["ended"] for e in history["episodes"]] == ["reboot", "reboot", "reboot"]
