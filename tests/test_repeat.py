@@ -18,6 +18,7 @@ from gpuguard.metrics import Metrics
 from gpuguard.model import GpuReading, Snapshot, Verdict, XidEvent
 from gpuguard.policy import evaluate
 from gpuguard.quarantine.escalation import Limits
+from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
 from gpuguard.quarantine.node.budget import QuarantineBudget
 from gpuguard.quarantine.node.view import (
     ANN_REPAIR_PLACED,
@@ -29,7 +30,9 @@ from gpuguard.quarantine.reconciler import NodeReconciler
 from gpuguard.quarantine.release import ANN_RELEASE
 from gpuguard.quarantine.repeat import RepeatOffenders
 from gpuguard.report import status_table
-from harness.fakes import FakeNodeWriter
+from harness.clock import Clock
+from harness.dra import gpu_uuid, nvidia_slice
+from harness.fakes import FakeDeviceSource, FakeNodeWriter
 
 SETTINGS = NodeSettings(name="gpu-1", retry_max_wait=0.01, recover_after=3)
 DAY = 86400.0
@@ -260,3 +263,44 @@ def test_a_release_is_on_disk_before_the_write_that_removes_its_annotation(tmp_p
     node.writer.patch = spy  # type: ignore[method-assign,assignment]
     release(node, at="2027-01-24T08:00:00Z")
     assert seen == [None]
+
+
+def test_on_a_dra_node_the_held_gpus_rule_says_repeat_offender_and_stays_across_reboots(
+    tmp_path: Path,
+) -> None:
+    """The per-GPU quarantine: the GPU's own DeviceTaintRule is what holds it; the node stays in service and
+    carries only the repair marks."""
+    node_name = "gpu-node-1"
+    uuids = [gpu_uuid(node_name, i) for i in range(8)]
+    gpus = tuple(GpuReading(index=i, uuid=u) for i, u in enumerate(uuids))
+    healthy = evaluate(Snapshot(gpus=gpus), previous=None, settings=PolicySettings())
+    xid = evaluate(
+        Snapshot(gpus=gpus, xids=(XidEvent(3, uuids[3], 79),)), previous=None, settings=PolicySettings()
+    )
+    settings = NodeSettings(name=node_name, retry_max_wait=0.01, recover_after=2)
+    writer = FakeNodeWriter(NodeView(name=node_name, resource_version="1", boot_id="boot-0"))
+    source = FakeDeviceSource([nvidia_slice(node_name)])
+    now = [T0]
+
+    def agent() -> NodeReconciler:
+        clock = Clock()
+        devices = DeviceQuarantine(source, settings, clock=clock)
+        repeat = RepeatOffenders(HistoryStore(tmp_path), Limits(), recover_after=2, wall=lambda: now[0])
+        return NodeReconciler(writer, settings, devices=devices, clock=clock, repeat=repeat)
+
+    r = agent()
+    for boot in ("boot-1", "boot-2", "boot-3"):
+        r.submit(xid, 0)
+        r.reconcile_now()
+        now[0] += DAY
+        writer.edit(boot_id=boot)
+        r = agent()
+        for streak in range(4):
+            r.submit(healthy, streak)
+            r.reconcile_now()
+    (rule,) = source.store.values()
+    assert rule["spec"]["taint"]["value"] == "repeat-offender"
+    assert rule["metadata"]["annotations"]["gpuguard.io/boot-id"] == "boot-3"
+    assert writer.node.our_taint is None and not writer.node.unschedulable
+    assert writer.node.labels[LABEL_NEEDS_REPAIR] == "true"
+    assert json.loads(writer.node.annotations[ANN_REPEAT_OFFENDERS]) == {uuids[3]: 3}
