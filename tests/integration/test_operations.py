@@ -40,7 +40,7 @@ EXERCISED_ELSEWHERE = {
         "test_the_operations_runbook_works_as_written"
     ),
     "gpuguard release --node NODE --gpu UUID --by YOU": (
-        "test_repeat_offenders.py::test_an_xid_that_returns_after_two_reboots_holds_the_gpu_until_an_operator_releases_it"  # noqa: E501
+        "test_repeat_offenders.py::test_an_xid_that_returns_after_two_reboots_holds_the_gpu_until_an_operator_releases_it"
     ),
     "kubectl delete nodeclaim NAME": "test_karpenter.py::test_karpenter_launches_gated_nodes_once_and_pods_land_only_where_gpuguard_verified_the_gpus",  # noqa: E501
     # tests/integration/test_device_admission.py
