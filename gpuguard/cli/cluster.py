@@ -41,17 +41,18 @@ def status(kubeconfig: str | None, output: str) -> int:
 @cli.command()
 @FLAGS["kubeconfig"].option()
 @click.option("--node", required=True, help="The node whose held GPUs to release.")
-@click.option("--gpu", default="*", show_default=True, help="The GPU's UUID; * every held GPU of the node.")
+@click.option("--gpu", default=None, help="The GPU's UUID (default: every held GPU of the node, '*').")
 @click.option("--by", default=None, help="Who releases it, as the history records it (default: $USER).")
-def release(kubeconfig: str | None, node: str, gpu: str, by: str | None) -> int:
+def release(kubeconfig: str | None, node: str, gpu: str | None, by: str | None) -> int:
     """Release a GPU held as a repeat offender, after its repair: writes the annotation gpuguard.io/release
     on the node; the node's agent checks it, records who released it and when in the GPU's history, lifts
     the hold (and only gpuguard's marks) and removes the annotation at its next re-read. The agents' own
     tokens may not write it (deploy/admission-policy.yaml). Exit 0; 2 a usage error; 4 the API server is
     unreachable or refused the request."""
-    from gpuguard.quarantine.release import ANN_RELEASE, annotation, parse  # noqa: PLC0415
+    from gpuguard.quarantine.release import ALL, ANN_RELEASE, annotation, parse  # noqa: PLC0415
 
     who = by if by is not None else os.environ.get("USER") or "unknown"
+    gpu = gpu if gpu is not None else ALL
     try:
         validation.node_name(node)
         now = datetime.now(UTC)
