@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -155,6 +155,15 @@ class Metrics:
             ["result"],
             registry=registry,
         )
+        # Issue 30: the GPUs held for repair (quarantine.escalation).
+        self.repeat_offender = Gauge(
+            "gpuguard_gpu_repeat_offender",
+            "Fault episodes of a GPU held as a repeat offender (absent when not held): its quarantine stays "
+            "across reboots and resets until an operator's `gpuguard release`.",
+            ["gpu", "uuid"],
+            registry=registry,
+        )
+        self._repeat_values: dict[tuple[str, str], int] = {}
         self.build = Info("gpuguard_build", "gpuguard build information.", registry=registry)
         self.build.info({"version": __version__})
         self._gpu_values: dict[tuple[str, str], tuple[int, int, int | None, bool | None, int | None]] = {}
@@ -232,3 +241,15 @@ class Metrics:
                 self.remap_pending.labels(*labels).set(1 if g.remap_pending else 0)
             if g.retired_pages is not None:
                 self.retired_pages.labels(*labels).set(g.retired_pages)
+
+    def observe_repeat_offenders(self, held: Mapping[str, int], index: Mapping[str, int]) -> None:
+        """The held GPUs (UUID -> episodes; `index`: UUID -> GPU index where known); a GPU released is
+        removed from the gauge."""
+        values = {(str(index[u]) if u in index else "", u): n for u, n in held.items()}
+        if values == self._repeat_values:
+            return
+        for labels in set(self._repeat_values) - set(values):
+            self.repeat_offender.remove(*labels)
+        for labels, n in values.items():
+            self.repeat_offender.labels(*labels).set(n)
+        self._repeat_values = values
