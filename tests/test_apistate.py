@@ -54,3 +54,42 @@ def test_a_refusal_during_an_outage_ends_the_outage_the_server_answered() -> Non
         state.refused(PATCH, PermanentApiError("denied", status=403))
     assert [e["event"] for e in logs] == ["api.available", "node.write_rejected"]
     assert state.health.state == "refused" and state.health.error == "denied"
+
+
+def test_a_refusal_just_after_an_outage_is_retried_in_seconds_then_the_backoff_holds_again() -> None:
+    """An API server that has just restarted answers 403 until its RBAC is loaded: the fault's write must not
+    wait 5 minutes for that. Past the warm-up, a refusal is a policy's answer again."""
+    state, clock = make()
+    state.unreachable(TransientApiError("connection refused"))
+    clock.t += 10
+    state.answered()  # the API server is back
+    clock.t += 1
+    with capture_logs() as logs:
+        state.refused(READ, PermanentApiError("forbidden", status=403))
+    assert logs[-1]["retry_in_s"] == 2 and "just come back" in logs[-1]["note"]
+    assert state.blocked(READ)
+    clock.t += 2
+    assert not state.blocked(READ)
+    clock.t += 30  # past the warm-up: the same refusal now waits the whole backoff
+    state.refused(READ, PermanentApiError("forbidden", status=403))
+    clock.t += 299
+    assert state.blocked(READ)
+
+
+def test_a_refusal_that_ends_an_outage_is_retried_in_seconds_too() -> None:
+    state, clock = make()
+    state.unreachable(TransientApiError("connection refused"))
+    clock.t += 10
+    state.refused(PATCH, PermanentApiError("forbidden", status=403))
+    clock.t += 2
+    assert not state.blocked(PATCH)
+    state.refused(PATCH, PermanentApiError("forbidden", status=403))  # still within the warm-up
+    clock.t += 2
+    assert not state.blocked(PATCH)
+
+
+def test_a_refusal_with_no_outage_before_it_waits_the_whole_backoff() -> None:
+    state, clock = make()
+    state.refused(PATCH, PermanentApiError("denied", status=403))
+    clock.t += 299
+    assert state.blocked(PATCH)

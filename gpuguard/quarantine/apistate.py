@@ -4,9 +4,13 @@ A refused request (401, 403, 404, 422: an admission policy's refusal, RBAC, a no
 remembered by what it asked for, its intent: the marks on an object for a write (not its bytes: a planned
 patch carries a new `gpuguard.io/since` each time), the object for a read. One ERROR line, then that intent is
 not sent again for `REFUSAL_BACKOFF` (5 minutes), then once more (a refusal again: one more line); one INFO
-line when it is accepted. An API server that does not answer (a connection error, a timeout, 5xx, 429) is
-logged once when the outage starts, then every `OUTAGE_LOG_EVERY` seconds while it lasts, and once when it
-answers again. /healthz shows the state (`ok`, `unreachable`, `refused`), since when and the last error.
+line when it is accepted. A refusal within `WARMUP` seconds of an outage's end is retried after
+`WARMUP_RETRY` seconds instead: an API server that is starting answers 401/403 until its authorizer has
+loaded RBAC (seen in tests/integration/test_agent_cluster.py: a ServiceAccount's `get node` refused 1.5 s
+after a restart), and a fault's taint must not wait 5 minutes for that. An API server that does not answer
+(a connection error, a timeout, 5xx, 429) is logged once when the outage starts, then every
+`OUTAGE_LOG_EVERY` seconds while it lasts, and once when it answers again. /healthz shows the state (`ok`,
+`unreachable`, `refused`), since when and the last error.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ log = structlog.get_logger(__name__)
 # load: sending it again at every check (every 3 s) only fills the audit log. 5 minutes: an operator who
 # fixed the policy waits at most that long, and a refusal costs one request and one line per 5 minutes.
 REFUSAL_BACKOFF = 300.0
+# A refusal this soon after an outage ended may be the API server starting (its RBAC not loaded yet): retried
+# after WARMUP_RETRY seconds, not REFUSAL_BACKOFF. At most WARMUP / WARMUP_RETRY requests of a real refusal.
+WARMUP = 30.0
+WARMUP_RETRY = 2.0
 # Seconds between the lines that say the API server is still unreachable: an operator watching the log
 # during an outage sees it is still so (and that the agent is alive and retrying) at least this often.
 OUTAGE_LOG_EVERY = 30.0
@@ -69,6 +77,7 @@ class ApiState:
         # intent -> (refused until, first refused at: clock)
         self._refused: dict[Intent, tuple[float, float]] = {}
         self._down_since: float | None = None
+        self._up_since: float | None = None  # when the last outage ended
         self._down_logged = 0.0
         self._health = ApiHealth()
 
@@ -90,10 +99,14 @@ class ApiState:
         now = self._clock()
         with self._lock:
             first = self._refused.get(intent, (0.0, now))[1]
-            self._refused[intent] = (now + self.backoff, first)
+            down, self._down_since = self._down_since, None  # a refusal is an answer: an outage is over
+            if down is not None:
+                self._up_since = now
+            warming = self._up_since is not None and now - self._up_since < WARMUP
+            retry_in = min(self.backoff, WARMUP_RETRY) if warming else self.backoff
+            self._refused[intent] = (now + retry_in, first)
             if len(self._refused) > _MAX_REFUSED:
                 del self._refused[min(self._refused, key=lambda i: self._refused[i][0])]
-            down, self._down_since = self._down_since, None  # a refusal is an answer: an outage is over
             self._set("refused", str(exc))
         if down is not None:
             log.info("api.available", node=self._node, down_for_s=round(now - down, 1))
@@ -104,8 +117,13 @@ class ApiState:
             status=exc.status,
             error=str(exc),
             refused_for_s=round(now - first),
-            retry_in_s=round(self.backoff),
-            note="the API server (RBAC or an admission policy) refused it: not sent again before retry_in_s",
+            retry_in_s=round(retry_in),
+            note="the API server (RBAC or an admission policy) refused it: not sent again before retry_in_s"
+            + (
+                " (soon: the API server has just come back and may not have loaded RBAC yet)"
+                if warming
+                else ""
+            ),
         )
 
     def accepted(self, intent: Intent) -> None:
@@ -129,6 +147,8 @@ class ApiState:
         with self._lock:
             down = self._down_since
             self._down_since = None
+            if down is not None:
+                self._up_since = now
             if self._health.state == "unreachable" or (
                 self._health.state == "refused" and not self._live_refusals()
             ):

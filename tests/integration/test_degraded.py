@@ -6,6 +6,7 @@ is released once clean for the recovery window."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from gpuguard.quarantine.gpu.writers import KubeDeviceSource
 from gpuguard.quarantine.node.budget import QuarantineBudget
 from gpuguard.quarantine.node.writers import KubeNodeWriter, degraded_nodes
 from gpuguard.quarantine.reconciler import NodeReconciler
+from harness import controlplane
 from harness.dra import DRIVER, gpu_uuid, nvidia_slice
 from harness.kube import Admin, enforced_admin, token_client, token_kubeconfig
 from tests.integration.test_admission import FOREIGN, admin, new_node  # noqa: F401
@@ -28,6 +30,8 @@ from tests.integration.test_admission import FOREIGN, admin, new_node  # noqa: F
 pytestmark = pytest.mark.timeout(120)
 
 DEGRADED_KEY = "gpuguard.io/gpu-degraded"
+# docs/operations.md, "A degraded GPU".
+LIST_DEGRADED = "kubectl get nodes -l gpuguard.io/degraded=true"
 NVLINK = Fault("nvlink-down", "link 3 inactive", uuid="GPU-deg-0", gpu_index=0)
 POWER = Fault("clock-power-brake", "12 of 20 samples", uuid="GPU-deg-1", gpu_index=1)
 
@@ -93,6 +97,17 @@ def test_a_degraded_node_is_marked_softly_stays_schedulable_outside_the_budget_a
         e.reason for e in admin.core.list_namespaced_event("default").items if e.involved_object.name == node
     ]
     assert "GPUDegraded" in reasons
+    # docs/operations.md's command lists it, with the pinned kubectl.
+    bins = controlplane.cached_binaries()
+    assert bins is not None and bins.kubectl is not None
+    listed = subprocess.run(
+        [str(bins.kubectl), *LIST_DEGRADED.split()[1:], "--kubeconfig", str(control_plane.kubeconfig_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert node in listed
 
     for _ in range(2):  # clean, within the recovery window (3 checks): the marks stay
         step(r, verdict())

@@ -42,6 +42,13 @@ EXERCISED_ELSEWHERE = {
     "gpuguard release --node NODE --gpu UUID --by YOU": (
         "test_repeat_offenders.py::test_an_xid_that_returns_after_two_reboots_holds_the_gpu_until_an_operator_releases_it"
     ),
+    "kubectl get pdb -n NS": "test_the_operations_runbook_works_as_written",
+    "gpuguard check --fail-on-degraded": (
+        "test_degraded_shown.py::test_check_exits_0_on_degraded_gpus_unless_told_to_fail"
+    ),
+    "kubectl get nodes -l gpuguard.io/degraded=true": (
+        "test_degraded.py::test_a_degraded_node_is_marked_softly_stays_schedulable_outside_the_budget_and_is_released"
+    ),
     "kubectl delete nodeclaim NAME": "test_karpenter.py::test_karpenter_launches_gated_nodes_once_and_pods_land_only_where_gpuguard_verified_the_gpus",  # noqa: E501
     # tests/integration/test_device_admission.py
     "kubectl get devicetaintrules -l app.kubernetes.io/managed-by=gpuguard": (
@@ -318,6 +325,28 @@ def test_the_operations_runbook_works_as_written(
         # -- Living beside the GPU Operator: both tools' labels in one view.
         out = book.run("Living beside the GPU Operator, the device plugin and DCGM")
         assert "GPU-DRIVER-UPGRADE-STATE" in out and node in out
+
+        # -- Evicting the pods on a faulty GPU: a Role and RoleBinding in each listed namespace (and only
+        # there), the kubelet's pod-resources folder mounted read-only, the mode passed to the agent.
+        for ns in ("ml-serving", "training"):
+            core.create_namespace({"metadata": {"name": ns}})
+        book.run("Evicting the pods on a faulty GPU")
+        for ns in ("ml-serving", "training"):
+            role: Any = rbac.read_namespaced_role("gpuguard-evict", ns)
+            binding: Any = rbac.read_namespaced_role_binding("gpuguard-evict", ns)
+            assert {(r.resources[0], tuple(r.verbs)) for r in role.rules} == {
+                ("pods", ("get",)),
+                ("pods/eviction", ("create",)),
+                ("events", ("create",)),
+            }
+            assert binding.subjects[0].name == "gpuguard"
+        roles: Any = rbac.list_namespaced_role("default").items
+        assert "gpuguard-evict" not in {r.metadata.name for r in roles}
+        spec = apps.read_namespaced_daemon_set("gpuguard", "gpuguard").spec.template.spec
+        mount = next(m for m in spec.containers[0].volume_mounts if m.mount_path.endswith("pod-resources"))
+        assert mount.read_only
+        assert _agent_env(admin).get("GPUGUARD_EVICT") == "gpu-pods"
+        assert "No resources found" in book.shell("kubectl get pdb -n ml-serving 2>&1")
 
         # Quarantine once more, so the uninstall has every kind of mark to remove.
         admin.patch_node(node, {"metadata": {"annotations": {"gpuguard.io/faults": None}}})
