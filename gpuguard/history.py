@@ -20,7 +20,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -94,28 +94,46 @@ class GpuHistory:
 History = Mapping[str, GpuHistory]
 
 
-def bounded(history: History) -> dict[str, GpuHistory]:
+def bounded(history: History, *, changed: Collection[str] | None = None) -> dict[str, GpuHistory]:
     """The history cut to its bounds: the newest episodes and releases of each GPU, and the GPUs held or most
-    recently active. Pure."""
+    recently active. Pure; a GPU's history already within them is kept as it is, and with `changed` only
+    those GPUs are looked at (the others are known to be within: this runs in the reconciles that record an
+    episode, measured 3 ms for 64 GPUs of 32 episodes when every GPU was looked at)."""
     out = {
-        uuid[:MAX_UUID]: GpuHistory(
-            episodes=tuple(
-                replace(
-                    e,
-                    reasons=tuple(r[:MAX_TEXT] for r in e.reasons[:MAX_REASONS]),
-                    boot_id=e.boot_id[:MAX_TEXT],
-                )
-                for e in h.episodes[-MAX_EPISODES:]
-            ),
-            releases=tuple(replace(r, by=r.by[:MAX_TEXT]) for r in h.releases[-MAX_RELEASES:]),
-            escalated=h.escalated,
-        )
+        uuid[:MAX_UUID]: h if (changed is not None and uuid not in changed) or _within(h) else _cut(h)
         for uuid, h in history.items()
     }
     if len(out) > MAX_GPUS:
         keep = sorted(out, key=lambda u: (out[u].escalated is not None, out[u].active), reverse=True)
         out = {u: out[u] for u in keep[:MAX_GPUS]}
     return out
+
+
+def _within(h: GpuHistory) -> bool:
+    return (
+        len(h.episodes) <= MAX_EPISODES
+        and len(h.releases) <= MAX_RELEASES
+        and all(
+            len(e.reasons) <= MAX_REASONS
+            and len(e.boot_id) <= MAX_TEXT
+            and all(len(r) <= MAX_TEXT for r in e.reasons)
+            for e in h.episodes
+        )
+        and all(len(r.by) <= MAX_TEXT for r in h.releases)
+    )
+
+
+def _cut(h: GpuHistory) -> GpuHistory:
+    return GpuHistory(
+        episodes=tuple(
+            replace(
+                e, reasons=tuple(r[:MAX_TEXT] for r in e.reasons[:MAX_REASONS]), boot_id=e.boot_id[:MAX_TEXT]
+            )
+            for e in h.episodes[-MAX_EPISODES:]
+        ),
+        releases=tuple(replace(r, by=r.by[:MAX_TEXT]) for r in h.releases[-MAX_RELEASES:]),
+        escalated=h.escalated,
+    )
 
 
 class HistoryStore:

@@ -43,6 +43,7 @@ class RepeatOffenders:
         self._wall = wall
         self._history: dict[str, GpuHistory] = store.load()
         self._saved = self._history
+        self._escalated_once = False
         # The release annotation's text last handled: removed by the next node write, handled once.
         self.handled_release: str | None = None
 
@@ -77,10 +78,19 @@ class RepeatOffenders:
             reset_cleared=cleared,
             now=now,
         )
-        self._log_episodes(node.name, before, history)
         new: dict[str, int] = {}
-        if self._limits.limit > 0:
-            history, new = escalation.escalate(history, self._limits, now)
+        # Only a new episode (or the first verdict, a history read from the disk) can make a new repeat
+        # offender: the count in the window only falls with time. Most reconciles change nothing here.
+        changed = {u: h for u, h in history.items() if before.get(u) is not h}
+        if changed or not self._escalated_once:
+            self._log_episodes(node.name, before, history)
+            if self._limits.limit > 0:
+                part, new = escalation.escalate(
+                    changed if self._escalated_once else history, self._limits, now
+                )
+                history = {**history, **part}
+            history = bounded(history, changed=changed if self._escalated_once else None)
+            self._escalated_once = True
         for uuid, count in new.items():
             log.warning(
                 "repeat.escalated",
@@ -91,7 +101,7 @@ class RepeatOffenders:
                 window_s=self._limits.window_s,
                 note="held for repair: not released by reboots or resets until `gpuguard release`",
             )
-        self._history = bounded(history)
+        self._history = history
         if self._limits.limit <= 0:
             return verdict
         return escalation.held_faults(verdict, history, self._limits)
