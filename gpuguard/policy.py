@@ -33,7 +33,13 @@ from gpuguard.model import (
     recovery_reason,
     xid_reason,
 )
-from gpuguard.recovery import apply_recovery_rule, cleared_without_reboot, recovery_action, unresponsive_rule
+from gpuguard.recovery import (
+    apply_recovery_rule,
+    cleared_without_reboot,
+    recovery_action,
+    split_xids,
+    unresponsive_rule,
+)
 from gpuguard.xidcatalog import CATALOG
 
 __all__ = ["cleared_without_reboot", "evaluate", "primary", "severity"]
@@ -84,7 +90,7 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
     # Xid 154 is the driver announcing a recovery action, judged as the recovery-* fault it reads; on a GPU
     # whose recovery field cannot be read it is the only word of it, so a fault.
     blind = {g.uuid for g in snapshot.gpus if g.recovery_action is None}
-    fatal, ignored = _split_xids(snapshot.xids, settings.ignored_xids, blind)
+    fatal, ignored = split_xids(snapshot.xids, settings.ignored_xids, blind)
     by_uuid = {g.uuid: g for g in snapshot.gpus}
     prev_by_uuid = {g.uuid: g for g in prev.gpus}
     actions = {g.uuid: recovery_action(g, prev_by_uuid.get(g.uuid)) for g in snapshot.gpus}
@@ -319,21 +325,6 @@ def _ordered(faults: Iterable[Fault]) -> tuple[Fault, ...]:
             key=lambda f: (severity(f), -1 if f.gpu_index is None else f.gpu_index, f.reason),
         )
     )
-
-
-def _split_xids(
-    xids: Iterable[XidEvent], ignored: frozenset[int], blind: set[str]
-) -> tuple[tuple[XidEvent, ...], tuple[XidEvent, ...]]:
-    def fatal_(x: XidEvent) -> bool:
-        blind_154 = x.code == XID_RECOVERY_ACTION and (x.uuid is None or x.uuid in blind)
-        return x.code not in ignored or blind_154
-
-    fatal = tuple(x for x in xids if fatal_(x))
-    skipped = tuple(x for x in xids if not fatal_(x))
-    return fatal, skipped
-
-
-XID_RECOVERY_ACTION = 154
 
 
 def _sticky_reading_faults(g: GpuReading) -> list[Fault]:
