@@ -13,6 +13,7 @@ from fractions import Fraction
 
 from gpuguard import validation
 from gpuguard.errors import ConfigError
+from gpuguard.signals import SIGNALS, SignalTable
 from gpuguard.xidcatalog import CATALOG
 
 # Default ignored Xids: those NVIDIA's Xid catalog files under the immediate action RESTART_APP or IGNORE,
@@ -39,6 +40,9 @@ class PolicySettings:
     """Checks in a row in which every query on a GPU fails (or NVML cannot identify it) before that is a
     fault: one failed pass is a transient NVML error, three (9 s at --interval 3) a GPU that does not
     answer. `check` uses 1: a preflight has one pass. RESET_REQUIRED and GPU_IS_LOST are faults at once."""
+    signals: SignalTable = SIGNALS
+    """Issue 29's signals with their levels, thresholds and windows (gpuguard/data/signals.json), as
+    --signals-config changed them for this node (gpuguard.signalconfig)."""
 
 
 TAINT_EFFECTS = validation.TAINT_EFFECTS

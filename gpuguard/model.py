@@ -55,6 +55,34 @@ def recovery_reason(action: int) -> str:
 
 
 @dataclass(frozen=True)
+class SignalReadings:
+    """Issue 29's signals as one pass read them from one GPU. Readings only, judged by gpuguard.signaljudge.
+    Every field None where it does not apply (NVML answers NOT_SUPPORTED) or was not read this pass."""
+
+    # nvmlDeviceGetGpuFabricInfoV: NVML_GPU_FABRIC_STATE_* (1 not started, 2 in progress, 3 completed), the
+    # registration's own status (an NVML return name, "SUCCESS"), and the raw health mask.
+    fabric_state: int | None = None
+    fabric_status: str | None = None
+    fabric_health: int | None = None
+    # nvmlDeviceGetNvLinkState of every link NVML_FI_DEV_NVLINK_LINK_COUNT reports: the active links.
+    nvlink_active: frozenset[int] | None = None
+    nvlink_links: int | None = None
+    # NVLink CRC flit + replay + recovery error totals (NVML_FI_DEV_NVLINK_*_ERROR_COUNT_TOTAL), summed.
+    nvlink_errors: int | None = None
+    pcie_width: int | None = None
+    pcie_max_width: int | None = None
+    # Shown, not judged by default: an idle GPU lowers its link generation to save power.
+    pcie_gen: int | None = None
+    pcie_max_gen: int | None = None
+    # NVML_FI_DEV_PCIE_REPLAY_COUNTER.
+    pcie_replays: int | None = None
+    # nvmlDeviceGetCurrentClocksEventReasons: the raw bit mask (nvmlClocksEventReason*).
+    clock_events: int | None = None
+    # nvmlDeviceValidateInforom: False where NVML answers CORRUPTED_INFOROM.
+    inforom_valid: bool | None = None
+
+
+@dataclass(frozen=True)
 class GpuReading:
     """What a backend read from one GPU in one pass. Readings only: no judgement."""
 
@@ -88,6 +116,8 @@ class GpuReading:
     # An NVML call on this GPU has not returned within its deadline (what, which deadline); the other values
     # are the last ones read.
     unresponsive: str | None = None
+    # Issue 29's signals (fabric, NVLink, PCIe, clock events, InfoROM).
+    signals: SignalReadings = SignalReadings()
 
 
 @dataclass(frozen=True)
@@ -123,6 +153,10 @@ class Snapshot:
     # A node-wide query that failed this pass ("nvmlDeviceGetCount:UNKNOWN"): the readings are the last ones;
     # retried, and a fault only when it fails check after check (Verdict.node_error_streak).
     node_error: str | None = None
+    # NVIDIA display/3D controllers on the PCI bus (sysfs) that NVML does not list: their PCI addresses.
+    bus_only: tuple[str, ...] = ()
+    # When the pass was read (the backend's monotonic clock, seconds): the time base of the signals' windows.
+    taken_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -173,6 +207,20 @@ class GpuVerdict:
 
 
 @dataclass(frozen=True)
+class SignalMemory:
+    """What gpuguard.signaljudge carries from one check to the next, per GPU UUID: the first good reading's
+    active NVLinks and PCIe width, counter samples (time, total) and clock event samples (time, mask) over
+    the longest window, and when a fabric was first seen incomplete."""
+
+    first_links: tuple[tuple[str, frozenset[int]], ...] = ()
+    first_width: tuple[tuple[str, int], ...] = ()
+    first_gen: tuple[tuple[str, int], ...] = ()
+    counters: tuple[tuple[str, tuple[tuple[float, int], ...]], ...] = ()
+    clock_samples: tuple[tuple[str, tuple[tuple[float, int], ...]], ...] = ()
+    fabric_incomplete_since: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Verdict:
     """The policy's judgement of one snapshot, plus the memory it carries to the next evaluation."""
 
@@ -200,6 +248,8 @@ class Verdict:
     node_error_streak: int = 0
     # Node-wide `degraded` signals (issue 29), as GpuVerdict.degraded for one GPU.
     node_degraded: tuple[Fault, ...] = ()
+    # What the signals' judge remembers between checks (first good readings, counter samples, events).
+    signal_memory: SignalMemory = field(default_factory=SignalMemory)
 
     @cached_property
     def faults(self) -> tuple[Fault, ...]:

@@ -40,6 +40,7 @@ from gpuguard.recovery import (
     split_xids,
     unresponsive_rule,
 )
+from gpuguard.signaljudge import judge
 from gpuguard.xidcatalog import CATALOG
 
 __all__ = ["cleared_without_reboot", "evaluate", "primary", "severity"]
@@ -119,6 +120,7 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
         sticky, prev, new_xid_keys=new_xid_keys, actions=actions
     )
 
+    signals = judge(snapshot, previous=prev, table=settings.signals)
     streaks = dict(prev.unreadable_streaks)
     unreadable = {g.uuid: (streaks.get(g.uuid, 0) + 1 if g.unreadable else 0) for g in snapshot.gpus}
 
@@ -143,6 +145,7 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
         if ecc is not None:
             faults.append(ecc)
         faults.extend(_reading_faults(reading, actions[uuid], unreadable[uuid], settings.unreadable_after))
+        faults.extend(signals.gpu_faults.get(uuid, ()))
         verdicts.append(
             GpuVerdict(
                 index=reading.index,
@@ -155,11 +158,12 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
                 recovery_action=actions[uuid],
                 remap_pending=reading.remap_pending,
                 retired_pages=reading.retired_pages,
+                degraded=signals.gpu_degraded.get(uuid, ()),
             )
         )
 
     # Sticky faults not tied to an enumerated GPU (an Xid NVML could not attribute) belong to the node.
-    node_faults = tuple(f for f in sticky if f.uuid not in known_uuids)
+    node_faults = tuple(f for f in sticky if f.uuid not in known_uuids) + signals.node_faults
     prev_unidentified = dict(prev.unidentified_streaks)
     unidentified = {i: prev_unidentified.get(i, 0) + 1 for i, _ in snapshot.unidentified}
     for index, error in snapshot.unidentified:
@@ -224,6 +228,8 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
         unreadable_streaks=tuple((u, n) for u, n in unreadable.items() if n),
         unidentified_streaks=tuple(unidentified.items()),
         node_error_streak=node_streak,
+        node_degraded=signals.node_degraded,
+        signal_memory=signals.memory,
     )
 
 
@@ -246,9 +252,6 @@ def _reading_faults(g: GpuReading, action: int | None, unreadable_checks: int, l
                 gpu_index=g.index,
             )
         )
-    retired = _retired(g.retired_pages, g.retired_pending)
-    if retired:
-        faults.append(Fault(RETIRED_PAGES, f"{retired} {where}", uuid=g.uuid, gpu_index=g.index))
     if not g.lost and any(e.endswith(":RESET_REQUIRED") for e in g.transient_errors):
         faults.append(
             Fault(
@@ -266,21 +269,6 @@ def _reading_faults(g: GpuReading, action: int | None, unreadable_checks: int, l
             )
         )
     return faults
-
-
-# NVIDIA's limit of retired pages (SBE + DBE) per GPU, as its field diagnostic and DCGM apply it (RMA).
-RETIRED_PAGES_LIMIT = 63
-
-
-def _retired(count: int | None, pending: bool | None) -> str:
-    """Dynamic page retirement's verdict, '' where none: pages pending retirement (in use until the GPU is
-    reset or the driver reloaded: nvml.h "need a reboot to fully retire"), or the limit reached."""
-    parts = []
-    if pending:
-        parts.append("pages are pending retirement (a GPU reset or reboot retires them)")
-    if count is not None and count >= RETIRED_PAGES_LIMIT:
-        parts.append(f"{count} pages retired, NVIDIA's limit is {RETIRED_PAGES_LIMIT}")
-    return "; ".join(parts)
 
 
 def _xid_detail(x: XidEvent) -> str:

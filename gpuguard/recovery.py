@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 from gpuguard.model import (
     ECC,
+    GPU_MISSING,
     GPU_UNREADABLE,
     GPU_UNRESPONSIVE,
     NVML_INIT,
@@ -23,6 +24,7 @@ from gpuguard.model import (
     Verdict,
     XidEvent,
 )
+from gpuguard.signals import SIGNALS
 
 # Recovery actions that end in a reset of the GPU: Xids recorded while the driver asks for one clear when
 # the action reads NONE again.
@@ -30,7 +32,7 @@ _RESET_ACTIONS = frozenset({1, 4})  # GPU_RESET, DRAIN_AND_RESET
 # Reasons whose evidence a healthy reading itself shows gone, without a reboot (see docs/design.md).
 _CLEARED_BY_READING = frozenset(
     {ECC, NVML_INIT, RESET_REQUIRED, GPU_UNREADABLE, GPU_UNRESPONSIVE, NVML_UNRESPONSIVE, RETIRED_PAGES}
-)
+) | (frozenset(SIGNALS.names()) - {GPU_MISSING})  # issue 29's signals judge each reading afresh
 
 
 def cleared_without_reboot(key: str, reset_cleared: frozenset[str] = frozenset()) -> bool:
