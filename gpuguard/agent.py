@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import structlog
@@ -171,12 +172,16 @@ class Agent:
         snapshot judged against an equal previous verdict gives the same verdict again. On a steady node that
         skips the evaluation at every poll (a fifth of an idle check's CPU, docs/performance.md)."""
         last = self._last_evaluation
-        if last is not None:
+        # A signal counted over a window (issue 29) is judged again as time passes, readings unchanged.
+        timed = basis is not None and basis.signal_memory.pending
+        if last is not None and not timed:
             if snapshot is last[0] and basis is last[1]:
                 return last[2]  # the backend's very snapshot again (nothing read differently): no compare
             if snapshot == last[0] and basis == last[1]:
                 return last[2]
-        verdict = evaluate(snapshot, previous=basis, settings=self._policy)
+        # The signals' windows run on the agent's clock (the backend may return its last snapshot again).
+        stamped = replace(snapshot, taken_at=self._clock())
+        verdict = evaluate(stamped, previous=basis, settings=self._policy)
         if verdict == basis:
             # The same judgement as before: keep the one object, so the next check's memo matches by identity.
             verdict = basis

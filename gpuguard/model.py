@@ -155,8 +155,10 @@ class Snapshot:
     node_error: str | None = None
     # NVIDIA display/3D controllers on the PCI bus (sysfs) that NVML does not list: their PCI addresses.
     bus_only: tuple[str, ...] = ()
-    # When the pass was read (the backend's monotonic clock, seconds): the time base of the signals' windows.
-    taken_at: float = 0.0
+    # When the pass was judged, in seconds: the time base of the signals' windows. The agent stamps its own
+    # monotonic clock on every snapshot it judges; the mock stamps its scenario time. Not compared: the same
+    # readings at another time are the same snapshot.
+    taken_at: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,14 @@ class SignalMemory:
     counters: tuple[tuple[str, tuple[tuple[float, int], ...]], ...] = ()
     clock_samples: tuple[tuple[str, tuple[tuple[float, int], ...]], ...] = ()
     fabric_incomplete_since: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def pending(self) -> bool:
+        """Whether time alone can change a judgement (a grace running, events or a counter's rise within a
+        window): the agent then judges again although nothing read differently."""
+        return bool(self.fabric_incomplete_since or self.clock_samples) or any(
+            len(samples) > 1 for _, samples in self.counters
+        )
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,17 @@ class Device:
     unsupported: bool = False
     register_failures: int = 0
     register_retry_at: float = 0.0
+    # Issue 29's signals (nvml.real.signalreads): the reads that answered NOT_SUPPORTED (not asked again),
+    # the NVLink count, the PCIe maxima (read once), the InfoROM's last validation and when to validate again,
+    # the NVLink states and when they are read again.
+    signals_unsupported: set[str] = field(default_factory=set)
+    nvlink_links: int | None = None
+    pcie_max: tuple[int | None, int | None] | None = None
+    inforom_valid: bool | None = None
+    inforom_at: float = 0.0
+    nvlink_active: frozenset[int] | None = None
+    nvlink_at: float = 0.0
+    nvlink_errors: int | None = None
     # The last pass's reading and what it was built from (readings.read reuses it while nothing differs).
     last_reading: tuple[tuple[Any, ...], GpuReading] | None = field(default=None, compare=False, repr=False)
 

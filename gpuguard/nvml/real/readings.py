@@ -8,7 +8,7 @@ from typing import Any
 
 import pynvml
 
-from gpuguard.model import GpuReading
+from gpuguard.model import GpuReading, SignalReadings
 from gpuguard.nvml.real.common import (
     ERROR_NAMES,
     FI_GPU_RECOVERY_ACTION,
@@ -19,6 +19,7 @@ from gpuguard.nvml.real.common import (
     text,
 )
 from gpuguard.nvml.real.deadline import Hang, Pass
+from gpuguard.nvml.real.signalreads import read_signals
 
 
 def describe(index: int, handle: Any, uuid: str, p: Pass) -> Device:
@@ -78,7 +79,8 @@ def read(d: Device, watched: bool, watch_note: str, p: Pass, now: float) -> GpuR
     if d.lost_at_enumeration:
         return _reading(d, watched, watch_note, _LOST_VALUES)
     if d.enumeration_error:
-        return _reading(d, watched, watch_note, (None, None, None, None, (d.enumeration_error,), True, None))
+        failed: _Values = (None, None, None, None, (d.enumeration_error,), True, None, _NO_SIGNALS)
+        return _reading(d, watched, watch_note, failed)
     p.at("nvmlDeviceGetTotalEccErrors", d.uuid, d.index)
     ecc: int | None = None
     remap_failure: bool | None = None
@@ -154,17 +156,30 @@ def read(d: Device, watched: bool, watch_note: str, p: Pass, now: float) -> GpuR
                 d.retired_supported = False  # Ampere and newer remap rows instead: not applicable
             else:
                 errors.append(f"retired:{error_name(exc)}")
+    try:
+        signals, signal_errors = read_signals(d, p, now)
+    except pynvml.NVMLError:  # GPU_IS_LOST: the only error read_signals raises
+        return _reading(d, watched, watch_note, _LOST_VALUES)
+    errors.extend(signal_errors)
     unreadable = not answered and bool(errors)
-    values = (ecc, remap_failure, remap_pending, action, tuple(errors), unreadable, retired)
+    values = (ecc, remap_failure, remap_pending, action, tuple(errors), unreadable, retired, signals)
     return _reading(d, watched, watch_note, values)
 
 
-# (ecc_uncorrected, remap_failure, remap_pending, recovery_action, transient_errors, unreadable); a lost GPU
-# answers nothing: only its identity and the fact that it is lost.
+# (ecc_uncorrected, remap_failure, remap_pending, recovery_action, transient_errors, unreadable, retired,
+# signals); a lost GPU answers nothing: only its identity and the fact that it is lost.
 _Values = tuple[
-    int | None, bool | None, bool | None, int | None, tuple[str, ...], bool, tuple[int, bool] | None
+    int | None,
+    bool | None,
+    bool | None,
+    int | None,
+    tuple[str, ...],
+    bool,
+    tuple[int, bool] | None,
+    SignalReadings,
 ]
-_LOST_VALUES: _Values = (None, None, None, None, (), False, None)
+_NO_SIGNALS = SignalReadings()
+_LOST_VALUES: _Values = (None, None, None, None, (), False, None, _NO_SIGNALS)
 
 
 def _reading(d: Device, watched: bool, watch_note: str, values: _Values) -> GpuReading:
@@ -174,7 +189,7 @@ def _reading(d: Device, watched: bool, watch_note: str, values: _Values) -> GpuR
     last = d.last_reading
     if last is not None and last[0] == key:
         return last[1]
-    ecc, remap_failure, remap_pending, action, errors, unreadable, retired = values
+    ecc, remap_failure, remap_pending, action, errors, unreadable, retired, signals = values
     reading = GpuReading(
         index=d.index,
         uuid=d.uuid,
@@ -192,6 +207,7 @@ def _reading(d: Device, watched: bool, watch_note: str, values: _Values) -> GpuR
         lost=lost,
         retired_pages=retired[0] if retired else None,
         retired_pending=retired[1] if retired else None,
+        signals=signals,
     )
     d.last_reading = (key, reading)
     return reading
