@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 
@@ -21,6 +21,7 @@ from gpuguard.nvml.base import Backend, wait_for
 from gpuguard.policy import evaluate
 from gpuguard.quarantine.node.writers import DRY_RUN_NODE
 from gpuguard.quarantine.reconciler import NodeReconciler
+from gpuguard.signalconfig import SignalConfig
 from gpuguard.state import StateStore
 from gpuguard.xidcatalog import CATALOG
 
@@ -50,10 +51,12 @@ class Agent:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], datetime] = lambda: datetime.now(UTC),
         stop: threading.Event | None = None,
+        signal_config: SignalConfig | None = None,
     ) -> None:
         self._backend = backend
         self._reconciler = reconciler
         self._policy = policy
+        self._signal_config = signal_config
         self._interval = interval
         self._node_name = node_name
         self._log_node = node_name or DRY_RUN_NODE  # the name the node's own lines use, also in a dry run
@@ -166,6 +169,18 @@ class Agent:
                 sum(1 for g in node.gpus if g.deferred),
             )
         return verdict
+
+    def node_labels(self, labels: Mapping[str, str]) -> None:
+        """The node's labels as last read (the reconciler's thread): --signals-config's node rules that
+        select them apply from the next check on. One log line when the table changes."""
+        if self._signal_config is None:
+            return
+        table = self._signal_config.table(labels)
+        if table != self._policy.signals:
+            self._policy = replace(self._policy, signals=table)
+            log.info(
+                "signals.node_rules", node=self._log_node, rules=list(self._signal_config.matching(labels))
+            )
 
     def _evaluate(self, snapshot: Snapshot, basis: Verdict | None) -> Verdict:
         """policy.evaluate, remembered for the last arguments: it is pure (no clock, no I/O), so the same

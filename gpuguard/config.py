@@ -13,6 +13,7 @@ from fractions import Fraction
 
 from gpuguard import validation
 from gpuguard.errors import ConfigError
+from gpuguard.signalconfig import SignalConfig
 from gpuguard.signals import SIGNALS, SignalTable
 from gpuguard.xidcatalog import CATALOG
 
@@ -224,6 +225,12 @@ class Config:
     log_format: str = "auto"
     expected_gpus_label: str = GPU_COUNT_LABEL
     """`check` only: the node label holding the node's GPU count ("": the node is never read)."""
+    pci_root: str | None = "/sys/bus/pci/devices"
+    """Where the NVIDIA GPUs on the PCI bus are listed (gpu-missing against NVML); tests point it elsewhere,
+    None: not compared."""
+    signals_config: SignalConfig | None = None
+    """--signals-config, parsed: its global part is in policy.signals; its node rules apply once the agent
+    has read its node's labels."""
     policy: PolicySettings = field(default_factory=PolicySettings)
     node: NodeSettings = field(default_factory=NodeSettings)
     server: ServerSettings = field(default_factory=ServerSettings)

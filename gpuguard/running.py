@@ -47,7 +47,7 @@ def make_backend(cfg: Config, *, start_at: float = 0.0) -> Backend:
         return MockBackend(load_scenario(cfg.scenario), start_at=start_at)
     from gpuguard.nvml.real import NvmlBackend  # noqa: PLC0415 - pynvml only when asked for
 
-    return NvmlBackend(deadline=cfg.nvml_call_timeout)
+    return NvmlBackend(deadline=cfg.nvml_call_timeout, pci_root=cfg.pci_root)
 
 
 # A host up for less than this is a new (or just rebooted) node: its agent reads the node at once, because the
@@ -241,7 +241,9 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         flap_window=cfg.node.flap_window,
         library_wait=None if cfg.backend != "nvml" or cfg.policy.allow_no_gpu else cfg.nvml_load_timeout,
         call_wait=float(getattr(backend, "longest_wait", 0.0)),
+        signal_config=cfg.signals_config,
     )
+    reconciler.on_node = agent.node_labels  # --signals-config's node rules, from the node's labels
     return Parts(
         agent=agent,
         reconciler=reconciler,
