@@ -116,8 +116,8 @@ def judge(snapshot: Snapshot, *, previous: Verdict, table: SignalTable) -> Signa
         if g.lost:
             continue
         found = _gpu(g, mem, table, snapshot.taken_at, prev_by_uuid.get(g.uuid))
-        faults[g.uuid] = tuple(f for f in found if table.level(f.reason) == FAULT)
-        degraded[g.uuid] = tuple(f for f in found if table.level(f.reason) == DEGRADED)
+        faults[g.uuid] = tuple(f for level, f in found if level == FAULT)
+        degraded[g.uuid] = tuple(f for level, f in found if level == DEGRADED)
     bus = table["gpu-missing"]
     node = _bus_only(snapshot, previous)
     return SignalOutcome(
@@ -146,23 +146,25 @@ def _bus_only(snapshot: Snapshot, previous: Verdict) -> tuple[Fault, ...]:
     return (Fault(GPU_MISSING, f"{what} on the PCI bus but absent from NVML"),)
 
 
-def _gpu(g: GpuReading, mem: _Memory, table: SignalTable, now: float, prev: GpuVerdict | None) -> list[Fault]:
+def _gpu(
+    g: GpuReading, mem: _Memory, table: SignalTable, now: float, prev: GpuVerdict | None
+) -> list[tuple[str, Fault]]:
     failed = {e.split(":", 1)[0] for e in g.transient_errors}
     where = f"(GPU {g.index}, {g.uuid})"
-    found: list[Fault] = []
+    found: list[tuple[str, Fault]] = []
     if "clocks" not in failed:
         _clock_sample(g, mem, now, max(table[name].window_s for name in CLOCK_BITS))
     for s in table:
         rule = _RULES.get(s.name)
         if rule is None:
             continue
-        if SOURCES[s.name] in failed:
+        if failed and SOURCES[s.name] in failed:
             # No reading this pass: the last judgement stands (and the memory is left as it was).
-            found.extend(_last(prev, s.name))
+            found.extend((s.level, f) for f in _last(prev, s.name))
             continue
         detail = rule(g, s, mem, now)
         if detail and s.level != IGNORE:
-            found.append(Fault(s.name, f"{detail} {where}", uuid=g.uuid, gpu_index=g.index))
+            found.append((s.level, Fault(s.name, f"{detail} {where}", uuid=g.uuid, gpu_index=g.index)))
     return found
 
 

@@ -13,6 +13,7 @@ import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
+from functools import cached_property
 from importlib import resources
 
 from gpuguard.errors import ConfigError
@@ -49,11 +50,12 @@ class SignalTable:
 
     signals: tuple[Signal, ...]
 
+    @cached_property
+    def _by_name(self) -> dict[str, Signal]:
+        return {s.name: s for s in self.signals}
+
     def __getitem__(self, name: str) -> Signal:
-        for s in self.signals:
-            if s.name == name:
-                return s
-        raise KeyError(name)
+        return self._by_name[name]
 
     def __iter__(self) -> Iterator[Signal]:
         return iter(self.signals)

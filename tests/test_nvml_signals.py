@@ -54,23 +54,24 @@ print(json.dumps(results))
 """
 
 # signal: (the clean gpu keys, [(time, the tripped gpu keys)], the call that NOT_SUPPORTED / a transient
-# error names, when it recovers).
+# error names, when it recovers). The fabric, the PCIe link and the NVLink states are read every 30 s (at
+# once while a fabric is not completed), the InfoROM every 600 s: a change is read when they are due.
 SIGNAL_CASES: dict[str, tuple[str, list[tuple[float, str]], str, float]] = {
     "fabric-incomplete": (
         "fabric_state=3",
-        [(10, "fabric_state=2"), (400, "fabric_state=2")],
+        [(40, "fabric_state=2"), (400, "fabric_state=2")],
         "nvmlDeviceGetGpuFabricInfoV",
         1000,
     ),
     "fabric-status": (
         "fabric_state=3",
-        [(10, "fabric_state=3 fabric_status=UNKNOWN")],
+        [(40, "fabric_state=3 fabric_status=UNKNOWN")],
         "nvmlDeviceGetGpuFabricInfoV",
         1000,
     ),
     "fabric-degraded": (
         "fabric_state=3 fabric_health=170",
-        [(10, "fabric_state=3 fabric_health=169")],
+        [(40, "fabric_state=3 fabric_health=169")],
         "nvmlDeviceGetGpuFabricInfoV",
         1000,
     ),
@@ -86,7 +87,7 @@ SIGNAL_CASES: dict[str, tuple[str, list[tuple[float, str]], str, float]] = {
         "nvmlDeviceGetFieldValues",
         1000,
     ),
-    "pcie-width": ("pcie_width=16", [(10, "pcie_width=8")], "nvmlDeviceGetCurrPcieLinkWidth", 1000),
+    "pcie-width": ("pcie_width=16", [(40, "pcie_width=8")], "nvmlDeviceGetCurrPcieLinkWidth", 1000),
     "pcie-replays": ("pcie_replays=3", [(10, "pcie_replays=12")], "nvmlDeviceGetFieldValues", 1000),
     "clock-hw-slowdown": (
         "clock_events=1",
@@ -124,7 +125,14 @@ SIGNAL_CASES: dict[str, tuple[str, list[tuple[float, str]], str, float]] = {
 
 
 # Read less often than every pass: when the first read after the one at 0 comes (nvml.real.signalreads).
-FIRST_READ_AGAIN = {"nvlink-down": 30.0, "inforom-invalid": 600.0}
+FIRST_READ_AGAIN = {
+    "fabric-incomplete": 30.0,
+    "fabric-status": 30.0,
+    "fabric-degraded": 30.0,
+    "pcie-width": 30.0,
+    "nvlink-down": 30.0,
+    "inforom-invalid": 600.0,
+}
 
 
 def gpus(keys: str, extra: str = "") -> str:

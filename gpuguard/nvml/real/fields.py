@@ -1,5 +1,6 @@
-"""The cheap counters of issue 29's signals, read in one nvmlDeviceGetFieldValues call per GPU and pass:
-NVLink link count and CRC / replay / recovery error totals, the PCIe replay counter."""
+"""The one nvmlDeviceGetFieldValues call per GPU and pass: the driver's recovery action and the cheap
+counters of issue 29's signals (NVLink link count and CRC / replay / recovery error totals, the PCIe replay
+counter)."""
 
 from __future__ import annotations
 
@@ -31,18 +32,20 @@ _VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5
 _field = object.__getattribute__
 
 
-def read_fields(handle: Any) -> tuple[dict[int, int], str]:
-    """(the answered fields by id, the first field error other than NOT_SUPPORTED, or "").
+Fields = dict[int, tuple[int | None, str]]
 
-    A field the GPU lacks answers NOT_SUPPORTED in its own nvmlReturn: left out (not applicable). The call
-    itself failing raises pynvml.NVMLError, as every other read does."""
-    values: dict[int, int] = {}
-    error = ""
-    for fv in pynvml.nvmlDeviceGetFieldValues(handle, list(SIGNAL_FIELDS)):
+
+def read_fields(handle: Any, ids: tuple[int, ...]) -> Fields:
+    """One nvmlDeviceGetFieldValues call: each field id -> (its value, "") or (None, its own NVML error
+    name: NOT_SUPPORTED where the GPU lacks it). The call itself failing raises pynvml.NVMLError, as every
+    other read does."""
+    out: Fields = {}
+    for fv in pynvml.nvmlDeviceGetFieldValues(handle, list(ids)):
         ret = int(_field(fv, "nvmlReturn"))
-        if ret == pynvml.NVML_SUCCESS:
-            member = _VALUE_MEMBERS.get(int(_field(fv, "valueType")), "uiVal")
-            values[int(_field(fv, "fieldId"))] = int(getattr(_field(fv, "value"), member))
-        elif ret not in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND) and not error:
-            error = ERROR_NAMES.get(ret, f"NVML error {ret}")
-    return values, error
+        fid = int(_field(fv, "fieldId"))
+        if ret != pynvml.NVML_SUCCESS:
+            out[fid] = (None, ERROR_NAMES.get(ret, f"NVML error {ret}"))
+            continue
+        member = _VALUE_MEMBERS.get(int(_field(fv, "valueType")), "uiVal")
+        out[fid] = (int(getattr(_field(fv, "value"), member)), "")
+    return out

@@ -10,7 +10,6 @@ import pynvml
 
 from gpuguard.model import GpuReading, SignalReadings
 from gpuguard.nvml.real.common import (
-    ERROR_NAMES,
     FI_GPU_RECOVERY_ACTION,
     Device,
     error_name,
@@ -19,6 +18,7 @@ from gpuguard.nvml.real.common import (
     text,
 )
 from gpuguard.nvml.real.deadline import Hang, Pass
+from gpuguard.nvml.real.fields import SIGNAL_FIELDS, Fields, read_fields
 from gpuguard.nvml.real.signalreads import read_signals
 
 
@@ -116,24 +116,33 @@ def read(d: Device, watched: bool, watch_note: str, p: Pass, now: float) -> GpuR
             d.remap_supported = False  # pre-Ampere, some vGPU and MIG set-ups: not applicable
         else:
             errors.append(f"remap:{error_name(exc)}")
-    if d.recovery_supported or now >= d.recovery_probe_at:
+    # One field-values call: the recovery action (while supported, or probed again) and the signals' fields.
+    ask_recovery = d.recovery_supported or now >= d.recovery_probe_at
+    ask_signals = "fields" not in d.signal_state.unsupported
+    fields: Fields = {}
+    field_error = ""
+    if ask_recovery or ask_signals:
+        ids = (d.signal_state.field_ids or SIGNAL_FIELDS) if ask_signals else ()
         try:
             p.call = "nvmlDeviceGetFieldValues"
-            action, error = _recovery_action(d.handle)
-            d.recovery_supported = error != "NOT_SUPPORTED"
-            if not d.recovery_supported:
-                d.recovery_probe_at = now + RECOVERY_PROBE_S
-            elif error:
-                errors.append(f"recovery:{error}")
-            else:
-                answered += 1
+            fields = read_fields(d.handle, (FI_GPU_RECOVERY_ACTION, *ids) if ask_recovery else ids)
         except pynvml.NVMLError as exc:
             if is_lost(exc):
                 return _reading(d, watched, watch_note, _LOST_VALUES)
             if not_supported(exc):
-                d.recovery_supported, d.recovery_probe_at = False, now + RECOVERY_PROBE_S
+                d.signal_state.unsupported.add("fields")
+                fields = {FI_GPU_RECOVERY_ACTION: (None, "NOT_SUPPORTED")}
             else:
-                errors.append(f"recovery:{error_name(exc)}")
+                field_error = error_name(exc)
+    if ask_recovery:
+        action, error = fields.get(FI_GPU_RECOVERY_ACTION, (None, field_error))
+        d.recovery_supported = error != "NOT_SUPPORTED"
+        if not d.recovery_supported:
+            d.recovery_probe_at = now + RECOVERY_PROBE_S
+        elif error:
+            errors.append(f"recovery:{error}")
+        else:
+            answered += 1
     if not answered and not errors:
         # Nothing else is polled on this GPU: probe it so a lost or broken GPU still shows.
         try:
@@ -157,7 +166,7 @@ def read(d: Device, watched: bool, watch_note: str, p: Pass, now: float) -> GpuR
             else:
                 errors.append(f"retired:{error_name(exc)}")
     try:
-        signals, signal_errors = read_signals(d, p, now)
+        signals, signal_errors = read_signals(d, p, now, fields, field_error)
     except pynvml.NVMLError:  # GPU_IS_LOST: the only error read_signals raises
         return _reading(d, watched, watch_note, _LOST_VALUES)
     errors.extend(signal_errors)
@@ -220,26 +229,6 @@ def _retired_pages(d: Device, p: Pass) -> tuple[int, bool]:
     p.call = "nvmlDeviceGetRetiredPages"
     count = sum(len(pynvml.nvmlDeviceGetRetiredPages(d.handle, cause)) for cause in (0, 1))  # SBE, DBE
     return count, pending
-
-
-def _recovery_action(handle: Any) -> tuple[int | None, str]:
-    """NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: (value, "") or (None, the field's own NVML error name)."""
-    fv = pynvml.nvmlDeviceGetFieldValues(handle, [FI_GPU_RECOVERY_ACTION])[0]
-    # The ctypes fields are read past pynvml's Python-level __getattribute__ (which only decodes bytes, and
-    # these are numbers): a third of the read's cost otherwise.
-    ret = int(_field(fv, "nvmlReturn"))
-    if ret != pynvml.NVML_SUCCESS:
-        return None, ERROR_NAMES.get(ret, f"NVML error {ret}")
-    # nvmlValueType_t: 0 double, 1 uint, 2 ulong, 3 ulonglong, 4 slonglong, 5 sint, 6 ushort. Only the member
-    # the type names is read (each read of a ctypes union member costs as much as the NVML call's wrapper).
-    member = _VALUE_MEMBERS.get(int(_field(fv, "valueType")), "uiVal")
-    return int(getattr(_field(fv, "value"), member)), ""
-
-
-_field = object.__getattribute__
-
-
-_VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal"}
 
 
 def _optional(fn: Any, default: str) -> str:

@@ -1,12 +1,17 @@
 """One GPU's reading of issue 29's signals, in the pass of its other reads (nvml.real.readings).
 
-Per GPU and pass: one nvmlDeviceGetFieldValues call (NVLink and PCIe counters), nvmlDeviceGetGpuFabricInfoV,
-the current PCIe link width and generation, nvmlDeviceGetCurrentClocksEventReasons. Less often: the NVLink
-states (one call per link) when the NVLink error counters moved or every NVLINK_EVERY_S, the PCIe maxima once,
-nvmlDeviceValidateInforom (a checksum of the InfoROM) every INFOROM_EVERY_S. A read that answers
-NOT_SUPPORTED is not applicable: None, never asked again for this GPU. Any other error is a transient one:
-"<source>:<NAME>" in the reading's transient_errors and no value this pass (the judge keeps its last
-judgement). GPU_IS_LOST is raised to the caller, which reports the GPU lost.
+Every pass: the signals' fields (read with the recovery action in the GPU's one nvmlDeviceGetFieldValues
+call: NVLink and PCIe counters) and nvmlDeviceGetCurrentClocksEventReasons (clock events are counted per
+check). Every SLOW_EVERY_S: the PCIe link's width and generation (the maxima once), the fabric
+(nvmlDeviceGetGpuFabricInfoV; every pass while it is not completed and successful, so the grace of
+fabric-incomplete is timed from the pass that saw it), the NVLink states (one call per link; at once when
+the NVLink error counters moved, as a link that goes down raises them). Every INFOROM_EVERY_S:
+nvmlDeviceValidateInforom (a checksum of the InfoROM). The values in between are the last ones read.
+
+A read that answers NOT_SUPPORTED is not applicable: None, never asked again for this GPU. Any other error
+is a transient one: "<source>:<NAME>" in the reading's transient_errors, no value this pass (the judge keeps
+its last judgement) and the read is due again at the next pass. GPU_IS_LOST is raised to the caller, which
+reports the GPU lost.
 """
 
 from __future__ import annotations
@@ -17,34 +22,35 @@ from typing import Any, TypeVar
 import pynvml
 
 from gpuguard.model import SignalReadings
-from gpuguard.nvml.real.common import Device, error_name, is_lost, not_supported
+from gpuguard.nvml.real.common import Device, SignalState, error_name, is_lost, not_supported
 from gpuguard.nvml.real.deadline import Pass
 from gpuguard.nvml.real.fabric import read_fabric
 from gpuguard.nvml.real.fields import (
     FI_NVLINK_LINK_COUNT,
     FI_PCIE_REPLAY_COUNTER,
     NVLINK_ERROR_FIELDS,
-    read_fields,
+    Fields,
 )
 
-# An NVLink that goes down raises its recovery and replay counters, which are read every pass: the states
-# (18 calls on an HGX GPU) are read again at once then, and otherwise this often.
-NVLINK_EVERY_S = 30.0
+# A link width, a fabric registration or an NVLink that changes is judged `degraded` (or a fabric fault
+# that also shows in Xids): seen within this long is soon enough, for a fifth of the calls of a pass.
+SLOW_EVERY_S = 30.0
 # nvmlDeviceValidateInforom checksums the InfoROM: not a per-poll read.
 INFOROM_EVERY_S = 600.0
+_FABRIC_OK = (3, "SUCCESS")  # NVML_GPU_FABRIC_STATE_COMPLETED, NVML_SUCCESS
 
 T = TypeVar("T")
 
 
 class _Reads:
-    """The errors of one GPU's signal reads in one pass."""
+    """One GPU's signal reads in one pass, and their transient errors."""
 
-    def __init__(self, d: Device, p: Pass) -> None:
-        self.d, self.p = d, p
+    def __init__(self, s: SignalState, p: Pass) -> None:
+        self.s, self.p = s, p
         self.errors: list[str] = []
 
     def ask(self, source: str, call: str, fn: Callable[[], T]) -> T | None:
-        if source in self.d.signals_unsupported:
+        if source in self.s.unsupported:
             return None
         self.p.call = call
         try:
@@ -53,85 +59,125 @@ class _Reads:
             if is_lost(exc):
                 raise
             if not_supported(exc):
-                self.d.signals_unsupported.add(source)
+                self.s.unsupported.add(source)
             else:
                 self.errors.append(f"{source}:{error_name(exc)}")
             return None
 
 
-def read_signals(d: Device, p: Pass, now: float) -> tuple[SignalReadings, list[str]]:
-    """This pass's signal readings of one GPU and the transient errors of their reads."""
-    r = _Reads(d, p)
-    h = d.handle
-    fields = r.ask("fields", "nvmlDeviceGetFieldValues", lambda: read_fields(h))
-    values: dict[int, int] = {}
-    if fields is not None:
-        values, field_error = fields
-        if field_error:
-            r.errors.append(f"fields:{field_error}")
+def read_signals(
+    d: Device, p: Pass, now: float, fields: Fields, field_error: str
+) -> tuple[SignalReadings, list[str]]:
+    """This pass's signal readings of one GPU and the transient errors of their reads. `fields`: the GPU's
+    field-values call of this pass (`field_error`: the call's own error)."""
+    s, h = d.signal_state, d.handle
+    r = _Reads(s, p)
+    values = _fields(s, r, fields, field_error)
     if FI_NVLINK_LINK_COUNT in values:
-        d.nvlink_links = values[FI_NVLINK_LINK_COUNT]
+        s.nvlink_links = values[FI_NVLINK_LINK_COUNT]
     nvlink_errors = None
     if all(f in values for f in NVLINK_ERROR_FIELDS):
         nvlink_errors = sum(values[f] for f in NVLINK_ERROR_FIELDS)
-    fabric = r.ask("fabric", "nvmlDeviceGetGpuFabricInfoV", lambda: read_fabric(h))
-    width = r.ask(
-        "pcie", "nvmlDeviceGetCurrPcieLinkWidth", lambda: int(pynvml.nvmlDeviceGetCurrPcieLinkWidth(h))
-    )
-    gen = None
-    if width is not None:
-        gen = r.ask(
-            "pcie",
-            "nvmlDeviceGetCurrPcieLinkGeneration",
-            lambda: _int(pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h)),
-        )
-        if d.pcie_max is None and gen is not None:
-            max_width = r.ask(
-                "pcie", "nvmlDeviceGetMaxPcieLinkWidth", lambda: _int(pynvml.nvmlDeviceGetMaxPcieLinkWidth(h))
-            )
-            max_gen = r.ask(
-                "pcie",
-                "nvmlDeviceGetMaxPcieLinkGeneration",
-                lambda: _int(pynvml.nvmlDeviceGetMaxPcieLinkGeneration(h)),
-            )
-            if max_width is not None and max_gen is not None:
-                d.pcie_max = (max_width, max_gen)
     clocks = r.ask(
         "clocks",
         "nvmlDeviceGetCurrentClocksEventReasons",
-        lambda: _int(pynvml.nvmlDeviceGetCurrentClocksEventReasons(h)),
+        lambda: int(pynvml.nvmlDeviceGetCurrentClocksEventReasons(h)),
     )
-    if now >= d.inforom_at and "inforom" not in d.signals_unsupported:
-        d.inforom_valid = _inforom(r, h)
-        d.inforom_at = now + INFOROM_EVERY_S if d.inforom_valid is not None else now
-    if d.nvlink_links and (now >= d.nvlink_at or nvlink_errors != d.nvlink_errors):
-        active = _links(r, h, d.nvlink_links)
-        d.nvlink_active = active
-        d.nvlink_at = now + NVLINK_EVERY_S if active is not None else now
-    d.nvlink_errors = nvlink_errors
-    readings = SignalReadings(
-        fabric_state=fabric[0] if fabric else None,
-        fabric_status=fabric[1] if fabric else None,
-        fabric_health=fabric[2] if fabric else None,
-        nvlink_active=d.nvlink_active if d.nvlink_links else None,
-        nvlink_links=d.nvlink_links or None,
-        nvlink_errors=nvlink_errors,
-        pcie_width=width,
-        pcie_max_width=d.pcie_max[0] if d.pcie_max else None,
-        pcie_gen=gen,
-        pcie_max_gen=d.pcie_max[1] if d.pcie_max else None,
-        pcie_replays=values.get(FI_PCIE_REPLAY_COUNTER),
-        clock_events=clocks,
-        inforom_valid=d.inforom_valid,
+    if now >= s.fabric_at or (s.fabric is not None and s.fabric[:2] != _FABRIC_OK):
+        s.fabric = r.ask("fabric", "nvmlDeviceGetGpuFabricInfoV", lambda: read_fabric(h))
+        s.fabric_at = now + SLOW_EVERY_S if s.fabric is not None else now
+    if now >= s.pcie_at:
+        s.pcie = _pcie(s, r, h)
+        s.pcie_at = now + SLOW_EVERY_S if s.pcie is not None else now
+    if s.nvlink_links and (now >= s.nvlink_at or nvlink_errors != s.nvlink_errors):
+        s.nvlink_active = _links(r, h, s.nvlink_links)
+        s.nvlink_at = now + SLOW_EVERY_S if s.nvlink_active is not None else now
+    s.nvlink_errors = nvlink_errors
+    if now >= s.inforom_at and "inforom" not in s.unsupported:
+        s.inforom_valid = _inforom(s, r, h)
+        s.inforom_at = now + INFOROM_EVERY_S if s.inforom_valid is not None else now
+    replays = values.get(FI_PCIE_REPLAY_COUNTER)
+    key = (s.fabric, s.nvlink_active, s.nvlink_links, nvlink_errors, s.pcie, s.pcie_max, replays, clocks)
+    if s.last is None or key != s.last_key or s.inforom_valid != s.last.inforom_valid:
+        # A new readings object only when a value changed: a steady GPU hands on the last one.
+        s.last_key = key
+        s.last = SignalReadings(
+            fabric_state=s.fabric[0] if s.fabric else None,
+            fabric_status=s.fabric[1] if s.fabric else None,
+            fabric_health=s.fabric[2] if s.fabric else None,
+            nvlink_active=s.nvlink_active if s.nvlink_links else None,
+            nvlink_links=s.nvlink_links or None,
+            nvlink_errors=nvlink_errors,
+            pcie_width=s.pcie[0] if s.pcie else None,
+            pcie_max_width=s.pcie_max[0] if s.pcie and s.pcie_max else None,
+            pcie_gen=s.pcie[1] if s.pcie else None,
+            pcie_max_gen=s.pcie_max[1] if s.pcie and s.pcie_max else None,
+            pcie_replays=replays,
+            clock_events=clocks,
+            inforom_valid=s.inforom_valid,
+        )
+    return s.last, r.errors
+
+
+def _fields(s: SignalState, r: _Reads, fields: Fields, field_error: str) -> dict[int, int]:
+    """The signal fields that answered; a field's own error other than NOT_SUPPORTED is transient. After the
+    first answer only the fields still needed are asked for: the NVLink count is known, a GPU without NVLink
+    (its count NOT_SUPPORTED or 0) has no NVLink counters, and a field NOT_SUPPORTED stays so."""
+    if "fields" in s.unsupported:
+        return {}
+    if field_error:
+        r.errors.append(f"fields:{field_error}")
+        return {}
+    values = {}
+    for fid, (value, error) in fields.items():
+        if value is not None:
+            values[fid] = value
+        elif error not in ("NOT_SUPPORTED", "FUNCTION_NOT_FOUND") and fid in _SIGNAL_IDS:
+            r.errors.append(f"fields:{error}")
+    if not s.field_ids and not r.errors:
+        keep = [f for f in _SIGNAL_IDS_ORDERED if f in values and f != FI_NVLINK_LINK_COUNT]
+        if not values.get(FI_NVLINK_LINK_COUNT):
+            keep = [f for f in keep if f not in NVLINK_ERROR_FIELDS]
+        s.field_ids = tuple(keep)
+        if not keep:
+            s.unsupported.add("fields")
+    return values
+
+
+_SIGNAL_IDS_ORDERED = (FI_NVLINK_LINK_COUNT, *NVLINK_ERROR_FIELDS, FI_PCIE_REPLAY_COUNTER)
+_SIGNAL_IDS = frozenset(_SIGNAL_IDS_ORDERED)
+
+
+def _pcie(s: SignalState, r: _Reads, h: Any) -> tuple[int, int] | None:
+    """(current width, current generation), and the maxima at the first read; None when a read failed."""
+    width = r.ask(
+        "pcie", "nvmlDeviceGetCurrPcieLinkWidth", lambda: int(pynvml.nvmlDeviceGetCurrPcieLinkWidth(h))
     )
-    return readings, r.errors
+    if width is None:
+        return None
+    gen = r.ask(
+        "pcie",
+        "nvmlDeviceGetCurrPcieLinkGeneration",
+        lambda: int(pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h)),
+    )
+    if gen is None:
+        return None
+    if s.pcie_max is None:
+        top_width = r.ask(
+            "pcie", "nvmlDeviceGetMaxPcieLinkWidth", lambda: int(pynvml.nvmlDeviceGetMaxPcieLinkWidth(h))
+        )
+        top_gen = r.ask(
+            "pcie",
+            "nvmlDeviceGetMaxPcieLinkGeneration",
+            lambda: int(pynvml.nvmlDeviceGetMaxPcieLinkGeneration(h)),
+        )
+        if top_width is None or top_gen is None:
+            return None
+        s.pcie_max = (top_width, top_gen)
+    return width, gen
 
 
-def _int(value: Any) -> int:
-    return int(value)
-
-
-def _inforom(r: _Reads, h: Any) -> bool | None:
+def _inforom(s: SignalState, r: _Reads, h: Any) -> bool | None:
     """True, False (CORRUPTED_INFOROM: the answer, not an error), None (not read)."""
     r.p.call = "nvmlDeviceValidateInforom"
     try:
@@ -143,7 +189,7 @@ def _inforom(r: _Reads, h: Any) -> bool | None:
         if is_lost(exc):
             raise
         if not_supported(exc):
-            r.d.signals_unsupported.add("inforom")
+            s.unsupported.add("inforom")
         else:
             r.errors.append(f"inforom:{error_name(exc)}")
         return None
