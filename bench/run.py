@@ -106,6 +106,16 @@ def nvml_rows(quick: bool) -> tuple[list[Row], dict[int, dict[str, float]]]:
         )
     per_gpu_8, per_gpu_256 = cpu[8]["cpu_us"] / 8, cpu[256]["cpu_us"] / 256
     rows[-1] = (*rows[-1][:3], verdict(per_gpu_256 <= per_gpu_8 * 1.5))
+    every = nvml_bench.cpu_per_check(8, checks=100 if quick else 500, signals=nvml_bench.ALL_SIGNALS)
+    rows.append(
+        (
+            "CPU per check with every health signal read (issue 29: 18 NVLinks and a fabric per GPU), 8 GPUs",
+            f"{every['cpu_us']:.0f} us CPU ({every['cpu_us'] / 8:.1f} us/GPU), "
+            f"{every['wall_us']:.0f} us wall; {every['cpu_us'] / cpu[8]['cpu_us']:.2f}x the check above",
+            "reference",
+            "",
+        )
+    )
     rss = nvml_bench.agent_rss(seconds=5 if quick else 20)
     rows.append(
         (
