@@ -52,11 +52,14 @@ class Agent:
         wall: Callable[[], datetime] = lambda: datetime.now(UTC),
         stop: threading.Event | None = None,
         signal_config: SignalConfig | None = None,
+        uptime: float | None = None,
     ) -> None:
         self._backend = backend
         self._reconciler = reconciler
         self._policy = policy
         self._signal_config = signal_config
+        # When the host booted, on the agent's clock (`uptime`: seconds since, at construction).
+        self._booted_at = None if uptime is None else clock() - uptime
         self._interval = interval
         self._node_name = node_name
         self._log_node = node_name or DRY_RUN_NODE  # the name the node's own lines use, also in a dry run
@@ -195,7 +198,7 @@ class Agent:
             if snapshot == last[0] and basis == last[1]:
                 return last[2]
         # The signals' windows run on the agent's clock (the backend may return its last snapshot again).
-        stamped = replace(snapshot, taken_at=self._clock())
+        stamped = replace(snapshot, taken_at=self._clock(), booted_at=self._booted_at)
         verdict = evaluate(stamped, previous=basis, settings=self._policy)
         if verdict == basis:
             # The same judgement as before: keep the one object, so the next check's memo matches by identity.

@@ -159,6 +159,8 @@ class Snapshot:
     # monotonic clock on every snapshot it judges; the mock stamps its scenario time. Not compared: the same
     # readings at another time are the same snapshot.
     taken_at: float = field(default=0.0, compare=False)
+    # When the host booted, on the same clock (None: not known): the fabric's grace runs from it.
+    booted_at: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

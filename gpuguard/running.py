@@ -7,6 +7,7 @@ import gc
 import random
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import FrameType
@@ -94,6 +95,11 @@ def check_once(cfg: Config, *, at: float | None = None) -> Check:
         snapshot = backend.snapshot()
     finally:
         backend.close()
+    # The fabric's grace runs from the boot: a preflight does not wait it out. A mock scenario's node boots
+    # when the scenario starts (`--at` seconds ago).
+    uptime = host_uptime() if cfg.backend == "nvml" else at or 0.0
+    now = time.monotonic()
+    snapshot = replace(snapshot, taken_at=now, booted_at=None if uptime is None else now - uptime)
     # One pass: an unreadable or unidentified GPU fails the preflight at once (watch waits 3 checks).
     verdict = evaluate(snapshot, previous=None, settings=replace(policy, unreadable_after=1))
     no_library = snapshot.init_error == "LIBRARY_NOT_FOUND" and not cfg.policy.allow_no_gpu
@@ -194,7 +200,8 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
     budget_source = fleet or writer
     budget = QuarantineBudget(budget_source, cfg.node)
     # The start-up jitter (--startup-jitter): a fleet started at once reaches the API server spread out.
-    delay = startup_delay(cfg, uptime=host_uptime())
+    uptime = host_uptime()
+    delay = startup_delay(cfg, uptime=uptime)
     state = None
     if cfg.state_dir and cfg.node.dry_run:
         # A dry run writes nothing, on the host either: a fault it kept would be restored, and written to
@@ -242,6 +249,7 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         library_wait=None if cfg.backend != "nvml" or cfg.policy.allow_no_gpu else cfg.nvml_load_timeout,
         call_wait=float(getattr(backend, "longest_wait", 0.0)),
         signal_config=cfg.signals_config,
+        uptime=uptime if cfg.backend == "nvml" else 0.0,  # a mock scenario's node boots with it
     )
     reconciler.on_node = agent.node_labels  # --signals-config's node rules, from the node's labels
     return Parts(

@@ -82,6 +82,7 @@ class _Memory:
     counters: dict[str, Samples]
     clocks: dict[str, Samples]
     fabric_since: dict[str, float]
+    booted_at: float | None = None  # the snapshot's, not remembered
 
     @classmethod
     def of(cls, m: SignalMemory) -> _Memory:
@@ -109,6 +110,7 @@ class _Memory:
 def judge(snapshot: Snapshot, *, previous: Verdict, table: SignalTable) -> SignalOutcome:
     """Judge every signal of every GPU the snapshot read, and the PCI bus against NVML."""
     mem = _Memory.of(previous.signal_memory)
+    mem.booted_at = snapshot.booted_at
     prev_by_uuid = {g.uuid: g for g in previous.gpus}
     faults: dict[str, tuple[Fault, ...]] = {}
     degraded: dict[str, tuple[Fault, ...]] = {}
@@ -180,10 +182,15 @@ def _fabric_incomplete(g: GpuReading, s: Signal, mem: _Memory, now: float) -> st
         mem.fabric_since.pop(g.uuid, None)
         return ""
     since = mem.fabric_since.setdefault(g.uuid, now)
-    if now - since < s.window_s:
+    # The grace runs from the host's boot where it is known (an agent started late, or `check`, need not
+    # wait another grace for a fabric that has been down since boot), else from the first such reading.
+    booted = mem.booted_at is not None and mem.booted_at < since
+    start = mem.booted_at if booted and mem.booted_at is not None else since
+    if now - start < s.window_s:
         return ""
+    after = "the host booted" if booted else "it was first read so"
     return (
-        f"the GPU fabric probe is {FABRIC_STATES[state]} {now - since:.0f} s after it was first read so "
+        f"the GPU fabric probe is {FABRIC_STATES[state]} {now - start:.0f} s after {after} "
         f"(grace {s.window_s:.0f} s): Fabric Manager has not registered the GPU, CUDA answers 'system not "
         "yet initialized'"
     )

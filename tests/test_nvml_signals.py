@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from gpuguard.signals import SIGNALS
-from tests.test_nvml_backend import ROOT, env
+from tests.test_nvml_backend import ROOT, check, env
 
 _SCRIPT = r"""
 import json, sys
@@ -256,3 +256,30 @@ def test_a_gpu_on_the_pci_bus_but_absent_from_nvml_is_gpu_missing_at_the_first_c
 ) -> None:
     steps = results["gpu-missing-at-boot"]
     assert [s["faults"] for s in steps] == [["gpu-missing"], ["gpu-missing"]]
+
+
+def test_check_fails_at_once_on_a_fabric_down_since_boot_and_a_mock_scenario_boots_with_its_start(
+    fakenvml: Path, tmp_path: Path
+) -> None:
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    if uptime < 400:
+        pytest.skip("the host booted within the fabric's grace")
+    state = tmp_path / "nvml.state"
+    state.write_text("".join(f"gpu {i} fabric_state=2\n" for i in range(8)))
+    code, doc, _ = check(fakenvml, state)
+    assert code == 1
+    assert {r.split(":")[0] for g in doc["gpus"] for r in g["reasons"]} == {"fabric-incomplete"}
+    assert len(doc["gpus"]) == 8
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text("gpus: 2\nevents:\n  - {at: 0, gpu: 1, fabric_state: in_progress}\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "gpuguard", "check", "--backend", "mock", "--scenario", str(scenario)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, check=False, env=env(fakenvml, state),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout  # the scenario's node has just booted: within the grace
+    r = subprocess.run(
+        [sys.executable, "-m", "gpuguard", "check", "--backend", "mock", "--scenario", str(scenario),
+         "--at", "400"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, check=False, env=env(fakenvml, state),
+    )  # fmt: skip
+    assert r.returncode == 1 and "fabric-incomplete" in r.stdout, r.stdout

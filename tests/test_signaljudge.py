@@ -259,3 +259,19 @@ def test_a_level_and_a_threshold_from_the_table_apply() -> None:
     one = run([Step(0, {"nvlink_active": LINKS}), Step(3, {"nvlink_active": LINKS - {1}})], settings)
     two = run([Step(0, {"nvlink_active": LINKS}), Step(3, {"nvlink_active": LINKS - {1, 2}})], settings)
     assert found(one[-1], "nvlink-down") == "" and found(two[-1], "nvlink-down") == "fault"
+
+
+def test_the_fabrics_grace_runs_from_the_hosts_boot_where_it_is_known() -> None:
+    """An agent started on a node whose fabric has been down since boot (or `check`) does not wait out
+    another grace; on a node that just booted the grace still runs."""
+    incomplete = reading({"fabric_state": 1})
+    late = evaluate(Snapshot(gpus=(incomplete,), taken_at=5000, booted_at=0), previous=None, settings=DEFAULT)
+    assert [f.reason for f in late.faults] == ["fabric-incomplete"]
+    assert "NOT_STARTED 5000 s after the host booted (grace 300 s)" in late.faults[0].detail
+    fresh = [Snapshot(gpus=(incomplete,), taken_at=t, booted_at=4950) for t in (5000, 5200, 5250)]
+    v = None
+    seen = []
+    for snap in fresh:
+        v = evaluate(snap, previous=v, settings=DEFAULT)
+        seen.append(found(v, "fabric-incomplete"))
+    assert seen == ["", "", "fault"]
