@@ -18,6 +18,7 @@ import pytest
 
 from gpuguard.signals import SIGNALS
 from tests.test_nvml_backend import ROOT, check, env
+from tests.test_nvml_faults import agent, reasons_of, watch_until
 
 _SCRIPT = r"""
 import json, sys
@@ -283,3 +284,22 @@ def test_check_fails_at_once_on_a_fabric_down_since_boot_and_a_mock_scenario_boo
         capture_output=True, text=True, timeout=60, cwd=ROOT, check=False, env=env(fakenvml, state),
     )  # fmt: skip
     assert r.returncode == 1 and "fabric-incomplete" in r.stdout, r.stdout
+
+
+def test_a_signal_read_that_hangs_is_gpu_unresponsive_naming_the_call(fakenvml: Path, tmp_path: Path) -> None:
+    """Every signal read runs under the pass's deadline: a clock event read that never returns on GPU 1 is
+    that GPU's gpu-unresponsive, naming the call, within the deadline; GPU 0 stays healthy."""
+    two = "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\n"
+    state = tmp_path / "nvml.state"
+    state.write_text(two)
+    with agent(fakenvml, state, "--nvml-call-timeout", "1") as p:
+        state.write_text(two + "hang nvmlDeviceGetCurrentClocksEventReasons gpu=1\n")
+        doc, took, _ = watch_until(p, lambda d: "gpu-unresponsive" in reasons_of(d, "GPU-0b"), 6)
+        assert reasons_of(doc, "GPU-0b") == ["gpu-unresponsive"] and reasons_of(doc, "GPU-0a") == [], doc
+        assert doc["nvml_stuck_calls"] == [
+            "nvmlDeviceGetCurrentClocksEventReasons has not returned within 1 s (GPU 1, GPU-0b)"
+        ]
+        assert took < 1 + 1.5
+        state.write_text(two)
+        doc, _, _ = watch_until(p, lambda d: not reasons_of(d, "GPU-0b"), 5)
+        assert reasons_of(doc, "GPU-0b") == [] and doc["nvml_stuck_calls"] == []
