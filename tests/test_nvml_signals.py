@@ -159,6 +159,10 @@ def scenarios(pci_root: str) -> dict[str, dict[str, Any]]:
                 (back, gpus(clean, failing)),
             ]
         }
+    # A GPU without a fabric answers state NOT_SUPPORTED: not applicable, never asked again.
+    out["fabric-state-not-supported"] = {
+        "steps": [(0, gpus("fabric_state=0")), (40, gpus("fabric_state=2")), (400, gpus("fabric_state=2"))]
+    }
     eight = "".join(f"gpu {i} fabric_state=1\n" for i in range(8))
     out["fabric-never-completes"] = {"steps": [(0, eight), (100, eight), (400, eight)]}
     out["gpu-missing-at-boot"] = {"steps": [(0, gpus("")), (3, gpus(""))], "pci_root": pci_root}
@@ -303,3 +307,10 @@ def test_a_signal_read_that_hangs_is_gpu_unresponsive_naming_the_call(fakenvml: 
         state.write_text(two)
         doc, _, _ = watch_until(p, lambda d: not reasons_of(d, "GPU-0b"), 5)
         assert reasons_of(doc, "GPU-0b") == [] and doc["nvml_stuck_calls"] == []
+
+
+def test_a_fabric_that_answers_state_not_supported_is_not_applicable_and_not_asked_again(
+    results: dict[str, list[dict[str, Any]]],
+) -> None:
+    steps = results["fabric-state-not-supported"]
+    assert all(not s["faults"] and not s["degraded"] and not s["errors"] for s in steps), steps

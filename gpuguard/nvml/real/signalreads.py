@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import pynvml
 
 from gpuguard.model import SignalReadings
-from gpuguard.nvml.real.common import Device, SignalState, error_name, is_lost, not_supported
+from gpuguard.nvml.real.common import Device, SignalState, code, error_name, is_lost, not_supported
 from gpuguard.nvml.real.deadline import Pass
 from gpuguard.nvml.real.fabric import read_fabric
 from gpuguard.nvml.real.fields import (
@@ -38,6 +38,7 @@ SLOW_EVERY_S = 30.0
 # nvmlDeviceValidateInforom checksums the InfoROM: not a per-poll read.
 INFOROM_EVERY_S = 600.0
 _FABRIC_OK = (3, "SUCCESS")  # NVML_GPU_FABRIC_STATE_COMPLETED, NVML_SUCCESS
+_FABRIC_STATE_NOT_SUPPORTED = 0  # NVML_GPU_FABRIC_STATE_NOT_SUPPORTED
 
 T = TypeVar("T")
 
@@ -58,7 +59,8 @@ class _Reads:
         except pynvml.NVMLError as exc:
             if is_lost(exc):
                 raise
-            if not_supported(exc):
+            if not_supported(exc) or code(exc) == pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH:
+                # A driver that lacks the call or this struct version: as not applicable as NOT_SUPPORTED.
                 self.s.unsupported.add(source)
             else:
                 self.errors.append(f"{source}:{error_name(exc)}")
@@ -85,6 +87,9 @@ def read_signals(
     )
     if now >= s.fabric_at or (s.fabric is not None and s.fabric[:2] != _FABRIC_OK):
         s.fabric = r.ask("fabric", "nvmlDeviceGetGpuFabricInfoV", lambda: read_fabric(h))
+        if s.fabric is not None and s.fabric[0] == _FABRIC_STATE_NOT_SUPPORTED:
+            s.fabric = None  # a GPU without a fabric (no NVSwitch) answers so: not applicable
+            s.unsupported.add("fabric")
         s.fabric_at = now + SLOW_EVERY_S if s.fabric is not None else now
     if now >= s.pcie_at:
         s.pcie = _pcie(s, r, h)
