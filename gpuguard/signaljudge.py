@@ -60,6 +60,8 @@ SOURCES = {
     "inforom-invalid": "inforom",
 }
 
+_ALL_SOURCES = frozenset(SOURCES.values())
+
 Samples = tuple[tuple[float, int], ...]
 
 
@@ -151,7 +153,10 @@ def _bus_only(snapshot: Snapshot, previous: Verdict) -> tuple[Fault, ...]:
 def _gpu(
     g: GpuReading, mem: _Memory, table: SignalTable, now: float, prev: GpuVerdict | None
 ) -> list[tuple[str, Fault]]:
-    failed = {e.split(":", 1)[0] for e in g.transient_errors}
+    failed = frozenset(e.split(":", 1)[0] for e in g.transient_errors)
+    if g.unresponsive is not None or g.unreadable:
+        # The values are the last ones read (a call in flight, or nothing answered): no reading this pass.
+        failed = _ALL_SOURCES
     where = f"(GPU {g.index}, {g.uuid})"
     found: list[tuple[str, Fault]] = []
     if "clocks" not in failed:

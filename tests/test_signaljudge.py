@@ -275,3 +275,18 @@ def test_the_fabrics_grace_runs_from_the_hosts_boot_where_it_is_known() -> None:
         v = evaluate(snap, previous=v, settings=DEFAULT)
         seen.append(found(v, "fabric-incomplete"))
     assert seen == ["", "", "fault"]
+
+
+def test_an_unresponsive_gpus_last_values_are_no_reading_a_storm_is_not_counted_on_stale_samples() -> None:
+    """A GPU whose call hangs reports its last values: they are not samples of now (a power brake read
+    before the hang would otherwise count as a storm), and the last judgement stands."""
+    braking = replace(
+        reading({"clock_events": 0x80}), unresponsive="nvmlDeviceGetTotalEccErrors has not returned"
+    )
+    v = evaluate(
+        Snapshot(gpus=(reading({"clock_events": 0x80}),), taken_at=0), previous=None, settings=DEFAULT
+    )
+    for t in range(3, 60, 3):
+        v = evaluate(Snapshot(gpus=(braking,), taken_at=t), previous=v, settings=DEFAULT)
+    assert found(v, "clock-power-brake") == ""
+    assert len(v.signal_memory.clock_samples[0][1]) == 1
