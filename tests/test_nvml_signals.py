@@ -314,3 +314,15 @@ def test_a_fabric_that_answers_state_not_supported_is_not_applicable_and_not_ask
 ) -> None:
     steps = results["fabric-state-not-supported"]
     assert all(not s["faults"] and not s["degraded"] and not s["errors"] for s in steps), steps
+
+
+def test_check_compares_the_pci_bus_under_pci_root_with_nvml(fakenvml: Path, tmp_path: Path) -> None:
+    state = tmp_path / "nvml.state"
+    state.write_text(gpus(""))
+    code, doc, _ = check(fakenvml, state, "--pci-root", str(fake_sysfs(tmp_path / "sys")))
+    assert code == 1
+    assert doc["node_reasons"] == [
+        "gpu-missing: an NVIDIA GPU at PCI 0000:3d:00.0 is on the PCI bus but absent from NVML"
+    ], doc
+    code, doc, _ = check(fakenvml, state, "--pci-root", str(tmp_path / "nowhere"))
+    assert code == 0, doc  # a bus that cannot be read is not judged (logged), never a fault
