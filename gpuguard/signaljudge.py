@@ -57,6 +57,7 @@ SOURCES = {
     "clock-power-brake": "clocks",
     "retired-pages": "retired",
     "retired-pending": "retired",
+    "row-remap-pending": "remap",
     "inforom-invalid": "inforom",
 }
 
@@ -329,6 +330,10 @@ def _retired_pending(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
     return "pages are pending retirement (a GPU reset or reboot retires them)" if g.retired_pending else ""
 
 
+def _remap_pending(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
+    return "a row remap is pending (the next GPU reset applies it)" if g.remap_pending else ""
+
+
 def _inforom(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
     invalid = g.signals.inforom_valid is False
     return "the InfoROM is corrupted (nvmlDeviceValidateInforom: CORRUPTED_INFOROM)" if invalid else ""
@@ -349,5 +354,6 @@ _RULES: dict[str, Callable[[GpuReading, Signal, _Memory, float], str]] = {
     "clock-power-brake": _clock,
     "retired-pages": _retired_pages,
     "retired-pending": _retired_pending,
+    "row-remap-pending": _remap_pending,
     "inforom-invalid": _inforom,
 }

@@ -72,6 +72,15 @@ def test_each_signal_key_trips_its_signal_on_that_gpu_and_its_opposite_clears_it
         assert state(v[-1]) == []
 
 
+def test_row_remap_pending_the_existing_key_is_the_degraded_signal_row_remap_pending() -> None:
+    text = (
+        "gpus: 1\nevents:\n  - {at: 1, gpu: 0, row_remap_pending: true}\n"
+        "  - {at: 9, gpu: 0, row_remap_pending: false}\n"
+    )
+    v = verdicts(text, [0, 5, 10])
+    assert [state(x) for x in v] == [[], [("degraded", "row-remap-pending", "GPU-mock-0")], []]
+
+
 def test_pcie_gen_is_read_and_shown_but_not_judged_by_default() -> None:
     text = "gpus: 1\nevents:\n  - {at: 1, gpu: 0, pcie_gen: 2}\n"
     assert state(verdicts(text, [0, 5])[-1]) == []

@@ -120,6 +120,7 @@ SIGNAL_CASES: dict[str, tuple[str, list[tuple[float, str]], str, float]] = {
         "nvmlDeviceGetRetiredPagesPendingStatus",
         1000,
     ),
+    "row-remap-pending": ("remap_pending=0", [(10, "remap_pending=1")], "nvmlDeviceGetRemappedRows", 1000),
     # Validated every 600 s: the change is read at the next validation.
     "inforom-invalid": ("inforom_valid=1", [(700, "inforom_valid=0")], "nvmlDeviceValidateInforom", 1400),
 }

@@ -25,7 +25,7 @@ class Step:
 
 
 def reading(values: dict[str, object], *, index: int = 0, errors: tuple[str, ...] = ()) -> GpuReading:
-    gpu_keys = {"retired_pages", "retired_pending"}
+    gpu_keys = {"retired_pages", "retired_pending", "remap_pending"}
     signal_values = {k: v for k, v in values.items() if k not in gpu_keys}
     gpu_values = {k: v for k, v in values.items() if k in gpu_keys}
     g = GpuReading(index=index, uuid=f"GPU-{index}", signals=SignalReadings(**signal_values))  # type: ignore[arg-type]
@@ -101,6 +101,11 @@ CASES: dict[str, tuple[dict[str, object], list[Step], dict[str, object]]] = {
         {"retired_pending": False},
         [Step(10, {"retired_pending": True})],
         {"retired_pending": False},
+    ),
+    "row-remap-pending": (
+        {"remap_pending": False},
+        [Step(10, {"remap_pending": True})],
+        {"remap_pending": False},
     ),
     "inforom-invalid": (
         {"inforom_valid": True},
