@@ -158,22 +158,40 @@ def _gpu(
     if g.unresponsive is not None or g.unreadable:
         # The values are the last ones read (a call in flight, or nothing answered): no reading this pass.
         failed = _ALL_SOURCES
-    where = f"(GPU {g.index}, {g.uuid})"
     found: list[tuple[str, Fault]] = []
+    rules, clock_window = _plan(table)
     if "clocks" not in failed:
-        _clock_sample(g, mem, now, max(table[name].window_s for name in CLOCK_BITS))
-    for s in table:
-        rule = _RULES.get(s.name)
-        if rule is None:
-            continue
-        if failed and SOURCES[s.name] in failed:
+        _clock_sample(g, mem, now, clock_window)
+    for s, rule, source in rules:
+        if failed and source in failed:
             # No reading this pass: the last judgement stands (and the memory is left as it was).
             found.extend((s.level, f) for f in _last(prev, s.name))
             continue
         detail = rule(g, s, mem, now)
-        if detail and s.level != IGNORE:
+        if detail:
+            where = f"(GPU {g.index}, {g.uuid})"
             found.append((s.level, Fault(s.name, f"{detail} {where}", uuid=g.uuid, gpu_index=g.index)))
     return found
+
+
+Rule = Callable[["GpuReading", Signal, "_Memory", float], str]
+# The table's judged signals with their rules and sources, and the longest clock window, per table object:
+# made once per table (the settings hold one), not once per GPU and check.
+_PLANS: dict[int, tuple[SignalTable, tuple[tuple[Signal, Rule, str], ...], float]] = {}
+
+
+def _plan(table: SignalTable) -> tuple[tuple[tuple[Signal, Rule, str], ...], float]:
+    cached = _PLANS.get(id(table))
+    if cached is None or cached[0] is not table:
+        # A signal the table ignores is not judged at all (nor its baseline kept).
+        rules = tuple(
+            (s, _RULES[s.name], SOURCES[s.name]) for s in table if s.name in _RULES and s.level != IGNORE
+        )
+        window = max(table[name].window_s for name in CLOCK_BITS)
+        if len(_PLANS) > 64:
+            _PLANS.clear()  # tables come from the settings: a handful per process
+        cached = _PLANS[id(table)] = (table, rules, window)
+    return cached[1], cached[2]
 
 
 def _last(prev: GpuVerdict | None, name: str) -> tuple[Fault, ...]:
@@ -297,6 +315,8 @@ def _pcie_gen(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
 
 
 def _clock(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
+    if g.uuid not in mem.clocks:
+        return ""
     bit, what = CLOCK_BITS[s.name]
     seen = sum(1 for t, m in mem.clocks.get(g.uuid, ()) if m & bit and t > now - s.window_s)
     if seen <= s.threshold:
