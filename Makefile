@@ -14,7 +14,7 @@ ifneq ($(VENV_OK),yes)
 $(shell rm -rf $(VENV))
 endif
 
-.PHONY: install run test builds e2e unit mutation lint lint-code fakenvml testenv testenv-oldest kwok karpenter helm promtool image kube-up kube-down kube-status bench fleet-bench gpu-smoke clean
+.PHONY: install run test builds e2e unit mutation lint lint-code fakenvml podresources-stubs testenv testenv-oldest kwok karpenter helm promtool image kube-up kube-down kube-status bench fleet-bench gpu-smoke clean
 
 install: $(STAMP)
 
@@ -44,6 +44,12 @@ run: $(RUNTIME_STAMP)
 # extra installs nvidia-nvml-dev) with -Werror: a signature that differs from nvml.h does not build.
 fakenvml: install
 	tests/fakenvml/build.sh build/fakenvml
+
+# The kubelet PodResources API's Python stubs (gpuguard/podresources/v1), generated from the committed proto with
+# grpcio-tools (pinned in the dev extra); tests/test_podresources.py fails when they differ from what this makes.
+podresources-stubs: install
+	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
+		gpuguard/podresources/v1/api.proto
 
 # etcd, kube-apiserver, kube-scheduler and kube-controller-manager built from their official Go modules
 # (pinned in hack/testenv/versions.env), cached per user under ~/.cache/gpuguard/testenv/<versions>/

@@ -51,10 +51,13 @@ class Agent:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], datetime] = lambda: datetime.now(UTC),
         stop: threading.Event | None = None,
+        on_verdict: Callable[[Verdict], None] | None = None,
         signal_config: SignalConfig | None = None,
         uptime: float | None = None,
     ) -> None:
+        """on_verdict: also handed each verdict, after the reconciler (the evictor's `observe`)."""
         self._backend = backend
+        self._on_verdict = on_verdict
         self._reconciler = reconciler
         self._policy = policy
         self._signal_config = signal_config
@@ -161,6 +164,8 @@ class Agent:
         self._last_check_wall = self._wall()
         self.checks += 1
         self._reconciler.submit(verdict, self._streak, flapping=flapping, gpu_streaks=self._gpu_streaks)
+        if self._on_verdict is not None:
+            self._on_verdict(verdict)
         if self._metrics is not None:
             self._metrics.observe_check(verdict, duration=now - t0, wall=self._last_check_wall.timestamp())
             self._metrics.observe_stuck(len(snapshot.stuck_calls))

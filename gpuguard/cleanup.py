@@ -1,12 +1,13 @@
 """`gpuguard uninstall`: take off the nodes everything gpuguard put there, for a clean uninstall.
 
-gpuguard's marks on a node: taints, labels and annotations under ``gpuguard.io/``, the ``GPUHealthy`` node
-condition, and the cordon when gpuguard made it (annotation ``gpuguard.io/cordoned=true``; an operator's
-own cordon stays); and its DeviceTaintRules, which hold single GPUs out (the per-GPU quarantine).
-Removing the DaemonSet leaves all of them in place, on purpose: a node that was held out
-for a bad GPU stays held out until someone decides. Run this after the agents are gone (they would put the
-marks back). Writes are merge patches with the resourceVersion read (a 409 re-reads and plans again) and
-touch nothing else; the condition goes with a strategic-merge delete on nodes/status.
+gpuguard's marks on a node: taints, labels and annotations under ``gpuguard.io/``, the ``GPUHealthy`` and
+``GPUDegraded`` node conditions, and the cordon when gpuguard made it (annotation
+``gpuguard.io/cordoned=true``; an operator's own cordon stays); and its DeviceTaintRules, which hold single
+GPUs out (the per-GPU quarantine) or show a degraded one. Removing the DaemonSet leaves all of them in
+place, on purpose: a node that was held out for a bad GPU stays held out until someone decides. Run this
+after the agents are gone (they would put the marks back). Writes are merge patches with the
+resourceVersion read (a 409 re-reads and plans again) and touch nothing else; the conditions go with a
+strategic-merge delete on nodes/status.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import tenacity
 from gpuguard.errors import ConflictError, GpuguardError
 from gpuguard.kube import client as kubeclient
 from gpuguard.quarantine.gpu.writers import KubeDeviceSource
-from gpuguard.quarantine.node.view import ANN_CORDONED, CONDITION_TYPE
+from gpuguard.quarantine.node.view import ANN_CORDONED, CONDITION_TYPE, DEGRADED_CONDITION_TYPE
 from gpuguard.quarantine.record import DOMAIN
 
 PREFIX = f"{DOMAIN}/"
@@ -43,10 +44,19 @@ class Cleanup:
     uncordon: bool
     condition: bool
     kept_taints: tuple[Mapping[str, Any], ...] = ()
+    # The second level's condition (a degraded GPU), removed like GPUHealthy.
+    degraded_condition: bool = False
 
     @property
     def empty(self) -> bool:
-        return not (self.taints or self.labels or self.annotations or self.uncordon or self.condition)
+        return not (
+            self.taints
+            or self.labels
+            or self.annotations
+            or self.uncordon
+            or self.condition
+            or self.degraded_condition
+        )
 
     def describe(self) -> str:
         parts = [f"taint {k}" for k in self.taints]
@@ -54,6 +64,7 @@ class Cleanup:
         parts += [f"annotation {k}" for k in self.annotations]
         parts += ["the cordon gpuguard made"] * self.uncordon
         parts += [f"condition {CONDITION_TYPE}"] * self.condition
+        parts += [f"condition {DEGRADED_CONDITION_TYPE}"] * self.degraded_condition
         return ", ".join(parts) if parts else "nothing of gpuguard's"
 
     def patch(self) -> dict[str, Any] | None:
@@ -88,6 +99,7 @@ def plan_cleanup(obj: Mapping[str, Any]) -> Cleanup:
         uncordon=bool(spec.get("unschedulable")) and annotations.get(ANN_CORDONED) == "true",
         condition=any(c.get("type") == CONDITION_TYPE for c in conditions),
         kept_taints=tuple(t for t in taints if not str(t.get("key", "")).startswith(PREFIX)),
+        degraded_condition=any(c.get("type") == DEGRADED_CONDITION_TYPE for c in conditions),
     )
 
 
@@ -124,13 +136,14 @@ def clean_node(api: kubeclient.Client, name: str, *, dry_run: bool = False, time
         if body is not None:
             merge = "application/merge-patch+json"
             _request(api, f"patch node {name}", "PATCH", path, body=body, content_type=merge, timeout=timeout)
-        if plan.condition:
+        gone = [CONDITION_TYPE] * plan.condition + [DEGRADED_CONDITION_TYPE] * plan.degraded_condition
+        if gone:
             _request(
                 api,
                 f"patch node {name} status",
                 "PATCH",
                 path + "/status",
-                body={"status": {"conditions": [{"type": CONDITION_TYPE, "$patch": "delete"}]}},
+                body={"status": {"conditions": [{"type": t, "$patch": "delete"} for t in gone]}},
                 content_type="application/strategic-merge-patch+json",
                 timeout=timeout,
             )

@@ -49,6 +49,7 @@ class PolicySettings:
 TAINT_EFFECTS = validation.TAINT_EFFECTS
 GATE_REMOVALS = ("gpuguard", "external")
 QUARANTINE_MODES = ("auto", "node", "gpu")
+EVICT_MODES = ("none", "gpu-pods")
 # Where `watch` keeps faults that only a reboot clears: the DaemonSet's hostPath. Config's own default is none
 # (tests, dry runs, the mock backend unless told).
 STATE_DIR = "/var/lib/gpuguard"
@@ -119,6 +120,9 @@ class NodeSettings:
     """Remove our own taint once the fault's evidence is gone (a repaired node returns without a human)."""
     recover_after: int = 3
     """Consecutive healthy checks before recovery: one lucky read must not undo a quarantine."""
+    degraded_taint: bool = True
+    """A degraded GPU (issue 29's second level) also puts a PreferNoSchedule taint gpuguard.io/gpu-degraded
+    on its node, so the scheduler prefers other nodes; False: the condition, label and annotation only."""
     dry_run: bool = False
     """Log the exact change instead of writing it."""
     kubeconfig: str | None = None
@@ -193,6 +197,15 @@ class NodeSettings:
     retry_max_wait: float = 2.0
     """Cap of the exponential backoff between retries of a transient API failure: a repaired API server
     sees the pending write within this long of coming back."""
+    evict: str = "none"
+    """"gpu-pods": evict (policy/v1 Eviction, PodDisruptionBudgets hold) the pods whose containers hold a
+    faulty GPU (gpuguard.eviction). "none" by default: evicting is a write power over other teams' pods that
+    the agent's token did not have before (docs/design.md, "Evicting the pods on a faulty GPU"), so an
+    operator turns it on and lists the namespaces it may evict in."""
+    evict_grace_period: int | None = None
+    """Seconds each evicted pod gets to stop; None: the pod's own terminationGracePeriodSeconds."""
+    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    """The kubelet's PodResources socket (the DaemonSet mounts its folder read-only when eviction is on)."""
 
 
 @dataclass(frozen=True)
@@ -309,6 +322,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"--gpu-node-selector {n.gpu_node_selector!r}: expected key=value[,key=value] (label syntax)"
         )
+    if n.evict not in EVICT_MODES:
+        raise ConfigError(f"--evict must be one of {', '.join(EVICT_MODES)}")
+    if n.evict_grace_period is not None and not 0 <= n.evict_grace_period <= 86400:
+        raise ConfigError("--evict-grace-period must be between 0 and 86400 seconds")
     if not 0 <= n.flap_window <= 7 * 86400:  # NaN fails every comparison: rejected too
         raise ConfigError("--flap-window must be between 0 and 604800 seconds")
     if n.name is not None:

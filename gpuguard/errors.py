@@ -11,6 +11,9 @@ exc`; only the CLI maps them to exit codes.
         │   (retry_after: seconds the server asked us to wait, if it said)
         ├── ConflictError      409: the node changed under us; re-read and re-plan
         └── PermanentApiError  any other 4xx: logged once, not retried in a loop
+    KubeletError               the kubelet's PodResources API (gpuguard.podresources) could not answer
+    ├── KubeletUnavailable     no socket, nothing listening, a deadline passed: retried at the next check
+    └── KubeletUnsupported     the kubelet does not serve the API (gRPC UNIMPLEMENTED): nothing to retry
 """
 
 from __future__ import annotations
@@ -50,4 +53,16 @@ class ConflictError(NodeUpdateError):
 
 
 class PermanentApiError(NodeUpdateError):
+    pass
+
+
+class KubeletError(GpuguardError):
+    pass
+
+
+class KubeletUnavailable(KubeletError):
+    pass
+
+
+class KubeletUnsupported(KubeletError):
     pass

@@ -137,6 +137,24 @@ class Metrics:
             registry=registry,
         )
         self._stuck_value = 0
+        self.gpu_degraded = Gauge(
+            "gpuguard_gpu_degraded",
+            "1 for each degraded signal a GPU has now (issue 29's second level: shown and scheduled around "
+            'softly, never a quarantine); gpu="" and uuid="" for a signal of the node. The series goes when '
+            "the signal clears.",
+            ["gpu", "uuid", "reason"],
+            registry=registry,
+        )
+        self._degraded_series: frozenset[tuple[str, str, str]] = frozenset()
+        # --evict gpu-pods (gpuguard.eviction): one per eviction asked of the API server, by its answer.
+        self.pod_evictions = Counter(
+            "gpuguard_pod_evictions_total",
+            "Evictions of pods that hold a faulty GPU, by result: evicted; blocked (a PodDisruptionBudget "
+            "said no: retried with backoff while the fault holds); gone (the pod left first); failed (the "
+            "API server did not answer or refused: retried); dry-run (logged, not sent).",
+            ["result"],
+            registry=registry,
+        )
         self.build = Info("gpuguard_build", "gpuguard build information.", registry=registry)
         self.build.info({"version": __version__})
         self._gpu_values: dict[tuple[str, str], tuple[int, int, int | None, bool | None, int | None]] = {}
@@ -173,10 +191,25 @@ class Metrics:
         self.gpus_quarantined.set(values[2])
         self.gpus_deferred.set(values[3])
 
+    def _observe_degraded(self, verdict: Verdict) -> None:
+        """gpuguard_gpu_degraded: one series per (GPU, signal) degraded now; the cleared ones removed."""
+        series = frozenset(
+            ("" if f.gpu_index is None else str(f.gpu_index), f.uuid or "", f.reason)
+            for f in verdict.degraded
+        )
+        if series == self._degraded_series:
+            return
+        for labels in self._degraded_series - series:
+            self.gpu_degraded.remove(*labels)
+        for labels in series - self._degraded_series:
+            self.gpu_degraded.labels(*labels).set(1)
+        self._degraded_series = series
+
     def _observe_gpus(self, verdict: Verdict) -> None:
         # The same verdict object as at the last check (the agent's remembered evaluation) has the same
         # per-GPU values: nothing to look at.
         self._observed = verdict
+        self._observe_degraded(verdict)
         for g in verdict.gpus:
             labels = (str(g.index), g.uuid)
             values = (

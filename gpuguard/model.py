@@ -324,3 +324,15 @@ class AgentStatus:
     nvml_stuck_calls: tuple[str, ...] = ()
     # The API server as the reconciler last met it; None: no API server (a dry run).
     api: ApiHealth | None = None
+
+
+@dataclass(frozen=True)
+class PodDevices:
+    """One pod's devices as the kubelet's PodResources API reports them (gpuguard.podresources), all its
+    containers together: device-plugin devices as (resource name, device ID) (NVIDIA's device plugin: the
+    GPU's UUID, `UUID::n` for a shared GPU) and DRA devices as (driver, pool, device)."""
+
+    namespace: str
+    name: str
+    devices: tuple[tuple[str, str], ...] = ()
+    claims: tuple[tuple[str, str, str], ...] = ()

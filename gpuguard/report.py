@@ -8,18 +8,29 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpuguard.health import health_body
-from gpuguard.model import AgentStatus, Verdict
+from gpuguard.model import AgentStatus, Verdict, plural
 
 
 def verdict_table(verdict: Verdict) -> str:
-    rows: list[tuple[str, ...]] = [("GPU", "UUID", "NAME", "HEALTHY", "ECC", "REASONS")]
+    """The GPUs, with their faults (REASONS) and degraded signals (DEGRADED: the second level, shown, not a
+    fault); the node's own below; the last line says healthy or UNHEALTHY, and how many GPUs are degraded."""
+    rows: list[tuple[str, ...]] = [("GPU", "UUID", "NAME", "HEALTHY", "ECC", "DEGRADED", "REASONS")]
     for g in verdict.gpus:
         ecc = "n/a" if g.ecc_uncorrected is None else str(g.ecc_uncorrected)
         reasons = "; ".join(f.message for f in g.faults) or "-"
-        rows.append((str(g.index), g.uuid, g.name or "-", "yes" if g.healthy else "NO", ecc, reasons))
+        degraded = ",".join(sorted({f.reason for f in g.degraded})) or "-"
+        rows.append(
+            (str(g.index), g.uuid, g.name or "-", "yes" if g.healthy else "NO", ecc, degraded, reasons)
+        )
     lines = _aligned(rows)
     lines += [f"node: {f.message}" for f in verdict.node_faults]
-    lines.append("healthy" if verdict.healthy else "UNHEALTHY")
+    lines += [f"node degraded: {f.message}" for f in verdict.node_degraded]
+    lines += [f"GPU {g.index} degraded: {f.message}" for g in verdict.gpus for f in g.degraded]
+    last = "healthy" if verdict.healthy else "UNHEALTHY"
+    degraded_gpus = sum(1 for g in verdict.gpus if g.degraded)
+    if verdict.degraded:
+        last += f", {plural(degraded_gpus, 'GPU')} degraded" if degraded_gpus else ", the node degraded"
+    lines.append(last)
     return "\n".join(lines)
 
 
@@ -39,14 +50,17 @@ def verdict_json(verdict: Verdict) -> str:
         "healthy": verdict.healthy,
         "gpus": health_body(status)["gpus"],
         "node_reasons": [f.message for f in verdict.node_faults],
+        "node_degraded": [f.message for f in verdict.node_degraded],
     }
     return json.dumps(body, indent=2)
 
 
 def status_table(rows: Sequence[Mapping[str, Any]]) -> str:
     if not rows:
-        return "no node or GPU is quarantined by gpuguard"
-    table: list[tuple[str, ...]] = [("NODE", "STATE", "REASON", "SINCE", "CORDONED", "FAULTS", "DETAIL")]
+        return "no node or GPU is quarantined or degraded by gpuguard"
+    table: list[tuple[str, ...]] = [
+        ("NODE", "STATE", "REASON", "SINCE", "CORDONED", "FAULTS", "DEGRADED", "DETAIL")
+    ]
     for r in rows:
         cordon = "gpuguard" if r["cordoned_by_gpuguard"] else ("other" if r["unschedulable"] else "no")
         table.append(
@@ -57,6 +71,7 @@ def status_table(rows: Sequence[Mapping[str, Any]]) -> str:
                 r["since"] or "-",
                 cordon,
                 ",".join(r["faults"]) or "-",
+                ",".join(r.get("degraded") or ()) or "-",
                 r["detail"] or "-",
             )
         )

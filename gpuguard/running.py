@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the watch's parts: imported where they are built, not by `c
     from prometheus_client import CollectorRegistry
 
     from gpuguard.agent import Agent
+    from gpuguard.eviction.evictor import Evictor
     from gpuguard.kube import client as kubeclient
     from gpuguard.metrics import Metrics
     from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
@@ -163,6 +164,7 @@ class Parts:
     devices: DeviceQuarantine | None
     rules_watch: WatchedRules | None
     delay: float
+    evictor: Evictor | None = None
 
     def status(self) -> AgentStatus:
         """The agent's status plus what the device source found (which DeviceTaintRule API is served)."""
@@ -236,6 +238,7 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
     reconciler = NodeReconciler(
         writer, cfg.node, budget=budget, devices=devices, metrics=metrics, start_delay=delay, api=api_state
     )
+    evictor = make_evictor(cfg, connect, reconciler, metrics)
     agent = Agent(
         backend=backend,
         reconciler=reconciler,
@@ -248,6 +251,7 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         flap_window=cfg.node.flap_window,
         library_wait=None if cfg.backend != "nvml" or cfg.policy.allow_no_gpu else cfg.nvml_load_timeout,
         call_wait=float(getattr(backend, "longest_wait", 0.0)),
+        on_verdict=evictor.observe if evictor is not None else None,
         signal_config=cfg.signals_config,
         uptime=uptime if cfg.backend == "nvml" else 0.0,  # a mock scenario's node boots with it
     )
@@ -263,6 +267,45 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         devices=devices,
         rules_watch=rules_watch,
         delay=delay,
+        evictor=evictor,
+    )
+
+
+def make_evictor(
+    cfg: Config, connect: Connection, reconciler: NodeReconciler, metrics: Metrics
+) -> Evictor | None:
+    """The evictor of --evict gpu-pods (gpuguard.eviction), None otherwise. It sees what the quarantine does
+    through the reconciler's status: the GPUs' DeviceTaintRules (a NoExecute one makes kube-controller-manager
+    evict: gpuguard does not) and the node taint."""
+    if cfg.node.evict == "none":
+        return None
+    if cfg.node.name is None:
+        log.warning("eviction.off", why="a dry run without --node: no node whose pods to read")
+        return None
+    from gpuguard.eviction import evictor as ev  # noqa: PLC0415
+    from gpuguard.eviction.plan import Faulty  # noqa: PLC0415
+    from gpuguard.podresources.client import PodResourcesClient  # noqa: PLC0415 - grpc only when evicting
+
+    node, s = cfg.node.name, cfg.node
+
+    def context() -> Faulty:
+        status = reconciler.status
+        held = [g for g in status.gpus if not g.deferred]
+        return Faulty(
+            frozenset(),
+            dra_devices={g.uuid: (s.dra_driver, node, g.device) for g in status.gpus},
+            dra_noexecute=frozenset(g.uuid for g in held if g.effect == "NoExecute"),
+            taint_effect=s.taint_effect,
+            node_noexecute=status.tainted and not status.deferred and s.taint_effect == "NoExecute",
+        )
+
+    return ev.Evictor(
+        ev.Settings(node=node, grace_period=s.evict_grace_period, dry_run=s.dry_run, timeout=s.api_timeout),
+        kubelet=PodResourcesClient(s.pod_resources_socket, timeout=s.api_timeout),
+        api=connect,
+        context=context,
+        settled=reconciler.wait_idle,
+        metrics=metrics,
     )
 
 
@@ -296,6 +339,9 @@ def watch(cfg: Config) -> bool:
         fleet.start()
     if rules_watch is not None:
         rules_watch.start()
+    if parts.evictor is not None:
+        parts.evictor.start()
+        log.info("eviction.on", node=cfg.node.name, grace_period_s=cfg.node.evict_grace_period)
     # Everything made so far lives as long as the process: out of the collector's sight, so that a full
     # collection in a fault's path walks only what came after, not the tens of thousands of objects of the
     # imports and the start-up.
@@ -308,5 +354,7 @@ def watch(cfg: Config) -> bool:
             fleet.stop()
         if rules_watch is not None:
             rules_watch.stop()
+        if parts.evictor is not None:
+            parts.evictor.stop()
         server.stop()
     return agent.no_library

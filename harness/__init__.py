@@ -8,4 +8,5 @@ from it, and both find this package there).
 - ``dra``: DRA ResourceSlices and device names as the NVIDIA driver publishes them.
 - ``fakes``: in-memory stand-ins for the node writer and the device source, a small HTTP server, a TLS pair.
 - ``clock``: the one fake clock, which moves only when the test moves it.
+- ``kubelet``: a fake kubelet, a real gRPC server on a unix socket serving the PodResources API v1.
 """

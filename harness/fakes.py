@@ -101,7 +101,8 @@ class FakeNodeWriter:
     def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
         with self._lock:
             self.conditions.append(dict(condition))
-            fields = {**self.node.__dict__, "gpu_condition": condition["status"]}
+            field = "degraded_condition" if condition["type"] == "GPUDegraded" else "gpu_condition"
+            fields = {**self.node.__dict__, field: condition["status"]}
             fields["resource_version"] = str(int(self.node.resource_version) + 1)
             self.node = NodeView(**fields)
             return self.node

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKENVML_DIR = ROOT / "build" / "fakenvml"
@@ -36,3 +37,13 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
         ):
             monkeypatch.delenv(k)
     yield monkeypatch
+
+
+@pytest.fixture(autouse=True)
+def _structlog_config_restored() -> Iterator[None]:
+    """Each test starts from the logging configuration the one before it found: a command run in-process
+    (`gpuguard check` sets the level to WARNING) must not hide the next test's info lines from
+    capture_logs."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)

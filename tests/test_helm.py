@@ -188,6 +188,7 @@ def test_the_chart_passes_helm_lint_strict_without_the_admission_policies(helm: 
 ENV_CASES: list[tuple[list[str], dict[str, str], set[str]]] = [
     (["--set", "taintEffect=NoExecute"], {"GPUGUARD_TAINT_EFFECT": "NoExecute"}, set()),
     (["--set", "cordon=false"], {"GPUGUARD_NO_CORDON": "true"}, set()),
+    (["--set", "degradedTaint=false"], {"GPUGUARD_NO_DEGRADED_TAINT": "true"}, set()),
     (["--set", "interval=1"], {"GPUGUARD_INTERVAL": "1"}, set()),
     (["--set", "interval=0.5"], {"GPUGUARD_INTERVAL": "0.5"}, set()),
     (["--set", "recovery.enabled=false"], {"GPUGUARD_NO_RECOVER": "true"}, set()),
@@ -232,6 +233,7 @@ EVERY_SETTING = [
     *("--set", "gate.removal=external"),
     *("--set", "apiServer.startupJitter=30", "--set", "apiServer.qps=2.5", "--set", "apiServer.burst=40"),
     *("--set", "quarantine.mode=gpu", "--set", "quarantine.draDriver=gpu.example.com"),
+    *("--set", "degradedTaint=false"),
 ]
 
 
@@ -253,6 +255,7 @@ def test_every_variable_the_chart_can_set_is_one_the_watch_command_reads(helm: H
     ours = {name for name in _env(helm.render(*EVERY_SETTING)) if name.startswith("GPUGUARD_")}
     assert ours == {
         *("GPUGUARD_LOG_FORMAT", "GPUGUARD_INTERVAL", "GPUGUARD_TAINT_EFFECT", "GPUGUARD_NO_CORDON"),
+        "GPUGUARD_NO_DEGRADED_TAINT",
         *(
             "GPUGUARD_NO_RECOVER",
             "GPUGUARD_RECOVER_AFTER",

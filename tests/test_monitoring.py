@@ -137,7 +137,11 @@ def test_every_series_the_rules_and_the_dashboard_use_is_one_gpuguard_exports() 
         "gpuguard_gpu_xid_watched",
         "gpuguard_gpus_quarantined",
         "gpuguard_gpus_quarantine_deferred",
+        "gpuguard_gpu_degraded",
     }
+    # The second level (issue 29): an alert and a dashboard panel of their own.
+    assert any("gpuguard_gpu_degraded" in e for e in dashboard_exprs())
+    assert any(r["alert"] == "GpuguardGPUDegraded" and "gpuguard_gpu_degraded" in r["expr"] for r in rules())
 
 
 def test_the_dashboard_is_importable_json_with_a_datasource_and_node_variable() -> None:

@@ -21,6 +21,7 @@ import yaml
 
 from gpuguard.kube import client as kubeclient
 from gpuguard.quarantine import record
+from gpuguard.quarantine.node import degraded
 from gpuguard.quarantine.node import view as node
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,9 +243,11 @@ def test_what_the_policy_lets_through_is_exactly_what_the_agent_writes() -> None
     expected = {prefix, f"f:{prefix}", CLUSTER_AUTOSCALER_STARTUP_PREFIX}
     assert set(re.findall(r"startsWith\('([^']*)'\)", cel)) == expected
     written = [record.TAINT_KEY, node.UNVERIFIED_TAINT_KEY, node.LABEL_QUARANTINED, *node.OUR_ANNOTATIONS]
+    written += [record.DEGRADED_TAINT_KEY, degraded.LABEL_DEGRADED, degraded.ANN_DEGRADED]
     assert all(key.startswith(prefix) for key in written), written
-    assert set(re.findall(r"'(GPU\w+)'", cel)) == {node.CONDITION_TYPE}
-    assert set(re.findall(r'k:\{"type":"(\w+)"\}', cel)) == {node.CONDITION_TYPE}
+    conditions = {node.CONDITION_TYPE, node.DEGRADED_CONDITION_TYPE}
+    assert set(re.findall(r"'(GPU\w+)'", cel)) == conditions
+    assert set(re.findall(r'k:\{"type":"(\w+)"\}', cel)) == conditions
     # The fields that change on every write are never compared; everything else in metadata is, and
     # managedFields by rules of its own.
     assert "'resourceVersion', 'managedFields', 'generation'" in cel
@@ -334,10 +337,13 @@ def test_the_other_policies_guard_the_service_account_fail_closed_and_name_every
 
 def test_the_device_policy_requires_the_name_and_bounds_the_agent_writes() -> None:
     from gpuguard import validation
+    from gpuguard.quarantine.gpu import degraded as degraded_rules
     from gpuguard.quarantine.gpu import rules as devices
 
     cel = _cel(DEVICE_POLICY)
-    assert f"'{devices.RULE_PREFIX}' + variables.node + '.'" in cel
+    assert f"'{devices.RULE_PREFIX}') + variables.node + '.'" in cel
+    assert f"'{degraded_rules.DEGRADED_RULE_PREFIX}' : '{devices.RULE_PREFIX}'" in cel
+    assert f"'{record.DEGRADED_TAINT_KEY}' && r.spec.taint.?effect.orValue('') == 'None'" in cel
     assert f"variables.annotationBytes > {validation.MAX_ANNOTATION_BYTES}" in cel
     assert f"'{devices.LABEL_NODE}', '{devices.LABEL_MANAGED_BY}'" in cel
 

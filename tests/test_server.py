@@ -77,12 +77,14 @@ def test_healthz_has_exactly_the_documented_keys(server: HealthServer) -> None:
         "node": "gpu-1",
         "healthy": False,
         "node_reasons": [],
+        "node_degraded": [],
         "gpus": [
             {
                 "index": 0,
                 "uuid": "GPU-0",
                 "healthy": True,
                 "reasons": [],
+                "degraded": [],
                 "xid_watched": True,
                 "row_remap_pending": None,
             },
@@ -91,6 +93,7 @@ def test_healthz_has_exactly_the_documented_keys(server: HealthServer) -> None:
                 "uuid": "GPU-1",
                 "healthy": False,
                 "reasons": ["ecc: 3 uncorrected volatile ECC errors (GPU 1, GPU-1)"],
+                "degraded": [],
                 "xid_watched": True,
                 "row_remap_pending": None,
             },

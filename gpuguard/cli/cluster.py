@@ -20,14 +20,17 @@ from gpuguard.errors import ConfigError, GpuguardError, NodeUpdateError, Transie
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
 def status(kubeconfig: str | None, output: str) -> int:
     """The cluster view for an operator: nodes quarantined by gpuguard, and GPUs held out by its DRA device
-    taint rules (the per-GPU quarantine), with reason, since and GPU. Exit 0; 2 a kubeconfig that cannot
-    work; 4 the API server is unreachable or refused the request."""
+    taint rules (the per-GPU quarantine), with reason, since and GPU; and the degraded nodes and GPUs (the
+    DEGRADED column: their signals). Exit 0; 2 a kubeconfig that cannot work; 4 the API server is
+    unreachable or refused the request."""
     from gpuguard.quarantine.gpu.writers import quarantined_gpus  # noqa: PLC0415
-    from gpuguard.quarantine.node.writers import quarantined_nodes  # noqa: PLC0415
+    from gpuguard.quarantine.node.writers import degraded_nodes, quarantined_nodes  # noqa: PLC0415
 
     api = _client("status", kubeconfig)
     try:
-        rows = [_printable(r) for r in (*quarantined_nodes(api), *quarantined_gpus(api))]
+        nodes = quarantined_nodes(api)
+        degraded = degraded_nodes(api, skip={str(r["node"]) for r in nodes})
+        rows = [_printable(r) for r in (*nodes, *degraded, *quarantined_gpus(api))]
     except GpuguardError as exc:
         return _api_failed("status", api, exc)
     from gpuguard import report  # noqa: PLC0415
@@ -54,9 +57,9 @@ def _printable(value: Any) -> Any:
 @click.option("--all", "all_nodes", is_flag=True, default=False, help="Every node of the cluster.")
 @click.option("--dry-run", is_flag=True, default=False, help="Only say what would be removed.")
 def uninstall(kubeconfig: str | None, nodes: tuple[str, ...], all_nodes: bool, dry_run: bool) -> int:
-    """Remove every gpuguard.io/ taint, label and annotation, the GPUHealthy condition and the cordons
-    gpuguard made, from the nodes named (--node) or all (--all), and gpuguard's DRA DeviceTaintRules of
-    those nodes. Run it after removing the DaemonSet."""
+    """Remove every gpuguard.io/ taint, label and annotation, the GPUHealthy and GPUDegraded conditions and
+    the cordons gpuguard made, from the nodes named (--node) or all (--all), and gpuguard's DRA
+    DeviceTaintRules of those nodes. Run it after removing the DaemonSet."""
     from gpuguard.cleanup import clean_node, clean_rules, node_names  # noqa: PLC0415
 
     if bool(nodes) == all_nodes:

@@ -71,8 +71,15 @@ def watch(**kw: Any) -> int:
     help="The cluster to read --node from. Default: in-cluster config, then KUBECONFIG; never ~/.kube/config."
 )
 @options(("expected_gpus_label",))
-def check(output: str, at: float | None, **kw: Any) -> int:
+@click.option(
+    "--fail-on-degraded",
+    is_flag=True,
+    default=False,
+    help="Exit 1 also when a GPU (or the node) is only degraded (by default listed, and exit 0).",
+)
+def check(output: str, at: float | None, fail_on_degraded: bool, **kw: Any) -> int:
     """One pass over the GPUs: exit 0 healthy, 1 unhealthy (or no GPU), 2 usage error, 3 no NVML library.
+    Degraded GPUs are listed and exit 0, unless --fail-on-degraded.
 
     Usable as an initContainer preflight. Xids are events: a one-shot check sees none that happened
     before it started (the taint written by `watch` is what remembers them).
@@ -90,7 +97,9 @@ def check(output: str, at: float | None, **kw: Any) -> int:
     click.echo(report.verdict_json(verdict) if output == "json" else report.verdict_table(verdict))
     if result.no_library:
         return EXIT_NO_NVML
-    return EXIT_OK if verdict.healthy else EXIT_UNHEALTHY
+    if not verdict.healthy or (fail_on_degraded and verdict.degraded):
+        return EXIT_UNHEALTHY
+    return EXIT_OK
 
 
 @cli.command()

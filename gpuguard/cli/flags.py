@@ -12,6 +12,7 @@ import click
 from gpuguard.cli.flag import F, Flag
 from gpuguard.config import (
     DEFAULT_IGNORED_XIDS,
+    EVICT_MODES,
     GATE_REMOVALS,
     QUARANTINE_MODES,
     STATE_DIR,
@@ -137,6 +138,14 @@ FLAGS = _declare(
         type=click.Choice(GATE_REMOVALS),
     ),
     Flag("--no-cordon", "Taint only; do not cordon.", (NodeSettings, "cordon"), is_flag=True, negate=True),
+    Flag(
+        "--no-degraded-taint",
+        "A degraded GPU gets no PreferNoSchedule taint gpuguard.io/gpu-degraded on its node (the GPUDegraded "
+        "condition, label and annotation stay).",
+        (NodeSettings, "degraded_taint"),
+        is_flag=True,
+        negate=True,
+    ),
     Flag(
         "--recover-after",
         "Consecutive healthy checks before gpuguard removes its own taint.",
@@ -282,6 +291,26 @@ FLAGS = _declare(
         "Where sysfs lists the PCI devices (tests point it elsewhere); GPUs on the bus that NVML does not "
         "list are gpu-missing.",
         (Config, "pci_root"),
+        hidden=True,
+    ),
+    # eviction of the pods on a faulty GPU (gpuguard.eviction)
+    Flag(
+        "--evict",
+        "gpu-pods: evict (Eviction API; PodDisruptionBudgets hold) the pods whose containers hold a faulty "
+        "GPU, as the kubelet's PodResources API reports them; none: evict nothing.",
+        (NodeSettings, "evict"),
+        type=click.Choice(EVICT_MODES),
+    ),
+    Flag(
+        "--evict-grace-period",
+        "Seconds an evicted pod gets to stop. Default: the pod's terminationGracePeriodSeconds.",
+        (NodeSettings, "evict_grace_period"),
+        type=int,
+    ),
+    Flag(
+        "--pod-resources-socket",
+        "The kubelet's PodResources socket (tests point it at a fake kubelet).",
+        (NodeSettings, "pod_resources_socket"),
         hidden=True,
     ),
     # `check`

@@ -8,11 +8,26 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from gpuguard.model import Verdict
 
-# What the writer applies: the verdict, the node's healthy streak, flapping, each GPU's healthy streak.
-Latest = tuple[Verdict, int, bool, Mapping[str, int] | None]
+
+@dataclass(frozen=True)
+class DegradedStreaks:
+    """Checks in a row without a degraded signal (issue 29's second level): the node's (no GPU degraded,
+    nor the node) and each GPU's by UUID. The marks and rules go once these reach --recover-after."""
+
+    node: int = 0
+    gpus: Mapping[str, int] = field(default_factory=dict)
+
+    def capped(self, most: int) -> tuple[object, ...]:
+        return (min(self.node, most), tuple(sorted((u, min(n, most)) for u, n in self.gpus.items())))
+
+
+# What the writer applies: the verdict, the node's healthy streak, flapping, each GPU's healthy streak, and
+# the degraded streaks.
+Latest = tuple[Verdict, int, bool, Mapping[str, int] | None, DegradedStreaks]
 # The decision-relevant summary of a verdict (see Handoff.submit).
 Signature = tuple[object, ...]
 
@@ -28,7 +43,7 @@ class Handoff:
         self._clock = clock
         self._cond = threading.Condition()
         self._latest: Latest | None = None
-        self._fault_keys: tuple[Verdict, frozenset[str]] | None = None
+        self._fault_keys: tuple[Verdict, frozenset[str], frozenset[str]] | None = None
         # The summary of the last verdict reconciled without error, and of the one handed over since.
         self._settled: Signature | None = None
         self._pending: Signature | None = None
@@ -44,14 +59,20 @@ class Handoff:
         flapping: bool,
         gpu_streaks: Mapping[str, int] | None,
         quiet: Callable[[], bool],
+        degraded: DegradedStreaks | None = None,
     ) -> None:
         """Hand over the newest verdict. One whose summary (fault keys, health, the streaks up to
-        --recover-after, flapping, GPUs seen) is that of the last verdict reconciled, while `quiet()` (asked
-        under the lock: the node cached, nothing pending on it) does not wake the writer."""
+        --recover-after, flapping, GPUs seen, the degraded signals and their clean streak) is that of the last
+        verdict reconciled, while `quiet()` (asked under the lock: the node cached, nothing pending on it)
+        does not wake the writer."""
         keys = self._fault_keys
         if keys is None or keys[0] is not verdict:
             # Once per verdict object: the agent hands over its remembered verdict at every steady check.
-            keys = self._fault_keys = (verdict, frozenset(f.key for f in verdict.faults))
+            keys = self._fault_keys = (
+                verdict,
+                frozenset(f.key for f in verdict.faults),
+                frozenset(f.key for f in verdict.degraded),
+            )
         most = self._recover_after
         sig = (
             keys[1],
@@ -60,11 +81,13 @@ class Handoff:
             tuple(sorted((u, min(n, most)) for u, n in (gpu_streaks or {}).items())),
             flapping,
             bool(verdict.gpus),
+            keys[2],
+            (degraded or DegradedStreaks()).capped(most),
         )
         with self._cond:
             if self._first_verdict_at is None:
                 self._first_verdict_at = self._clock()
-            self._latest = (verdict, healthy_streak, flapping, gpu_streaks)
+            self._latest = (verdict, healthy_streak, flapping, gpu_streaks, degraded or DegradedStreaks())
             if sig == self._settled and quiet():
                 return
             self._pending = sig

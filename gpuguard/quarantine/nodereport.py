@@ -13,10 +13,15 @@ from gpuguard.config import NodeSettings
 from gpuguard.errors import NodeUpdateError
 from gpuguard.model import Verdict
 from gpuguard.policy import primary
+from gpuguard.quarantine.node.degraded import (
+    DEGRADED_ACTIONS,
+    degraded_keys,
+    plan_degraded_condition,
+)
 from gpuguard.quarantine.node.plan import plan_condition
 from gpuguard.quarantine.node.view import EventSpec, NodeChange, NodeView
 from gpuguard.quarantine.node.writers import NodeWriter
-from gpuguard.quarantine.record import join_keys
+from gpuguard.quarantine.record import DEGRADED_TAINT_KEY, join_keys
 
 log = structlog.get_logger(__name__)
 
@@ -31,6 +36,8 @@ _LINES = {
     "verified": "node.verified",
     "override": "node.taint_removed_by_operator",
     "release-cordon": "node.cordon_released",
+    "degrade": "node.degraded",
+    "degrade-clear": "node.degraded_cleared",
 }
 
 
@@ -52,6 +59,7 @@ class NodeReport:
         self._set_node = set_node
         self._condition_keys: frozenset[str] | None = None
         self._override_logged: frozenset[str] = frozenset()
+        self._degraded_keys: frozenset[str] | None = None
 
     def condition(self, node: NodeView, verdict: Verdict, flapping: bool, *, device_tainted: int) -> None:
         """The GPUHealthy condition, written only when it changes (best effort, like Events). Flap damping
@@ -79,6 +87,29 @@ class NodeReport:
         self._set_node(updated)
         log.info("node.condition", node=node.name, status=condition["status"], reason=condition["reason"])
 
+    def degraded_condition(self, node: NodeView, verdict: Verdict, *, clean_streak: int) -> None:
+        """The GPUDegraded condition (node/degraded.py), written only when it changes, best effort."""
+        condition = plan_degraded_condition(
+            node.degraded_condition,
+            verdict.degraded,
+            last_keys=self._degraded_keys,
+            clean_streak=clean_streak,
+            recover_after=self._settings.recover_after,
+            now=self._now(),
+        )
+        keys = degraded_keys(verdict.degraded)
+        if condition is None:
+            self._degraded_keys = keys
+            return
+        try:
+            updated = self._writer.set_condition(node, condition)
+        except NodeUpdateError as exc:
+            log.warning("node.degraded_condition_failed", node=node.name, error=str(exc))
+            return
+        self._degraded_keys = keys
+        self._set_node(updated)
+        log.info("node.degraded_condition", node=node.name, status=condition["status"])
+
     def event(self, node: NodeView, event: EventSpec) -> None:
         # Best effort: the taint is what protects the scale-out; a lost Event must not block it.
         try:
@@ -90,6 +121,15 @@ class NodeReport:
         """One line per write; reason, GPU, UUID and detail are of one fault: for "add-faults" the first of
         those it added, else the fault the taint names."""
         name = _LINES[change.action]
+        if change.action in DEGRADED_ACTIONS:
+            (log.warning if change.action == "degrade" else log.info)(
+                name,
+                node=before.name,
+                signals=join_keys(degraded_keys(verdict.degraded)),
+                tainted=change.taints is not None and any(t.key == DEGRADED_TAINT_KEY for t in change.taints),
+                dry_run=self._settings.dry_run,
+            )
+            return
         if change.action in ("recover", "verified", "override", "release-cordon"):
             if change.action == "override":
                 self._override_logged = frozenset(f.key for f in verdict.faults)

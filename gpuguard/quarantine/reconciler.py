@@ -25,8 +25,9 @@ from gpuguard.metrics import Metrics
 from gpuguard.model import GpuQuarantine, Verdict
 from gpuguard.quarantine.apistate import ApiState, Intent
 from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
-from gpuguard.quarantine.handoff import Handoff
+from gpuguard.quarantine.handoff import DegradedStreaks, Handoff
 from gpuguard.quarantine.node.budget import QuarantineBudget
+from gpuguard.quarantine.node.degraded import DEGRADED_ACTIONS, plan_degraded
 from gpuguard.quarantine.node.plan import plan
 from gpuguard.quarantine.node.view import NodeChange, NodeView
 from gpuguard.quarantine.node.writers import DRY_RUN_NODE, NodeWriter
@@ -103,6 +104,8 @@ class NodeReconciler:
         # Told the node's labels at every read (the agent's --signals-config node rules).
         self.on_node: Callable[[Mapping[str, str]], None] | None = None
         self.writes = 0
+        # Checks in a row without a degraded signal (issue 29): the degraded marks go after --recover-after.
+        self._degraded_streaks = DegradedStreaks()
 
     @property
     def status(self) -> NodeStatus:
@@ -140,7 +143,22 @@ class NodeReconciler:
             node = self._node
             return node is not None and not node.deferred and not settling and not self._resync_due(node)
 
-        self._handoff.submit(verdict, healthy_streak, flapping=flapping, gpu_streaks=gpu_streaks, quiet=quiet)
+        # One submit per check: the agent hands over its remembered verdict at every steady check too.
+        before = self._degraded_streaks
+        self._degraded_streaks = DegradedStreaks(
+            node=0 if verdict.degraded else before.node + 1,
+            gpus={
+                g.uuid: 0 if g.degraded else before.gpus.get(g.uuid, 0) + 1 for g in verdict.gpus if g.uuid
+            },
+        )
+        self._handoff.submit(
+            verdict,
+            healthy_streak,
+            flapping=flapping,
+            gpu_streaks=gpu_streaks,
+            quiet=quiet,
+            degraded=self._degraded_streaks,
+        )
 
     def wait_idle(self, timeout: float) -> bool:
         """For tests and one-shot runs: block until every submitted verdict has been reconciled."""
@@ -194,7 +212,8 @@ class NodeReconciler:
         latest = self._handoff.latest()
         if latest is None:
             return
-        verdict, streak, flapping, gpu_streaks = latest
+        verdict, streak, flapping, gpu_streaks, degraded = latest
+        degraded_streak = degraded.node
         self._intent = None
         node = self._node
         if node is None or self._resync_due(node):
@@ -208,14 +227,21 @@ class NodeReconciler:
         if self.devices is not None:
             # Per-GPU faults become DeviceTaintRules; the node is planned for what is left (docs/design.md).
             verdict = self.devices.apply(
-                node, verdict, streak=streak, flapping=flapping, gpu_streaks=gpu_streaks
+                node,
+                verdict,
+                streak=streak,
+                flapping=flapping,
+                gpu_streaks=gpu_streaks,
+                degraded_streaks=degraded.gpus,
             )
         for attempt in range(self._max_conflicts):
-            change = self._plan(node, verdict, streak, flapping)
+            change = self._plan(node, verdict, streak, flapping) or self._degraded(
+                node, verdict, degraded_streak
+            )
             if change is None:
                 self._report.override(node, verdict)
                 self._set_node(node)
-                self._condition(node, full, flapping)
+                self._condition(node, full, flapping, degraded_streak)
                 return
             intent = self._intent = self._patch_intent(change)
             if self.api.blocked(intent):
@@ -238,11 +264,13 @@ class NodeReconciler:
             self._intent = None  # a refusal after this (the budget's order list) is not this write's
             self._set_node(node)
             self._report.change(before, change, verdict)
-            self._condition(node, full, flapping)
+            self._condition(node, full, flapping, degraded_streak)
             if change.event is not None:
                 self._report.event(node, change.event)
             if self.budget is not None and self.budget.written(node, change):
                 continue  # past the budget's limit: the next plan is the yield
+            if change.action not in DEGRADED_ACTIONS and self._degraded(node, verdict, degraded_streak):
+                continue  # one pass writes both levels: the degraded marks next
             return
         raise TransientApiError(f"node {node.name}: still conflicting after {self._max_conflicts} tries")
 
@@ -263,6 +291,16 @@ class NodeReconciler:
         if self.budget is None:
             return change
         return self.budget.gate(node, change, verdict)
+
+    def _degraded(self, node: NodeView, verdict: Verdict, degraded_streak: int) -> NodeChange | None:
+        """The degraded marks (node/degraded.py): never gated by the budget, never a cordon."""
+        return plan_degraded(
+            node,
+            verdict.degraded,
+            clean_streak=degraded_streak,
+            recover_after=self._settings.recover_after,
+            taint=self._settings.degraded_taint,
+        )
 
     def _resync_due(self, node: NodeView) -> bool:
         due = self._clock() - self._read_at >= self._settings.node_resync
@@ -310,9 +348,12 @@ class NodeReconciler:
             gpus=self.devices.quarantined if self.devices is not None else (),
         )
 
-    def _condition(self, node: NodeView, verdict: Verdict, flapping: bool) -> None:
+    def _condition(self, node: NodeView, verdict: Verdict, flapping: bool, degraded_streak: int) -> None:
         tainted = len(self.devices.quarantined) if self.devices is not None else 0
         self._report.condition(node, verdict, flapping, device_tainted=tainted)
+        if self._node is not None:  # the GPUHealthy write answers with the node: its resourceVersion
+            node = self._node
+        self._report.degraded_condition(node, verdict, clean_streak=degraded_streak)
 
     def _wait(self, state: tenacity.RetryCallState) -> float:
         base = tenacity.wait_exponential_jitter(

@@ -47,6 +47,7 @@ DENIED_BY_POLICY = policy_denial(POLICY)
 MERGE = {"_content_type": "application/merge-patch+json"}
 FOREIGN = {"key": "example.com/maintenance", "value": "planned", "effect": "NoSchedule"}
 CORDONED = {"gpuguard.io/cordoned": "true"}
+OTHER_CONDITIONS = "conditions other than GPUHealthy and GPUDegraded"
 _names = itertools.count()
 
 ApiException = kubernetes.client.exceptions.ApiException
@@ -270,6 +271,48 @@ def test_the_agent_can_set_its_gpu_healthy_condition_through_node_status(
     assert conditions["GPUHealthy"]["status"] == "True"
 
 
+def test_the_agent_can_set_its_degraded_marks_and_the_gpu_degraded_condition(
+    admin: Admin, control_plane: Any, extra_agent_rights: None
+) -> None:
+    """Issue 29's second level: the PreferNoSchedule taint, label, annotation and GPUDegraded condition."""
+    node = new_node(admin, taints=[FOREIGN])
+    core = agent_core(admin, control_plane, node)
+    soft = {"key": "gpuguard.io/gpu-degraded", "value": "nvlink-down", "effect": "PreferNoSchedule"}
+    marks = {
+        "metadata": {
+            "labels": {"gpuguard.io/degraded": "true"},
+            "annotations": {"gpuguard.io/degraded-signals": '["nvlink-down/GPU-0"]'},
+        },
+        "spec": {"taints": [*taints(admin, node), soft]},
+    }
+    core.patch_node(node, marks, **MERGE)
+    condition = {"type": "GPUDegraded", "status": "True", "reason": "GPUDegraded", "message": "nvlink-down"}
+    core.patch_node_status(node, {"status": {"conditions": [condition]}})
+    core.patch_node_status(node, {"status": {"conditions": [{**condition, "status": "False"}]}})
+    n = admin.node(node)
+    assert soft in n["spec"]["taints"] and n["metadata"]["labels"]["gpuguard.io/degraded"] == "true"
+    assert {c["type"]: c["status"] for c in n["status"]["conditions"]}["GPUDegraded"] == "False"
+    kept = [t for t in taints(admin, node) if t["key"] != soft["key"]]
+    core.patch_node(node, {"spec": {"taints": kept}}, **MERGE)  # and removes them again
+    assert taints(admin, node) == kept
+
+
+@pytest.mark.parametrize("effect", ["NoSchedule", "NoExecute"])
+def test_the_agent_cannot_make_its_degraded_taint_more_than_a_preference(
+    admin: Admin, control_plane: Any, effect: str
+) -> None:
+    node = new_node(admin)
+    core = agent_core(admin, control_plane, node)
+    hard = {"key": "gpuguard.io/gpu-degraded", "value": "nvlink-down", "effect": effect}
+    new = [*taints(admin, node), hard]
+    message = refused(lambda: core.patch_node(node, {"spec": {"taints": new}}, **MERGE))
+    assert message == (
+        "gpuguard may set its gpuguard.io/gpu-degraded taint only with effect PreferNoSchedule; refused "
+        f"taint of node {node}"
+    )
+    assert hard not in taints(admin, node)
+
+
 # -- what it may not do --------------------------------------------------------------------------------------
 
 
@@ -374,9 +417,12 @@ def test_the_agent_cannot_change_other_status_or_another_nodes_condition(
     admin.core.patch_node_status(here, {"status": {"conditions": [{"type": "Ready", "status": "True"}]}})
     core = agent_core(admin, control_plane, here)
     gpu = {"status": {"conditions": [{"type": "GPUHealthy", "status": "False"}]}}
-    prefix = "gpuguard may change only the GPUHealthy condition in status; refused change to status "
+    prefix = (
+        "gpuguard may change only the GPUHealthy and GPUDegraded conditions in status; refused change to "
+        "status "
+    )
     ready = {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}
-    assert refused(lambda: core.patch_node_status(here, ready)) == prefix + "conditions other than GPUHealthy"
+    assert refused(lambda: core.patch_node_status(here, ready)) == prefix + OTHER_CONDITIONS
     boot = {"status": {"nodeInfo": {"bootID": "forged"}}}
     assert refused(lambda: core.patch_node_status(here, boot)) == prefix + "nodeInfo"
     gpus = {"status": {"capacity": {"nvidia.com/gpu": "8"}}}  # allocatable defaults to capacity
@@ -646,8 +692,8 @@ def test_the_agent_cannot_reorder_conditions(
     core = agent_core(admin, control_plane, node)
     swapped = {"status": {"conditions": [current[1], current[0]]}}
     assert refused(lambda: core.patch_node_status(node, swapped, **MERGE)) == (
-        "gpuguard may change only the GPUHealthy condition in status; refused change to status "
-        "conditions other than GPUHealthy"
+        "gpuguard may change only the GPUHealthy and GPUDegraded conditions in status; refused change to "
+        "status " + OTHER_CONDITIONS
     )
     # A duplicated type that a writer other than gpuguard left (the API server does not refuse one): the
     # stale Ready=True may not be moved ahead of the kubelet's Ready=False.

@@ -137,6 +137,58 @@ def test_a_foreign_taint_key_is_denied(admin: Admin, control_plane: Any) -> None
     assert "example.com/maintenance" in text
 
 
+DEGRADED_KEY = "gpuguard.io/gpu-degraded"
+
+
+def degraded_rule(node: str, device: str, *, effect: str = "None", name: str | None = None) -> dict[str, Any]:
+    """The effect-None rule of a degraded GPU (gpu.degraded.degraded_rule_body's shape)."""
+    body = rule(node, device, key=DEGRADED_KEY, name=name or f"gpuguard-degraded.{node}.{device}")
+    body["spec"]["taint"] = {"key": DEGRADED_KEY, "value": "nvlink-down", "effect": effect}
+    return body
+
+
+def test_the_agent_creates_changes_and_deletes_the_effect_none_rule_of_a_degraded_gpu(
+    admin: Admin, control_plane: Any
+) -> None:
+    node = new_node(admin)
+    api = agent_api(admin, control_plane, node)
+    body = degraded_rule(node, "gpu-2")
+    name = body["metadata"]["name"]
+    api.create_cluster_custom_object(GROUP, VERSION, PLURAL, body)
+    change = {"metadata": {"annotations": {"gpuguard.io/faults": "pcie-width/GPU-2"}}}
+    api.patch_cluster_custom_object(GROUP, VERSION, PLURAL, name, change, **MERGE)
+    api.delete_cluster_custom_object(GROUP, VERSION, PLURAL, name)
+
+
+@pytest.mark.parametrize("effect", ["NoSchedule", "NoExecute"])
+def test_a_degraded_rule_that_would_block_is_denied(admin: Admin, control_plane: Any, effect: str) -> None:
+    node = new_node(admin)
+    api = agent_api(admin, control_plane, node)
+    body = degraded_rule(node, "gpu-2", effect=effect)
+    text = refused(lambda: api.create_cluster_custom_object(GROUP, VERSION, PLURAL, body))
+    assert text.startswith("gpuguard may write only device taints with key gpuguard.io/gpu-unhealthy"), text
+    assert f"{DEGRADED_KEY} (effect {effect})" in text
+    # Nor may a held degraded rule be made to block by a patch.
+    api.create_cluster_custom_object(GROUP, VERSION, PLURAL, degraded_rule(node, "gpu-3"))
+    harden = {"spec": {"taint": {"key": DEGRADED_KEY, "value": "nvlink-down", "effect": effect}}}
+    name = f"gpuguard-degraded.{node}.gpu-3"
+    text = refused(lambda: api.patch_cluster_custom_object(GROUP, VERSION, PLURAL, name, harden, **MERGE))
+    assert f"{DEGRADED_KEY} (effect {effect})" in text
+
+
+def test_the_degraded_key_and_name_go_together(admin: Admin, control_plane: Any) -> None:
+    """A fault rule's name cannot carry the degraded key, nor a degraded name the fault key: one device has
+    one rule of each kind, each under the one name a create may give it."""
+    node = new_node(admin)
+    api = agent_api(admin, control_plane, node)
+    mixed = degraded_rule(node, "gpu-4", name=f"gpuguard.{node}.gpu-4")
+    text = refused(lambda: api.create_cluster_custom_object(GROUP, VERSION, PLURAL, mixed))
+    assert text.startswith("gpuguard gives the key gpuguard.io/gpu-degraded to its rules named"), text
+    hard = rule(node, "gpu-4", name=f"gpuguard-degraded.{node}.gpu-4")
+    text = refused(lambda: api.create_cluster_custom_object(GROUP, VERSION, PLURAL, hard))
+    assert text.startswith("gpuguard gives the key gpuguard.io/gpu-degraded to its rules named"), text
+
+
 def test_deleting_a_rule_gpuguard_did_not_make_is_denied(admin: Admin, control_plane: Any) -> None:
     """An administrator's rule on the agent's own pool, even with gpuguard's taint key: not the agent's."""
     node = new_node(admin)

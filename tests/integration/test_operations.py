@@ -282,6 +282,7 @@ def test_the_operations_runbook_works_as_written(
             "SINCE",
             "CORDONED",
             "FAULTS",
+            "DEGRADED",
             "DETAIL",
         ]
         row = next(line for line in status.splitlines() if line.startswith(node))

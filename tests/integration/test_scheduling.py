@@ -21,9 +21,13 @@ import kubernetes
 import pytest
 import yaml
 
+from gpuguard.config import NodeSettings, QuarantineLimit
 from gpuguard.kube import client as kubeclient
+from gpuguard.model import Fault, GpuVerdict, Verdict
 from gpuguard.quarantine.budget import VERIFY_SETTLE
 from gpuguard.quarantine.gpu.writers import quarantined_gpus
+from gpuguard.quarantine.node.writers import KubeNodeWriter
+from gpuguard.quarantine.reconciler import NodeReconciler
 from harness.dra import DRIVER, gpu_uuid, nvidia_slice
 from harness.kube import (
     DEPLOY,
@@ -215,6 +219,69 @@ def test_no_execute_evicts_the_pods_of_a_bad_node_but_not_tolerating_ones_or_the
         assert agent.proc is not None and agent.proc.poll() is None
     finally:
         agent.stop()
+
+
+# -- a degraded GPU (issue 29's second level): scheduled around softly, never cordoned -----------------------
+
+
+def test_the_scheduler_prefers_a_clean_node_to_a_degraded_one_and_still_uses_the_degraded_one(
+    cluster: Admin, full_control_plane: Any, tmp_path: Path
+) -> None:
+    """The real kube-scheduler and a degraded node as the agent's reconciler marks it (its own token, the
+    admission policy enforced): the PreferNoSchedule taint steers a pod that may run on either node to the
+    clean one, and a pod that may run only on the degraded node still lands there (never cordoned)."""
+    degraded, clean = make_gpu_node(cluster), make_gpu_node(cluster)
+    ds_pod = eventually(lambda: daemon_pod(cluster, degraded), 60, what="DaemonSet pod on the node")
+    api = kubeclient.load(str(daemon_pod_kubeconfig(cluster, full_control_plane, ds_pod, tmp_path)))
+    settings = NodeSettings(name=degraded, max_quarantined=QuarantineLimit.parse("100%"))
+    reconciler = NodeReconciler(KubeNodeWriter(degraded, api=api), settings)
+    uuids = [gpu_uuid(degraded, i) for i in range(8)]
+    nvlink = Fault("nvlink-down", "link 3 inactive", uuid=uuids[1], gpu_index=1)
+    reconciler.submit(
+        Verdict(
+            gpus=tuple(
+                GpuVerdict(index=i, uuid=u, degraded=(nvlink,) * (i == 1)) for i, u in enumerate(uuids)
+            )
+        ),
+        1,
+    )
+    reconciler.reconcile_now()
+    n = cluster.node(degraded)
+    assert any(t["key"] == "gpuguard.io/gpu-degraded" for t in n["spec"]["taints"]), n["spec"]
+    assert not n["spec"].get("unschedulable")
+
+    def pod_on(nodes: list[str]) -> str:
+        name = f"llm-{next(_names)}"
+        affinity = {"key": "kubernetes.io/hostname", "operator": "In", "values": nodes}
+        spec = {
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [{"matchExpressions": [affinity]}]
+                    }
+                }
+            },
+            "containers": [
+                {
+                    "name": "server",
+                    "image": "registry.example/llm-server:1",
+                    "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                }
+            ],
+        }
+        cluster.core.create_namespaced_pod(
+            WORKLOADS, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+        )
+        return str(
+            eventually(
+                lambda: (read_pod(cluster, name) or {}).get("spec", {}).get("nodeName"),
+                60,
+                what=f"{name} bound",
+            )
+        )
+
+    assert [pod_on([degraded, clean]) for _ in range(3)] == [clean] * 3
+    assert pod_on([degraded]) == degraded
 
 
 # -- one bad GPU out of eight: the DRA device taint (docs/design.md "Per-GPU quarantine") -------------------

@@ -20,6 +20,7 @@ from gpuguard.model import Fault, GpuQuarantine, Verdict
 from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.gpu import plan as gpu_plan
 from gpuguard.quarantine.gpu.budget import RuleBudget
+from gpuguard.quarantine.gpu.degradedrules import DegradedRules
 from gpuguard.quarantine.gpu.memory import Remembered, RuleMemoryStore
 from gpuguard.quarantine.gpu.rules import (
     NONE_EFFECT,
@@ -102,6 +103,10 @@ class DeviceQuarantine:
         self._node_name = settings.name or ""
         self._read_error = ""
         self.quarantined: tuple[GpuQuarantine, ...] = ()
+        # Issue 29's second level: the effect-None rules of degraded GPUs, from the same reads.
+        self.degraded = DegradedRules(
+            source, recover_after=settings.recover_after, dry_run=settings.dry_run, now=now
+        )
 
     @property
     def mode(self) -> str:
@@ -133,15 +138,18 @@ class DeviceQuarantine:
         streak: int,
         flapping: bool,
         gpu_streaks: Mapping[str, int] | None = None,
+        degraded_streaks: Mapping[str, int] | None = None,
     ) -> Verdict:
         """Write the rules the verdict asks for; return the verdict left for the node (per-GPU faults out).
         A rule recovers on its GPU's own healthy streak (`gpu_streaks`, by UUID), or the node's (`streak`,
-        never longer than any GPU's) where none is given."""
+        never longer than any GPU's) where none is given. A degraded GPU's effect-None rule goes once its
+        `degraded_streaks` (checks without a degraded signal, by UUID) reach --recover-after."""
         if self.mode == "node":
             return verdict
         wanted = gpu_plan.wanted(verdict)
         due = self._clock() - self._read_at >= self._settings.node_resync
-        if self._read_at == -math.inf or (due and self._rules):
+        # Degraded rules alone (effect None) cost no periodic read: nothing they hold depends on the bootID.
+        if self._read_at == -math.inf or (due and self._rules) or self.degraded.stale:
             self._read(node)
         # A fault on a GPU the slices did not list: the node taint now, and the slices read again after this
         # reconcile's node write (`refresh`), once per fault and at most every --slice-refresh seconds: a
@@ -175,13 +183,13 @@ class DeviceQuarantine:
         for stepped in self._budgets.verify(node, self._rules, patch):
             self._rules[stepped.name] = stepped
         self._publish()
-        return result.node_verdict
+        return self.degraded.apply(node, result.node_verdict, self._devices, streaks=degraded_streaks or {})
 
     def _read(self, node: NodeRef) -> None:
         self._slices_at = self._read_at = self._clock()
         try:
             docs = self._source.slices()
-            listed = self._source.rules()
+            listed = self.degraded.read(node.name, self._source.rules())
         except PermanentApiError as exc:
             # 403: a ClusterRole from before the per-GPU quarantine. Every fault gets the node taint until a
             # read succeeds (next --node-resync): never no quarantine at all because of the GPUs' one.

@@ -17,6 +17,7 @@ from gpuguard.config import NodeSettings
 from gpuguard.errors import GpuguardError, PermanentApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.metrics import Metrics, counted
+from gpuguard.quarantine.gpu.degraded import is_degraded_rule
 from gpuguard.quarantine.gpu.rules import (
     API,
     LABEL_MANAGED_BY,
@@ -354,7 +355,11 @@ def quarantined_gpus(api: kubeclient.Client, *, timeout: float = 10.0) -> list[d
                 "node": rule.pool,
                 "device": rule.device,
                 "uuid": rule.uuid,
-                "state": "gpu-deferred" if rule.deferred else "gpu-quarantined",
+                "state": "gpu-degraded"
+                if is_degraded_rule(rule)
+                else "gpu-deferred"
+                if rule.deferred
+                else "gpu-quarantined",
                 "reason": rule.taint_value,
                 "effect": rule.effect,
                 "since": rule.annotations.get(ANN_SINCE),
@@ -362,6 +367,7 @@ def quarantined_gpus(api: kubeclient.Client, *, timeout: float = 10.0) -> list[d
                 "detail": rule.annotations.get(ANN_REASON),
                 "cordoned_by_gpuguard": False,
                 "unschedulable": False,
+                "degraded": sorted(rule.faults) if is_degraded_rule(rule) else [],
             }
         )
     return sorted(rows, key=lambda r: (str(r["node"]), str(r["device"])))

@@ -28,6 +28,8 @@ LABEL_QUARANTINED = f"{DOMAIN}/quarantined"
 # healthy check, or replaces it with the unhealthy taint (--gate-removal gpuguard).
 UNVERIFIED_TAINT_KEY = f"{DOMAIN}/unverified"
 CONDITION_TYPE = "GPUHealthy"
+# The second level's condition (node/degraded.py), read here with the first.
+DEGRADED_CONDITION_TYPE = "GPUDegraded"
 SOFT_EFFECT = "PreferNoSchedule"
 
 
@@ -70,6 +72,8 @@ class NodeView:
     labels: Mapping[str, str] = field(default_factory=dict)
     # status.conditions[type=GPUHealthy].status ("True"/"False"), None if absent.
     gpu_condition: str | None = None
+    # status.conditions[type=GPUDegraded].status, None if absent.
+    degraded_condition: str | None = None
 
     @classmethod
     def from_api(cls, obj: Mapping[str, Any]) -> NodeView:
@@ -85,14 +89,8 @@ class NodeView:
             annotations=dict(meta.get("annotations") or {}),
             boot_id=str(info.get("bootID", "")),
             labels=dict(meta.get("labels") or {}),
-            gpu_condition=next(
-                (
-                    str(c.get("status"))
-                    for c in (obj.get("status") or {}).get("conditions") or ()
-                    if c.get("type") == CONDITION_TYPE
-                ),
-                None,
-            ),
+            gpu_condition=_condition(obj, CONDITION_TYPE),
+            degraded_condition=_condition(obj, DEGRADED_CONDITION_TYPE),
         )
 
     @property
@@ -169,7 +167,17 @@ class EventSpec:
 # What a NodeChange does: the planner's (plan.py) and the budget's (budget.py: defer, yield). Plain strings,
 # so the dry-run writer logs them as they are; the reconciler names its log line after each.
 NodeAction = Literal[
-    "taint", "defer", "escalate", "yield", "add-faults", "recover", "verified", "override", "release-cordon"
+    "taint",
+    "defer",
+    "escalate",
+    "yield",
+    "add-faults",
+    "recover",
+    "verified",
+    "override",
+    "release-cordon",
+    "degrade",
+    "degrade-clear",
 ]
 
 
@@ -214,6 +222,11 @@ def apply_change(node: NodeView, change: NodeChange, *, resource_version: str | 
         if resource_version is not None
         else str(int(node.resource_version or "0") + 1),
     )
+
+
+def _condition(obj: Mapping[str, Any], kind: str) -> str | None:
+    conditions = (obj.get("status") or {}).get("conditions") or ()
+    return next((str(c.get("status")) for c in conditions if c.get("type") == kind), None)
 
 
 def _merge(current: Mapping[str, str], patch: Mapping[str, str | None]) -> dict[str, str]:

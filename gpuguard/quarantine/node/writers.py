@@ -23,7 +23,15 @@ from gpuguard.kube import client as kubeclient
 from gpuguard.metrics import Metrics, counted
 from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.node.budget import OtherNodes, count_budget
-from gpuguard.quarantine.node.view import LABEL_QUARANTINED, EventSpec, NodeChange, NodeView, apply_change
+from gpuguard.quarantine.node.degraded import LABEL_DEGRADED, DegradedRecord, degraded_taint
+from gpuguard.quarantine.node.view import (
+    DEGRADED_CONDITION_TYPE,
+    LABEL_QUARANTINED,
+    EventSpec,
+    NodeChange,
+    NodeView,
+    apply_change,
+)
 from gpuguard.quarantine.record import ANN_REASON, ANN_SINCE
 
 log = structlog.get_logger(__name__)
@@ -86,7 +94,10 @@ class DryRunNodeWriter:
     def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
         _checked_condition(node, condition)
         log.info("node.dry_run_condition", node=node.name, condition=dict(condition))
-        self._node = replace(self._node, gpu_condition=condition["status"])
+        if condition["type"] == DEGRADED_CONDITION_TYPE:
+            self._node = replace(self._node, degraded_condition=condition["status"])
+        else:
+            self._node = replace(self._node, gpu_condition=condition["status"])
         return self._node
 
 
@@ -302,6 +313,41 @@ def quarantined_nodes(api: kubeclient.Client, *, timeout: float = 10.0) -> list[
                 "detail": n.annotations.get(ANN_REASON),
                 "cordoned_by_gpuguard": n.cordoned_by_us and n.unschedulable,
                 "unschedulable": n.unschedulable,
+                "degraded": sorted(DegradedRecord.read(n.annotations).keys),
+            }
+        )
+    return sorted(rows, key=lambda r: str(r["node"]))
+
+
+def degraded_nodes(api: kubeclient.Client, *, skip: set[str], timeout: float = 10.0) -> list[dict[str, Any]]:
+    """For `gpuguard status`: the nodes gpuguard marks degraded (label gpuguard.io/degraded) that are not
+    quarantined too (`skip`: those already listed), one list request. Rows as `quarantined_nodes`'s."""
+    doc = api.request(
+        "GET",
+        "/api/v1/nodes",
+        query={"labelSelector": LABEL_DEGRADED},
+        timeout=timeout,
+        what="list degraded nodes",
+    )
+    rows = []
+    for item in doc["items"] or []:
+        n = NodeView.from_api(item)
+        record = DegradedRecord.read(n.annotations)
+        if n.name in skip or not record.present:
+            continue
+        taint = degraded_taint(n)
+        rows.append(
+            {
+                "node": n.name,
+                "state": "degraded",
+                "reason": taint.value if taint else None,
+                "effect": taint.effect if taint else None,
+                "since": None,
+                "faults": [],
+                "detail": None,
+                "cordoned_by_gpuguard": False,
+                "unschedulable": n.unschedulable,
+                "degraded": sorted(record.keys),
             }
         )
     return sorted(rows, key=lambda r: str(r["node"]))

@@ -48,3 +48,10 @@ every node), for GPUGUARD_GPU_NODE_SELECTOR. */}}
 {{- end -}}
 {{- join "," $pairs -}}
 {{- end -}}
+
+{{/*
+"true" when the agent evicts the pods on faulty GPUs (evict.mode gpu-pods).
+*/}}
+{{- define "gpuguard.evicting" -}}
+{{- if eq ((.Values.evict).mode | default "none") "gpu-pods" }}true{{ end }}
+{{- end }}

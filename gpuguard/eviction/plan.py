@@ -1,0 +1,184 @@
+"""Which pods to evict for the faulty GPUs (pure): only pods on this node whose containers hold a faulty GPU.
+
+Inputs: the faulty GPUs' UUIDs, the kubelet's PodResources answer (what each pod's containers were given)
+and the pods on this node as the API server lists them (spec.nodeName). A pod holds a GPU when one of its
+containers has a device-plugin device of an `nvidia.com/` resource whose ID is the GPU's UUID (NVIDIA's device
+plugin; `UUID::n` for a time-sliced share of it), or a DRA device (driver, pool, device) that is the GPU's.
+
+Never evicted: DaemonSet pods (the DaemonSet puts them back on the same node), mirror (static) pods (the API
+cannot evict them; the kubelet runs them from a file), pods that tolerate gpuguard's taint (they asked to
+stay on a sick GPU: a diagnostic or a drain job), pods already terminating or finished, and pods the API
+server does not list on this node (gone, or never this node's). A GPU whose DRA DeviceTaintRule already has
+effect NoExecute is left to kube-controller-manager, which evicts its pods itself, and so is every pod while
+the node's own gpuguard taint is NoExecute: never two evictions of one pod.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuguard.model import PodDevices
+from gpuguard.validation import PREFIX
+
+# gpuguard's fault taint (gpuguard.quarantine.record.TAINT_KEY; eviction and quarantine are independent
+# layers, tests/test_eviction_plan.py checks that the two agree).
+TAINT_KEY = f"{PREFIX}gpu-unhealthy"
+GPU_RESOURCE_PREFIX = "nvidia.com/"
+MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
+
+# Why a pod that holds a faulty GPU is kept: stable words, in log lines and in the test table.
+DAEMONSET = "daemonset"
+MIRROR = "mirror-pod"
+TOLERATES = "tolerates-taint"
+TERMINATING = "terminating"
+FINISHED = "finished"
+NOT_LISTED = "not-on-this-node"
+DRA_NOEXECUTE = "dra-noexecute"
+NODE_NOEXECUTE = "node-noexecute"
+
+
+@dataclass(frozen=True)
+class Toleration:
+    key: str = ""
+    operator: str = "Equal"
+    value: str = ""
+    effect: str = ""
+
+    def tolerates(self, key: str, effect: str, values: frozenset[str]) -> bool:
+        """As the scheduler matches a toleration to a taint of this key and effect whose value is one of
+        `values` (the faults' reasons): an empty key with Exists tolerates every taint."""
+        if self.effect and self.effect != effect:
+            return False
+        if not self.key:
+            return self.operator == "Exists"
+        if self.key != key:
+            return False
+        return self.operator == "Exists" or self.value in values
+
+
+@dataclass(frozen=True)
+class Pod:
+    """A pod as the API server lists it: what the plan needs of it."""
+
+    namespace: str
+    name: str
+    uid: str = ""
+    node: str = ""
+    phase: str = "Running"
+    owners: tuple[str, ...] = ()  # the kinds of its controller ownerReferences
+    mirror: bool = False
+    terminating: bool = False
+    tolerations: tuple[Toleration, ...] = ()
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.namespace, self.name)
+
+    @classmethod
+    def from_api(cls, obj: Mapping[str, Any]) -> Pod:
+        meta = obj.get("metadata") or {}
+        spec = obj.get("spec") or {}
+        return cls(
+            namespace=str(meta.get("namespace", "")),
+            name=str(meta.get("name", "")),
+            uid=str(meta.get("uid", "")),
+            node=str(spec.get("nodeName", "")),
+            phase=str((obj.get("status") or {}).get("phase", "")),
+            owners=tuple(
+                str(o.get("kind", "")) for o in meta.get("ownerReferences") or () if o.get("controller")
+            ),
+            mirror=MIRROR_ANNOTATION in (meta.get("annotations") or {}),
+            terminating=meta.get("deletionTimestamp") is not None,
+            tolerations=tuple(
+                Toleration(
+                    key=str(t.get("key") or ""),
+                    operator=str(t.get("operator") or "Equal"),
+                    value=str(t.get("value") or ""),
+                    effect=str(t.get("effect") or ""),
+                )
+                for t in spec.get("tolerations") or ()
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One pod that holds faulty GPUs: evict it (`keep` None), or keep it and why."""
+
+    pod: Pod
+    gpus: tuple[str, ...]
+    keep: str | None = None
+
+    @property
+    def evict(self) -> bool:
+        return self.keep is None
+
+
+@dataclass(frozen=True)
+class Faulty:
+    """The faulty GPUs and what the quarantine already does about them."""
+
+    uuids: frozenset[str]
+    # The faults' reasons (the taint's values), for tolerations with operator Equal.
+    reasons: frozenset[str] = frozenset()
+    # DRA: each published GPU's device (driver, pool, device) by UUID.
+    dra_devices: Mapping[str, tuple[str, str, str]] | None = None
+    # GPUs whose DeviceTaintRule has effect NoExecute now: kube-controller-manager evicts their pods.
+    dra_noexecute: frozenset[str] = frozenset()
+    # The effect of gpuguard's node taint (--taint-effect) and whether it is on the node now with NoExecute.
+    taint_effect: str = "NoSchedule"
+    node_noexecute: bool = False
+
+
+def held(pod: PodDevices, faulty: Faulty) -> tuple[str, ...]:
+    """The faulty GPUs this pod's containers hold, sorted."""
+    gpus = {
+        device.split("::", 1)[0]
+        for resource, device in pod.devices
+        if resource.startswith(GPU_RESOURCE_PREFIX) and device.split("::", 1)[0] in faulty.uuids
+    }
+    claims = set(pod.claims)
+    for uuid, device in (faulty.dra_devices or {}).items():
+        if uuid in faulty.uuids and device in claims:
+            gpus.add(uuid)
+    return tuple(sorted(gpus))
+
+
+def plan(
+    faulty: Faulty, resources: Iterable[PodDevices], pods: Mapping[tuple[str, str], Pod]
+) -> list[Decision]:
+    """A decision for every pod that holds a faulty GPU, in the kubelet's order; pods that hold none are not
+    mentioned. `pods`: the pods the API server lists on this node, by (namespace, name)."""
+    decisions: list[Decision] = []
+    if not faulty.uuids:
+        return decisions
+    for devices in resources:
+        gpus = held(devices, faulty)
+        if not gpus:
+            continue
+        pod = pods.get((devices.namespace, devices.name))
+        if pod is None:
+            decisions.append(Decision(Pod(devices.namespace, devices.name), gpus, NOT_LISTED))
+            continue
+        decisions.append(Decision(pod, gpus, _keep(pod, gpus, faulty)))
+    return decisions
+
+
+def _keep(pod: Pod, gpus: tuple[str, ...], faulty: Faulty) -> str | None:
+    if pod.terminating:
+        return TERMINATING
+    if pod.phase in ("Succeeded", "Failed"):
+        return FINISHED
+    if pod.mirror:
+        return MIRROR
+    if "DaemonSet" in pod.owners:
+        return DAEMONSET
+    if any(t.tolerates(TAINT_KEY, faulty.taint_effect, faulty.reasons) for t in pod.tolerations):
+        return TOLERATES
+    if faulty.node_noexecute:
+        return NODE_NOEXECUTE
+    if all(g in faulty.dra_noexecute for g in gpus):
+        return DRA_NOEXECUTE
+    return None

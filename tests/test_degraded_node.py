@@ -1,0 +1,281 @@
+"""Issue 29's second level on the node: the degraded marks' plan (pure), and the reconciler that writes them
+in the same pass as the fault's, never cordons for them and never counts them against the budget."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from datetime import UTC, datetime
+
+from structlog.testing import capture_logs
+
+from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
+from gpuguard.model import Fault, GpuReading, GpuVerdict, Snapshot, Verdict
+from gpuguard.policy import evaluate
+from gpuguard.quarantine.budget import Budget
+from gpuguard.quarantine.node.budget import OtherNodes, QuarantineBudget, count_budget
+from gpuguard.quarantine.node.degraded import (
+    ANN_DEGRADED,
+    LABEL_DEGRADED,
+    MAX_DEGRADED_KEYS,
+    DegradedRecord,
+    plan_degraded,
+    plan_degraded_condition,
+)
+from gpuguard.quarantine.node.view import LABEL_QUARANTINED, NodeView, Taint, apply_change
+from gpuguard.quarantine.node.writers import DryRunNodeWriter
+from gpuguard.quarantine.reconciler import NodeReconciler
+from gpuguard.quarantine.record import DEGRADED_TAINT_KEY
+from harness.fakes import FakeNodeWriter
+
+NOW = datetime(2026, 12, 5, 9, 0, tzinfo=UTC)
+NVLINK = Fault("nvlink-down", "link 3 inactive", uuid="GPU-0", gpu_index=0)
+PCIE = Fault("pcie-width", "x8 of x16", uuid="GPU-1", gpu_index=1)
+NODE = NodeView(name="gpu-1", resource_version="1", boot_id="b")
+
+
+def degraded_verdict(*faults: Fault, sick: bool = False) -> Verdict:
+    by_gpu = {
+        0: tuple(f for f in faults if f.gpu_index == 0),
+        1: tuple(f for f in faults if f.gpu_index == 1),
+    }
+    ecc = (Fault("ecc", "2 uncorrected", uuid="GPU-0", gpu_index=0),) if sick else ()
+    return Verdict(
+        gpus=(
+            GpuVerdict(index=0, uuid="GPU-0", degraded=by_gpu[0], faults=ecc),
+            GpuVerdict(index=1, uuid="GPU-1", degraded=by_gpu[1]),
+        ),
+        node_degraded=tuple(f for f in faults if f.uuid is None),
+    )
+
+
+def marks(node: NodeView, *faults: Fault, streak: int = 0, taint: bool = True) -> NodeView:
+    """Apply plans until the node matches (at most 3 writes)."""
+    for _ in range(3):
+        change = plan_degraded(node, faults, clean_streak=streak, recover_after=3, taint=taint)
+        if change is None:
+            return node
+        node = apply_change(node, change)
+    raise AssertionError("the plan does not converge")
+
+
+# -- the plan ----------------------------------------------------------------------------------------------
+
+
+def test_a_degraded_gpu_gets_the_soft_taint_the_label_and_the_annotation_and_never_a_cordon() -> None:
+    change = plan_degraded(NODE, (PCIE, NVLINK), clean_streak=0, recover_after=3, taint=True)
+    assert change is not None and change.action == "degrade"
+    assert change.taints == (Taint(DEGRADED_TAINT_KEY, "PreferNoSchedule", "nvlink-down"),)
+    assert change.unschedulable is None
+    assert change.labels == {LABEL_DEGRADED: "true"}
+    assert json.loads(str(change.annotations[ANN_DEGRADED])) == ["nvlink-down/GPU-0", "pcie-width/GPU-1"]
+    assert change.event is not None and (change.event.type, change.event.reason) == ("Warning", "GPUDegraded")
+    assert "GPU-0" in change.event.message and "GPU-1" in change.event.message
+    assert LABEL_QUARANTINED not in (change.labels or {})
+
+
+def test_the_plan_is_idempotent_once_the_node_carries_the_marks() -> None:
+    node = marks(NODE, NVLINK)
+    assert plan_degraded(node, (NVLINK,), clean_streak=0, recover_after=3, taint=True) is None
+
+
+def test_other_taints_are_carried_over_as_they_were() -> None:
+    foreign = Taint("other.io/x", "NoSchedule", "y")
+    node = marks(replace(NODE, taints=(foreign,)), NVLINK)
+    assert node.taints[0] == foreign and len(node.taints) == 2
+
+
+def test_a_new_signal_updates_the_record_and_the_taint_and_raises_a_new_event() -> None:
+    node = marks(NODE, PCIE)
+    change = plan_degraded(node, (PCIE, NVLINK), clean_streak=0, recover_after=3, taint=True)
+    assert change is not None and change.event is not None
+    assert change.taints is not None and change.taints[-1].value == "nvlink-down"
+
+
+def test_without_the_taint_setting_only_the_label_and_annotation_are_written() -> None:
+    node = marks(NODE, NVLINK, taint=False)
+    assert not any(t.key == DEGRADED_TAINT_KEY for t in node.taints)
+    assert node.labels[LABEL_DEGRADED] == "true" and ANN_DEGRADED in node.annotations
+
+
+def test_turning_the_taint_off_removes_ours() -> None:
+    node = marks(NODE, NVLINK)
+    node = marks(node, NVLINK, taint=False)
+    assert not any(t.key == DEGRADED_TAINT_KEY for t in node.taints)
+
+
+def test_a_taint_removed_by_hand_is_not_put_back_for_the_same_signals_only_for_new_ones() -> None:
+    node = marks(NODE, NVLINK)
+    node = replace(node, taints=())
+    assert plan_degraded(node, (NVLINK,), clean_streak=0, recover_after=3, taint=True) is None
+    assert any(t.key == DEGRADED_TAINT_KEY for t in marks(node, NVLINK, PCIE).taints)
+
+
+def test_the_marks_stay_until_the_verdict_has_been_clean_for_the_recovery_window() -> None:
+    node = marks(NODE, NVLINK)
+    for streak in (1, 2):
+        assert plan_degraded(node, (), clean_streak=streak, recover_after=3, taint=True) is None
+    change = plan_degraded(node, (), clean_streak=3, recover_after=3, taint=True)
+    assert change is not None and change.action == "degrade-clear"
+    assert change.event is not None and change.event.reason == "GPUDegradedCleared"
+    cleared = apply_change(node, change)
+    assert cleared.taints == () and LABEL_DEGRADED not in cleared.labels
+    assert ANN_DEGRADED not in cleared.annotations
+
+
+def test_a_taint_and_label_gpuguard_did_not_place_are_never_removed() -> None:
+    theirs = replace(
+        NODE, taints=(Taint(DEGRADED_TAINT_KEY, "NoSchedule", "x"),), labels={LABEL_DEGRADED: "true"}
+    )
+    assert plan_degraded(theirs, (), clean_streak=99, recover_after=3, taint=True) is None
+
+
+def test_a_malformed_or_oversized_record_is_read_as_bounded_keys_or_none() -> None:
+    assert DegradedRecord.read({ANN_DEGRADED: "{not json"}) == DegradedRecord(present=True)
+    assert DegradedRecord.read({ANN_DEGRADED: '{"a": 1}'}).keys == frozenset()
+    many = json.dumps([f"r/GPU-{i}" for i in range(1000)] + [7, None, "bad key,x"])
+    record = DegradedRecord.read({ANN_DEGRADED: many})
+    assert len(record.keys) == MAX_DEGRADED_KEYS and all("," not in k for k in record.keys)
+
+
+def test_the_written_record_is_bounded_however_many_signals() -> None:
+    faults = tuple(Fault("nvlink-down", "x", uuid=f"GPU-{i:04}", gpu_index=i) for i in range(500))
+    change = plan_degraded(NODE, faults, clean_streak=0, recover_after=3, taint=True)
+    assert change is not None and len(json.loads(str(change.annotations[ANN_DEGRADED]))) == MAX_DEGRADED_KEYS
+
+
+def test_an_invalid_reason_makes_a_valid_taint_value() -> None:
+    change = plan_degraded(NODE, (Fault("bad reason!", "x"),), clean_streak=0, recover_after=3, taint=True)
+    assert change is not None and change.taints is not None and change.taints[0].value == "degraded"
+
+
+def test_the_condition_names_the_reasons_and_uuids_and_clears_after_the_window() -> None:
+    c = plan_degraded_condition(
+        None, (NVLINK, PCIE), last_keys=None, clean_streak=0, recover_after=3, now=NOW
+    )
+    assert c is not None and c["status"] == "True" and c["type"] == "GPUDegraded"
+    assert "nvlink-down" in c["message"] and "GPU-1" in c["message"] and c["message"].startswith("2 GPUs")
+    keys = frozenset({"nvlink-down/GPU-0", "pcie-width/GPU-1"})
+    same = plan_degraded_condition(
+        "True", (NVLINK, PCIE), last_keys=keys, clean_streak=0, recover_after=3, now=NOW
+    )
+    assert same is None
+    assert (
+        plan_degraded_condition("True", (), last_keys=keys, clean_streak=2, recover_after=3, now=NOW) is None
+    )
+    off = plan_degraded_condition("True", (), last_keys=keys, clean_streak=3, recover_after=3, now=NOW)
+    assert off is not None and off["status"] == "False"
+    # A node never degraded gets no condition at all (no request on a healthy fleet).
+    assert plan_degraded_condition(None, (), last_keys=None, clean_streak=9, recover_after=3, now=NOW) is None
+
+
+# -- the reconciler ----------------------------------------------------------------------------------------
+
+
+def make(budget: Budget | None = None) -> tuple[FakeNodeWriter, NodeReconciler]:
+    settings = NodeSettings(name="gpu-1", retry_max_wait=0.01, max_quarantined=QuarantineLimit.parse("1"))
+    writer = FakeNodeWriter(NODE)
+    writer.quarantine_budget = budget
+    return writer, NodeReconciler(writer, settings, budget=QuarantineBudget(writer, settings))
+
+
+def step(r: NodeReconciler, verdict: Verdict, streak: int = 0) -> None:
+    r.submit(verdict, streak)
+    r.reconcile_now()
+
+
+def test_the_reconciler_marks_a_degraded_node_without_cordon_and_releases_it_when_clean() -> None:
+    writer, r = make()
+    step(r, degraded_verdict(NVLINK))
+    node = writer.node
+    assert any(t.key == DEGRADED_TAINT_KEY and t.effect == "PreferNoSchedule" for t in node.taints)
+    assert not node.unschedulable and LABEL_QUARANTINED not in node.labels
+    assert node.degraded_condition == "True"
+    assert [e.reason for e in writer.events] == ["GPUDegraded"]
+    writes = writer.writes
+    step(r, degraded_verdict(NVLINK))  # steady: nothing more
+    assert writer.writes == writes
+    for _ in range(2):
+        step(r, degraded_verdict(), streak=1)
+    assert any(t.key == DEGRADED_TAINT_KEY for t in writer.node.taints)  # within the window
+    step(r, degraded_verdict(), streak=1)
+    node = writer.node
+    assert node.taints == () and LABEL_DEGRADED not in node.labels and node.degraded_condition == "False"
+    assert [e.reason for e in writer.events] == ["GPUDegraded", "GPUDegradedCleared"]
+
+
+def test_one_pass_writes_the_fault_quarantine_and_the_degraded_marks() -> None:
+    writer, r = make()
+    step(r, degraded_verdict(PCIE, sick=True))
+    keys = {t.key for t in writer.node.taints}
+    assert keys == {"gpuguard.io/gpu-unhealthy", DEGRADED_TAINT_KEY}
+    assert [p.action for p in writer.patches] == ["taint", "degrade"]
+
+
+def test_a_spent_budget_never_defers_the_degraded_marks_and_they_never_count_against_it() -> None:
+    writer, r = make(budget=Budget(quarantined=1, limit=1))
+    step(r, degraded_verdict(NVLINK))
+    assert writer.node.labels.get(LABEL_DEGRADED) == "true"
+    assert LABEL_QUARANTINED not in writer.node.labels
+    assert writer.quarantine_order() == []  # the budget's own count of this node: nothing
+
+
+def test_a_healthy_node_still_costs_nothing_after_its_first_read() -> None:
+    writer, r = make()
+    healthy = evaluate(
+        Snapshot(gpus=(GpuReading(index=0, uuid="GPU-0"),)), previous=None, settings=PolicySettings()
+    )
+    for _ in range(20):
+        step(r, healthy, 1)
+    assert (writer.reads, writer.writes, writer.conditions[1:]) == (1, 0, [])
+
+
+def test_the_budget_never_counts_a_degraded_only_node_whatever_its_marks() -> None:
+    """The budget (node/budget.py, and budgetwatch.py's watch of `gpuguard.io/quarantined=true`) counts only
+    the quarantine label with gpuguard's since: the degraded marks are neither."""
+    node = marks(NODE, NVLINK)
+    meta = {
+        "metadata": {
+            "name": node.name,
+            "labels": dict(node.labels),
+            "annotations": dict(node.annotations),
+            "creationTimestamp": "2026-12-01T00:00:00Z",
+        }
+    }
+    others = OtherNodes(clock=lambda: NOW)
+    claims = others.quarantined([meta])
+    assert claims == []
+    budget = count_budget([meta], QuarantineLimit.parse("50%"), exclude="other", quarantined=claims)
+    assert (budget.quarantined, budget.gpu_nodes) == (0, 2)
+    assert not node.fully_quarantined and not node.deferred and not node.holds_gpuguard_state()
+
+
+def test_a_dry_run_logs_the_degraded_patch_and_condition_it_would_write() -> None:
+    writer = DryRunNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="dry-run"))
+    r = NodeReconciler(writer, NodeSettings(name="gpu-1", dry_run=True))
+    with capture_logs() as logs:
+        step(r, degraded_verdict(NVLINK))
+    node = writer.read()
+    assert node.labels.get(LABEL_DEGRADED) == "true" and node.degraded_condition == "True"
+    events = [e["event"] for e in logs]
+    assert "node.dry_run" in events and "node.degraded" in events and "node.dry_run_condition" in events
+
+
+def test_the_writer_thread_wakes_for_the_degraded_signals_and_their_clean_streak() -> None:
+    """Through the hand-off (not reconcile_now): a degraded verdict wakes the writer, and so does each
+    clean check up to --recover-after, so the marks go without any other change to the verdict."""
+    writer, r = make()
+    r.start()
+    try:
+        clean = degraded_verdict()
+        r.submit(clean, 1)
+        assert r.wait_idle(5)
+        r.submit(degraded_verdict(NVLINK), 1)  # the same healthy streak: only the signals differ
+        assert r.wait_idle(5)
+        assert writer.node.labels.get(LABEL_DEGRADED) == "true"
+        for streak in (3, 4, 5):  # past --recover-after for the faults: only the clean streak moves
+            r.submit(clean, streak)
+            assert r.wait_idle(5)
+        assert LABEL_DEGRADED not in writer.node.labels and writer.node.degraded_condition == "False"
+    finally:
+        r.stop()
