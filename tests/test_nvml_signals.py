@@ -327,3 +327,38 @@ def test_check_compares_the_pci_bus_under_pci_root_with_nvml(fakenvml: Path, tmp
     ], doc
     code, doc, _ = check(fakenvml, state, "--pci-root", str(tmp_path / "nowhere"))
     assert code == 0, doc  # a bus that cannot be read is not judged (logged), never a fault
+
+
+# -- end to end, through what the downstream half shows (/healthz, check) ------------------------------------
+
+
+def test_one_nvlink_down_under_a_watching_agent_degrades_that_gpu_on_healthz_and_clears(
+    fakenvml: Path, tmp_path: Path
+) -> None:
+    """The real agent, pynvml and the fake library: a link goes down on GPU 1 (its recovery counter moves,
+    so the link states are read at once): /healthz lists GPU 1's nvlink-down beside its reasons, the node
+    stays healthy; the link back up clears it."""
+    base = "gpu 0 uuid=GPU-0a nvlink_links=18\ngpu 1 uuid=GPU-0b nvlink_links=18{}\n"
+    state = tmp_path / "nvml.state"
+    state.write_text(base.format(""))
+    with agent(fakenvml, state) as p:
+        state.write_text(base.format(" nvlink_down=3 nvlink_recovery=1"))
+        doc, _, _ = watch_until(p, lambda d: any(g["degraded"] for g in d["gpus"]), 5)
+        by_uuid = {g["uuid"]: g for g in doc["gpus"]}
+        assert [r.split(":")[0] for r in by_uuid["GPU-0b"]["degraded"]] == ["nvlink-down"], doc
+        assert by_uuid["GPU-0a"]["degraded"] == [] and doc["healthy"], doc
+        state.write_text(base.format(" nvlink_recovery=2"))  # retrained, the counter moved: read at once
+        doc, _, _ = watch_until(p, lambda d: not any(g["degraded"] for g in d["gpus"]), 5)
+        assert not any(g["degraded"] for g in doc["gpus"]), doc
+
+
+def test_check_lists_a_degraded_gpu_and_exits_0_unless_fail_on_degraded(
+    fakenvml: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "nvml.state"
+    state.write_text(gpus("inforom_valid=0"))
+    code, doc, _ = check(fakenvml, state)
+    assert code == 0, doc
+    assert [r.split(":")[0] for g in doc["gpus"] for r in g["degraded"]] == ["inforom-invalid"], doc
+    code, _, _ = check(fakenvml, state, "--fail-on-degraded")
+    assert code == 1
