@@ -200,6 +200,9 @@ class GpuVerdict:
     # Shown, not judged: a row remap waiting for a GPU reset (None: no row remapping here).
     remap_pending: bool | None = None
     retired_pages: int | None = None
+    # The PCIe link as last read, (generation, width): shown, not judged by default (an idle GPU lowers its
+    # generation to save power); None where not read.
+    pcie_link: tuple[int, int] | None = None
     # Issue 29's second level: signals that make this GPU `degraded` (shown, scheduled around softly with a
     # PreferNoSchedule taint or an effect-None DeviceTaintRule, never cordoned, never counted by the budget).
     # `reason` is the signal's name (e.g. `nvlink-down`); a GPU may be degraded and faulty at once.

@@ -159,6 +159,7 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
                 remap_pending=reading.remap_pending,
                 retired_pages=reading.retired_pages,
                 degraded=signals.gpu_degraded.get(uuid, ()),
+                pcie_link=_pcie_link(reading),
             )
         )
 
@@ -269,6 +270,11 @@ def _reading_faults(g: GpuReading, action: int | None, unreadable_checks: int, l
             )
         )
     return faults
+
+
+def _pcie_link(g: GpuReading) -> tuple[int, int] | None:
+    gen, width = g.signals.pcie_gen, g.signals.pcie_width
+    return (gen, width) if gen is not None and width is not None else None
 
 
 def _xid_detail(x: XidEvent) -> str:

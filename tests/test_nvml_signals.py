@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -347,6 +348,11 @@ def test_one_nvlink_down_under_a_watching_agent_degrades_that_gpu_on_healthz_and
         by_uuid = {g["uuid"]: g for g in doc["gpus"]}
         assert [r.split(":")[0] for r in by_uuid["GPU-0b"]["degraded"]] == ["nvlink-down"], doc
         assert by_uuid["GPU-0a"]["degraded"] == [] and doc["healthy"], doc
+        with urllib.request.urlopen(f"http://127.0.0.1:{p.port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+        # The PCIe link is shown (the fake's default: Gen4 x16).
+        assert 'gpuguard_gpu_pcie_link_generation{gpu="1",uuid="GPU-0b"} 4.0' in text
+        assert 'gpuguard_gpu_pcie_link_width{gpu="1",uuid="GPU-0b"} 16.0' in text
         state.write_text(base.format(" nvlink_recovery=2"))  # retrained, the counter moved: read at once
         doc, _, _ = watch_until(p, lambda d: not any(g["degraded"] for g in d["gpus"]), 5)
         assert not any(g["degraded"] for g in doc["gpus"]), doc
