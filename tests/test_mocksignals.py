@@ -115,6 +115,9 @@ def test_a_gpu_on_the_bus_from_the_start_is_gpu_missing_at_the_first_check() -> 
     ("event", "message"),
     [
         ("fabric_state: done", "'fabric_state' must be one of not_started, in_progress, completed"),
+        # An unhashable value is an error line too, not a TypeError (it was one before the fuzz found it).
+        ("fabric_state: [1]", "'fabric_state' must be one of not_started, in_progress, completed"),
+        ("clock_events: [{a: 1}]", "'clock_events' must be a list of hw_slowdown, hw_thermal"),
         ("fabric_status: 3", "'fabric_status' must be an NVML return name"),
         ("fabric_degraded: 1", "'fabric_degraded' must be true or false"),
         ("nvlink_down: 3", "'nvlink_down' must be a list of link numbers 0..17"),

@@ -68,7 +68,7 @@ def parse(key: str, value: object, where: str) -> Value:
             raise ScenarioError(f"{where}: '{key}' must be a count 0..4294967295 (added to the counter)")
         return value
     if key == "fabric_state":
-        if value not in FABRIC_STATES:
+        if not isinstance(value, str) or value not in FABRIC_STATES:
             raise ScenarioError(f"{where}: 'fabric_state' must be one of {', '.join(FABRIC_STATES)}")
         return str(value)
     if key == "fabric_status":
@@ -80,15 +80,15 @@ def parse(key: str, value: object, where: str) -> Value:
             raise ScenarioError(f"{where}: 'nvlink_down' must be a list of link numbers 0..{MOCK_LINKS - 1}")
         return tuple(sorted(set(value)))
     if key == "pcie_width":
-        if value not in PCIE_WIDTHS or isinstance(value, bool):
+        if not _is_int(value) or value not in PCIE_WIDTHS:
             raise ScenarioError(f"{where}: 'pcie_width' must be one of {', '.join(map(str, PCIE_WIDTHS))}")
-        return int(str(value))
+        return value
     if key == "pcie_gen":
         if not _is_int(value) or not 1 <= value <= 6:
             raise ScenarioError(f"{where}: 'pcie_gen' must be a PCIe generation 1..6")
         return value
     if key == "clock_events":
-        if not isinstance(value, list) or not all(v in CLOCK_EVENTS for v in value):
+        if not isinstance(value, list) or not all(isinstance(v, str) and v in CLOCK_EVENTS for v in value):
             raise ScenarioError(
                 f"{where}: 'clock_events' must be a list of {', '.join(CLOCK_EVENTS)} ([] for none)"
             )
