@@ -6,6 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpuguard.agent import Agent
 from gpuguard.config import NodeSettings, PolicySettings
@@ -138,3 +141,27 @@ def test_the_node_rules_apply_once_the_agent_has_read_its_nodes_labels() -> None
     reconciler.reconcile_now()  # reads the node: its labels select rule 0 (nvlink-down ignored)
     clock.t += 3
     assert agent.check_once().degraded == ()
+
+
+_WORDS = st.sampled_from(["signals", "nodes", "selector", "level", "threshold", "window_s", *SIGNALS.names()])
+_SCALARS = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12)
+_TREES = st.recursive(
+    _SCALARS | _WORDS,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(_WORDS | st.text(max_size=8), inner, max_size=5)
+    ),
+    max_leaves=25,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_TREES)
+def test_any_yaml_is_a_config_or_one_clear_line(tree: object) -> None:
+    """Whatever the file holds, the start either has a table or stops with one ConfigError line."""
+    try:
+        config = parse(yaml.safe_dump(tree), source="--signals-config f.yaml")
+    except ConfigError as exc:
+        assert "\n" not in str(exc) and str(exc).startswith("--signals-config f.yaml")
+        return
+    assert config.table(None).names() == SIGNALS.names()
+    assert config.table({"a": "b"}).names() == SIGNALS.names()
