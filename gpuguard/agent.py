@@ -89,7 +89,7 @@ class Agent:
         self.stop_event = stop or threading.Event()
         self._wake = threading.Event()
         self._verdict: Verdict | None = None
-        self._last_evaluation: tuple[Snapshot, Verdict | None, Verdict] | None = None
+        self._last_evaluation: tuple[Snapshot, Verdict | None, Verdict, PolicySettings] | None = None
         self._streak = 0
         # Each GPU's own healthy streak (by UUID): a GPU's rule recovers on its own evidence, not the node's.
         self._gpu_streaks: dict[str, int] = {}
@@ -195,20 +195,22 @@ class Agent:
         snapshot judged against an equal previous verdict gives the same verdict again. On a steady node that
         skips the evaluation at every poll (a fifth of an idle check's CPU, docs/performance.md)."""
         last = self._last_evaluation
-        # A signal counted over a window (issue 29) is judged again as time passes, readings unchanged.
+        policy = self._policy  # read once: the node's labels may change it from the reconciler's thread
+        # A signal counted over a window (issue 29) is judged again as time passes, readings unchanged; a
+        # table the node's labels changed judges again too.
         timed = basis is not None and basis.signal_memory.pending
-        if last is not None and not timed:
+        if last is not None and not timed and last[3] is policy:
             if snapshot is last[0] and basis is last[1]:
                 return last[2]  # the backend's very snapshot again (nothing read differently): no compare
             if snapshot == last[0] and basis == last[1]:
                 return last[2]
         # The signals' windows run on the agent's clock (the backend may return its last snapshot again).
         stamped = replace(snapshot, taken_at=self._clock(), booted_at=self._booted_at)
-        verdict = evaluate(stamped, previous=basis, settings=self._policy)
+        verdict = evaluate(stamped, previous=basis, settings=policy)
         if verdict == basis:
             # The same judgement as before: keep the one object, so the next check's memo matches by identity.
             verdict = basis
-        self._last_evaluation = (snapshot, basis, verdict)
+        self._last_evaluation = (snapshot, basis, verdict, policy)
         return verdict
 
     def status(self) -> AgentStatus:

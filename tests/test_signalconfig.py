@@ -138,6 +138,9 @@ def test_the_node_rules_apply_once_the_agent_has_read_its_nodes_labels() -> None
     agent.check_once()
     clock.t += 3
     assert [f.reason for f in agent.check_once().degraded] == ["nvlink-down"]  # before the node is read
+    clock.t += 3
+    steady = agent.check_once()  # the same readings and verdict: the agent's remembered evaluation
+    assert [f.reason for f in steady.degraded] == ["nvlink-down"]
     reconciler.reconcile_now()  # reads the node: its labels select rule 0 (nvlink-down ignored)
     clock.t += 3
     assert agent.check_once().degraded == ()
