@@ -38,9 +38,14 @@ def env_for(state: Path) -> dict[str, str]:
     return {"LD_LIBRARY_PATH": str(LIB_DIR), "FAKE_NVML_STATE": str(state)}
 
 
-def gpu_lines(n: int, ecc: dict[int, int] | None = None) -> str:
+# Every health signal read (issue 29): an HGX GPU's 18 NVLinks and its fabric, on top of what every fake GPU
+# answers (the PCIe link, the clock event reasons, the InfoROM, the PCIe replay counter).
+ALL_SIGNALS = " nvlink_links=18 fabric_state=3 fabric_health=170"
+
+
+def gpu_lines(n: int, ecc: dict[int, int] | None = None, *, signals: str = "") -> str:
     ecc = ecc or {}
-    return "".join(f"gpu {i} uuid=GPU-bench-{i:03d} ecc={ecc.get(i, 0)}\n" for i in range(n))
+    return "".join(f"gpu {i} uuid=GPU-bench-{i:03d} ecc={ecc.get(i, 0)}{signals}\n" for i in range(n))
 
 
 @contextmanager
@@ -141,10 +146,11 @@ print(json.dumps({"cpu_us": cpu / n * 1e6, "wall_us": wall / n * 1e6, "gpus": le
 """
 
 
-def cpu_per_check(gpus: int, checks: int = 300) -> dict[str, Any]:
+def cpu_per_check(gpus: int, checks: int = 300, *, signals: str = "") -> dict[str, Any]:
+    """`signals`: ALL_SIGNALS for GPUs that answer every health signal's read (NVLink, fabric)."""
     with tempfile.TemporaryDirectory() as d:
         state = Path(d) / "nvml.state"
-        state.write_text(gpu_lines(gpus))
+        state.write_text(gpu_lines(gpus, signals=signals))
         r = subprocess.run(
             [sys.executable, "-c", _CPU_WORKER, str(checks)],
             capture_output=True,
@@ -203,9 +209,12 @@ print(json.dumps(sorted(m for m in sys.modules
 """
 
 # The floor: the same NVML reads as one check of NvmlBackend.snapshot() (the device count, then per GPU the
-# uncorrected ECC count, the remapped rows and the recovery-action field), once per interval, nothing else.
+# uncorrected ECC count, the remapped rows, one field-values call: the recovery action and the health
+# signals' counters, the clock event reasons; every 30 s the PCIe link, the fabric and the NVLink states;
+# every 600 s the InfoROM), once per interval, nothing else. A read that answers NOT_SUPPORTED is dropped,
+# as the agent drops it.
 _FLOOR = r"""
-import importlib, json, sys, time
+import ctypes, importlib, json, sys, time
 for name in json.loads(sys.argv[2]):
     try:
         importlib.import_module(name)
@@ -215,7 +224,27 @@ import pynvml
 pynvml.nvmlInit()
 interval = float(sys.argv[1])
 handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+links = {}
+for h in handles:
+    fv = pynvml.nvmlDeviceGetFieldValues(h, [91])[0]
+    links[id(h)] = fv.value.uiVal if fv.nvmlReturn == 0 else 0
+fields = {id(h): [230, 38, 52, 59, 94] if links[id(h)] else [230, 94] for h in handles}
+class Fabric(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint), ("clusterUuid", ctypes.c_ubyte * 16), ("status", ctypes.c_int),
+                ("cliqueId", ctypes.c_uint), ("state", ctypes.c_uint), ("healthMask", ctypes.c_uint)]
+V2 = ctypes.sizeof(Fabric) | 2 << 24
+def slow(h):
+    for call in (lambda: pynvml.nvmlDeviceGetCurrPcieLinkWidth(h),
+                 lambda: pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h),
+                 lambda: pynvml.nvmlDeviceGetGpuFabricInfoV(h, ctypes.byref(Fabric(version=V2)))):
+        try:
+            call()
+        except pynvml.NVMLError:
+            pass
+    for link in range(links[id(h)]):
+        pynvml.nvmlDeviceGetNvLinkState(h, link)
 print(json.dumps({"gpus": len(handles), "modules": len(sys.modules)}), flush=True)
+passes = 0
 while True:
     pynvml.nvmlDeviceGetCount()
     for h in handles:
@@ -224,7 +253,13 @@ while True:
             h, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
         )
         pynvml.nvmlDeviceGetRemappedRows(h)
-        pynvml.nvmlDeviceGetFieldValues(h, [230])
+        pynvml.nvmlDeviceGetFieldValues(h, fields[id(h)])
+        pynvml.nvmlDeviceGetCurrentClocksEventReasons(h)
+        if passes % max(1, round(30 / interval)) == 0:
+            slow(h)
+        if passes % max(1, round(600 / interval)) == 0:
+            pynvml.nvmlDeviceValidateInforom(h)
+    passes += 1
     time.sleep(interval)
 """
 
@@ -261,7 +296,7 @@ class IdleFloor:
         self.libraries = agent_libraries()
         self._dir = tempfile.TemporaryDirectory()
         state = Path(self._dir.name) / "floor.state"
-        state.write_text(gpu_lines(gpus))
+        state.write_text(gpu_lines(gpus, signals=ALL_SIGNALS))
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _FLOOR, str(interval), json.dumps(self.libraries)],
             stdout=subprocess.PIPE,
@@ -315,7 +350,7 @@ class IdleVsFloor:
     def __init__(self, gpus: int = 8, interval: float = 3.0) -> None:
         self._dir = tempfile.TemporaryDirectory()
         state = Path(self._dir.name) / "nvml.state"
-        state.write_text(gpu_lines(gpus))
+        state.write_text(gpu_lines(gpus, signals=ALL_SIGNALS))  # every health signal read, by both
         self._agent = agent(state, "--interval", str(interval))
         p, _ = self._agent.__enter__()
         time.sleep(interval)  # past the start-up

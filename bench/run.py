@@ -106,6 +106,16 @@ def nvml_rows(quick: bool) -> tuple[list[Row], dict[int, dict[str, float]]]:
         )
     per_gpu_8, per_gpu_256 = cpu[8]["cpu_us"] / 8, cpu[256]["cpu_us"] / 256
     rows[-1] = (*rows[-1][:3], verdict(per_gpu_256 <= per_gpu_8 * 1.5))
+    every = nvml_bench.cpu_per_check(8, checks=100 if quick else 500, signals=nvml_bench.ALL_SIGNALS)
+    rows.append(
+        (
+            "CPU per check with every health signal read (issue 29: 18 NVLinks and a fabric per GPU), 8 GPUs",
+            f"{every['cpu_us']:.0f} us CPU ({every['cpu_us'] / 8:.1f} us/GPU), "
+            f"{every['wall_us']:.0f} us wall; {every['cpu_us'] / cpu[8]['cpu_us']:.2f}x the check above",
+            "reference",
+            "",
+        )
+    )
     rss = nvml_bench.agent_rss(seconds=5 if quick else 20)
     rows.append(
         (
@@ -1010,9 +1020,12 @@ def document(  # noqa: PLR0917 - one call site, every part named there
         _para(
             "The NVML polling floor (`nvml_bench.IdleFloor`): a bare interpreter that imports the",
             f"{raw['idle_floor']['libraries']} third-party modules `gpuguard watch` loads and does the",
-            "same NVML reads as one check (device count; per GPU uncorrected ECC, remapped rows, the",
-            "recovery-action field) every 3 s on 8 fake GPUs, nothing else; it runs beside an idle dry-run",
-            "agent (`gpuguard watch --backend nvml --dry-run --interval 3`, 8 fake GPUs: its checks and",
+            "same NVML reads as one check (device count; per GPU uncorrected ECC, remapped rows, one",
+            "field-values call: the recovery action and the health signals' counters, the clock event",
+            "reasons; every 30 s the PCIe link, the fabric and 18 NVLink states; every 600 s the InfoROM)",
+            "every 3 s on 8 fake GPUs that answer every health signal (18 NVLinks and a fabric each),",
+            "nothing else; it runs beside an idle dry-run",
+            "agent (`gpuguard watch --backend nvml --dry-run --interval 3`, the same 8 GPUs: its checks and",
             "nothing else, as `python -m bench.nvml_bench idle`) and both are read over the same window",
             "(CPU from",
             "/proc/<pid>/task/*/schedstat, nanoseconds; wake-ups are voluntary context switches). The",

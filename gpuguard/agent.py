@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import structlog
@@ -20,6 +21,7 @@ from gpuguard.nvml.base import Backend, wait_for
 from gpuguard.policy import evaluate
 from gpuguard.quarantine.node.writers import DRY_RUN_NODE
 from gpuguard.quarantine.reconciler import NodeReconciler
+from gpuguard.signalconfig import SignalConfig
 from gpuguard.state import StateStore
 from gpuguard.xidcatalog import CATALOG
 
@@ -50,12 +52,17 @@ class Agent:
         wall: Callable[[], datetime] = lambda: datetime.now(UTC),
         stop: threading.Event | None = None,
         on_verdict: Callable[[Verdict], None] | None = None,
+        signal_config: SignalConfig | None = None,
+        uptime: float | None = None,
     ) -> None:
         """on_verdict: also handed each verdict, after the reconciler (the evictor's `observe`)."""
         self._backend = backend
         self._on_verdict = on_verdict
         self._reconciler = reconciler
         self._policy = policy
+        self._signal_config = signal_config
+        # When the host booted, on the agent's clock (`uptime`: seconds since, at construction).
+        self._booted_at = None if uptime is None else clock() - uptime
         self._interval = interval
         self._node_name = node_name
         self._log_node = node_name or DRY_RUN_NODE  # the name the node's own lines use, also in a dry run
@@ -82,7 +89,7 @@ class Agent:
         self.stop_event = stop or threading.Event()
         self._wake = threading.Event()
         self._verdict: Verdict | None = None
-        self._last_evaluation: tuple[Snapshot, Verdict | None, Verdict] | None = None
+        self._last_evaluation: tuple[Snapshot, Verdict | None, Verdict, PolicySettings] | None = None
         self._streak = 0
         # Each GPU's own healthy streak (by UUID): a GPU's rule recovers on its own evidence, not the node's.
         self._gpu_streaks: dict[str, int] = {}
@@ -171,21 +178,39 @@ class Agent:
             )
         return verdict
 
+    def node_labels(self, labels: Mapping[str, str]) -> None:
+        """The node's labels as last read (the reconciler's thread): --signals-config's node rules that
+        select them apply from the next check on. One log line when the table changes."""
+        if self._signal_config is None:
+            return
+        table = self._signal_config.table(labels)
+        if table != self._policy.signals:
+            self._policy = replace(self._policy, signals=table)
+            log.info(
+                "signals.node_rules", node=self._log_node, rules=list(self._signal_config.matching(labels))
+            )
+
     def _evaluate(self, snapshot: Snapshot, basis: Verdict | None) -> Verdict:
         """policy.evaluate, remembered for the last arguments: it is pure (no clock, no I/O), so the same
         snapshot judged against an equal previous verdict gives the same verdict again. On a steady node that
         skips the evaluation at every poll (a fifth of an idle check's CPU, docs/performance.md)."""
         last = self._last_evaluation
-        if last is not None:
+        policy = self._policy  # read once: the node's labels may change it from the reconciler's thread
+        # A signal counted over a window (issue 29) is judged again as time passes, readings unchanged; a
+        # table the node's labels changed judges again too.
+        timed = basis is not None and basis.signal_memory.pending
+        if last is not None and not timed and last[3] is policy:
             if snapshot is last[0] and basis is last[1]:
                 return last[2]  # the backend's very snapshot again (nothing read differently): no compare
             if snapshot == last[0] and basis == last[1]:
                 return last[2]
-        verdict = evaluate(snapshot, previous=basis, settings=self._policy)
+        # The signals' windows run on the agent's clock (the backend may return its last snapshot again).
+        stamped = replace(snapshot, taken_at=self._clock(), booted_at=self._booted_at)
+        verdict = evaluate(stamped, previous=basis, settings=policy)
         if verdict == basis:
             # The same judgement as before: keep the one object, so the next check's memo matches by identity.
             verdict = basis
-        self._last_evaluation = (snapshot, basis, verdict)
+        self._last_evaluation = (snapshot, basis, verdict, policy)
         return verdict
 
     def status(self) -> AgentStatus:

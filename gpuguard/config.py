@@ -13,6 +13,8 @@ from fractions import Fraction
 
 from gpuguard import validation
 from gpuguard.errors import ConfigError
+from gpuguard.signalconfig import SignalConfig
+from gpuguard.signals import SIGNALS, SignalTable
 from gpuguard.xidcatalog import CATALOG
 
 # Default ignored Xids: those NVIDIA's Xid catalog files under the immediate action RESTART_APP or IGNORE,
@@ -39,6 +41,9 @@ class PolicySettings:
     """Checks in a row in which every query on a GPU fails (or NVML cannot identify it) before that is a
     fault: one failed pass is a transient NVML error, three (9 s at --interval 3) a GPU that does not
     answer. `check` uses 1: a preflight has one pass. RESET_REQUIRED and GPU_IS_LOST are faults at once."""
+    signals: SignalTable = SIGNALS
+    """Issue 29's signals with their levels, thresholds and windows (gpuguard/data/signals.json), as
+    --signals-config changed them for this node (gpuguard.signalconfig)."""
 
 
 TAINT_EFFECTS = validation.TAINT_EFFECTS
@@ -240,6 +245,12 @@ class Config:
     log_format: str = "auto"
     expected_gpus_label: str = GPU_COUNT_LABEL
     """`check` only: the node label holding the node's GPU count ("": the node is never read)."""
+    pci_root: str | None = "/sys/bus/pci/devices"
+    """Where the NVIDIA GPUs on the PCI bus are listed (gpu-missing against NVML); tests point it elsewhere,
+    None: not compared."""
+    signals_config: SignalConfig | None = None
+    """--signals-config, parsed: its global part is in policy.signals; its node rules apply once the agent
+    has read its node's labels."""
     policy: PolicySettings = field(default_factory=PolicySettings)
     node: NodeSettings = field(default_factory=NodeSettings)
     server: ServerSettings = field(default_factory=ServerSettings)

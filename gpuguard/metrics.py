@@ -64,6 +64,19 @@ class Metrics:
             ["gpu", "uuid"],
             registry=registry,
         )
+        # Issue 29: the PCIe link, shown (a generation below the device's is an idle GPU saving power).
+        self.pcie_generation = Gauge(
+            "gpuguard_gpu_pcie_link_generation",
+            "The PCIe link's current generation, as last read (every 30 s; absent where not read).",
+            ["gpu", "uuid"],
+            registry=registry,
+        )
+        self.pcie_width = Gauge(
+            "gpuguard_gpu_pcie_link_width",
+            "The PCIe link's current width in lanes, as last read (every 30 s; absent where not read).",
+            ["gpu", "uuid"],
+            registry=registry,
+        )
         self.xid_watched = Gauge(
             "gpuguard_gpu_xid_watched",
             "1 while the agent is registered for the GPU's Xid events, 0 while it is not (blind to Xids).",
@@ -166,7 +179,9 @@ class Metrics:
         self._repeat_values: dict[tuple[str, str], int] = {}
         self.build = Info("gpuguard_build", "gpuguard build information.", registry=registry)
         self.build.info({"version": __version__})
-        self._gpu_values: dict[tuple[str, str], tuple[int, int, int | None, bool | None, int | None]] = {}
+        self._gpu_values: dict[
+            tuple[str, str], tuple[int, int, int | None, bool | None, int | None, tuple[int, int] | None]
+        ] = {}
         self._observed: Verdict | None = None
         self._node_values: tuple[int, int, int, int] | None = None
 
@@ -227,6 +242,7 @@ class Metrics:
                 g.ecc_uncorrected,
                 g.remap_pending,
                 g.retired_pages,
+                g.pcie_link,
             )
             # Only this method sets these gauges: a GPU whose values did not change since the last check
             # needs no label lookups (most of a healthy check's metrics cost).
@@ -241,6 +257,9 @@ class Metrics:
                 self.remap_pending.labels(*labels).set(1 if g.remap_pending else 0)
             if g.retired_pages is not None:
                 self.retired_pages.labels(*labels).set(g.retired_pages)
+            if g.pcie_link is not None:
+                self.pcie_generation.labels(*labels).set(g.pcie_link[0])
+                self.pcie_width.labels(*labels).set(g.pcie_link[1])
 
     def observe_repeat_offenders(self, held: Mapping[str, int], index: Mapping[str, int]) -> None:
         """The held GPUs (UUID -> episodes; `index`: UUID -> GPU index where known); a GPU released is

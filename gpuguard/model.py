@@ -58,6 +58,34 @@ def recovery_reason(action: int) -> str:
 
 
 @dataclass(frozen=True)
+class SignalReadings:
+    """Issue 29's signals as one pass read them from one GPU. Readings only, judged by gpuguard.signaljudge.
+    Every field None where it does not apply (NVML answers NOT_SUPPORTED) or was not read this pass."""
+
+    # nvmlDeviceGetGpuFabricInfoV: NVML_GPU_FABRIC_STATE_* (1 not started, 2 in progress, 3 completed), the
+    # registration's own status (an NVML return name, "SUCCESS"), and the raw health mask.
+    fabric_state: int | None = None
+    fabric_status: str | None = None
+    fabric_health: int | None = None
+    # nvmlDeviceGetNvLinkState of every link NVML_FI_DEV_NVLINK_LINK_COUNT reports: the active links.
+    nvlink_active: frozenset[int] | None = None
+    nvlink_links: int | None = None
+    # NVLink CRC flit + replay + recovery error totals (NVML_FI_DEV_NVLINK_*_ERROR_COUNT_TOTAL), summed.
+    nvlink_errors: int | None = None
+    pcie_width: int | None = None
+    pcie_max_width: int | None = None
+    # Shown, not judged by default: an idle GPU lowers its link generation to save power.
+    pcie_gen: int | None = None
+    pcie_max_gen: int | None = None
+    # NVML_FI_DEV_PCIE_REPLAY_COUNTER.
+    pcie_replays: int | None = None
+    # nvmlDeviceGetCurrentClocksEventReasons: the raw bit mask (nvmlClocksEventReason*).
+    clock_events: int | None = None
+    # nvmlDeviceValidateInforom: False where NVML answers CORRUPTED_INFOROM.
+    inforom_valid: bool | None = None
+
+
+@dataclass(frozen=True)
 class GpuReading:
     """What a backend read from one GPU in one pass. Readings only: no judgement."""
 
@@ -91,6 +119,8 @@ class GpuReading:
     # An NVML call on this GPU has not returned within its deadline (what, which deadline); the other values
     # are the last ones read.
     unresponsive: str | None = None
+    # Issue 29's signals (fabric, NVLink, PCIe, clock events, InfoROM).
+    signals: SignalReadings = SignalReadings()
 
 
 @dataclass(frozen=True)
@@ -126,6 +156,14 @@ class Snapshot:
     # A node-wide query that failed this pass ("nvmlDeviceGetCount:UNKNOWN"): the readings are the last ones;
     # retried, and a fault only when it fails check after check (Verdict.node_error_streak).
     node_error: str | None = None
+    # NVIDIA display/3D controllers on the PCI bus (sysfs) that NVML does not list: their PCI addresses.
+    bus_only: tuple[str, ...] = ()
+    # When the pass was judged, in seconds: the time base of the signals' windows. The agent stamps its own
+    # monotonic clock on every snapshot it judges; the mock stamps its scenario time. Not compared: the same
+    # readings at another time are the same snapshot.
+    taken_at: float = field(default=0.0, compare=False)
+    # When the host booted, on the same clock (None: not known): the fabric's grace runs from it.
+    booted_at: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -165,6 +203,9 @@ class GpuVerdict:
     # Shown, not judged: a row remap waiting for a GPU reset (None: no row remapping here).
     remap_pending: bool | None = None
     retired_pages: int | None = None
+    # The PCIe link as last read, (generation, width): shown, not judged by default (an idle GPU lowers its
+    # generation to save power); None where not read.
+    pcie_link: tuple[int, int] | None = None
     # Issue 29's second level: signals that make this GPU `degraded` (shown, scheduled around softly with a
     # PreferNoSchedule taint or an effect-None DeviceTaintRule, never cordoned, never counted by the budget).
     # `reason` is the signal's name (e.g. `nvlink-down`); a GPU may be degraded and faulty at once.
@@ -173,6 +214,28 @@ class GpuVerdict:
     @property
     def healthy(self) -> bool:
         return not self.faults
+
+
+@dataclass(frozen=True)
+class SignalMemory:
+    """What gpuguard.signaljudge carries from one check to the next, per GPU UUID: the first good reading's
+    active NVLinks and PCIe width, counter samples (time, total) and clock event samples (time, mask) over
+    the longest window, and when a fabric was first seen incomplete."""
+
+    first_links: tuple[tuple[str, frozenset[int]], ...] = ()
+    first_width: tuple[tuple[str, int], ...] = ()
+    first_gen: tuple[tuple[str, int], ...] = ()
+    counters: tuple[tuple[str, tuple[tuple[float, int], ...]], ...] = ()
+    clock_samples: tuple[tuple[str, tuple[tuple[float, int], ...]], ...] = ()
+    fabric_incomplete_since: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def pending(self) -> bool:
+        """Whether time alone can change a judgement (a grace running, events or a counter's rise within a
+        window): the agent then judges again although nothing read differently."""
+        return bool(self.fabric_incomplete_since or self.clock_samples) or any(
+            len(samples) > 1 for _, samples in self.counters
+        )
 
 
 @dataclass(frozen=True)
@@ -203,6 +266,8 @@ class Verdict:
     node_error_streak: int = 0
     # Node-wide `degraded` signals (issue 29), as GpuVerdict.degraded for one GPU.
     node_degraded: tuple[Fault, ...] = ()
+    # What the signals' judge remembers between checks (first good readings, counter samples, events).
+    signal_memory: SignalMemory = field(default_factory=SignalMemory)
 
     @cached_property
     def faults(self) -> tuple[Fault, ...]:

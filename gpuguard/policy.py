@@ -34,7 +34,14 @@ from gpuguard.model import (
     recovery_reason,
     xid_reason,
 )
-from gpuguard.recovery import apply_recovery_rule, cleared_without_reboot, recovery_action, unresponsive_rule
+from gpuguard.recovery import (
+    apply_recovery_rule,
+    cleared_without_reboot,
+    recovery_action,
+    split_xids,
+    unresponsive_rule,
+)
+from gpuguard.signaljudge import judge
 from gpuguard.xidcatalog import CATALOG
 
 __all__ = ["cleared_without_reboot", "evaluate", "primary", "severity"]
@@ -85,7 +92,7 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
     # Xid 154 is the driver announcing a recovery action, judged as the recovery-* fault it reads; on a GPU
     # whose recovery field cannot be read it is the only word of it, so a fault.
     blind = {g.uuid for g in snapshot.gpus if g.recovery_action is None}
-    fatal, ignored = _split_xids(snapshot.xids, settings.ignored_xids, blind)
+    fatal, ignored = split_xids(snapshot.xids, settings.ignored_xids, blind)
     by_uuid = {g.uuid: g for g in snapshot.gpus}
     prev_by_uuid = {g.uuid: g for g in prev.gpus}
     actions = {g.uuid: recovery_action(g, prev_by_uuid.get(g.uuid)) for g in snapshot.gpus}
@@ -114,6 +121,7 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
         sticky, prev, new_xid_keys=new_xid_keys, actions=actions
     )
 
+    signals = judge(snapshot, previous=prev, table=settings.signals)
     streaks = dict(prev.unreadable_streaks)
     unreadable = {g.uuid: (streaks.get(g.uuid, 0) + 1 if g.unreadable else 0) for g in snapshot.gpus}
 
@@ -138,6 +146,7 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
         if ecc is not None:
             faults.append(ecc)
         faults.extend(_reading_faults(reading, actions[uuid], unreadable[uuid], settings.unreadable_after))
+        faults.extend(signals.gpu_faults.get(uuid, ()))
         verdicts.append(
             GpuVerdict(
                 index=reading.index,
@@ -150,11 +159,13 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
                 recovery_action=actions[uuid],
                 remap_pending=reading.remap_pending,
                 retired_pages=reading.retired_pages,
+                degraded=signals.gpu_degraded.get(uuid, ()),
+                pcie_link=_pcie_link(reading),
             )
         )
 
     # Sticky faults not tied to an enumerated GPU (an Xid NVML could not attribute) belong to the node.
-    node_faults = tuple(f for f in sticky if f.uuid not in known_uuids)
+    node_faults = tuple(f for f in sticky if f.uuid not in known_uuids) + signals.node_faults
     prev_unidentified = dict(prev.unidentified_streaks)
     unidentified = {i: prev_unidentified.get(i, 0) + 1 for i, _ in snapshot.unidentified}
     for index, error in snapshot.unidentified:
@@ -219,6 +230,8 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
         unreadable_streaks=tuple((u, n) for u, n in unreadable.items() if n),
         unidentified_streaks=tuple(unidentified.items()),
         node_error_streak=node_streak,
+        node_degraded=signals.node_degraded,
+        signal_memory=signals.memory,
     )
 
 
@@ -241,9 +254,6 @@ def _reading_faults(g: GpuReading, action: int | None, unreadable_checks: int, l
                 gpu_index=g.index,
             )
         )
-    retired = _retired(g.retired_pages, g.retired_pending)
-    if retired:
-        faults.append(Fault(RETIRED_PAGES, f"{retired} {where}", uuid=g.uuid, gpu_index=g.index))
     if not g.lost and any(e.endswith(":RESET_REQUIRED") for e in g.transient_errors):
         faults.append(
             Fault(
@@ -263,19 +273,9 @@ def _reading_faults(g: GpuReading, action: int | None, unreadable_checks: int, l
     return faults
 
 
-# NVIDIA's limit of retired pages (SBE + DBE) per GPU, as its field diagnostic and DCGM apply it (RMA).
-RETIRED_PAGES_LIMIT = 63
-
-
-def _retired(count: int | None, pending: bool | None) -> str:
-    """Dynamic page retirement's verdict, '' where none: pages pending retirement (in use until the GPU is
-    reset or the driver reloaded: nvml.h "need a reboot to fully retire"), or the limit reached."""
-    parts = []
-    if pending:
-        parts.append("pages are pending retirement (a GPU reset or reboot retires them)")
-    if count is not None and count >= RETIRED_PAGES_LIMIT:
-        parts.append(f"{count} pages retired, NVIDIA's limit is {RETIRED_PAGES_LIMIT}")
-    return "; ".join(parts)
+def _pcie_link(g: GpuReading) -> tuple[int, int] | None:
+    gen, width = g.signals.pcie_gen, g.signals.pcie_width
+    return (gen, width) if gen is not None and width is not None else None
 
 
 def _xid_detail(x: XidEvent) -> str:
@@ -322,21 +322,6 @@ def _ordered(faults: Iterable[Fault]) -> tuple[Fault, ...]:
             key=lambda f: (severity(f), -1 if f.gpu_index is None else f.gpu_index, f.reason),
         )
     )
-
-
-def _split_xids(
-    xids: Iterable[XidEvent], ignored: frozenset[int], blind: set[str]
-) -> tuple[tuple[XidEvent, ...], tuple[XidEvent, ...]]:
-    def fatal_(x: XidEvent) -> bool:
-        blind_154 = x.code == XID_RECOVERY_ACTION and (x.uuid is None or x.uuid in blind)
-        return x.code not in ignored or blind_154
-
-    fatal = tuple(x for x in xids if fatal_(x))
-    skipped = tuple(x for x in xids if not fatal_(x))
-    return fatal, skipped
-
-
-XID_RECOVERY_ACTION = 154
 
 
 def _sticky_reading_faults(g: GpuReading) -> list[Fault]:

@@ -5,8 +5,11 @@ nvml-unresponsive). Pure, like the policy that calls it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from gpuguard.model import (
     ECC,
+    GPU_MISSING,
     GPU_UNREADABLE,
     GPU_UNRESPONSIVE,
     NVML_INIT,
@@ -20,7 +23,9 @@ from gpuguard.model import (
     GpuVerdict,
     Snapshot,
     Verdict,
+    XidEvent,
 )
+from gpuguard.signals import SIGNALS
 
 # Recovery actions that end in a reset of the GPU: Xids recorded while the driver asks for one clear when
 # the action reads NONE again.
@@ -30,7 +35,7 @@ _CLEARED_BY_READING = frozenset(
     {ECC, NVML_INIT, RESET_REQUIRED, GPU_UNREADABLE, GPU_UNRESPONSIVE, NVML_UNRESPONSIVE, RETIRED_PAGES}
     # The hold of a repeat offender: gone from the verdict only by an operator's release, which is its proof.
     | {REPEAT_OFFENDER}
-)
+) | (frozenset(SIGNALS.names()) - {GPU_MISSING})  # issue 29's signals judge each reading afresh
 
 
 def cleared_without_reboot(key: str, reset_cleared: frozenset[str] = frozenset()) -> bool:
@@ -126,3 +131,21 @@ def unresponsive_rule(sticky: list[Fault], snapshot: Snapshot) -> list[Fault]:
 
 
 _UNRESPONSIVE = frozenset({GPU_UNRESPONSIVE, NVML_UNRESPONSIVE})
+
+
+def split_xids(
+    xids: Iterable[XidEvent], ignored: frozenset[int], blind: set[str]
+) -> tuple[tuple[XidEvent, ...], tuple[XidEvent, ...]]:
+    """Xids -> (faults, events): an ignored code is an event, but Xid 154 (the driver announcing a recovery
+    action) stays a fault on a GPU whose recovery field cannot be read: it is the only word of the action."""
+
+    def fatal_(x: XidEvent) -> bool:
+        blind_154 = x.code == XID_RECOVERY_ACTION and (x.uuid is None or x.uuid in blind)
+        return x.code not in ignored or blind_154
+
+    fatal = tuple(x for x in xids if fatal_(x))
+    skipped = tuple(x for x in xids if not fatal_(x))
+    return fatal, skipped
+
+
+XID_RECOVERY_ACTION = 154

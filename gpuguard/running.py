@@ -7,6 +7,7 @@ import gc
 import random
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import FrameType
@@ -49,7 +50,7 @@ def make_backend(cfg: Config, *, start_at: float = 0.0) -> Backend:
         return MockBackend(load_scenario(cfg.scenario), start_at=start_at)
     from gpuguard.nvml.real import NvmlBackend  # noqa: PLC0415 - pynvml only when asked for
 
-    return NvmlBackend(deadline=cfg.nvml_call_timeout)
+    return NvmlBackend(deadline=cfg.nvml_call_timeout, pci_root=cfg.pci_root)
 
 
 # A host up for less than this is a new (or just rebooted) node: its agent reads the node at once, because the
@@ -96,6 +97,11 @@ def check_once(cfg: Config, *, at: float | None = None) -> Check:
         snapshot = backend.snapshot()
     finally:
         backend.close()
+    # The fabric's grace runs from the boot: a preflight does not wait it out. A mock scenario's node boots
+    # when the scenario starts (`--at` seconds ago).
+    uptime = host_uptime() if cfg.backend == "nvml" else at or 0.0
+    now = time.monotonic()
+    snapshot = replace(snapshot, taken_at=now, booted_at=None if uptime is None else now - uptime)
     # One pass: an unreadable or unidentified GPU fails the preflight at once (watch waits 3 checks).
     verdict = evaluate(snapshot, previous=None, settings=replace(policy, unreadable_after=1))
     no_library = snapshot.init_error == "LIBRARY_NOT_FOUND" and not cfg.policy.allow_no_gpu
@@ -197,7 +203,8 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
     budget_source = fleet or writer
     budget = QuarantineBudget(budget_source, cfg.node)
     # The start-up jitter (--startup-jitter): a fleet started at once reaches the API server spread out.
-    delay = startup_delay(cfg, uptime=host_uptime())
+    uptime = host_uptime()
+    delay = startup_delay(cfg, uptime=uptime)
     state = None
     if cfg.state_dir and cfg.node.dry_run:
         # A dry run writes nothing, on the host either: a fault it kept would be restored, and written to
@@ -253,7 +260,10 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         library_wait=None if cfg.backend != "nvml" or cfg.policy.allow_no_gpu else cfg.nvml_load_timeout,
         call_wait=float(getattr(backend, "longest_wait", 0.0)),
         on_verdict=evictor.observe if evictor is not None else None,
+        signal_config=cfg.signals_config,
+        uptime=uptime if cfg.backend == "nvml" else 0.0,  # a mock scenario's node boots with it
     )
+    reconciler.on_node = agent.node_labels  # --signals-config's node rules, from the node's labels
     return Parts(
         agent=agent,
         reconciler=reconciler,

@@ -70,6 +70,26 @@ def test_a_steady_node_reuses_its_verdict_and_a_change_is_judged_at_once() -> No
     assert agent.status().verdict is not steady
 
 
+def test_a_degraded_signal_counted_over_a_window_clears_as_time_passes_with_readings_unchanged() -> None:
+    """Issue 29: a power-brake storm degrades the GPU; once the readings stop changing, only time ends the
+    window, so the agent judges again each check while the judge remembers events (not the remembered
+    verdict), and goes back to reusing it once nothing is pending."""
+    text = (
+        "gpus: 1\nevents:\n  - {at: 1, gpu: 0, clock_events: [hw_power_brake]}\n"
+        "  - {at: 30, gpu: 0, clock_events: []}\n"
+    )
+    agent, clock, _writer, r, _metrics = make(text)
+    degraded = []
+    for t in range(0, 400, 3):
+        step(agent, r, clock, float(t))
+        degraded.append([f.reason for f in agent.status().verdict.degraded])
+    assert ["clock-power-brake"] in degraded
+    assert degraded[-1] == [] and not agent.status().verdict.signal_memory.pending
+    steady = agent.status().verdict
+    step(agent, r, clock, 403.0)
+    assert agent.status().verdict is steady
+
+
 def test_healthy_then_ignored_xid_then_ecc_fault_then_recovery_after_reset() -> None:
     agent, clock, writer, r, metrics = make()
     step(agent, r, clock, 0.0)

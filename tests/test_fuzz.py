@@ -47,6 +47,7 @@ from gpuguard.config import Config, ServerSettings, parse_listen, parse_xids
 from gpuguard.errors import ConfigError, ScenarioError
 from gpuguard.metrics import Metrics
 from gpuguard.model import AgentStatus
+from gpuguard.nvml import mocksignals
 from gpuguard.nvml.mock import Scenario, parse_scenario
 
 TRIED: Counter[str] = Counter()  # inputs tried, by kind
@@ -159,6 +160,7 @@ def test_fixed_leak_a_usage_error_about_an_argument_with_a_newline_is_one_line()
 
 VOCABULARY = ["gpus", "devices", "events", "index", "uuid", "name", "pci_bus_id", "at", "gpu", "xid"]
 VOCABULARY += ["ecc_uncorrected", "lost", "remove", "ecc_supported", "row_remap_failure", "row_remap_pending"]
+VOCABULARY += list(mocksignals.KEYS)  # issue 29's signal keys
 SCALARS = (
     st.none()
     | st.booleans()

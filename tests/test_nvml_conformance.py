@@ -21,8 +21,10 @@ from typing import Any
 import pynvml
 import pytest
 
+from gpuguard import signaljudge
 from gpuguard.model import RECOVERY_ACTIONS
 from gpuguard.nvml import real
+from gpuguard.nvml.real import fabric, fields
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,6 +59,24 @@ int main(void) {
     CONST(NVML_GPU_RECOVERY_ACTION_NODE_REBOOT); CONST(NVML_GPU_RECOVERY_ACTION_DRAIN_P2P);
     CONST(NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET); CONST(NVML_GPU_RECOVERY_ACTION_RECOVER_IMEX_DOMAIN);
     CONST(NVML_GPU_RECOVERY_ACTION_BUS_RESET); CONST(NVML_GPU_RECOVERY_ACTION_SYSTEM_REBOOT);
+    SIZE(nvmlGpuFabricInfo_v2_t); OFF(nvmlGpuFabricInfo_v2_t, version);
+    OFF(nvmlGpuFabricInfo_v2_t, clusterUuid); OFF(nvmlGpuFabricInfo_v2_t, status);
+    OFF(nvmlGpuFabricInfo_v2_t, cliqueId); OFF(nvmlGpuFabricInfo_v2_t, state);
+    OFF(nvmlGpuFabricInfo_v2_t, healthMask); CONST(nvmlGpuFabricInfo_v2);
+    CONST(NVML_GPU_FABRIC_STATE_NOT_STARTED); CONST(NVML_GPU_FABRIC_STATE_IN_PROGRESS);
+    CONST(NVML_GPU_FABRIC_STATE_COMPLETED); CONST(NVML_GPU_FABRIC_HEALTH_MASK_DEGRADED_BW_TRUE);
+    CONST(NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_DEGRADED_BW);
+    CONST(NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ROUTE_RECOVERY);
+    CONST(NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ROUTE_UNHEALTHY);
+    CONST(NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ACCESS_TIMEOUT_RECOVERY);
+    CONST(NVML_GPU_FABRIC_HEALTH_MASK_ROUTE_RECOVERY_TRUE);
+    CONST(NVML_GPU_FABRIC_HEALTH_MASK_ROUTE_UNHEALTHY_TRUE);
+    CONST(NVML_GPU_FABRIC_HEALTH_MASK_ACCESS_TIMEOUT_RECOVERY_TRUE);
+    CONST(NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL); CONST(NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL);
+    CONST(NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL); CONST(NVML_FI_DEV_NVLINK_LINK_COUNT);
+    CONST(NVML_FI_DEV_PCIE_REPLAY_COUNTER);
+    CONST(nvmlClocksThrottleReasonHwSlowdown); CONST(nvmlClocksThrottleReasonHwThermalSlowdown);
+    CONST(nvmlClocksThrottleReasonHwPowerBrakeSlowdown); CONST(NVML_ERROR_CORRUPTED_INFOROM);
     printf("\"end\": 0}\n");
     return 0;
 }
@@ -136,6 +156,40 @@ def test_the_constants_gpuguard_uses_are_nvml_hs(header: dict[str, int]) -> None
     ]
     for value, name in RECOVERY_ACTIONS.items():
         assert header[f"NVML_GPU_RECOVERY_ACTION_{name.upper().replace('-', '_')}"] == value
+
+
+def test_the_signal_reads_follow_nvml_h(header: dict[str, int]) -> None:
+    """Issue 29: the fabric struct gpuguard declares, the field ids, the clock event bits and the fabric
+    health mask fields the judge decodes, as nvml.h has them."""
+    assert ctypes.sizeof(fabric.FabricInfoV2) == header["sizeof nvmlGpuFabricInfo_v2_t"]
+    for name, offset in layout(fabric.FabricInfoV2).items():
+        assert offset == header[f"nvmlGpuFabricInfo_v2_t.{name}"], name
+    assert header["nvmlGpuFabricInfo_v2"] == fabric.FABRIC_INFO_V2
+    assert header["NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"] == fields.FI_NVLINK_CRC_TOTAL
+    assert header["NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL"] == fields.FI_NVLINK_REPLAY_TOTAL
+    assert header["NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL"] == fields.FI_NVLINK_RECOVERY_TOTAL
+    assert header["NVML_FI_DEV_NVLINK_LINK_COUNT"] == fields.FI_NVLINK_LINK_COUNT
+    assert header["NVML_FI_DEV_PCIE_REPLAY_COUNTER"] == fields.FI_PCIE_REPLAY_COUNTER
+    bits = {name: bit for name, (bit, _) in signaljudge.CLOCK_BITS.items()}
+    assert bits == {
+        "clock-hw-slowdown": header["nvmlClocksThrottleReasonHwSlowdown"],
+        "clock-hw-thermal": header["nvmlClocksThrottleReasonHwThermalSlowdown"],
+        "clock-power-brake": header["nvmlClocksThrottleReasonHwPowerBrakeSlowdown"],
+    }
+    shifts = dict(signaljudge.FABRIC_HEALTH)
+    assert shifts == {
+        "degraded bandwidth": header["NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_DEGRADED_BW"],
+        "route recovery": header["NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ROUTE_RECOVERY"],
+        "route unhealthy": header["NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ROUTE_UNHEALTHY"],
+        "access timeout": header["NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ACCESS_TIMEOUT_RECOVERY"],
+    }
+    for what in ("DEGRADED_BW", "ROUTE_RECOVERY", "ROUTE_UNHEALTHY", "ACCESS_TIMEOUT_RECOVERY"):
+        assert header[f"NVML_GPU_FABRIC_HEALTH_MASK_{what}_TRUE"] == 1  # what the judge reads as "so"
+    states = {v: k for k, v in signaljudge.FABRIC_STATES.items()}
+    assert states == {
+        n: header[f"NVML_GPU_FABRIC_STATE_{n}"] for n in ("NOT_STARTED", "IN_PROGRESS", "COMPLETED")
+    }
+    assert header["NVML_ERROR_CORRUPTED_INFOROM"] == pynvml.NVML_ERROR_CORRUPTED_INFOROM
 
 
 # -- the lowest nvidia-ml-py the pin allows ----------------------------------------------------------------

@@ -680,38 +680,41 @@ def test_a_reset_clearable_xid_whose_fault_is_gone_is_forgotten() -> None:
 
 
 @pytest.mark.parametrize(
-    ("count", "pending", "detail"),
+    ("count", "pending", "fault", "degraded"),
     [
-        (None, None, None),
-        (0, False, None),
-        (62, False, None),
-        (63, False, "63 pages retired, NVIDIA's limit is 63"),
-        (None, True, "pages are pending retirement (a GPU reset or reboot retires them)"),
+        (None, None, None, None),
+        (0, False, None, None),
+        (62, False, None, None),
+        (63, False, "63 pages retired, NVIDIA's limit is 63", None),
+        (None, True, None, "pages are pending retirement (a GPU reset or reboot retires them)"),
         (
             64,
             True,
-            "pages are pending retirement (a GPU reset or reboot retires them); 64 pages retired, NVIDIA's "
-            "limit is 63",
+            "64 pages retired, NVIDIA's limit is 63",
+            "pages are pending retirement (a GPU reset or reboot retires them)",
         ),
     ],
 )
-def test_pages_pending_retirement_or_63_retired_are_the_fault_retired_pages_and_fewer_are_only_shown(
-    count: int | None, pending: bool | None, detail: str | None
+def test_63_retired_pages_are_the_fault_retired_pages_pending_pages_degrade_and_fewer_are_only_shown(
+    count: int | None, pending: bool | None, fault: str | None, degraded: str | None
 ) -> None:
     v = evaluate(
         snap(gpu(0), gpu(1, retired_pages=count, retired_pending=pending)), previous=None, settings=DEFAULT
     )
     assert v.gpus[1].retired_pages == count
-    expected = [] if detail is None else [("retired-pages", f"{detail} (GPU 1, GPU-1)", "GPU-1", 1)]
+    expected = [] if fault is None else [("retired-pages", f"{fault} (GPU 1, GPU-1)", "GPU-1", 1)]
     assert [(f.reason, f.detail, f.uuid, f.gpu_index) for f in v.faults] == expected
+    soft = [] if degraded is None else [("retired-pending", f"{degraded} (GPU 1, GPU-1)", "GPU-1", 1)]
+    assert [(f.reason, f.detail, f.uuid, f.gpu_index) for f in v.degraded] == soft
 
 
-def test_retired_pages_follow_the_reading_pending_pages_a_reset_retired_are_no_fault_any_more() -> None:
+def test_retired_pages_follow_the_reading_pending_pages_a_reset_retired_are_no_longer_degraded() -> None:
     v = run(
         snap(gpu(0, retired_pages=2, retired_pending=True)),
         snap(gpu(0, retired_pages=3, retired_pending=False)),
     )
-    assert [reasons(x) for x in v] == [["retired-pages"], []]
+    assert [[f.reason for f in x.degraded] for x in v] == [["retired-pending"], []]
+    assert [reasons(x) for x in v] == [[], []]
     assert v[-1].gpus[0].retired_pages == 3
 
 

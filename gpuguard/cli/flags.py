@@ -293,6 +293,19 @@ FLAGS = _declare(
         type=float,
         hidden=True,
     ),
+    Flag(
+        "--signals-config",
+        "A YAML file that changes the health signals' levels (fault, degraded, ignore), thresholds and "
+        "windows, globally and per node label selector (docs/design.md, 'Health signals').",
+        default=None,
+    ),
+    Flag(
+        "--pci-root",
+        "Where sysfs lists the PCI devices (tests point it elsewhere); GPUs on the bus that NVML does not "
+        "list are gpu-missing.",
+        (Config, "pci_root"),
+        hidden=True,
+    ),
     # eviction of the pods on a faulty GPU (gpuguard.eviction)
     Flag(
         "--evict",
@@ -333,6 +346,8 @@ GPU_FLAGS = (
     "expected_gpus",
     "allow_no_gpu",
     "log_format",
+    "signals_config",
+    "pci_root",
 )
 # `watch`: every flag but check's own (the last declared).
 WATCH_FLAGS = tuple(name for name in FLAGS if name != "expected_gpus_label")

@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from gpuguard import signalconfig
 from gpuguard.cli.flags import FLAGS
 from gpuguard.config import DEFAULT_IGNORED_XIDS, Config, NodeSettings, PolicySettings, parse_xids
 from gpuguard.errors import ConfigError
@@ -28,6 +29,10 @@ def _settings(values: Mapping[str, Any], *, watch: bool) -> Config:
     # Parsed policy, node, then the rest: with two bad values, the first in this order is the one named.
     fields: dict[type[Any], dict[str, Any]] = {PolicySettings: {}, NodeSettings: {}, Config: {}}
     fields[PolicySettings]["ignored_xids"] = _ignored_xids(values["ignore_xids"], values["fatal_xids"])
+    if values.get("signals_config"):
+        signals = signalconfig.load(values["signals_config"])  # a bad file stops the start, exit 2
+        fields[Config]["signals_config"] = signals
+        fields[PolicySettings]["signals"] = signals.table(None)
     for section, settings in fields.items():
         for dest, given in values.items():
             flag = FLAGS.get(dest)

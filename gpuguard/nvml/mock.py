@@ -17,7 +17,8 @@ import yaml
 
 from gpuguard import files
 from gpuguard.errors import ScenarioError
-from gpuguard.model import GpuReading, Snapshot, XidEvent
+from gpuguard.model import GpuReading, SignalReadings, Snapshot, XidEvent
+from gpuguard.nvml import mocksignals
 from gpuguard.nvml.base import Wakeup, wait_for
 
 DEFAULT_SCENARIO = "demo.yaml"
@@ -42,7 +43,7 @@ MAX_BYTES = 4 * files.MIB
 class ScenarioEvent:
     at: float
     gpu: int
-    actions: tuple[tuple[str, int | bool], ...]
+    actions: tuple[tuple[str, mocksignals.Value], ...]
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def _parse_event(pos: int, e: object, indices: set[int], source: str) -> Scenari
     if not isinstance(e, dict):
         raise ScenarioError(f"{where}: expected a mapping like {{at: 2.0, gpu: 0, xid: 79}}")
     where = f"{where} ({_summary(e)})"
-    unknown = set(e) - {"at", "gpu"} - set(_ACTIONS)
+    unknown = set(e) - {"at", "gpu"} - set(_ACTIONS) - set(mocksignals.KEYS)
     if unknown:
         raise ScenarioError(f"{where}: unknown key {_names(unknown)}")
     at = e.get("at")
@@ -144,7 +145,7 @@ def _parse_event(pos: int, e: object, indices: set[int], source: str) -> Scenari
         raise ScenarioError(f"{where}: 'gpu' must be a device index")
     if gpu not in indices:
         raise ScenarioError(f"{where}: unknown GPU {gpu}")
-    actions: list[tuple[str, int | bool]] = []
+    actions: list[tuple[str, mocksignals.Value]] = []
     for key, kind in _ACTIONS.items():
         if key not in e:
             continue
@@ -157,8 +158,9 @@ def _parse_event(pos: int, e: object, indices: set[int], source: str) -> Scenari
         elif not _is_int(value) or value < 0 or value > 2**32 - 1:
             raise ScenarioError(f"{where}: '{key}' must be an integer 0..4294967295")
         actions.append((key, value))
+    actions.extend((k, mocksignals.parse(k, e[k], where)) for k in mocksignals.KEYS if k in e)
     if not actions:
-        raise ScenarioError(f"{where}: no action (one of {', '.join(_ACTIONS)})")
+        raise ScenarioError(f"{where}: no action (one of {', '.join((*_ACTIONS, *mocksignals.KEYS))})")
     return ScenarioEvent(at=float(at), gpu=gpu, actions=tuple(actions))
 
 
@@ -168,6 +170,7 @@ def _default_device(index: int) -> GpuReading:
         uuid=f"GPU-mock-{index}",
         name="Mock GPU",
         pci_bus_id=f"00000000:{index + 1:02X}:00.0",
+        signals=mocksignals.AT_REST,
     )
 
 
@@ -203,6 +206,8 @@ class MockBackend:
         self._lock = threading.Lock()
         self._gpus: dict[int, GpuReading] = {d.index: d for d in scenario.devices}
         self._pending_xids: list[XidEvent] = []
+        # GPUs on the PCI bus that NVML does not list (`on_bus: false`).
+        self._off_nvml: set[int] = set()
         self._next_event = 0
         self._t0: float | None = None
         self._stop = threading.Event()
@@ -222,8 +227,16 @@ class MockBackend:
             self._apply_due()
             xids = tuple(self._pending_xids)
             self._pending_xids.clear()
-            gpus = tuple(self._gpus[i] for i in sorted(self._gpus))
-        return Snapshot(gpus=tuple(_as_read(g) for g in gpus), xids=xids, driver_version="mock")
+            gpus = tuple(self._gpus[i] for i in sorted(self._gpus) if i not in self._off_nvml)
+            bus_only = tuple(self._gpus[i].pci_bus_id for i in sorted(self._off_nvml) if i in self._gpus)
+            taken_at = self._elapsed()
+        return Snapshot(
+            gpus=tuple(_as_read(g) for g in gpus),
+            xids=xids,
+            driver_version="mock",
+            bus_only=bus_only,
+            taken_at=taken_at,
+        )
 
     def wait(self, until: float, wake: threading.Event) -> None:
         wait_for(until, wake, self._clock)
@@ -251,12 +264,13 @@ class MockBackend:
             return
         for key, value in ev.actions:
             if key == "xid":
-                self._pending_xids.append(XidEvent(gpu_index=g.index, uuid=g.uuid, code=int(value)))
+                code = mocksignals.as_int(value)
+                self._pending_xids.append(XidEvent(gpu_index=g.index, uuid=g.uuid, code=code))
             elif key == "remove":
                 del self._gpus[ev.gpu]
                 return
             elif key == "ecc_uncorrected":
-                g = replace(g, ecc_uncorrected=int(value))
+                g = replace(g, ecc_uncorrected=mocksignals.as_int(value))
             elif key == "lost":
                 g = replace(g, lost=bool(value))
             elif key == "ecc_supported":
@@ -265,6 +279,10 @@ class MockBackend:
                 g = replace(g, remap_failure=bool(value))
             elif key == "row_remap_pending":
                 g = replace(g, remap_pending=bool(value))
+            elif key == "on_bus":
+                (self._off_nvml.discard if value else self._off_nvml.add)(ev.gpu)
+            elif key in mocksignals.KEYS:
+                g = mocksignals.apply(g, key, value)
         self._gpus[ev.gpu] = g
 
     def _xid_timer(self, wakeup: Wakeup) -> None:
@@ -280,7 +298,9 @@ class MockBackend:
 def _as_read(g: GpuReading) -> GpuReading:
     """What NVML would report for this state: a lost GPU answers nothing, ECC off reads as N/A."""
     if g.lost:
-        return replace(g, ecc_uncorrected=None, remap_failure=None, remap_pending=None)
+        return replace(
+            g, ecc_uncorrected=None, remap_failure=None, remap_pending=None, signals=SignalReadings()
+        )
     if not g.ecc_supported:
         return replace(g, ecc_uncorrected=None)
     return g

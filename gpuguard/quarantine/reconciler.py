@@ -106,6 +106,8 @@ class NodeReconciler:
         self.api = api or ApiState(self._name, backoff=settings.refusal_backoff, clock=clock)
         self._read_intent = Intent("get", f"node {self._name}")
         self._intent: Intent | None = None  # the request in flight, named if it is refused
+        # Told the node's labels at every read (the agent's --signals-config node rules).
+        self.on_node: Callable[[Mapping[str, str]], None] | None = None
         self.writes = 0
         # Checks in a row without a degraded signal (issue 29): the degraded marks go after --recover-after.
         self._degraded_streaks = DegradedStreaks()
@@ -352,6 +354,8 @@ class NodeReconciler:
         """The node as the API server last answered (a read, or the answer to our write)."""
         if node is not self._node:
             self._read_at = self._clock()
+            if self.on_node is not None:
+                self.on_node(node.labels)
         self._node = node
         self._status = NodeStatus(
             tainted=node.our_taint is not None,

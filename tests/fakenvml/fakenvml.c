@@ -166,6 +166,18 @@ struct gpu_cfg {
     unsigned int retired_sbe;  /* pages retired for multiple single-bit errors */
     unsigned int retired_dbe;  /* pages retired for a double-bit error */
     bool retired_pending;      /* nvmlDeviceGetRetiredPagesPendingStatus */
+    /* Issue 29's signals. */
+    bool fabric_supported;          /* 0: nvmlDeviceGetGpuFabricInfoV NOT_SUPPORTED (the default) */
+    unsigned int fabric_state;      /* NVML_GPU_FABRIC_STATE_* */
+    nvmlReturn_t fabric_status;     /* the registration's status */
+    unsigned int fabric_health;     /* healthMask */
+    unsigned int nvlink_links;      /* 0: no NVLink (NvLinkState and its fields NOT_SUPPORTED) */
+    unsigned long long nvlink_down; /* bit n: link n inactive */
+    unsigned long long nvlink_crc, nvlink_replay, nvlink_recovery; /* *_ERROR_COUNT_TOTAL */
+    unsigned int pcie_width, pcie_max_width, pcie_gen, pcie_max_gen;
+    unsigned long long pcie_replays; /* NVML_FI_DEV_PCIE_REPLAY_COUNTER */
+    unsigned long long clock_events; /* nvmlDeviceGetCurrentClocksEventReasons */
+    bool inforom_valid;              /* 0: nvmlDeviceValidateInforom answers CORRUPTED_INFOROM */
     nvmlReturn_t error; /* NVML_SUCCESS: no injected error */
     unsigned int line;  /* where it was defined, for diagnostics */
     size_t text_off, text_len;
@@ -438,6 +450,27 @@ static bool parse_bool(const char *v, bool *out)
     return false;
 }
 
+/* "3,4,17" -> bits 3, 4 and 17; "none" -> 0. Links are < NVML_NVLINK_MAX_LINKS. */
+static bool parse_links(const char *v, unsigned long long *out)
+{
+    unsigned long long mask = 0;
+    if (strcmp(v, "none") != 0) {
+        char buf[256];
+        if (strlen(v) >= sizeof(buf))
+            return false;
+        memcpy(buf, v, strlen(v) + 1);
+        char *save = NULL;
+        for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+            unsigned long long n;
+            if (!parse_uint(t, NVML_NVLINK_MAX_LINKS - 1, &n))
+                return false;
+            mask |= 1ull << n;
+        }
+    }
+    *out = mask;
+    return true;
+}
+
 static void gpu_defaults(struct gpu_cfg *g, unsigned int index)
 {
     memset(g, 0, sizeof(*g));
@@ -449,18 +482,26 @@ static void gpu_defaults(struct gpu_cfg *g, unsigned int index)
     g->remap_supported = true;
     g->recovery_supported = true;
     g->recovery_action = NVML_GPU_RECOVERY_ACTION_NONE;
+    g->fabric_status = NVML_SUCCESS;
+    g->pcie_width = g->pcie_max_width = 16;
+    g->pcie_gen = g->pcie_max_gen = 4;
+    g->inforom_valid = true;
     g->error = NVML_SUCCESS;
 }
 
 /* One "key=value" of a gpu line. */
-static bool parse_gpu_key(struct gpu_cfg *g, char *kv, unsigned int *seen, const char **why,
+static bool parse_gpu_key(struct gpu_cfg *g, char *kv, unsigned long long *seen, const char **why,
                           char *whybuf, size_t whylen)
 {
     static const char *const keys[] = {"uuid", "name", "ecc", "ecc_supported", "lost",
                                        "remap_failure", "remap_pending", "remap_corr",
                                        "remap_unc", "error", "ecc_enabled", "remap_supported",
                                        "recovery_supported", "recovery_action", "retired_supported",
-                                       "retired_sbe", "retired_dbe", "retired_pending"};
+                                       "retired_sbe", "retired_dbe", "retired_pending",
+                                       "fabric_state", "fabric_status", "fabric_health",
+                                       "nvlink_links", "nvlink_down", "nvlink_crc", "nvlink_replay",
+                                       "nvlink_recovery", "pcie_width", "pcie_max_width", "pcie_gen",
+                                       "pcie_max_gen", "pcie_replays", "clock_events", "inforom_valid"};
     char *eq = strchr(kv, '=');
     if (!eq) {
         snprintf(whybuf, whylen, "expected key=value, got '%s'", kv);
@@ -478,12 +519,12 @@ static bool parse_gpu_key(struct gpu_cfg *g, char *kv, unsigned int *seen, const
         *why = whybuf;
         return false;
     }
-    if (*seen & (1u << k)) {
+    if (*seen & (1ull << k)) {
         snprintf(whybuf, whylen, "duplicate key '%s'", key);
         *why = whybuf;
         return false;
     }
-    *seen |= 1u << k;
+    *seen |= 1ull << k;
     if (*val == '\0') {
         snprintf(whybuf, whylen, "empty value for '%s'", key);
         *why = whybuf;
@@ -558,6 +599,63 @@ static bool parse_gpu_key(struct gpu_cfg *g, char *kv, unsigned int *seen, const
     case 17:
         ok = parse_bool(val, &g->retired_pending);
         break;
+    case 18: /* fabric_state: 0..3, and the call answers */
+        ok = parse_uint(val, NVML_GPU_FABRIC_STATE_COMPLETED, &n);
+        if (ok) {
+            g->fabric_state = (unsigned int)n;
+            g->fabric_supported = true;
+        }
+        break;
+    case 19: /* fabric_status: an error name, or SUCCESS */
+        if (strcmp(val, "SUCCESS") == 0)
+            g->fabric_status = NVML_SUCCESS;
+        else
+            ok = error_by_name(val, &g->fabric_status);
+        g->fabric_supported = true;
+        break;
+    case 20:
+        ok = parse_uint(val, UINT_MAX, &n);
+        if (ok) {
+            g->fabric_health = (unsigned int)n;
+            g->fabric_supported = true;
+        }
+        break;
+    case 21:
+        ok = parse_uint(val, NVML_NVLINK_MAX_LINKS, &n);
+        if (ok)
+            g->nvlink_links = (unsigned int)n;
+        break;
+    case 22: /* nvlink_down: comma-separated link numbers, or "none" */
+        ok = parse_links(val, &g->nvlink_down);
+        break;
+    case 23:
+        ok = parse_uint(val, ULLONG_MAX, &g->nvlink_crc);
+        break;
+    case 24:
+        ok = parse_uint(val, ULLONG_MAX, &g->nvlink_replay);
+        break;
+    case 25:
+        ok = parse_uint(val, ULLONG_MAX, &g->nvlink_recovery);
+        break;
+    case 26:
+    case 27:
+    case 28:
+    case 29:
+        ok = parse_uint(val, 64, &n);
+        if (ok) {
+            unsigned int *slot[] = {&g->pcie_width, &g->pcie_max_width, &g->pcie_gen, &g->pcie_max_gen};
+            *slot[k - 26] = (unsigned int)n;
+        }
+        break;
+    case 30:
+        ok = parse_uint(val, ULLONG_MAX, &g->pcie_replays);
+        break;
+    case 31:
+        ok = parse_uint(val, ULLONG_MAX, &g->clock_events);
+        break;
+    case 32:
+        ok = parse_bool(val, &g->inforom_valid);
+        break;
     }
     if (!ok) {
         snprintf(whybuf, whylen, "bad value '%s' for '%s'", val, key);
@@ -574,6 +672,10 @@ static const char *const k_fail_functions[] = {
     "nvmlDeviceGetRemappedRows", "nvmlDeviceGetFieldValues", "nvmlDeviceGetSupportedEventTypes",
     "nvmlEventSetCreate", "nvmlDeviceRegisterEvents", "nvmlEventSetWait",
     "nvmlDeviceGetRetiredPages", "nvmlDeviceGetRetiredPagesPendingStatus",
+    "nvmlDeviceGetGpuFabricInfoV", "nvmlDeviceGetNvLinkState", "nvmlDeviceGetCurrPcieLinkWidth",
+    "nvmlDeviceGetMaxPcieLinkWidth", "nvmlDeviceGetCurrPcieLinkGeneration",
+    "nvmlDeviceGetMaxPcieLinkGeneration", "nvmlDeviceGetCurrentClocksEventReasons",
+    "nvmlDeviceValidateInforom",
 };
 
 static bool fail_function_known(const char *fn)
@@ -701,7 +803,7 @@ static bool parse_state(const char *buf, size_t len, struct config *c, struct pa
                 ok = parse_fail(e, line, off, l, "unknown error name '%s'", tok[1]);
         } else if (strcmp(tok[0], "gpu") == 0) {
             unsigned long long idx;
-            unsigned int seen = 0;
+            unsigned long long seen = 0;
             if (n < 2 || !parse_uint(tok[1], MAX_GPUS - 1, &idx)) {
                 ok = parse_fail(e, line, off, l, "expected: gpu <index 0..%d> [key=value...]",
                                 MAX_GPUS - 1);
@@ -1627,9 +1729,27 @@ static nvmlReturn_t field_values_locked(nvmlDevice_t device, int valuesCount,
         v->timestamp = (long long)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
         v->latencyUsec = 0;
         memset(&v->value, 0, sizeof(v->value));
+        bool nvlink = g->nvlink_links > 0;
         if (v->fieldId == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION && g->recovery_supported) {
             v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
             v->value.uiVal = g->recovery_action;
+            v->nvmlReturn = NVML_SUCCESS;
+        } else if (v->fieldId == NVML_FI_DEV_NVLINK_LINK_COUNT && nvlink) {
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+            v->value.uiVal = g->nvlink_links;
+            v->nvmlReturn = NVML_SUCCESS;
+        } else if ((v->fieldId == NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL ||
+                    v->fieldId == NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL ||
+                    v->fieldId == NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL) && nvlink) {
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG;
+            v->value.ullVal = v->fieldId == NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL ? g->nvlink_crc
+                              : v->fieldId == NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL
+                                  ? g->nvlink_replay
+                                  : g->nvlink_recovery;
+            v->nvmlReturn = NVML_SUCCESS;
+        } else if (v->fieldId == NVML_FI_DEV_PCIE_REPLAY_COUNTER) {
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG;
+            v->value.ullVal = g->pcie_replays;
             v->nvmlReturn = NVML_SUCCESS;
         } else {
             v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
@@ -1644,6 +1764,133 @@ nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount,
 {
     hang_point("nvmlDeviceGetFieldValues", handle_gpu(device));
     LOCKED(field_values_locked(device, valuesCount, values));
+}
+
+/* ------------------------------------------------------------------------ */
+/* Issue 29's signals: fabric, NVLink state, PCIe link, clock events,       */
+/* InfoROM.                                                                 */
+/* ------------------------------------------------------------------------ */
+
+/* nvml.h: the caller sets .version; v2 and v3 share their first fields (v3 adds healthSummary). */
+static nvmlReturn_t fabric_locked(nvmlDevice_t device, nvmlGpuFabricInfoV_t *info)
+{
+    const struct gpu_cfg *g;
+    nvmlReturn_t r = device_locked("nvmlDeviceGetGpuFabricInfoV", device, HW_QUERY, &g);
+    if (r != NVML_SUCCESS)
+        return r;
+    if (!info)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (info->version != nvmlGpuFabricInfo_v2 && info->version != nvmlGpuFabricInfo_v3)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if (!g->fabric_supported)
+        return NVML_ERROR_NOT_SUPPORTED;
+    memset(info->clusterUuid, 0, sizeof(info->clusterUuid));
+    info->status = g->fabric_status;
+    info->cliqueId = 0;
+    info->state = g->fabric_state;
+    info->healthMask = g->fabric_health;
+    if (info->version == nvmlGpuFabricInfo_v3)
+        info->healthSummary = NVML_GPU_FABRIC_HEALTH_SUMMARY_NOT_SUPPORTED;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device, nvmlGpuFabricInfoV_t *gpuFabricInfo)
+{
+    hang_point("nvmlDeviceGetGpuFabricInfoV", handle_gpu(device));
+    LOCKED(fabric_locked(device, gpuFabricInfo));
+}
+
+static nvmlReturn_t nvlink_state_locked(nvmlDevice_t device, unsigned int link,
+                                        nvmlEnableState_t *isActive)
+{
+    const struct gpu_cfg *g;
+    nvmlReturn_t r = device_locked("nvmlDeviceGetNvLinkState", device, HW_QUERY, &g);
+    if (r != NVML_SUCCESS)
+        return r;
+    if (!isActive || link >= NVML_NVLINK_MAX_LINKS)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (link >= g->nvlink_links)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *isActive = (g->nvlink_down >> link) & 1 ? NVML_FEATURE_DISABLED : NVML_FEATURE_ENABLED;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link, nvmlEnableState_t *isActive)
+{
+    hang_point("nvmlDeviceGetNvLinkState", handle_gpu(device));
+    LOCKED(nvlink_state_locked(device, link, isActive));
+}
+
+/* The four PCIe link queries: which = 0 current width, 1 max width, 2 current gen, 3 max gen. */
+static nvmlReturn_t pcie_locked(const char *fn, nvmlDevice_t device, int which, unsigned int *out)
+{
+    const struct gpu_cfg *g;
+    nvmlReturn_t r = device_locked(fn, device, HW_QUERY, &g);
+    if (r != NVML_SUCCESS)
+        return r;
+    if (!out)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    const unsigned int values[] = {g->pcie_width, g->pcie_max_width, g->pcie_gen, g->pcie_max_gen};
+    *out = values[which];
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetCurrPcieLinkWidth(nvmlDevice_t device, unsigned int *currLinkWidth)
+{
+    hang_point("nvmlDeviceGetCurrPcieLinkWidth", handle_gpu(device));
+    LOCKED(pcie_locked("nvmlDeviceGetCurrPcieLinkWidth", device, 0, currLinkWidth));
+}
+
+nvmlReturn_t nvmlDeviceGetMaxPcieLinkWidth(nvmlDevice_t device, unsigned int *maxLinkWidth)
+{
+    hang_point("nvmlDeviceGetMaxPcieLinkWidth", handle_gpu(device));
+    LOCKED(pcie_locked("nvmlDeviceGetMaxPcieLinkWidth", device, 1, maxLinkWidth));
+}
+
+nvmlReturn_t nvmlDeviceGetCurrPcieLinkGeneration(nvmlDevice_t device, unsigned int *currLinkGen)
+{
+    hang_point("nvmlDeviceGetCurrPcieLinkGeneration", handle_gpu(device));
+    LOCKED(pcie_locked("nvmlDeviceGetCurrPcieLinkGeneration", device, 2, currLinkGen));
+}
+
+nvmlReturn_t nvmlDeviceGetMaxPcieLinkGeneration(nvmlDevice_t device, unsigned int *maxLinkGen)
+{
+    hang_point("nvmlDeviceGetMaxPcieLinkGeneration", handle_gpu(device));
+    LOCKED(pcie_locked("nvmlDeviceGetMaxPcieLinkGeneration", device, 3, maxLinkGen));
+}
+
+static nvmlReturn_t clocks_locked(nvmlDevice_t device, unsigned long long *reasons)
+{
+    const struct gpu_cfg *g;
+    nvmlReturn_t r = device_locked("nvmlDeviceGetCurrentClocksEventReasons", device, HW_QUERY, &g);
+    if (r != NVML_SUCCESS)
+        return r;
+    if (!reasons)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *reasons = g->clock_events;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t device,
+                                                   unsigned long long *clocksEventReasons)
+{
+    hang_point("nvmlDeviceGetCurrentClocksEventReasons", handle_gpu(device));
+    LOCKED(clocks_locked(device, clocksEventReasons));
+}
+
+static nvmlReturn_t inforom_locked(nvmlDevice_t device)
+{
+    const struct gpu_cfg *g;
+    nvmlReturn_t r = device_locked("nvmlDeviceValidateInforom", device, HW_QUERY, &g);
+    if (r != NVML_SUCCESS)
+        return r;
+    return g->inforom_valid ? NVML_SUCCESS : NVML_ERROR_CORRUPTED_INFOROM;
+}
+
+nvmlReturn_t nvmlDeviceValidateInforom(nvmlDevice_t device)
+{
+    hang_point("nvmlDeviceValidateInforom", handle_gpu(device));
+    LOCKED(inforom_locked(device));
 }
 
 /* ------------------------------------------------------------------------ */

@@ -30,6 +30,7 @@ from gpuguard.nvml.real.deadline import (
     Runner,
 )
 from gpuguard.nvml.real.events import EventPath
+from gpuguard.nvml.real.pcibus import PCI_ROOT, PciBus
 from gpuguard.nvml.real.readings import describe, last_reading, read, unresponsive
 
 log = structlog.get_logger(__name__)
@@ -45,6 +46,7 @@ class NvmlBackend:
         clock: Callable[[], float] = time.monotonic,
         deadline: float = CALL_DEADLINE_S,
         init_deadline: float = INIT_DEADLINE_S,
+        pci_root: str | None = PCI_ROOT,
     ) -> None:
         self._lock = threading.Lock()
         self._initialized = False
@@ -57,6 +59,7 @@ class NvmlBackend:
         # The previous pass's snapshot, returned again while nothing it holds changed.
         self._last: Snapshot | None = None
         self._clock = clock
+        self._bus = PciBus(pci_root)  # gpu-missing: GPUs on the PCI bus that NVML does not list
         self._runner = Runner(
             deadline=deadline, init_deadline=init_deadline, clock=clock, discarded=self._discarded
         )
@@ -170,6 +173,8 @@ class NvmlBackend:
         xids = self._events.take_xids()
         unidentified = tuple(self._unidentified)
         stuck = self._stuck()
+        # A GPU NVML counts but cannot identify has a fault of its own: the bus is compared only without.
+        bus_only = () if unidentified else self._bus.absent(now, [d.pci_bus_id for d in self._devices])
         last = self._last
         if (
             last is not None
@@ -180,13 +185,20 @@ class NvmlBackend:
             and last.unresponsive is None
             and last.stuck_calls == stuck
             and last.gpus == gpus
+            and last.bus_only == bus_only
         ):
             # Every GPU read the same as at the previous pass (the same reading objects: the tuples compare
             # by identity first) and no Xid came: the same snapshot, so the agent's remembered evaluation
             # applies without comparing fields.
             return last
         self._last = Snapshot(
-            gpus=gpus, xids=xids, driver_version=self._driver, unidentified=unidentified, stuck_calls=stuck
+            gpus=gpus,
+            xids=xids,
+            driver_version=self._driver,
+            unidentified=unidentified,
+            stuck_calls=stuck,
+            bus_only=bus_only,
+            taken_at=now,
         )
         return self._last
 
@@ -272,6 +284,7 @@ class NvmlBackend:
             unresponsive=node.detail if node is not None else None,
             stuck_calls=self._stuck(),
             node_error=node_error,
+            bus_only=self._last.bus_only if self._last is not None else (),
         )
 
     # -- init and inventory -------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from typing import Any
 
 import pynvml
 
-from gpuguard.model import GpuReading
+from gpuguard.model import GpuReading, SignalReadings
 
 # NVML error code -> name without the NVML_ERROR_ prefix, e.g. 15 -> "GPU_IS_LOST".
 ERROR_NAMES: dict[int, str] = {
@@ -68,6 +68,31 @@ def backoff(failures: int) -> float:
 
 
 @dataclass
+class SignalState:
+    """One GPU's signal reads between passes (nvml.real.signalreads): the reads that answered NOT_SUPPORTED
+    (never asked again), the values of the reads made less often than every pass and when each is due."""
+
+    unsupported: set[str] = field(default_factory=set)
+    # The signal fields still asked for after the first answer (): all of them, none answered yet).
+    field_ids: tuple[int, ...] = ()
+    nvlink_links: int | None = None
+    nvlink_errors: int | None = None
+    nvlink_active: frozenset[int] | None = None
+    nvlink_at: float = 0.0
+    fabric: tuple[int, str, int] | None = None
+    fabric_at: float = 0.0
+    pcie: tuple[int, int] | None = None
+    pcie_max: tuple[int, int] | None = None
+    pcie_at: float = 0.0
+    inforom_valid: bool | None = None
+    inforom_at: float = 0.0
+    # The last pass's readings: handed on again while every value is the same (no allocation, and the
+    # reading's comparison is by identity first).
+    last: SignalReadings | None = None
+    last_key: tuple[object, ...] = ()
+
+
+@dataclass
 class Device:
     index: int
     handle: Any
@@ -89,6 +114,8 @@ class Device:
     unsupported: bool = False
     register_failures: int = 0
     register_retry_at: float = 0.0
+    # Issue 29's signals: what nvml.real.signalreads read less often than every pass, and when next.
+    signal_state: SignalState = field(default_factory=SignalState)
     # The last pass's reading and what it was built from (readings.read reuses it while nothing differs).
     last_reading: tuple[tuple[Any, ...], GpuReading] | None = field(default=None, compare=False, repr=False)
 

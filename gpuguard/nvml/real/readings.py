@@ -8,9 +8,8 @@ from typing import Any
 
 import pynvml
 
-from gpuguard.model import GpuReading
+from gpuguard.model import GpuReading, SignalReadings
 from gpuguard.nvml.real.common import (
-    ERROR_NAMES,
     FI_GPU_RECOVERY_ACTION,
     Device,
     error_name,
@@ -19,6 +18,8 @@ from gpuguard.nvml.real.common import (
     text,
 )
 from gpuguard.nvml.real.deadline import Hang, Pass
+from gpuguard.nvml.real.fields import SIGNAL_FIELDS, Fields, read_fields
+from gpuguard.nvml.real.signalreads import read_signals
 
 
 def describe(index: int, handle: Any, uuid: str, p: Pass) -> Device:
@@ -78,7 +79,8 @@ def read(d: Device, watched: bool, watch_note: str, p: Pass, now: float) -> GpuR
     if d.lost_at_enumeration:
         return _reading(d, watched, watch_note, _LOST_VALUES)
     if d.enumeration_error:
-        return _reading(d, watched, watch_note, (None, None, None, None, (d.enumeration_error,), True, None))
+        failed: _Values = (None, None, None, None, (d.enumeration_error,), True, None, _NO_SIGNALS)
+        return _reading(d, watched, watch_note, failed)
     p.at("nvmlDeviceGetTotalEccErrors", d.uuid, d.index)
     ecc: int | None = None
     remap_failure: bool | None = None
@@ -114,24 +116,33 @@ def read(d: Device, watched: bool, watch_note: str, p: Pass, now: float) -> GpuR
             d.remap_supported = False  # pre-Ampere, some vGPU and MIG set-ups: not applicable
         else:
             errors.append(f"remap:{error_name(exc)}")
-    if d.recovery_supported or now >= d.recovery_probe_at:
+    # One field-values call: the recovery action (while supported, or probed again) and the signals' fields.
+    ask_recovery = d.recovery_supported or now >= d.recovery_probe_at
+    ask_signals = "fields" not in d.signal_state.unsupported
+    fields: Fields = {}
+    field_error = ""
+    if ask_recovery or ask_signals:
+        ids = (d.signal_state.field_ids or SIGNAL_FIELDS) if ask_signals else ()
         try:
             p.call = "nvmlDeviceGetFieldValues"
-            action, error = _recovery_action(d.handle)
-            d.recovery_supported = error != "NOT_SUPPORTED"
-            if not d.recovery_supported:
-                d.recovery_probe_at = now + RECOVERY_PROBE_S
-            elif error:
-                errors.append(f"recovery:{error}")
-            else:
-                answered += 1
+            fields = read_fields(d.handle, (FI_GPU_RECOVERY_ACTION, *ids) if ask_recovery else ids)
         except pynvml.NVMLError as exc:
             if is_lost(exc):
                 return _reading(d, watched, watch_note, _LOST_VALUES)
             if not_supported(exc):
-                d.recovery_supported, d.recovery_probe_at = False, now + RECOVERY_PROBE_S
+                d.signal_state.unsupported.add("fields")
+                fields = {FI_GPU_RECOVERY_ACTION: (None, "NOT_SUPPORTED")}
             else:
-                errors.append(f"recovery:{error_name(exc)}")
+                field_error = error_name(exc)
+    if ask_recovery:
+        action, error = fields.get(FI_GPU_RECOVERY_ACTION, (None, field_error))
+        d.recovery_supported = error != "NOT_SUPPORTED"
+        if not d.recovery_supported:
+            d.recovery_probe_at = now + RECOVERY_PROBE_S
+        elif error:
+            errors.append(f"recovery:{error}")
+        else:
+            answered += 1
     if not answered and not errors:
         # Nothing else is polled on this GPU: probe it so a lost or broken GPU still shows.
         try:
@@ -154,17 +165,30 @@ def read(d: Device, watched: bool, watch_note: str, p: Pass, now: float) -> GpuR
                 d.retired_supported = False  # Ampere and newer remap rows instead: not applicable
             else:
                 errors.append(f"retired:{error_name(exc)}")
+    try:
+        signals, signal_errors = read_signals(d, p, now, fields, field_error)
+    except pynvml.NVMLError:  # GPU_IS_LOST: the only error read_signals raises
+        return _reading(d, watched, watch_note, _LOST_VALUES)
+    errors.extend(signal_errors)
     unreadable = not answered and bool(errors)
-    values = (ecc, remap_failure, remap_pending, action, tuple(errors), unreadable, retired)
+    values = (ecc, remap_failure, remap_pending, action, tuple(errors), unreadable, retired, signals)
     return _reading(d, watched, watch_note, values)
 
 
-# (ecc_uncorrected, remap_failure, remap_pending, recovery_action, transient_errors, unreadable); a lost GPU
-# answers nothing: only its identity and the fact that it is lost.
+# (ecc_uncorrected, remap_failure, remap_pending, recovery_action, transient_errors, unreadable, retired,
+# signals); a lost GPU answers nothing: only its identity and the fact that it is lost.
 _Values = tuple[
-    int | None, bool | None, bool | None, int | None, tuple[str, ...], bool, tuple[int, bool] | None
+    int | None,
+    bool | None,
+    bool | None,
+    int | None,
+    tuple[str, ...],
+    bool,
+    tuple[int, bool] | None,
+    SignalReadings,
 ]
-_LOST_VALUES: _Values = (None, None, None, None, (), False, None)
+_NO_SIGNALS = SignalReadings()
+_LOST_VALUES: _Values = (None, None, None, None, (), False, None, _NO_SIGNALS)
 
 
 def _reading(d: Device, watched: bool, watch_note: str, values: _Values) -> GpuReading:
@@ -174,7 +198,7 @@ def _reading(d: Device, watched: bool, watch_note: str, values: _Values) -> GpuR
     last = d.last_reading
     if last is not None and last[0] == key:
         return last[1]
-    ecc, remap_failure, remap_pending, action, errors, unreadable, retired = values
+    ecc, remap_failure, remap_pending, action, errors, unreadable, retired, signals = values
     reading = GpuReading(
         index=d.index,
         uuid=d.uuid,
@@ -192,6 +216,7 @@ def _reading(d: Device, watched: bool, watch_note: str, values: _Values) -> GpuR
         lost=lost,
         retired_pages=retired[0] if retired else None,
         retired_pending=retired[1] if retired else None,
+        signals=signals,
     )
     d.last_reading = (key, reading)
     return reading
@@ -204,26 +229,6 @@ def _retired_pages(d: Device, p: Pass) -> tuple[int, bool]:
     p.call = "nvmlDeviceGetRetiredPages"
     count = sum(len(pynvml.nvmlDeviceGetRetiredPages(d.handle, cause)) for cause in (0, 1))  # SBE, DBE
     return count, pending
-
-
-def _recovery_action(handle: Any) -> tuple[int | None, str]:
-    """NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: (value, "") or (None, the field's own NVML error name)."""
-    fv = pynvml.nvmlDeviceGetFieldValues(handle, [FI_GPU_RECOVERY_ACTION])[0]
-    # The ctypes fields are read past pynvml's Python-level __getattribute__ (which only decodes bytes, and
-    # these are numbers): a third of the read's cost otherwise.
-    ret = int(_field(fv, "nvmlReturn"))
-    if ret != pynvml.NVML_SUCCESS:
-        return None, ERROR_NAMES.get(ret, f"NVML error {ret}")
-    # nvmlValueType_t: 0 double, 1 uint, 2 ulong, 3 ulonglong, 4 slonglong, 5 sint, 6 ushort. Only the member
-    # the type names is read (each read of a ctypes union member costs as much as the NVML call's wrapper).
-    member = _VALUE_MEMBERS.get(int(_field(fv, "valueType")), "uiVal")
-    return int(getattr(_field(fv, "value"), member)), ""
-
-
-_field = object.__getattribute__
-
-
-_VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal"}
 
 
 def _optional(fn: Any, default: str) -> str:

@@ -1,0 +1,297 @@
+"""Issue 29's signals through the policy, table-driven: for every signal clean, its default level, not
+applicable (NOT_SUPPORTED reads None), a transient error (the last judgement stands) and recovery; then the
+node-wide cases the issue names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+
+from gpuguard.config import PolicySettings
+from gpuguard.model import GpuReading, SignalReadings, Snapshot, Verdict
+from gpuguard.policy import cleared_without_reboot, evaluate
+from gpuguard.signaljudge import SOURCES
+from gpuguard.signals import SIGNALS, SignalTable
+
+DEFAULT = PolicySettings()
+LINKS = frozenset(range(18))
+
+
+@dataclass(frozen=True)
+class Step:
+    t: float
+    values: dict[str, object]
+
+
+def reading(values: dict[str, object], *, index: int = 0, errors: tuple[str, ...] = ()) -> GpuReading:
+    gpu_keys = {"retired_pages", "retired_pending", "remap_pending"}
+    signal_values = {k: v for k, v in values.items() if k not in gpu_keys}
+    gpu_values = {k: v for k, v in values.items() if k in gpu_keys}
+    g = GpuReading(index=index, uuid=f"GPU-{index}", signals=SignalReadings(**signal_values))  # type: ignore[arg-type]
+    return replace(g, transient_errors=errors, **gpu_values)  # type: ignore[arg-type]
+
+
+def run(steps: list[Step], settings: PolicySettings = DEFAULT, gpus: int = 1) -> list[Verdict]:
+    verdicts: list[Verdict] = []
+    prev: Verdict | None = None
+    for step in steps:
+        snap = Snapshot(gpus=tuple(reading(step.values, index=i) for i in range(gpus)), taken_at=step.t)
+        prev = evaluate(snap, previous=prev, settings=settings)
+        verdicts.append(prev)
+    return verdicts
+
+
+def found(v: Verdict, name: str) -> str:
+    """'fault', 'degraded' or '' for the signal in this verdict."""
+    if any(f.reason == name for f in v.faults):
+        return "fault"
+    if any(f.reason == name for f in v.degraded):
+        return "degraded"
+    return ""
+
+
+# Per signal: the clean reading, the steps that make it trip (after a clean first reading at t=0), and the
+# reading it recovers with (at t=1000, past every window).
+CASES: dict[str, tuple[dict[str, object], list[Step], dict[str, object]]] = {
+    "fabric-incomplete": (
+        {"fabric_state": 3},
+        [Step(10, {"fabric_state": 2}), Step(400, {"fabric_state": 2})],
+        {"fabric_state": 3},
+    ),
+    "fabric-status": (
+        {"fabric_state": 3, "fabric_status": "SUCCESS"},
+        [Step(10, {"fabric_state": 3, "fabric_status": "UNKNOWN"})],
+        {"fabric_state": 3, "fabric_status": "SUCCESS"},
+    ),
+    "fabric-degraded": (
+        {"fabric_state": 3, "fabric_health": 0xAA},
+        [Step(10, {"fabric_state": 3, "fabric_health": 0xA9})],
+        {"fabric_state": 3, "fabric_health": 0xAA},
+    ),
+    "nvlink-down": (
+        {"nvlink_active": LINKS},
+        [Step(10, {"nvlink_active": LINKS - {3}})],
+        {"nvlink_active": LINKS},
+    ),
+    "nvlink-errors": (
+        {"nvlink_errors": 0},
+        [Step(10, {"nvlink_errors": 6001})],
+        {"nvlink_errors": 6001},
+    ),
+    "pcie-width": ({"pcie_width": 16}, [Step(10, {"pcie_width": 8})], {"pcie_width": 16}),
+    "pcie-replays": ({"pcie_replays": 5}, [Step(10, {"pcie_replays": 14})], {"pcie_replays": 14}),
+    "clock-hw-slowdown": (
+        {"clock_events": 0},
+        [Step(t, {"clock_events": 0x08}) for t in range(3, 21, 3)],
+        {"clock_events": 0},
+    ),
+    "clock-hw-thermal": (
+        {"clock_events": 0x01},
+        [Step(t, {"clock_events": 0x41}) for t in range(3, 21, 3)],
+        {"clock_events": 0x01},
+    ),
+    "clock-power-brake": (
+        {"clock_events": 0},
+        [Step(t, {"clock_events": 0x80}) for t in range(3, 21, 3)],
+        {"clock_events": 0},
+    ),
+    "retired-pages": ({"retired_pages": 2}, [Step(10, {"retired_pages": 63})], {"retired_pages": 0}),
+    "retired-pending": (
+        {"retired_pending": False},
+        [Step(10, {"retired_pending": True})],
+        {"retired_pending": False},
+    ),
+    "row-remap-pending": (
+        {"remap_pending": False},
+        [Step(10, {"remap_pending": True})],
+        {"remap_pending": False},
+    ),
+    "inforom-invalid": (
+        {"inforom_valid": True},
+        [Step(10, {"inforom_valid": False})],
+        {"inforom_valid": True},
+    ),
+    "pcie-width-max": (
+        {"pcie_width": 16, "pcie_max_width": 16},
+        [Step(10, {"pcie_width": 8, "pcie_max_width": 16})],
+        {"pcie_width": 16, "pcie_max_width": 16},
+    ),
+    "pcie-gen": ({"pcie_gen": 5}, [Step(10, {"pcie_gen": 3})], {"pcie_gen": 5}),
+}
+# Signals the shipped table ignores: judged once a config gives them a level.
+IGNORED = {"pcie-width-max", "pcie-gen"}
+
+
+def settings_for(name: str) -> tuple[PolicySettings, str]:
+    level = SIGNALS.level(name)
+    if name in IGNORED:
+        table = SIGNALS.changed(name, {"level": "degraded"}, where="test")
+        return PolicySettings(signals=table), "degraded"
+    return DEFAULT, level
+
+
+def test_every_gpu_signal_of_the_table_has_a_case_here() -> None:
+    assert set(CASES) == set(SIGNALS.names()) - {"gpu-missing"}
+    assert set(SOURCES) == set(CASES)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_clean_signal_is_neither_fault_nor_degraded(name: str) -> None:
+    clean, _, _ = CASES[name]
+    settings, _ = settings_for(name)
+    v = run([Step(t, clean) for t in (0, 10, 400, 1000)], settings)
+    assert [found(x, name) for x in v] == ["", "", "", ""]
+    assert v[-1].healthy and not v[-1].degraded
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_tripped_signal_takes_its_level_and_recovers_with_a_clean_reading(name: str) -> None:
+    clean, bad, recovered = CASES[name]
+    settings, level = settings_for(name)
+    v = run([Step(0, clean), *bad, Step(1000, recovered)], settings)
+    assert found(v[-2], name) == level, v[-2]
+    assert found(v[-1], name) == "", v[-1]
+    tripped = next(f for f in v[-2].faults + v[-2].degraded if f.reason == name)
+    assert tripped.uuid == "GPU-0" and tripped.detail.endswith("(GPU 0, GPU-0)")
+    assert cleared_without_reboot(tripped.key)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_signal_the_table_ignores_is_never_judged(name: str) -> None:
+    clean, bad, _ = CASES[name]
+    settings = PolicySettings(signals=SIGNALS.changed(name, {"level": "ignore"}, where="test"))
+    v = run([Step(0, clean), *bad], settings)
+    assert found(v[-1], name) == ""
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_not_supported_reads_none_and_is_never_a_fault(name: str) -> None:
+    settings, _ = settings_for(name)
+    v = run([Step(t, {}) for t in (0, 10, 400, 1000)], settings)
+    assert all(found(x, name) == "" for x in v)
+    assert v[-1].healthy and not v[-1].degraded
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_transient_error_keeps_the_last_judgement_never_a_fault_never_a_clear(name: str) -> None:
+    clean, bad, _ = CASES[name]
+    settings, level = settings_for(name)
+    error = (f"{SOURCES[name]}:UNKNOWN",)
+    prev = None
+    verdicts = []
+    steps = [Step(0, clean), Step(5, clean), *bad]
+    for i, step in enumerate(steps):
+        # A failed read between the clean start and the trip: no fault from it.
+        failing = i == 1
+        g = reading({} if failing else step.values, errors=error if failing else ())
+        prev = evaluate(Snapshot(gpus=(g,), taken_at=step.t), previous=prev, settings=settings)
+        verdicts.append(prev)
+    assert found(verdicts[1], name) == ""
+    assert found(verdicts[-1], name) == level
+    # Tripped, then a failed read: still tripped (not cleared by a reading that did not happen).
+    g = reading({}, errors=error)
+    after = evaluate(Snapshot(gpus=(g,), taken_at=1000), previous=prev, settings=settings)
+    assert found(after, name) == level
+
+
+def test_a_fabric_that_never_completes_on_an_8_gpu_node_is_a_fault_of_every_gpu_after_the_grace() -> None:
+    v = run([Step(t, {"fabric_state": 2}) for t in (0, 100, 299, 300, 3000)], gpus=8)
+    assert [len([f for f in x.faults if f.reason == "fabric-incomplete"]) for x in v] == [0, 0, 0, 8, 8]
+    assert not v[-1].healthy
+    assert "IN_PROGRESS 3000 s after" in v[-1].faults[0].detail
+
+
+def test_one_nvlink_down_degrades_that_gpu_only() -> None:
+    prev = None
+    for t, down in ((0, frozenset()), (3, frozenset({7}))):
+        gpus = (
+            reading({"nvlink_active": LINKS}, index=0),
+            reading({"nvlink_active": LINKS - down}, index=1),
+        )
+        prev = evaluate(Snapshot(gpus=gpus, taken_at=t), previous=prev, settings=DEFAULT)
+    assert prev is not None and prev.healthy
+    assert [(f.reason, f.uuid) for f in prev.degraded] == [("nvlink-down", "GPU-1")]
+    assert (
+        prev.gpus[1].degraded[0].detail
+        == "NVLink link 7 inactive, of 18 active at the first reading (GPU 1, GPU-1)"
+    )
+
+
+def test_a_power_brake_storm_degrades_and_then_clears_once_its_window_passes() -> None:
+    storm = [Step(t, {"clock_events": 0x80}) for t in range(0, 30, 3)]
+    calm = [Step(t, {"clock_events": 0}) for t in range(30, 400, 3)]
+    v = run(storm + calm)
+    levels = [found(x, "clock-power-brake") for x in v]
+    assert levels[:6] == [""] * 5 + ["degraded"]  # the sixth sample in 300 s is more than 5
+    first_clear = levels.index("", 6)
+    assert all(x == "degraded" for x in levels[5:first_clear])
+    assert all(x == "" for x in levels[first_clear:])
+    # It clears when no more than 5 storm samples are left in the last 300 s: (12, 312] holds t=15..27.
+    assert (storm + calm)[first_clear].t == 312
+    assert v[-1].signal_memory.clock_samples == ()
+
+
+def test_a_gpu_on_the_pci_bus_but_absent_from_nvml_is_gpu_missing_at_the_first_check() -> None:
+    snap = Snapshot(gpus=(reading({}),), bus_only=("00000000:3B:00.0",), taken_at=0)
+    v = evaluate(snap, previous=None, settings=DEFAULT)
+    assert [(f.reason, f.uuid) for f in v.node_faults] == [("gpu-missing", None)]
+    assert "PCI 00000000:3B:00.0 is on the PCI bus but absent from NVML" in v.node_faults[0].detail
+    degraded = PolicySettings(signals=SIGNALS.changed("gpu-missing", {"level": "degraded"}, where="t"))
+    v = evaluate(snap, previous=None, settings=degraded)
+    assert v.healthy and [f.reason for f in v.node_degraded] == ["gpu-missing"]
+
+
+def test_a_counter_that_goes_down_starts_again_rather_than_counting_negative() -> None:
+    v = run([Step(0, {"pcie_replays": 100}), Step(3, {"pcie_replays": 2}), Step(6, {"pcie_replays": 9})])
+    assert [found(x, "pcie-replays") for x in v] == ["", "", ""]
+
+
+def test_a_counter_rate_counts_within_its_window_not_since_the_start() -> None:
+    # 5 replays a minute for 3 minutes: 15 in all, never more than 8 in 60 s.
+    v = run([Step(t, {"pcie_replays": t // 12}) for t in range(0, 181, 3)])
+    assert all(found(x, "pcie-replays") == "" for x in v)
+
+
+def test_a_steady_node_keeps_one_signal_memory_object() -> None:
+    v = run([Step(t, CASES["nvlink-down"][0] | {"pcie_replays": 4, "pcie_width": 16}) for t in (0, 3, 6)])
+    assert v[1].signal_memory is v[2].signal_memory
+
+
+def test_a_level_and_a_threshold_from_the_table_apply() -> None:
+    table: SignalTable = SIGNALS.changed("nvlink-down", {"level": "fault", "threshold": 1}, where="t")
+    settings = PolicySettings(signals=table)
+    one = run([Step(0, {"nvlink_active": LINKS}), Step(3, {"nvlink_active": LINKS - {1}})], settings)
+    two = run([Step(0, {"nvlink_active": LINKS}), Step(3, {"nvlink_active": LINKS - {1, 2}})], settings)
+    assert found(one[-1], "nvlink-down") == "" and found(two[-1], "nvlink-down") == "fault"
+
+
+def test_the_fabrics_grace_runs_from_the_hosts_boot_where_it_is_known() -> None:
+    """An agent started on a node whose fabric has been down since boot (or `check`) does not wait out
+    another grace; on a node that just booted the grace still runs."""
+    incomplete = reading({"fabric_state": 1})
+    late = evaluate(Snapshot(gpus=(incomplete,), taken_at=5000, booted_at=0), previous=None, settings=DEFAULT)
+    assert [f.reason for f in late.faults] == ["fabric-incomplete"]
+    assert "NOT_STARTED 5000 s after the host booted (grace 300 s)" in late.faults[0].detail
+    fresh = [Snapshot(gpus=(incomplete,), taken_at=t, booted_at=4950) for t in (5000, 5200, 5250)]
+    v = None
+    seen = []
+    for snap in fresh:
+        v = evaluate(snap, previous=v, settings=DEFAULT)
+        seen.append(found(v, "fabric-incomplete"))
+    assert seen == ["", "", "fault"]
+
+
+def test_an_unresponsive_gpus_last_values_are_no_reading_a_storm_is_not_counted_on_stale_samples() -> None:
+    """A GPU whose call hangs reports its last values: they are not samples of now (a power brake read
+    before the hang would otherwise count as a storm), and the last judgement stands."""
+    braking = replace(
+        reading({"clock_events": 0x80}), unresponsive="nvmlDeviceGetTotalEccErrors has not returned"
+    )
+    v = evaluate(
+        Snapshot(gpus=(reading({"clock_events": 0x80}),), taken_at=0), previous=None, settings=DEFAULT
+    )
+    for t in range(3, 60, 3):
+        v = evaluate(Snapshot(gpus=(braking,), taken_at=t), previous=v, settings=DEFAULT)
+    assert found(v, "clock-power-brake") == ""
+    assert len(v.signal_memory.clock_samples[0][1]) == 1
