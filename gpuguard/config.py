@@ -206,6 +206,13 @@ class NodeSettings:
     """Seconds each evicted pod gets to stop; None: the pod's own terminationGracePeriodSeconds."""
     pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
     """The kubelet's PodResources socket (the DaemonSet mounts its folder read-only when eviction is on)."""
+    repeat_limit: int = 3
+    """Fault episodes of one GPU within `repeat_window` that make it a repeat offender, held for repair
+    until an operator releases it (0: off). 3: GPUd asks for hardware inspection after more than 3 reboots
+    for the same Xid; NVSentinel escalates after 5 fatal Xids in 24 h or 5 remediations in 7 days."""
+    repeat_window: float = 604800.0
+    """Seconds over which `repeat_limit` counts episodes: 7 days, NVSentinel's window for remediations. A
+    GPU that faults once a week is never held."""
 
 
 @dataclass(frozen=True)
@@ -328,6 +335,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("--evict-grace-period must be between 0 and 86400 seconds")
     if not 0 <= n.flap_window <= 7 * 86400:  # NaN fails every comparison: rejected too
         raise ConfigError("--flap-window must be between 0 and 604800 seconds")
+    if not 0 <= n.repeat_limit <= 32:  # the history keeps 32 episodes per GPU
+        raise ConfigError("--repeat-limit must be between 0 (off) and 32")
+    if not 0 < n.repeat_window <= 365 * 86400:
+        raise ConfigError("--repeat-window must be between 0 and 31536000 seconds")
     if n.name is not None:
         try:
             validation.node_name(n.name)

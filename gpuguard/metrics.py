@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -168,6 +168,15 @@ class Metrics:
             ["result"],
             registry=registry,
         )
+        # Issue 30: the GPUs held for repair (quarantine.escalation).
+        self.repeat_offender = Gauge(
+            "gpuguard_gpu_repeat_offender",
+            "Fault episodes of a GPU held as a repeat offender (absent when not held): its quarantine stays "
+            "across reboots and resets until an operator's `gpuguard release`.",
+            ["gpu", "uuid"],
+            registry=registry,
+        )
+        self._repeat_values: dict[tuple[str, str], int] = {}
         self.build = Info("gpuguard_build", "gpuguard build information.", registry=registry)
         self.build.info({"version": __version__})
         self._gpu_values: dict[
@@ -251,3 +260,15 @@ class Metrics:
             if g.pcie_link is not None:
                 self.pcie_generation.labels(*labels).set(g.pcie_link[0])
                 self.pcie_width.labels(*labels).set(g.pcie_link[1])
+
+    def observe_repeat_offenders(self, held: Mapping[str, int], index: Mapping[str, int]) -> None:
+        """The held GPUs (UUID -> episodes; `index`: UUID -> GPU index where known); a GPU released is
+        removed from the gauge."""
+        values = {(str(index[u]) if u in index else "", u): n for u, n in held.items()}
+        if values == self._repeat_values:
+            return
+        for labels in set(self._repeat_values) - set(values):
+            self.repeat_offender.remove(*labels)
+        for labels, n in values.items():
+            self.repeat_offender.labels(*labels).set(n)
+        self._repeat_values = values

@@ -26,6 +26,9 @@ GPU_UNRESPONSIVE = "gpu-unresponsive"
 NVML_UNRESPONSIVE = "nvml-unresponsive"
 # Dynamic page retirement (pre-Ampere GPUs): pages pending retirement, or as many retired as NVIDIA's limit.
 RETIRED_PAGES = "retired-pages"
+# A GPU whose faults recurred past --repeat-limit within --repeat-window (quarantine.escalation): held for
+# repair until an operator releases it, whatever it reads.
+REPEAT_OFFENDER = "repeat-offender"
 # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (nvmlDeviceGpuRecoveryAction_t): value -> the name in the reason.
 RECOVERY_ACTIONS = {
     0: "none",

@@ -20,6 +20,7 @@ from gpuguard.model import (
     NVML_INIT,
     NVML_UNRESPONSIVE,
     RECOVERY_ACTIONS,
+    REPEAT_OFFENDER,
     RESET_REQUIRED,
     RETIRED_PAGES,
     ROW_REMAP,
@@ -288,6 +289,8 @@ def _xid_detail(x: XidEvent) -> str:
 
 # Lower sorts first: the primary reason (the taint value) is the most severe fault.
 _SEVERITY = {
+    # First: a held repeat offender's taint says why it stays (quarantine.escalation).
+    REPEAT_OFFENDER: -1,
     NVML_INIT: 0,
     NVML_UNRESPONSIVE: 0,
     GPU_UNRESPONSIVE: 1,

@@ -15,6 +15,7 @@ from gpuguard.model import (
     NVML_INIT,
     NVML_UNRESPONSIVE,
     RECOVERY_PREFIX,
+    REPEAT_OFFENDER,
     RESET_REQUIRED,
     RETIRED_PAGES,
     Fault,
@@ -32,6 +33,8 @@ _RESET_ACTIONS = frozenset({1, 4})  # GPU_RESET, DRAIN_AND_RESET
 # Reasons whose evidence a healthy reading itself shows gone, without a reboot (see docs/design.md).
 _CLEARED_BY_READING = frozenset(
     {ECC, NVML_INIT, RESET_REQUIRED, GPU_UNREADABLE, GPU_UNRESPONSIVE, NVML_UNRESPONSIVE, RETIRED_PAGES}
+    # The hold of a repeat offender: gone from the verdict only by an operator's release, which is its proof.
+    | {REPEAT_OFFENDER}
 ) | (frozenset(SIGNALS.names()) - {GPU_MISSING})  # issue 29's signals judge each reading afresh
 
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpuguard.health import health_body
-from gpuguard.model import AgentStatus, Verdict, plural
+from gpuguard.model import REPEAT_OFFENDER, AgentStatus, Verdict, plural
 
 
 def verdict_table(verdict: Verdict) -> str:
@@ -58,9 +58,11 @@ def verdict_json(verdict: Verdict) -> str:
 def status_table(rows: Sequence[Mapping[str, Any]]) -> str:
     if not rows:
         return "no node or GPU is quarantined or degraded by gpuguard"
-    table: list[tuple[str, ...]] = [
-        ("NODE", "STATE", "REASON", "SINCE", "CORDONED", "FAULTS", "DEGRADED", "DETAIL")
-    ]
+    header = (
+        *("NODE", "STATE", "REASON", "SINCE", "CORDONED", "FAULTS"),
+        *("DEGRADED", "REPEAT-OFFENDERS", "DETAIL"),
+    )
+    table: list[tuple[str, ...]] = [header]
     for r in rows:
         cordon = "gpuguard" if r["cordoned_by_gpuguard"] else ("other" if r["unschedulable"] else "no")
         table.append(
@@ -72,10 +74,32 @@ def status_table(rows: Sequence[Mapping[str, Any]]) -> str:
                 cordon,
                 ",".join(r["faults"]) or "-",
                 ",".join(r.get("degraded") or ()) or "-",
+                _repeat(r),
                 r["detail"] or "-",
             )
         )
-    return "\n".join(_aligned(table))
+    return "\n".join([*_aligned(table), *_budget_note(rows)])
+
+
+def _repeat(row: Mapping[str, Any]) -> str:
+    """The GPUs held for repair and their fault episodes (`UUID=3`), or `held` for a GPU's own rule."""
+    held = row.get("repeat_offenders") or {}
+    if held:
+        return ",".join(f"{uuid}={n}" for uuid, n in sorted(held.items()))
+    return "held" if row["reason"] == REPEAT_OFFENDER else "-"
+
+
+def _budget_note(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Whether repeat offenders spend the quarantine budget: held nodes count like any quarantined one."""
+    full = [r for r in rows if r["state"] == "quarantined"]
+    held = [r for r in full if r.get("repeat_offenders") or r["reason"] == REPEAT_OFFENDER]
+    if not held:
+        return []
+    return [
+        f"{len(held)} of {len(full)} fully quarantined nodes are held as repeat offenders (label "
+        "gpuguard.io/needs-repair): they spend the --max-quarantined budget until repaired and released "
+        "(`gpuguard release --node NAME`)"
+    ]
 
 
 def _aligned(rows: list[tuple[str, ...]]) -> list[str]:

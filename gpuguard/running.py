@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # the watch's parts: imported where they are built, not by `c
     from gpuguard.quarantine.node.budgetwatch import WatchedBudget
     from gpuguard.quarantine.node.writers import DryRunNodeWriter, KubeNodeWriter
     from gpuguard.quarantine.reconciler import NodeReconciler
+    from gpuguard.quarantine.repeat import RepeatOffenders
 
 log = structlog.get_logger(__name__)
 
@@ -236,7 +237,14 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         if rules_watch is not None:
             devices.on_devices = rules_watch.found
     reconciler = NodeReconciler(
-        writer, cfg.node, budget=budget, devices=devices, metrics=metrics, start_delay=delay, api=api_state
+        writer,
+        cfg.node,
+        budget=budget,
+        devices=devices,
+        metrics=metrics,
+        start_delay=delay,
+        api=api_state,
+        repeat=repeat_offenders(cfg, durable=state is not None),
     )
     evictor = make_evictor(cfg, connect, reconciler, metrics)
     agent = Agent(
@@ -358,3 +366,15 @@ def watch(cfg: Config) -> bool:
             parts.evictor.stop()
         server.stop()
     return agent.no_library
+
+
+def repeat_offenders(cfg: Config, *, durable: bool) -> RepeatOffenders:
+    """The GPU history and its repeat offenders (issue 30): in --state-dir where the fault state is kept
+    there, else in memory only (a dry run, no state directory)."""
+    from gpuguard.history import HistoryStore  # noqa: PLC0415
+    from gpuguard.quarantine.escalation import Limits  # noqa: PLC0415
+    from gpuguard.quarantine.repeat import RepeatOffenders  # noqa: PLC0415
+
+    store = HistoryStore(cfg.state_dir if durable else None)
+    limits = Limits(limit=cfg.node.repeat_limit, window_s=cfg.node.repeat_window)
+    return RepeatOffenders(store, limits, recover_after=cfg.node.recover_after)

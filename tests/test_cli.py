@@ -519,3 +519,34 @@ def test_status_with_the_api_server_unreachable_exits_4_and_says_so(tmp_path: Pa
     assert "4 the API server is unreachable or refused the request" in " ".join(
         run("status", "--help").stdout.split()
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("--node", "gpu-1", "--gpu", "GPU 0; rm"), '"gpu" is neither a GPU UUID nor "*"'),
+        (("--node", "gpu-1", "--by", "x" * 65), '"by" is not a printable name'),
+        (
+            (
+                "--node",
+                "Not_A_Node",
+            ),
+            "Not_A_Node",
+        ),
+    ],
+)
+def test_release_refuses_what_the_agent_would_refuse_before_sending_anything(
+    tmp_path: Path, args: tuple[str, ...], said: str
+) -> None:
+    r = run("release", "--kubeconfig", str(_kubeconfig(tmp_path, "{token: abc}")), *args)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("gpuguard: error: release: ") and said in r.stderr, r.stderr
+    assert len(r.stderr.splitlines()) == 1
+
+
+def test_release_with_the_api_server_unreachable_exits_4_and_says_so(tmp_path: Path) -> None:
+    r = run("release", "--kubeconfig", str(_kubeconfig(tmp_path, "{token: abc}")), "--node", "gpu-1")
+    assert r.returncode == 4, r.stderr
+    assert r.stderr.startswith(
+        "gpuguard: error: release: the API server https://127.0.0.1:1 is unreachable: "
+    )

@@ -167,6 +167,7 @@ def test_status_lists_degraded_nodes_and_rules_with_their_signals_in_a_degraded_
         "CORDONED",
         "FAULTS",
         "DEGRADED",
+        "REPEAT-OFFENDERS",
         "DETAIL",
     ]
     assert table[2].split()[:2] == ["only", "degraded"] and "nvlink-down/GPU-1" in table[2]

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gpuguard.config import NodeSettings
-from gpuguard.model import ECC, Fault, GpuQuarantine, GpuVerdict, Verdict, xid_reason
+from gpuguard.model import ECC, REPEAT_OFFENDER, Fault, GpuQuarantine, GpuVerdict, Verdict, xid_reason
 from gpuguard.quarantine.gpu import plan
 from gpuguard.quarantine.gpu.rules import NONE_EFFECT, DeviceRule, rule_name
 from gpuguard.quarantine.record import ANN_BOOT_ID, ANN_DEFERRED, ANN_FAULTS, ANN_REASON, TAINT_KEY
@@ -135,3 +135,17 @@ def test_the_rules_held_are_shown_in_device_order() -> None:
     assert plan.quarantined([two])[0] == GpuQuarantine(
         uuid="", device="gpu-0", rule=two.name, reason="", effect=NONE_EFFECT, deferred=False
     )
+
+
+def test_a_held_repeat_offenders_rule_says_repeat_offender_and_keeps_a_deferred_rules_effect() -> None:
+    held = Fault(REPEAT_OFFENDER, "3 fault episodes (limit 3 in 7 days)", uuid="GPU-1", gpu_index=1)
+    assert plan.per_gpu(held)
+    body = plan.update(rule(), (held,), boot_id="boot-b", effect="NoSchedule", lifted=False)
+    assert body is not None
+    assert body["spec"]["taint"] == {"key": TAINT_KEY, "value": REPEAT_OFFENDER, "effect": "NoSchedule"}
+    assert body["metadata"]["annotations"][ANN_BOOT_ID] == "boot-b"
+    deferred = rule(effect=NONE_EFFECT, annotations={ANN_DEFERRED: "budget spent", ANN_FAULTS: XID.key})
+    body = plan.update(deferred, (XID, held), boot_id="boot-a", effect="NoSchedule", lifted=False)
+    assert body is not None and body["spec"]["taint"]["effect"] == NONE_EFFECT
+    again = rule(taint_value=REPEAT_OFFENDER, faults=(held,), boot="boot-b")
+    assert plan.update(again, (held,), boot_id="boot-b", effect="NoSchedule", lifted=False) is None

@@ -1,10 +1,12 @@
-"""The operator's commands on the cluster: `status` (what gpuguard holds out, from the API server) and
-`uninstall` (every gpuguard mark off the nodes). Exit 2 for a kubeconfig that cannot work, 4 when the API
-server is unreachable or refuses the request."""
+"""The operator's commands on the cluster: `status` (what gpuguard holds out, from the API server),
+`release` (a repeat offender back after repair) and `uninstall` (every gpuguard mark off the nodes). Exit 2
+for a kubeconfig that cannot work, 4 when the API server is unreachable or refuses the request."""
 
 from __future__ import annotations
 
 import json
+import os
+from datetime import UTC, datetime
 from typing import Any
 
 import click
@@ -36,6 +38,43 @@ def status(kubeconfig: str | None, output: str) -> int:
     from gpuguard import report  # noqa: PLC0415
 
     click.echo(json.dumps(rows, indent=2) if output == "json" else report.status_table(rows))
+    return EXIT_OK
+
+
+@cli.command()
+@FLAGS["kubeconfig"].option()
+@click.option("--node", required=True, help="The node whose held GPUs to release.")
+@click.option("--gpu", default=None, help="The GPU's UUID (default: every held GPU of the node, '*').")
+@click.option("--by", default=None, help="Who releases it, as the history records it (default: $USER).")
+def release(kubeconfig: str | None, node: str, gpu: str | None, by: str | None) -> int:
+    """Release a GPU held as a repeat offender, after its repair: writes the annotation gpuguard.io/release
+    on the node; the node's agent checks it, records who released it and when in the GPU's history, lifts
+    the hold (and only gpuguard's marks) and removes the annotation at its next re-read. The agents' own
+    tokens may not write it (deploy/admission-policy.yaml). Exit 0; 2 a usage error; 4 the API server is
+    unreachable or refused the request."""
+    from gpuguard.quarantine.release import ALL, ANN_RELEASE, annotation, parse  # noqa: PLC0415
+
+    who = by if by is not None else os.environ.get("USER") or "unknown"
+    gpu = gpu if gpu is not None else ALL
+    try:
+        validation.node_name(node)
+        now = datetime.now(UTC)
+        text = annotation(gpu, by=who, at=now)
+        parse(text, now=now.timestamp())  # what the agent will accept, checked before it is sent
+    except (ConfigError, ValueError) as exc:
+        raise ConfigError(f"release: {exc}") from None
+    api = _client("release", kubeconfig)
+    try:
+        api.request(
+            "PATCH",
+            f"/api/v1/nodes/{node}",
+            body={"metadata": {"annotations": {ANN_RELEASE: text}}},
+            content_type="application/merge-patch+json",
+            what=f"patch node {node}",
+        )
+    except GpuguardError as exc:
+        return _api_failed("release", api, exc)
+    click.echo(f"{node}: release of {gpu} by {who} written; the agent lifts the hold at its next re-read")
     return EXIT_OK
 
 

@@ -197,6 +197,19 @@ FLAGS = _declare(
         type=float,
     ),
     Flag(
+        "--repeat-limit",
+        "Fault episodes of one GPU within --repeat-window that hold it for repair (a repeat offender: not "
+        "released by reboots or resets until `gpuguard release`); 0: off.",
+        (NodeSettings, "repeat_limit"),
+        type=int,
+    ),
+    Flag(
+        "--repeat-window",
+        "Seconds over which --repeat-limit counts a GPU's fault episodes (default 7 days).",
+        (NodeSettings, "repeat_window"),
+        type=float,
+    ),
+    Flag(
         "--state-dir",
         "Where faults that only a reboot clears are kept across agent restarts ('' to disable; a dry run "
         "keeps none).",

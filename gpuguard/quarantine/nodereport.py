@@ -38,6 +38,7 @@ _LINES = {
     "release-cordon": "node.cordon_released",
     "degrade": "node.degraded",
     "degrade-clear": "node.degraded_cleared",
+    "repair": "node.repair_marks",
 }
 
 
@@ -130,7 +131,7 @@ class NodeReport:
                 dry_run=self._settings.dry_run,
             )
             return
-        if change.action in ("recover", "verified", "override", "release-cordon"):
+        if change.action in ("recover", "verified", "override", "release-cordon", "repair"):
             if change.action == "override":
                 self._override_logged = frozenset(f.key for f in verdict.faults)
             log.info(

@@ -33,6 +33,8 @@ from gpuguard.quarantine.node.view import NodeChange, NodeView
 from gpuguard.quarantine.node.writers import DRY_RUN_NODE, NodeWriter
 from gpuguard.quarantine.nodereport import NodeReport
 from gpuguard.quarantine.record import ANN_REASON, ANN_SINCE
+from gpuguard.quarantine.repair import marks, with_marks
+from gpuguard.quarantine.repeat import RepeatOffenders
 
 log = structlog.get_logger(__name__)
 
@@ -74,10 +76,13 @@ class NodeReconciler:
         clock: Callable[[], float] = time.monotonic,
         start_delay: float = 0.0,
         api: ApiState | None = None,
+        repeat: RepeatOffenders | None = None,
     ) -> None:
         """start_delay: seconds the first request waits after the first verdict unless a verdict with a
         fault comes first (the start-up jitter, drawn by the caller from --startup-jitter). `api`: what the
-        API server answered (refusals and their backoff, outages); its own by default."""
+        API server answered (refusals and their backoff, outages); its own by default. `repeat`: the GPU
+        history and its repeat offenders (None: none kept, nothing held)."""
+        self.repeat = repeat
         self._writer = writer
         self._start_delay = start_delay
         self._clock = clock
@@ -192,6 +197,8 @@ class NodeReconciler:
         except PermanentApiError as exc:
             self.api.refused(self._intent or Intent("request", f"for node {self._name}"), exc)
         finally:
+            if self.repeat is not None:
+                self.repeat.flush()  # after the writes: no fsync before the taint
             if not self._status.reconciled and self._node is not None:
                 # The first reconcile is over (its device reads, writes, condition and Event too, or their
                 # failure): /readyz may say so. Not at the first read: a rollout would count a node ready
@@ -223,6 +230,12 @@ class NodeReconciler:
             node = self._read()
         if self.budget is not None:
             self.budget.begin(node)
+        if self.repeat is not None:
+            # The GPU history, a release on the node, and the held GPUs' `repeat-offender` faults.
+            verdict = self.repeat.apply(node, verdict, streak=streak, gpu_streaks=gpu_streaks)
+            if self._metrics is not None:
+                index = {g.uuid: g.index for g in verdict.gpus}
+                self._metrics.observe_repeat_offenders(self.repeat.held, index)
         full = verdict
         if self.devices is not None:
             # Per-GPU faults become DeviceTaintRules; the node is planned for what is left (docs/design.md).
@@ -288,9 +301,12 @@ class NodeReconciler:
             flapping=flapping,
             gate_held=self.devices is not None and self.devices.gate_held,
         )
-        if self.budget is None:
+        if self.budget is not None:
+            change = self.budget.gate(node, change, verdict)
+        if self.repeat is None:
             return change
-        return self.budget.gate(node, change, verdict)
+        mark = marks(node, self.repeat.held, handled_release=self.repeat.handled_release)
+        return with_marks(change, mark)
 
     def _degraded(self, node: NodeView, verdict: Verdict, degraded_streak: int) -> NodeChange | None:
         """The degraded marks (node/degraded.py): never gated by the budget, never a cordon."""
@@ -306,7 +322,8 @@ class NodeReconciler:
         due = self._clock() - self._read_at >= self._settings.node_resync
         # Device rules hold state too: the node's new bootID after a reboot is their evidence.
         rules = self.devices is not None and self.devices.holds_rules
-        return due and (node.holds_gpuguard_state(self._settings.gate_taint_key) or rules)
+        held = self.repeat is not None and bool(self.repeat.held)  # a release is read from the node
+        return due and (node.holds_gpuguard_state(self._settings.gate_taint_key) or rules or held)
 
     def _read(self) -> NodeView:
         self._intent = self._read_intent

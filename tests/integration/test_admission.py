@@ -754,6 +754,34 @@ def test_the_agent_cannot_label_its_node_quarantined_without_its_taint(
     core.patch_node(node, {"metadata": {"labels": {"gpuguard.io/quarantined": None}}}, **MERGE)
 
 
+def test_the_agent_cannot_release_its_own_repeat_offender_only_remove_a_release(
+    admin: Admin, control_plane: Any
+) -> None:
+    """`gpuguard release` (a human, or a controller with its own RBAC) writes gpuguard.io/release; the agent
+    reads it and removes it. The agent's own token may neither add nor change it, through nodes or
+    nodes/status: a compromised agent cannot release its own GPUs held for repair."""
+    node = new_node(admin)
+    # Annotations as a kubelet's registration leaves them (a real node always has some): the release's
+    # writer then owns only its own annotation, which the agent's removal takes from it.
+    admin.patch_node(node, {"metadata": {"annotations": {"node.alpha.kubernetes.io/ttl": "0"}}})
+    core = agent_core(admin, control_plane, node)
+    release = '{"at":"2026-12-05T08:00:00Z","by":"mallory","gpu":"*"}'
+    write = {"metadata": {"annotations": {"gpuguard.io/release": release}}}
+    message = (
+        "gpuguard may only remove gpuguard.io/release (a human or a controller with its own RBAC releases a"
+        f" repeat offender); refused release of node {node}"
+    )
+    assert refused(lambda: core.patch_node(node, write, **MERGE)) == message
+    assert refused(lambda: core.patch_node_status(node, write, **MERGE)) == message
+    # The operator's release (here the admin's), which the agent may then remove, but not change.
+    admin.patch_node(
+        node, {"metadata": {"annotations": {"gpuguard.io/release": release.replace("mallory", "ops")}}}
+    )
+    assert refused(lambda: core.patch_node(node, write, **MERGE)) == message
+    core.patch_node(node, {"metadata": {"annotations": {"gpuguard.io/release": None}}}, **MERGE)
+    assert "gpuguard.io/release" not in (admin.node(node)["metadata"].get("annotations") or {})
+
+
 # -- who is not affected -------------------------------------------------------------------------------------
 
 

@@ -270,8 +270,9 @@ def test_defect_07_a_gpu_unhealthy_taint_gpuguard_did_not_place_is_left_alone(
 
 
 def test_concurrent_writers_lose_no_update(admin: Admin, control_plane: Any, start_agent: Any) -> None:
-    # --flap-window 0: this test flips the GPU on purpose and wants every flip written.
-    _, node, state = start_agent(args=("--flap-window", "0"))
+    # --flap-window 0: this test flips the GPU on purpose and wants every flip written; --repeat-limit 0:
+    # and released every time (the fourth episode would otherwise hold the GPU as a repeat offender).
+    _, node, state = start_agent(args=("--flap-window", "0", "--repeat-limit", "0"))
     stop = threading.Event()
     written: list[int] = []
     errors: list[BaseException] = []

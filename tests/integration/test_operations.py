@@ -39,6 +39,9 @@ EXERCISED_ELSEWHERE = {
     "kubectl auth can-i patch nodes --as system:serviceaccount:gpuguard:gpuguard": (
         "test_the_operations_runbook_works_as_written"
     ),
+    "gpuguard release --node NODE --gpu UUID --by YOU": (
+        "test_repeat_offenders.py::test_an_xid_that_returns_after_two_reboots_holds_the_gpu_until_an_operator_releases_it"
+    ),
     "kubectl delete nodeclaim NAME": "test_karpenter.py::test_karpenter_launches_gated_nodes_once_and_pods_land_only_where_gpuguard_verified_the_gpus",  # noqa: E501
     # tests/integration/test_device_admission.py
     "kubectl get devicetaintrules -l app.kubernetes.io/managed-by=gpuguard": (
@@ -283,6 +286,7 @@ def test_the_operations_runbook_works_as_written(
             "CORDONED",
             "FAULTS",
             "DEGRADED",
+            "REPEAT-OFFENDERS",
             "DETAIL",
         ]
         row = next(line for line in status.splitlines() if line.startswith(node))

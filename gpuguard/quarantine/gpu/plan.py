@@ -13,7 +13,16 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpuguard.config import NodeSettings
-from gpuguard.model import ECC, RESET_REQUIRED, ROW_REMAP, Fault, GpuQuarantine, Verdict, recovery_reason
+from gpuguard.model import (
+    ECC,
+    REPEAT_OFFENDER,
+    RESET_REQUIRED,
+    ROW_REMAP,
+    Fault,
+    GpuQuarantine,
+    Verdict,
+    recovery_reason,
+)
 from gpuguard.quarantine.gpu.rules import NONE_EFFECT, DeviceRule, taint_value
 from gpuguard.quarantine.gpu.slices import SliceDevice
 from gpuguard.quarantine.record import ANN_DEFERRED, TAINT_KEY, fault_keys
@@ -28,7 +37,9 @@ def per_gpu(fault: Fault) -> bool:
     if not fault.uuid:
         return False
     r = fault.reason
-    return r in (ECC, ROW_REMAP, RESET_REQUIRED) or r.startswith("xid-") or r in _RESET_ACTIONS
+    return (
+        r in (ECC, ROW_REMAP, RESET_REQUIRED, REPEAT_OFFENDER) or r.startswith("xid-") or r in _RESET_ACTIONS
+    )
 
 
 def wanted(verdict: Verdict) -> set[str]:
@@ -72,14 +83,20 @@ def update(
     """The merge patch that brings a rule already held in line with its GPU's faults, or None when it
     matches: new faults recorded (`FaultRecord.merge`: a record from an earlier boot replaced), and the
     configured `effect` where the rule was deferred and the budget now has room (`lifted`) or blocks
-    otherwise than asked (a rule adopted after a restart with another --taint-effect). Carries the rule's
-    resourceVersion: a 409 when someone changed it."""
+    otherwise than asked (a rule adopted after a restart with another --taint-effect), and the taint's value
+    `repeat-offender` once its GPU is held (escalation). Carries the rule's resourceVersion: a 409 when
+    someone changed it."""
     annotations = rule.record.merge(faults, boot_id=boot_id) or {}
     body: dict[str, Any] = {}
-    if lifted or (not rule.deferred and rule.effect != effect):
+    retitle = taint_value(faults) == REPEAT_OFFENDER != rule.taint_value
+    if lifted or retitle or (not rule.deferred and rule.effect != effect):
         if lifted:
             annotations[ANN_DEFERRED] = None
-        body["spec"] = {"taint": {"key": TAINT_KEY, "value": taint_value(faults), "effect": effect}}
+        blocks = lifted or not rule.deferred
+        value = taint_value(faults)
+        body["spec"] = {
+            "taint": {"key": TAINT_KEY, "value": value, "effect": effect if blocks else NONE_EFFECT}
+        }
     if not annotations and not body:
         return None
     body["metadata"] = {"annotations": annotations, "resourceVersion": rule.resource_version}

@@ -348,7 +348,7 @@ def quarantined_gpus(api: kubeclient.Client, *, timeout: float = 10.0) -> list[d
     where the API server serves no DeviceTaintRules). Rows shaped like `writers.quarantined_nodes`'s, plus the
     device and the GPU's UUID."""
     source = KubeDeviceSource("", api=api, driver="", timeout=timeout)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for rule in source.all_rules(whole=True):
         rows.append(
             {
@@ -368,6 +368,8 @@ def quarantined_gpus(api: kubeclient.Client, *, timeout: float = 10.0) -> list[d
                 "cordoned_by_gpuguard": False,
                 "unschedulable": False,
                 "degraded": sorted(rule.faults) if is_degraded_rule(rule) else [],
+                # A held repeat offender's rule says so in its value; the counts are on its node.
+                "repeat_offenders": {},
             }
         )
     return sorted(rows, key=lambda r: (str(r["node"]), str(r["device"])))

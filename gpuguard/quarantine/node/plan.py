@@ -12,10 +12,11 @@ taint is carried over exactly as it was read.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from datetime import datetime
 
 from gpuguard.config import NodeSettings
-from gpuguard.model import Fault, Verdict, plural
+from gpuguard.model import REPEAT_OFFENDER, Fault, Verdict, plural
 from gpuguard.policy import primary
 from gpuguard.quarantine.node.view import (
     ANN_CORDONED,
@@ -74,7 +75,7 @@ def plan(
             return _quarantine(node, faults, new, recorded | keys, settings=settings, now=now)
         if ours is not None and node.deferred:
             return _escalate(node, ours, faults, recorded | keys, settings=settings)
-        return record_faults(node, faults) or _tidy(node)
+        return _held(node, ours, record_faults(node, faults), faults) or _tidy(node)
 
     # Ours: what gpuguard recorded, never a bare taint with our key (an operator's, kept as it is).
     owned = any(k in node.annotations for k in OUR_ANNOTATIONS) or LABEL_QUARANTINED in node.labels
@@ -109,6 +110,19 @@ def plan(
             + (f" (was: {node.annotations.get(ANN_REASON)})" if ANN_REASON in node.annotations else ""),
         ),
     )
+
+
+def _held(
+    node: NodeView, ours: Taint | None, change: NodeChange | None, faults: tuple[Fault, ...]
+) -> NodeChange | None:
+    """A node tainted for a fault whose GPU is now held as a repeat offender: the taint's value says so
+    (`repeat-offender`), in the same write that records the hold."""
+    if ours is None or ours.value == REPEAT_OFFENDER or all(f.reason != REPEAT_OFFENDER for f in faults):
+        return change
+    taints = tuple(
+        replace(t, value=REPEAT_OFFENDER, time_added=None) if t.key == TAINT_KEY else t for t in node.taints
+    )
+    return replace(change or NodeChange(action="add-faults"), taints=taints)
 
 
 def lifts_gate(node: NodeView, settings: NodeSettings) -> bool:
@@ -248,7 +262,7 @@ def plan_condition(
     return {
         "type": CONDITION_TYPE,
         "status": status,
-        "reason": "GPUsHealthy" if verdict.healthy else "GPUFault",
+        "reason": "GPUsHealthy" if verdict.healthy else _reason(verdict),
         "message": (
             f"{plural(len(verdict.gpus), 'GPU')} healthy (gpuguard)"
             if verdict.healthy
@@ -257,6 +271,11 @@ def plan_condition(
         "lastHeartbeatTime": stamp,
         "lastTransitionTime": stamp,
     }
+
+
+def _reason(verdict: Verdict) -> str:
+    held = any(f.reason == REPEAT_OFFENDER for f in verdict.faults)
+    return "GPURepeatOffender" if held else "GPUFault"
 
 
 def _out(verdict: Verdict, device_tainted: int) -> str:

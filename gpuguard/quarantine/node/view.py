@@ -3,6 +3,7 @@ resourceVersion) and `NodeChange` (one write, as a JSON merge patch with its pre
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -30,6 +31,11 @@ UNVERIFIED_TAINT_KEY = f"{DOMAIN}/unverified"
 CONDITION_TYPE = "GPUHealthy"
 # The second level's condition (node/degraded.py), read here with the first.
 DEGRADED_CONDITION_TYPE = "GPUDegraded"
+# A GPU of the node is held as a repeat offender (quarantine.repair): the label an operator or a node-repair
+# controller selects on, whether gpuguard placed it, and the held GPUs (JSON, UUID -> fault episodes).
+LABEL_NEEDS_REPAIR = f"{DOMAIN}/needs-repair"
+ANN_REPAIR_PLACED = f"{DOMAIN}/needs-repair-placed"
+ANN_REPEAT_OFFENDERS = f"{DOMAIN}/repeat-offenders"
 SOFT_EFFECT = "PreferNoSchedule"
 
 
@@ -152,6 +158,17 @@ class NodeView:
         """Our taint and the label that counts against the budget (not a deferred, soft quarantine)."""
         return self.our_taint is not None and self.labels.get(LABEL_QUARANTINED) == "true"
 
+    @property
+    def repeat_offenders(self) -> dict[str, int]:
+        """The GPUs the node's annotation lists as held repeat offenders ({} when absent or malformed)."""
+        try:
+            doc = json.loads(self.annotations.get(ANN_REPEAT_OFFENDERS, "{}"))
+        except (ValueError, RecursionError):
+            return {}
+        if not isinstance(doc, dict):
+            return {}
+        return {str(k): v for k, v in doc.items() if isinstance(v, int) and not isinstance(v, bool)}
+
     def gated(self, gate_key: str = UNVERIFIED_TAINT_KEY) -> bool:
         """The node still carries the startup gate's taint (--gate-taint-key)."""
         return any(t.key == gate_key for t in self.taints)
@@ -178,6 +195,7 @@ NodeAction = Literal[
     "release-cordon",
     "degrade",
     "degrade-clear",
+    "repair",
 ]
 
 

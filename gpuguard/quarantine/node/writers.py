@@ -314,6 +314,8 @@ def quarantined_nodes(api: kubeclient.Client, *, timeout: float = 10.0) -> list[
                 "cordoned_by_gpuguard": n.cordoned_by_us and n.unschedulable,
                 "unschedulable": n.unschedulable,
                 "degraded": sorted(DegradedRecord.read(n.annotations).keys),
+                # GPUs held for repair (issue 30): UUID -> fault episodes.
+                "repeat_offenders": n.repeat_offenders,
             }
         )
     return sorted(rows, key=lambda r: str(r["node"]))
@@ -348,6 +350,7 @@ def degraded_nodes(api: kubeclient.Client, *, skip: set[str], timeout: float = 1
                 "cordoned_by_gpuguard": False,
                 "unschedulable": n.unschedulable,
                 "degraded": sorted(record.keys),
+                "repeat_offenders": n.repeat_offenders,
             }
         )
     return sorted(rows, key=lambda r: str(r["node"]))

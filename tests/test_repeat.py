@@ -1,0 +1,306 @@
+"""Repeat offenders through the reconciler (gpuguard/quarantine/repeat.py, repair.py, release.py): a GPU whose
+Xid returns after reboots is held, not released by the next reboot, marked for repair, and released only by
+an operator's annotation the agent validates; only gpuguard's marks are ever removed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
+
+from gpuguard.config import NodeSettings, PolicySettings
+from gpuguard.history import HistoryStore
+from gpuguard.metrics import Metrics
+from gpuguard.model import GpuReading, Snapshot, Verdict, XidEvent
+from gpuguard.policy import evaluate
+from gpuguard.quarantine.escalation import Limits
+from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
+from gpuguard.quarantine.node.budget import QuarantineBudget
+from gpuguard.quarantine.node.view import (
+    ANN_REPAIR_PLACED,
+    ANN_REPEAT_OFFENDERS,
+    LABEL_NEEDS_REPAIR,
+    NodeView,
+)
+from gpuguard.quarantine.reconciler import NodeReconciler
+from gpuguard.quarantine.release import ANN_RELEASE
+from gpuguard.quarantine.repeat import RepeatOffenders
+from gpuguard.report import status_table
+from harness.clock import Clock
+from harness.dra import gpu_uuid, nvidia_slice
+from harness.fakes import FakeDeviceSource, FakeNodeWriter
+
+SETTINGS = NodeSettings(name="gpu-1", retry_max_wait=0.01, recover_after=3)
+DAY = 86400.0
+T0 = 1_800_000_000.0
+GPUS = (GpuReading(index=0, uuid="GPU-0"), GpuReading(index=1, uuid="GPU-1"))
+HEALTHY = evaluate(Snapshot(gpus=GPUS), previous=None, settings=PolicySettings())
+XID = evaluate(
+    Snapshot(gpus=GPUS, xids=(XidEvent(0, "GPU-0", 79),)), previous=None, settings=PolicySettings()
+)
+
+
+class Node:
+    """One node across reboots: an agent (a reconciler with its history in `state`) per boot."""
+
+    def __init__(self, state: Path, *, limit: int = 3) -> None:
+        self.writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="boot-0"))
+        self.state = state
+        self.limit = limit
+        self.now = T0
+        self.metrics = Metrics(CollectorRegistry())
+        self.agent = self._agent()
+
+    def _agent(self) -> NodeReconciler:
+        repeat = RepeatOffenders(
+            HistoryStore(self.state),
+            Limits(limit=self.limit),
+            recover_after=SETTINGS.recover_after,
+            wall=lambda: self.now,
+        )
+        budget = QuarantineBudget(self.writer, SETTINGS)
+        return NodeReconciler(self.writer, SETTINGS, budget=budget, repeat=repeat, metrics=self.metrics)
+
+    def check(self, verdict: Verdict, streak: int) -> None:
+        self.agent.submit(verdict, streak)
+        self.agent.reconcile_now()
+
+    def reboot(self, boot_id: str, *, days: float = 1.0) -> None:
+        """The node reboots: a new bootID, a new agent, healthy GPUs for --recover-after checks."""
+        self.now += days * DAY
+        self.writer.edit(boot_id=boot_id)
+        self.agent = self._agent()
+        for streak in range(SETTINGS.recover_after + 1):
+            self.check(HEALTHY, streak)
+
+    @property
+    def taint_value(self) -> str | None:
+        ours = self.writer.node.our_taint
+        return ours.value if ours is not None else None
+
+    @property
+    def held(self) -> dict[str, int]:
+        assert self.agent.repeat is not None
+        return self.agent.repeat.held
+
+
+def test_a_gpu_whose_xid_returns_after_two_reboots_is_held_and_not_released_by_the_next_reboot(
+    tmp_path: Path,
+) -> None:
+    node = Node(tmp_path)
+    node.check(XID, 0)
+    for boot in ("boot-1", "boot-2"):
+        node.reboot(boot)
+        assert node.writer.node.our_taint is None  # released by the reboot, as always
+        node.check(XID, 0)
+    assert node.held == {"GPU-0": 3}
+    assert node.taint_value == "repeat-offender"
+    n = node.writer.node
+    assert n.labels[LABEL_NEEDS_REPAIR] == "true" and n.annotations[ANN_REPAIR_PLACED] == "true"
+    assert json.loads(n.annotations[ANN_REPEAT_OFFENDERS]) == {"GPU-0": 3}
+    assert "GPURepeatOffender" in [e.reason for e in node.writer.events]
+    assert node.writer.conditions[-1]["reason"] == "GPURepeatOffender"
+    assert "repeat-offender" in node.writer.conditions[-1]["message"]
+    value = node.metrics.registry.get_sample_value(
+        "gpuguard_gpu_repeat_offender", {"gpu": "0", "uuid": "GPU-0"}
+    )
+    assert value == 3
+    node.reboot("boot-3")  # a new agent, its history read from the disk
+    assert node.held == {"GPU-0": 3}
+    assert node.taint_value == "repeat-offender" and node.writer.node.labels[LABEL_NEEDS_REPAIR] == "true"
+    assert node.writer.node.annotations["gpuguard.io/boot-id"] == "boot-3"
+
+
+def test_a_gpu_that_faults_once_per_week_is_never_held(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    for week in range(6):
+        node.check(XID, 0)
+        assert node.taint_value == "xid-79"
+        node.reboot(f"boot-{week + 1}", days=7)
+    assert node.held == {} and node.writer.node.our_taint is None
+    assert LABEL_NEEDS_REPAIR not in node.writer.node.labels
+    assert "GPURepeatOffender" not in [e.reason for e in node.writer.events]
+
+
+def test_limit_zero_holds_nothing(tmp_path: Path) -> None:
+    node = Node(tmp_path, limit=0)
+    node.check(XID, 0)
+    for boot in ("boot-1", "boot-2", "boot-3"):
+        node.reboot(boot)
+        node.check(XID, 0)
+    node.reboot("boot-4")
+    assert node.held == {} and node.writer.node.our_taint is None
+
+
+def held_node(tmp_path: Path) -> Node:
+    node = Node(tmp_path)
+    node.check(XID, 0)
+    for boot in ("boot-1", "boot-2"):
+        node.reboot(boot)
+        node.check(XID, 0)
+    node.reboot("boot-3")
+    assert node.held == {"GPU-0": 3}
+    return node
+
+
+def release(node: Node, gpu: str = "GPU-0", *, at: str = "2027-01-15T08:00:00Z", by: str = "alice") -> None:
+    text = json.dumps({"gpu": gpu, "by": by, "at": at})
+    node.writer.edit(annotations={**node.writer.node.annotations, ANN_RELEASE: text})
+    node.agent._node = None  # the agent's next re-read (--node-resync) sees it
+    node.check(HEALTHY, SETTINGS.recover_after + 5)
+
+
+def test_an_operators_release_lifts_the_hold_and_only_gpuguards_marks(tmp_path: Path) -> None:
+    node = held_node(tmp_path)
+    node.now = T0 + 10 * DAY
+    with capture_logs() as logs:
+        release(node, at="2027-01-24T08:00:00Z")
+    assert [e["by"] for e in logs if e["event"] == "repeat.released"] == ["alice"]
+    assert node.held == {}
+    n = node.writer.node
+    assert n.our_taint is None  # nothing else kept it: the node is back in service
+    assert LABEL_NEEDS_REPAIR not in n.labels
+    assert not {ANN_RELEASE, ANN_REPEAT_OFFENDERS, ANN_REPAIR_PLACED} & set(n.annotations)
+    history = HistoryStore(tmp_path).load()["GPU-0"]
+    assert history.releases[-1].by == "alice" and history.escalated is None
+    assert (
+        node.metrics.registry.get_sample_value("gpuguard_gpu_repeat_offender", {"gpu": "0", "uuid": "GPU-0"})
+        is None
+    )
+
+
+def test_an_operators_own_needs_repair_label_is_never_removed(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    node.writer.edit(labels={LABEL_NEEDS_REPAIR: "true"})  # an operator's, before any hold
+    node.check(XID, 0)
+    for boot in ("boot-1", "boot-2", "boot-3"):
+        node.reboot(boot)
+        if boot != "boot-3":
+            node.check(XID, 0)
+    assert node.held == {"GPU-0": 3} and ANN_REPAIR_PLACED not in node.writer.node.annotations
+    node.now = T0 + 10 * DAY
+    release(node, gpu="*", at="2027-01-24T08:00:00Z")
+    assert node.held == {} and node.writer.node.labels[LABEL_NEEDS_REPAIR] == "true"
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("not json", "not JSON"),
+        ('{"gpu": "GPU-0", "by": "alice"}', "exactly"),
+        ('{"gpu": "GPU-0", "by": "alice", "at": "2027-01-24T08:00:00Z", "x": 1}', "exactly"),
+        ('{"gpu": "GPU 0; rm -rf", "by": "alice", "at": "2027-01-24T08:00:00Z"}', "UUID"),
+        ('{"gpu": "GPU-0", "by": "", "at": "2027-01-24T08:00:00Z"}', "printable"),
+        ('{"gpu": "GPU-0", "by": "alice", "at": "tomorrow"}', "time"),
+        ('{"gpu": "GPU-0", "by": "alice", "at": "2030-01-01T00:00:00Z"}', "future"),
+        ('{"gpu": "GPU-0", "by": "' + "x" * 600 + '", "at": "2027-01-24T08:00:00Z"}', "bytes"),
+    ],
+)
+def test_a_release_the_agent_cannot_trust_is_refused_logged_and_removed(
+    tmp_path: Path, text: str, why: str
+) -> None:
+    node = held_node(tmp_path)
+    node.now = T0 + 10 * DAY  # 2027-01-25T08:00Z
+    node.writer.edit(annotations={**node.writer.node.annotations, ANN_RELEASE: text})
+    node.agent._node = None
+    with capture_logs() as logs:
+        node.check(HEALTHY, SETTINGS.recover_after + 5)
+    refused = [e for e in logs if e["event"] == "repeat.release_refused"]
+    assert len(refused) == 1 and why in refused[0]["error"], logs
+    assert node.held == {"GPU-0": 3} and node.taint_value == "repeat-offender"
+    assert ANN_RELEASE not in node.writer.node.annotations  # refused once, not at every check
+
+
+def test_an_escalation_past_the_budget_still_counts_as_a_quarantined_node(tmp_path: Path) -> None:
+    node = held_node(tmp_path)
+    assert node.writer.node.fully_quarantined  # the label the budget counts
+
+
+def test_status_shows_the_repeat_offenders_and_says_when_they_spend_the_budget() -> None:
+
+    base = {
+        "since": "2026-12-05T08:00:00Z",
+        "cordoned_by_gpuguard": True,
+        "unschedulable": True,
+        "faults": ["repeat-offender/GPU-0"],
+        "detail": "repeat-offender: 3 fault episodes",
+    }
+    rows = [
+        {
+            **base,
+            "node": "a",
+            "state": "quarantined",
+            "reason": "repeat-offender",
+            "repeat_offenders": {"GPU-0": 3},
+        },
+        {**base, "node": "b", "state": "quarantined", "reason": "ecc", "repeat_offenders": {}},
+        {**base, "node": "c", "device": "gpu-1", "state": "gpu-quarantined", "reason": "repeat-offender"},
+    ]
+    lines = status_table(rows).splitlines()
+    assert "REPEAT-OFFENDERS" in lines[0]
+    assert "GPU-0=3" in lines[1] and " held " in lines[3]
+    assert lines[-1].startswith("1 of 2 fully quarantined nodes are held as repeat offenders")
+    assert "budget" in lines[-1]
+    assert "repeat offenders" not in status_table(rows[1:2])
+
+
+def test_a_release_is_on_disk_before_the_write_that_removes_its_annotation(tmp_path: Path) -> None:
+    """An agent killed between the two must not hold the GPU again after its restart."""
+    node = held_node(tmp_path)
+    node.now = T0 + 10 * DAY
+    seen: list[object] = []
+    patch = node.writer.patch
+
+    def spy(n: NodeView, change: Any) -> NodeView:
+        if change.annotations.get(ANN_RELEASE, "") is None:
+            seen.append(HistoryStore(tmp_path).load()["GPU-0"].escalated)
+        return patch(n, change)
+
+    node.writer.patch = spy  # type: ignore[method-assign,assignment]
+    release(node, at="2027-01-24T08:00:00Z")
+    assert seen == [None]
+
+
+def test_on_a_dra_node_the_held_gpus_rule_says_repeat_offender_and_stays_across_reboots(
+    tmp_path: Path,
+) -> None:
+    """The per-GPU quarantine: the GPU's own DeviceTaintRule is what holds it; the node stays in service and
+    carries only the repair marks."""
+    node_name = "gpu-node-1"
+    uuids = [gpu_uuid(node_name, i) for i in range(8)]
+    gpus = tuple(GpuReading(index=i, uuid=u) for i, u in enumerate(uuids))
+    healthy = evaluate(Snapshot(gpus=gpus), previous=None, settings=PolicySettings())
+    xid = evaluate(
+        Snapshot(gpus=gpus, xids=(XidEvent(3, uuids[3], 79),)), previous=None, settings=PolicySettings()
+    )
+    settings = NodeSettings(name=node_name, retry_max_wait=0.01, recover_after=2)
+    writer = FakeNodeWriter(NodeView(name=node_name, resource_version="1", boot_id="boot-0"))
+    source = FakeDeviceSource([nvidia_slice(node_name)])
+    now = [T0]
+
+    def agent() -> NodeReconciler:
+        clock = Clock()
+        devices = DeviceQuarantine(source, settings, clock=clock)
+        repeat = RepeatOffenders(HistoryStore(tmp_path), Limits(), recover_after=2, wall=lambda: now[0])
+        return NodeReconciler(writer, settings, devices=devices, clock=clock, repeat=repeat)
+
+    r = agent()
+    for boot in ("boot-1", "boot-2", "boot-3"):
+        r.submit(xid, 0)
+        r.reconcile_now()
+        now[0] += DAY
+        writer.edit(boot_id=boot)
+        r = agent()
+        for streak in range(4):
+            r.submit(healthy, streak)
+            r.reconcile_now()
+    (rule,) = source.store.values()
+    assert rule["spec"]["taint"]["value"] == "repeat-offender"
+    assert rule["metadata"]["annotations"]["gpuguard.io/boot-id"] == "boot-3"
+    assert writer.node.our_taint is None and not writer.node.unschedulable
+    assert writer.node.labels[LABEL_NEEDS_REPAIR] == "true"
+    assert json.loads(writer.node.annotations[ANN_REPEAT_OFFENDERS]) == {uuids[3]: 3}
