@@ -323,6 +323,37 @@ def test_a_pod_replaced_under_the_same_name_is_not_evicted_and_one_already_delet
     assert ("ml", "train-3") in api.pods
 
 
+def test_a_pod_made_again_under_the_same_name_on_a_healthy_gpu_of_this_node_is_not_evicted(
+    sock: str, kubelet: FakeKubelet
+) -> None:
+    """Between the kubelet's List and the API server's read, train-3 (on faulty GPU 3) is deleted and made
+    again under the same name (a StatefulSet) on this node, on healthy GPU 7: the API server has only the new
+    pod (a new UID), so the UID precondition cannot tell; the kubelet's Get must still show the faulty GPU."""
+    api = FakeApi([p for p in EIGHT if p["metadata"]["name"] != "train-7"])
+    kubelet.remove("ml", "train-7")
+    evictor, metrics = make(sock, api)
+    real = PodResourcesClient(sock)
+
+    class Remade:
+        def list(self) -> tuple[PodDevices, ...]:
+            answer = real.list()
+            kubelet.remove("ml", "train-3")
+            kubelet.pods.append(gpu_pod("ml", "train-3", GPU[7]))
+            api.pods[("ml", "train-3")] = api_pod("train-3", uid="new-uid")
+            return answer
+
+        def get(self, namespace: str, name: str) -> PodDevices | None:
+            return real.get(namespace, name)
+
+    evictor._kubelet = Remade()
+    evictor.observe(verdict(3))
+    with structlog.testing.capture_logs() as logs:
+        assert evictor.round() is None
+    assert api.evictions == [] and api.events == []
+    assert [e["event"] for e in logs] == ["eviction.pod_gone"]
+    assert evictions(metrics, "gone") == 1
+
+
 def test_a_dry_run_logs_the_eviction_and_sends_none(sock: str, kubelet: FakeKubelet) -> None:
     api = FakeApi(EIGHT)
     evictor, metrics = make(sock, api, dry_run=True)

@@ -172,7 +172,7 @@ class Evictor:
             return self._failure_wait()
         self._failures = 0
         self._unsupported = False
-        waits = [w for d in decisions if (w := self._apply(d)) is not None]
+        waits = [w for d in decisions if (w := self._apply(d, faulty)) is not None]
         return min(waits) if waits else None
 
     def _plan(self, faulty: Faulty) -> list[Decision] | None:
@@ -227,7 +227,7 @@ class Evictor:
     def _failure_wait(self) -> float:
         return UNSUPPORTED_RETRY if self._unsupported else backoff(self._failures)
 
-    def _apply(self, d: Decision) -> float | None:
+    def _apply(self, d: Decision, faulty: Faulty) -> float | None:
         pod = d.pod
         fields: dict[str, Any] = {
             "node": self._s.node,
@@ -255,17 +255,23 @@ class Evictor:
                 log.info("eviction.dry_run", grace_period_s=self._s.grace_period, **fields)
                 self._count("dry-run")
             return None
-        if self._kubelet_gone(pod):
+        if self._kubelet_gone(pod, faulty):
             log.info(
-                "eviction.pod_gone", note="the pod left between the kubelet's list and the eviction", **fields
+                "eviction.pod_gone",
+                note="the pod left, or was made again on a healthy GPU, after the kubelet's list",
+                **fields,
             )
             self._count("gone")
             return None
         return self._evict(d, fields)
 
-    def _kubelet_gone(self, pod: Pod) -> bool:
+    def _kubelet_gone(self, pod: Pod, faulty: Faulty) -> bool:
+        """The kubelet no longer has this pod on a faulty GPU. A pod deleted and made again under the same
+        name on this node after the List (a StatefulSet) is the API server's only pod of that name, so the
+        UID precondition cannot tell it apart: the kubelet's Get, by name too, shows what the new one has."""
         try:
-            return self._kubelet.get(pod.namespace, pod.name) is None
+            answer = self._kubelet.get(pod.namespace, pod.name)
+            return answer is None or not held(answer, faulty)
         except KubeletError:
             return False  # the List just answered: the Eviction's UID precondition still guards the pod
 
