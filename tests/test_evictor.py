@@ -354,6 +354,19 @@ def test_a_pod_made_again_under_the_same_name_on_a_healthy_gpu_of_this_node_is_n
     assert evictions(metrics, "gone") == 1
 
 
+def test_a_dry_run_writes_no_event_for_a_pod_in_a_namespace_the_role_does_not_list(
+    sock: str, kubelet: FakeKubelet
+) -> None:
+    api = FakeApi(EIGHT)
+    api.forbidden.add("ml")
+    evictor, _ = make(sock, api, dry_run=True)
+    evictor.observe(verdict(3))
+    with structlog.testing.capture_logs() as logs:
+        assert evictor.round() is None
+    assert api.events == [] and api.evictions == []
+    assert [(e["event"], e["why"]) for e in logs] == [("eviction.not_permitted", "namespace-not-permitted")]
+
+
 def test_a_dry_run_logs_the_eviction_and_sends_none(sock: str, kubelet: FakeKubelet) -> None:
     api = FakeApi(EIGHT)
     evictor, metrics = make(sock, api, dry_run=True)

@@ -239,12 +239,13 @@ class Evictor:
                 error = self._forbidden.get(pod.key, "")
                 log.warning("eviction.not_permitted", why=d.keep, error=error, **fields)
                 self._count("failed")
-                self._node_event(
-                    "GPUEvictionBlocked",
-                    f"gpuguard may not evict pod {pod.namespace}/{pod.name} from faulty GPU "
-                    f"{', '.join(d.gpus)} on node {self._s.node}: namespace {pod.namespace} is not in the "
-                    "eviction's namespaces",
-                )
+                if not self._s.dry_run:  # a dry run writes nothing, Events included
+                    self._node_event(
+                        "GPUEvictionBlocked",
+                        f"gpuguard may not evict pod {pod.namespace}/{pod.name} from faulty GPU "
+                        f"{', '.join(d.gpus)} on node {self._s.node}: namespace {pod.namespace} is not "
+                        "in the eviction's namespaces",
+                    )
             return None
         if d.keep is not None:
             if self._once(pod.uid or pod.name, f"kept:{d.keep}"):
