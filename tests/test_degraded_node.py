@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 from datetime import UTC, datetime
 
+import pytest
 from structlog.testing import capture_logs
 
 from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
@@ -128,6 +129,18 @@ def test_a_taint_and_label_gpuguard_did_not_place_are_never_removed() -> None:
         NODE, taints=(Taint(DEGRADED_TAINT_KEY, "NoSchedule", "x"),), labels={LABEL_DEGRADED: "true"}
     )
     assert plan_degraded(theirs, (), clean_streak=99, recover_after=3, taint=True) is None
+
+
+@pytest.mark.parametrize("effect", ["NoSchedule", "PreferNoSchedule"])
+def test_an_operators_own_taint_with_the_degraded_key_is_neither_rewritten_nor_removed(effect: str) -> None:
+    theirs = Taint(DEGRADED_TAINT_KEY, effect, "maintenance")
+    node = marks(replace(NODE, taints=(theirs,)), NVLINK)
+    assert node.taints == (theirs,)  # not weakened to PreferNoSchedule, its value kept
+    assert node.labels[LABEL_DEGRADED] == "true" and ANN_DEGRADED in node.annotations
+    change = plan_degraded(node, (), clean_streak=3, recover_after=3, taint=True)
+    assert change is not None and change.action == "degrade-clear"
+    assert apply_change(node, change).taints == (theirs,)
+    assert marks(node, NVLINK, taint=False).taints == (theirs,)  # --no-degraded-taint: ours only
 
 
 def test_a_malformed_or_oversized_record_is_read_as_bounded_keys_or_none() -> None:
