@@ -287,6 +287,8 @@ def make_evictor(
             dra_noexecute=frozenset(g.uuid for g in held if g.effect == "NoExecute"),
             taint_effect=s.taint_effect,
             node_noexecute=status.tainted and not status.deferred and s.taint_effect == "NoExecute",
+            deferred=frozenset(g.uuid for g in status.gpus if g.deferred),
+            node_deferred=status.deferred,
         )
 
     return ev.Evictor(

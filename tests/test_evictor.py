@@ -11,6 +11,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any, cast
 
 import pytest
@@ -560,3 +561,9 @@ def test_the_evictor_sees_the_quarantine_through_the_reconcilers_status(sock: st
             GPU[5]: ("gpu.nvidia.com", NODE, "gpu-5"),
         }
         assert (got.taint_effect, got.node_noexecute) == (effect, node_noexecute)
+        assert (got.deferred, got.node_deferred) == (frozenset({GPU[4]}), False)
+    Reconciler.status = replace(Reconciler.status, deferred=True)
+    got = make_evictor(
+        cfg, Connection(settings), cast(Any, Reconciler()), Metrics(CollectorRegistry())
+    )._context()  # type: ignore[union-attr]
+    assert got.node_deferred and not got.node_noexecute

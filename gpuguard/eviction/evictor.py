@@ -45,7 +45,7 @@ BACKOFF_MAX = 60.0
 # A kubelet without the PodResources API will not grow one: asked again this rarely.
 UNSUPPORTED_RETRY = 300.0
 # While a fault holds, the kubelet is asked again this often even when nothing waits: a pod that lands on the
-# faulty GPU later (one that tolerates a deferred PreferNoSchedule taint, a static pod's restart) is found.
+# faulty GPU later (one placed there while the quarantine was deferred, a static pod's restart) is found.
 # One local gRPC call a minute; the API server is asked only about pods that hold a faulty GPU.
 RESCAN_S = 60.0
 # Why a pod is kept that the plan cannot know: the eviction Role does not cover its namespace (a 403).

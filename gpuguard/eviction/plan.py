@@ -8,7 +8,9 @@ plugin; `UUID::n` for a time-sliced share of it), or a DRA device (driver, pool,
 Never evicted: DaemonSet pods (the DaemonSet puts them back on the same node), mirror (static) pods (the API
 cannot evict them; the kubelet runs them from a file), pods that tolerate gpuguard's taint (they asked to
 stay on a sick GPU: a diagnostic or a drain job), pods already terminating or finished, and pods the API
-server does not list on this node (gone, or never this node's). A GPU whose DRA DeviceTaintRule already has
+server does not list on this node (gone, or never this node's); nor while the quarantine budget defers
+the GPU's quarantine (a fleet-wide false alarm, a bad driver roll-out, must not evict every GPU pod of the
+cluster: the budget bounds eviction as it bounds the hard taint). A GPU whose DRA DeviceTaintRule already has
 effect NoExecute is left to kube-controller-manager, which evicts its pods itself, and so is every pod while
 the node's own gpuguard taint is NoExecute: never two evictions of one pod.
 """
@@ -37,6 +39,7 @@ FINISHED = "finished"
 NOT_LISTED = "not-on-this-node"
 DRA_NOEXECUTE = "dra-noexecute"
 NODE_NOEXECUTE = "node-noexecute"
+DEFERRED = "quarantine-deferred"
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,14 @@ class Faulty:
     # The effect of gpuguard's node taint (--taint-effect) and whether it is on the node now with NoExecute.
     taint_effect: str = "NoSchedule"
     node_noexecute: bool = False
+    # Past the quarantine budget: GPUs whose DeviceTaintRule is deferred (effect None), and whether the
+    # node's own quarantine is (it stands for every faulty GPU without a rule of its own).
+    deferred: frozenset[str] = frozenset()
+    node_deferred: bool = False
+
+    def held_back(self, gpu: str) -> bool:
+        """The budget deferred this GPU's quarantine."""
+        return gpu in self.deferred or (self.node_deferred and gpu not in (self.dra_devices or {}))
 
 
 def held(pod: PodDevices, faulty: Faulty) -> tuple[str, ...]:
@@ -177,6 +188,8 @@ def _keep(pod: Pod, gpus: tuple[str, ...], faulty: Faulty) -> str | None:
         return DAEMONSET
     if any(t.tolerates(TAINT_KEY, faulty.taint_effect, faulty.reasons) for t in pod.tolerations):
         return TOLERATES
+    if all(faulty.held_back(g) for g in gpus):
+        return DEFERRED
     if faulty.node_noexecute:
         return NODE_NOEXECUTE
     if all(g in faulty.dra_noexecute for g in gpus):
