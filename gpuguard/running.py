@@ -289,6 +289,7 @@ def make_evictor(
             node_noexecute=status.tainted and not status.deferred and s.taint_effect == "NoExecute",
             deferred=frozenset(g.uuid for g in status.gpus if g.deferred),
             node_deferred=status.deferred,
+            node_tainted=status.tainted,
         )
 
     return ev.Evictor(

@@ -368,6 +368,25 @@ def test_a_dry_run_writes_no_event_for_a_pod_in_a_namespace_the_role_does_not_li
     assert [(e["event"], e["why"]) for e in logs] == [("eviction.not_permitted", "namespace-not-permitted")]
 
 
+def test_no_pod_is_evicted_before_the_quarantine_is_on_the_node_and_it_is_asked_again_soon(
+    sock: str, kubelet: FakeKubelet
+) -> None:
+    """The node's taint write failed or is still pending (the API server refused the patch): an evicted
+    pod's replacement could be placed back on the same faulty GPU, so nothing is evicted yet."""
+    api = FakeApi(EIGHT)
+    context = Faulty(frozenset(), node_tainted=False)
+    evictor, _ = make(sock, api)
+    evictor._context = lambda: context
+    evictor.observe(verdict(3))
+    with structlog.testing.capture_logs() as logs:
+        wait = evictor.round()
+    assert api.evictions == [] and wait is not None and wait <= 5
+    assert [(e["event"], e["why"]) for e in logs] == [("eviction.pod_kept", "not-quarantined")]
+    context = Faulty(frozenset(), node_tainted=True)
+    assert evictor.round() is None
+    assert api.evicted == ["train-3"]
+
+
 def test_a_dry_run_logs_the_eviction_and_sends_none(sock: str, kubelet: FakeKubelet) -> None:
     api = FakeApi(EIGHT)
     evictor, metrics = make(sock, api, dry_run=True)
@@ -567,3 +586,9 @@ def test_the_evictor_sees_the_quarantine_through_the_reconcilers_status(sock: st
         cfg, Connection(settings), cast(Any, Reconciler()), Metrics(CollectorRegistry())
     )._context()  # type: ignore[union-attr]
     assert got.node_deferred and not got.node_noexecute
+    assert got.node_tainted
+    Reconciler.status = replace(Reconciler.status, tainted=False)
+    got = make_evictor(
+        cfg, Connection(settings), cast(Any, Reconciler()), Metrics(CollectorRegistry())
+    )._context()  # type: ignore[union-attr]
+    assert not got.node_tainted

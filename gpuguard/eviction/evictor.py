@@ -32,7 +32,7 @@ from gpuguard.errors import (
     PermanentApiError,
     TransientApiError,
 )
-from gpuguard.eviction.plan import NOT_LISTED, Decision, Faulty, Pod, held, plan
+from gpuguard.eviction.plan import NOT_LISTED, NOT_QUARANTINED, Decision, Faulty, Pod, held, plan
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import pods
 from gpuguard.metrics import Metrics, counted
@@ -50,6 +50,8 @@ UNSUPPORTED_RETRY = 300.0
 RESCAN_S = 60.0
 # Why a pod is kept that the plan cannot know: the eviction Role does not cover its namespace (a 403).
 NOT_PERMITTED = "namespace-not-permitted"
+# A pod kept until the quarantine is on the node (its write pending or being retried): asked again this soon.
+QUARANTINE_WAIT = 5.0
 EVENT_NAMESPACE = "default"  # the node's Events, where the quarantine's are (kubectl describe node)
 
 
@@ -250,7 +252,7 @@ class Evictor:
         if d.keep is not None:
             if self._once(pod.uid or pod.name, f"kept:{d.keep}"):
                 log.info("eviction.pod_kept", why=d.keep, **fields)
-            return None
+            return QUARANTINE_WAIT if d.keep == NOT_QUARANTINED else None
         if self._s.dry_run:
             if self._once(pod.uid, "dry-run"):
                 log.info("eviction.dry_run", grace_period_s=self._s.grace_period, **fields)

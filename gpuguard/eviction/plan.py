@@ -10,7 +10,8 @@ cannot evict them; the kubelet runs them from a file), pods that tolerate gpugua
 stay on a sick GPU: a diagnostic or a drain job), pods already terminating or finished, and pods the API
 server does not list on this node (gone, or never this node's); nor while the quarantine budget defers
 the GPU's quarantine (a fleet-wide false alarm, a bad driver roll-out, must not evict every GPU pod of the
-cluster: the budget bounds eviction as it bounds the hard taint). A GPU whose DRA DeviceTaintRule already has
+cluster: the budget bounds eviction as it bounds the hard taint), or before it is in place (its replacement
+would be placed back on the same GPU). A GPU whose DRA DeviceTaintRule already has
 effect NoExecute is left to kube-controller-manager, which evicts its pods itself, and so is every pod while
 the node's own gpuguard taint is NoExecute: never two evictions of one pod.
 """
@@ -40,6 +41,7 @@ NOT_LISTED = "not-on-this-node"
 DRA_NOEXECUTE = "dra-noexecute"
 NODE_NOEXECUTE = "node-noexecute"
 DEFERRED = "quarantine-deferred"
+NOT_QUARANTINED = "not-quarantined"
 
 
 @dataclass(frozen=True)
@@ -137,10 +139,18 @@ class Faulty:
     # node's own quarantine is (it stands for every faulty GPU without a rule of its own).
     deferred: frozenset[str] = frozenset()
     node_deferred: bool = False
+    # gpuguard's taint is on the node now (the reconciler's status; False while its write is pending or
+    # refused). A pod evicted before is replaced on the same faulty GPU.
+    node_tainted: bool = True
 
-    def held_back(self, gpu: str) -> bool:
-        """The budget deferred this GPU's quarantine."""
-        return gpu in self.deferred or (self.node_deferred and gpu not in (self.dra_devices or {}))
+    def not_held_out(self, gpu: str) -> str | None:
+        """Why no new pod is kept off this GPU yet (DEFERRED, NOT_QUARANTINED), or None: it has a blocking
+        rule of its own, or the node carries the full quarantine."""
+        if gpu in (self.dra_devices or {}) and gpu not in self.deferred:
+            return None
+        if self.node_tainted and not self.node_deferred:
+            return None
+        return DEFERRED if gpu in self.deferred or self.node_deferred else NOT_QUARANTINED
 
 
 def held(pod: PodDevices, faulty: Faulty) -> tuple[str, ...]:
@@ -188,8 +198,9 @@ def _keep(pod: Pod, gpus: tuple[str, ...], faulty: Faulty) -> str | None:
         return DAEMONSET
     if any(t.tolerates(TAINT_KEY, faulty.taint_effect, faulty.reasons) for t in pod.tolerations):
         return TOLERATES
-    if all(faulty.held_back(g) for g in gpus):
-        return DEFERRED
+    why = [faulty.not_held_out(g) for g in gpus]
+    if all(why):
+        return DEFERRED if DEFERRED in why else NOT_QUARANTINED
     if faulty.node_noexecute:
         return NODE_NOEXECUTE
     if all(g in faulty.dra_noexecute for g in gpus):
