@@ -217,6 +217,18 @@ def test_the_reconciler_marks_a_degraded_node_without_cordon_and_releases_it_whe
     assert [e.reason for e in writer.events] == ["GPUDegraded", "GPUDegradedCleared"]
 
 
+def test_after_a_restart_the_condition_follows_signals_that_changed_while_the_agent_was_down() -> None:
+    """The node holds the marks and GPUDegraded=True for nvlink-down (the last run's); the new run's first
+    verdict has pcie-width only: the condition must not keep naming nvlink-down for as long as it lasts."""
+    writer, r = make()
+    step(r, degraded_verdict(NVLINK))
+    assert "nvlink-down" in writer.conditions[-1]["message"]
+    restarted = NodeReconciler(writer, r._settings, budget=QuarantineBudget(writer, r._settings))
+    step(restarted, degraded_verdict(PCIE))
+    assert "pcie-width" in writer.conditions[-1]["message"]
+    assert "nvlink-down" not in writer.conditions[-1]["message"]
+
+
 def test_one_pass_writes_the_fault_quarantine_and_the_degraded_marks() -> None:
     writer, r = make()
     step(r, degraded_verdict(PCIE, sick=True))

@@ -188,12 +188,14 @@ def plan_degraded_condition(
     now: datetime,
 ) -> dict[str, str] | None:
     """The GPUDegraded condition to write, or None: True with the reasons and GPU UUIDs while degraded
-    (rewritten when the signals change); False once clean for the recovery window, only on a node that has
-    the condition (a node never degraded costs no request)."""
+    (rewritten when the signals change, and once after a restart); False once clean for the recovery
+    window, only on a node that has the condition (a node never degraded costs no request)."""
     stamp = rfc3339(now)
     if degraded:
         keys = degraded_keys(degraded)
-        if current == "True" and (last_keys is None or last_keys == keys):
+        # `last_keys` None: this run has not written it yet; the condition on the node is a previous
+        # run's, whose signals may have changed since: written once (a request at a degraded node's start).
+        if current == "True" and last_keys == keys:
             return None
         gpus = len({f.uuid for f in degraded if f.uuid})
         return {
