@@ -266,6 +266,30 @@ def test_a_kubelet_that_is_gone_is_reported_and_retried(sock: str) -> None:
     assert api.evicted == ["train-3"]
 
 
+def test_a_node_without_the_kubelets_socket_is_reported_at_start_not_only_at_the_first_fault(
+    sock: str,
+) -> None:
+    """A DaemonSet without the pod-resources mount (or a kubelet under another root directory): eviction
+    cannot work on this node, and the operator learns it when the agent starts, not when a GPU fails."""
+    evictor, _ = make(sock, FakeApi(EIGHT))
+    with structlog.testing.capture_logs() as logs:
+        evictor.start()
+        try:
+            eventually(
+                lambda: any(e["event"] == "eviction.kubelet_unavailable" for e in logs), 5, what="line"
+            )
+        finally:
+            evictor.stop()
+    line = next(e for e in logs if e["event"] == "eviction.kubelet_unavailable")
+    assert line["log_level"] == "warning" and "no socket" in line["error"] and "gpus" not in line
+    with FakeKubelet(sock, pods=[]) as kubelet, structlog.testing.capture_logs() as logs:
+        evictor, _ = make(sock, FakeApi(EIGHT))
+        evictor.start()
+        eventually(lambda: kubelet.calls == ["List"], 5, what="the probe")
+        evictor.stop()
+    assert [e["event"] for e in logs] == []  # a kubelet that answers: nothing to say
+
+
 def test_a_kubelet_without_the_api_is_asked_again_only_every_5_minutes(sock: str) -> None:
     api = FakeApi(EIGHT)
     evictor, _ = make(sock, api)

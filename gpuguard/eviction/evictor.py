@@ -139,6 +139,12 @@ class Evictor:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        try:  # at start: a node where eviction cannot work (no mount, no API) is reported now, not at a fault
+            self._kubelet.list()
+        except KubeletError as exc:
+            unsupported = isinstance(exc, KubeletUnsupported)
+            event = "eviction.kubelet_unsupported" if unsupported else "eviction.kubelet_unavailable"
+            log.warning(event, node=self._s.node, error=str(exc), note="at start: no pod can be evicted yet")
         wait: float | None = None
         while not self._stop.is_set():
             self._wake.wait(wait)
