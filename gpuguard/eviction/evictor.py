@@ -50,8 +50,6 @@ UNSUPPORTED_RETRY = 300.0
 RESCAN_S = 60.0
 # Why a pod is kept that the plan cannot know: the eviction Role does not cover its namespace (a 403).
 NOT_PERMITTED = "namespace-not-permitted"
-# A pod kept until the quarantine is on the node (its write pending or being retried): asked again this soon.
-QUARANTINE_WAIT = 5.0
 EVENT_NAMESPACE = "default"  # the node's Events, where the quarantine's are (kubectl describe node)
 
 
@@ -116,6 +114,7 @@ class Evictor:
         self._attempts: dict[str, int] = {}  # pod UID -> refusals in a row
         self._reported: set[tuple[str, str]] = set()  # (pod UID, what) already logged or told in an Event
         self._failures = 0  # rounds in a row that could not read the kubelet or the API server
+        self._unheld = 0  # rounds in a row that kept a pod because the quarantine was not on yet
         self._unsupported = False  # the kubelet answered UNIMPLEMENTED
         self._forbidden: dict[tuple[str, str], str] = {}  # pods the token may not read: the refusal
         self._thread: threading.Thread | None = None
@@ -180,6 +179,7 @@ class Evictor:
             return self._failure_wait()
         self._failures = 0
         self._unsupported = False
+        self._unheld = self._unheld + 1 if any(d.keep == NOT_QUARANTINED for d in decisions) else 0
         waits = [w for d in decisions if (w := self._apply(d, faulty)) is not None]
         return min(waits) if waits else None
 
@@ -258,7 +258,8 @@ class Evictor:
         if d.keep is not None:
             if self._once(pod.uid or pod.name, f"kept:{d.keep}"):
                 log.info("eviction.pod_kept", why=d.keep, **fields)
-            return QUARANTINE_WAIT if d.keep == NOT_QUARANTINED else None
+            # Not on yet: asked again soon, backing off as for a refusal (its write may be refused for long).
+            return backoff(self._unheld) if d.keep == NOT_QUARANTINED else None
         if self._s.dry_run:
             if self._once(pod.uid, "dry-run"):
                 log.info("eviction.dry_run", grace_period_s=self._s.grace_period, **fields)
