@@ -25,7 +25,7 @@ from gpuguard.metrics import Metrics
 from gpuguard.model import Fault, GpuVerdict, PodDevices, Verdict
 from gpuguard.podresources.client import PodResourcesClient
 from harness.kube import eventually
-from harness.kubelet import FakeKubelet, gpu_pod
+from harness.kubelet import FakeContainer, FakeKubelet, FakePod, gpu_pod
 
 NODE = "gpu-node-1"
 GPU = [f"GPU-{i:08d}-0000-0000-0000-000000000000" for i in range(8)]
@@ -288,6 +288,28 @@ def test_a_node_without_the_kubelets_socket_is_reported_at_start_not_only_at_the
         eventually(lambda: kubelet.calls == ["List"], 5, what="the probe")
         evictor.stop()
     assert [e["event"] for e in logs] == []  # a kubelet that answers: nothing to say
+
+
+def test_a_pod_on_a_mig_slice_is_reported_once_since_its_gpu_cannot_be_told_never_passed_over_silently(
+    sock: str, kubelet: FakeKubelet
+) -> None:
+    """NVIDIA's device plugin names a MIG slice by its own UUID (MIG-...), not its GPU's: gpuguard cannot
+    tell whether the slice is on the faulty GPU, so the pod is not evicted, and the operator is told."""
+    mig = FakePod("ml", "mig-pod", [FakeContainer("main", {"nvidia.com/mig-1g.10gb": ["MIG-4d3c2b1a-0000"]})])
+    with kubelet.lock:
+        kubelet.pods.append(mig)
+    api = FakeApi([*EIGHT, api_pod("mig-pod")])
+    evictor, _ = make(sock, api)
+    evictor.observe(verdict(3))
+    with structlog.testing.capture_logs() as logs:
+        evictor.round()
+        evictor.round()
+    assert api.evicted == ["train-3"]
+    lines = [e for e in logs if e["event"] == "eviction.mig_unknown"]
+    assert (
+        len(lines) == 1 and lines[0]["pod"] == "ml/mig-pod" and lines[0]["devices"] == ["MIG-4d3c2b1a-0000"]
+    )
+    assert lines[0]["log_level"] == "warning"
 
 
 def test_a_kubelet_without_the_api_is_asked_again_only_every_5_minutes(sock: str) -> None:

@@ -32,7 +32,7 @@ from gpuguard.errors import (
     PermanentApiError,
     TransientApiError,
 )
-from gpuguard.eviction.plan import NOT_LISTED, NOT_QUARANTINED, Decision, Faulty, Pod, held, plan
+from gpuguard.eviction.plan import NOT_LISTED, NOT_QUARANTINED, Decision, Faulty, Pod, held, mig_slices, plan
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import pods
 from gpuguard.metrics import Metrics, counted
@@ -196,6 +196,10 @@ class Evictor:
             )
             return None
         holders = [r for r in resources if held(r, faulty)]
+        for r in resources:  # MIG slices: which GPU they are on is unknown here (plan.mig_slices)
+            name = f"{r.namespace}/{r.name}"
+            if r not in holders and (mig := mig_slices(r)) and self._once(name, "mig"):
+                log.warning("eviction.mig_unknown", node=node, pod=name, devices=list(mig))
         found: dict[tuple[str, str], Pod] = {}
         try:
             for r in holders:

@@ -167,6 +167,14 @@ def held(pod: PodDevices, faulty: Faulty) -> tuple[str, ...]:
     return tuple(sorted(gpus))
 
 
+def mig_slices(pod: PodDevices) -> tuple[str, ...]:
+    """The MIG slices an NVIDIA resource gave this pod. NVIDIA's device plugin names a slice by its own UUID
+    (MIG-...), not its GPU's, and gpuguard does not read the slices' UUIDs: `held` cannot tell whether one
+    is on a faulty GPU, so such a pod is reported, never evicted on a guess."""
+    ids = {d.split("::", 1)[0] for r, d in pod.devices if r.startswith(GPU_RESOURCE_PREFIX)}
+    return tuple(sorted(d for d in ids if d.startswith("MIG-")))
+
+
 def plan(
     faulty: Faulty, resources: Iterable[PodDevices], pods: Mapping[tuple[str, str], Pod]
 ) -> list[Decision]:
