@@ -143,6 +143,17 @@ def test_an_operators_own_taint_with_the_degraded_key_is_neither_rewritten_nor_r
     assert marks(node, NVLINK, taint=False).taints == (theirs,)  # --no-degraded-taint: ours only
 
 
+def test_its_own_taint_is_released_even_when_the_record_was_cut_to_its_first_keys() -> None:
+    """More signals than the record keeps: the taint's value comes from the recorded keys, so the release
+    still knows the taint for gpuguard's ("a-b/..." sorts before "a/...": reason "a" is not recorded)."""
+    many = tuple(Fault("a-b", "x", uuid=f"GPU-{i:04}", gpu_index=i) for i in range(MAX_DEGRADED_KEYS))
+    node = marks(NODE, *many, Fault("a", "x", uuid="GPU-9999", gpu_index=99))
+    assert any(t.key == DEGRADED_TAINT_KEY for t in node.taints)
+    change = plan_degraded(node, (), clean_streak=3, recover_after=3, taint=True)
+    assert change is not None
+    assert not any(t.key == DEGRADED_TAINT_KEY for t in apply_change(node, change).taints)
+
+
 def test_a_malformed_or_oversized_record_is_read_as_bounded_keys_or_none() -> None:
     assert DegradedRecord.read({ANN_DEGRADED: "{not json"}) == DegradedRecord(present=True)
     assert DegradedRecord.read({ANN_DEGRADED: '{"a": 1}'}).keys == frozenset()

@@ -106,7 +106,7 @@ def _mark(
         labels[LABEL_DEGRADED] = "true"
     current = degraded_taint(node)
     ours = current is not None and _ours(current, record)
-    wanted = Taint(key=DEGRADED_TAINT_KEY, value=_first_reason(degraded), effect=SOFT_EFFECT)
+    wanted = Taint(key=DEGRADED_TAINT_KEY, value=_first_reason(keys), effect=SOFT_EFFECT)
     taints: tuple[Taint, ...] | None = None
     if taint and ((new and current is None) or ours) and _differs(current, wanted):
         # Placed for new signals, kept up to date while present; removed by hand for the same signals, it
@@ -148,18 +148,18 @@ def _differs(current: Taint | None, wanted: Taint) -> bool:
 
 def _ours(current: Taint, record: DegradedRecord) -> bool:
     """The taint with our key is the one gpuguard wrote for the recorded signals: PreferNoSchedule with the
-    value `_first_reason` gives them. An operator's taint with the same key (another effect or value,
+    value `_first_reason` gives their keys. An operator's taint with the same key (another effect or value,
     placed before gpuguard's record or after ours was removed by hand) is theirs: never rewritten, never
     removed."""
     if not record.present or current.effect != SOFT_EFFECT:
         return False
-    reasons = [k.split("/", 1)[0] for k in record.keys]
-    return current.value in {"degraded", *([_valid(min(reasons))] if reasons else [])}
+    return current.value in {"degraded", _first_reason(record.keys)}
 
 
-def _first_reason(degraded: Iterable[Fault]) -> str:
-    """The taint's value: the alphabetically first reason, as a valid label value (or none at all)."""
-    return _valid(min(f.reason for f in degraded))
+def _first_reason(keys: Iterable[str]) -> str:
+    """The taint's value: the alphabetically first reason of the keys as recorded (so the record read back
+    tells the same value, even when cut to MAX_DEGRADED_KEYS), as a valid label value (or none at all)."""
+    return _valid(min((k.split("/", 1)[0] for k in keys), default="degraded"))
 
 
 def _valid(first: str) -> str:
