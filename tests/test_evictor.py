@@ -312,6 +312,32 @@ def test_a_pod_on_a_mig_slice_is_reported_once_since_its_gpu_cannot_be_told_neve
     assert lines[0]["log_level"] == "warning"
 
 
+def test_a_bug_in_the_start_up_check_does_not_end_the_evictor(sock: str, kubelet: FakeKubelet) -> None:
+    api = FakeApi(EIGHT)
+    evictor, _ = make(sock, api)
+    real, calls = PodResourcesClient(sock), []
+
+    class FirstCallBreaks:
+        def list(self) -> tuple[PodDevices, ...]:
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("a bug")
+            return real.list()
+
+        def get(self, namespace: str, name: str) -> PodDevices | None:
+            return real.get(namespace, name)
+
+    evictor._kubelet = FirstCallBreaks()
+    with structlog.testing.capture_logs() as logs:
+        evictor.start()
+        try:
+            evictor.observe(verdict(3))
+            eventually(lambda: api.evicted == ["train-3"], 10, what="the eviction")
+        finally:
+            evictor.stop()
+    assert logs[0]["event"] == "eviction.round_failed"
+
+
 def test_a_kubelet_without_the_api_is_asked_again_only_every_5_minutes(sock: str) -> None:
     api = FakeApi(EIGHT)
     evictor, _ = make(sock, api)

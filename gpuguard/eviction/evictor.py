@@ -144,6 +144,8 @@ class Evictor:
             unsupported = isinstance(exc, KubeletUnsupported)
             event = "eviction.kubelet_unsupported" if unsupported else "eviction.kubelet_unavailable"
             log.warning(event, node=self._s.node, error=str(exc), note="at start: no pod can be evicted yet")
+        except Exception:  # never the end of the thread before its first round
+            log.exception("eviction.round_failed", node=self._s.node)
         wait: float | None = None
         while not self._stop.is_set():
             self._wake.wait(wait)
