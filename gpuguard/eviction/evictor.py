@@ -171,7 +171,7 @@ class Evictor:
         if not uuids:
             self._attempts.clear()
             self._reported.clear()
-            self._failures = 0
+            self._failures = self._unheld = 0
             return None
         self.rounds += 1
         self._settled(self._s.timeout)
