@@ -457,10 +457,12 @@ def test_no_pod_is_evicted_before_the_quarantine_is_on_the_node_and_it_is_asked_
     context = Faulty(frozenset(), node_tainted=True)
     assert evictor.round() is None
     assert api.evicted == ["train-3"]
-    evictor.observe(verdict())  # the fault clears; the next one starts its wait from 1 s again
-    assert evictor.round() is None
     context = Faulty(frozenset(), node_tainted=False)
     evictor.observe(verdict(4))
+    assert [evictor.round(), evictor.round()] == [1.0, 2.0]
+    evictor.observe(verdict())  # the fault clears while waiting; the next one's wait starts from 1 s again
+    assert evictor.round() is None
+    evictor.observe(verdict(5))
     assert evictor.round() == 1.0
 
 
