@@ -83,6 +83,7 @@ def test_a_dra_claim_on_the_faulty_gpus_device_is_evicted() -> None:
             Faulty(
                 frozenset({GPU[3]}),
                 dra_devices={GPU[3]: ("gpu.nvidia.com", NODE, "g3")},
+                ruled=frozenset({GPU[3]}),
                 deferred=frozenset({GPU[3]}),
                 node_tainted=False,
             ),
@@ -95,14 +96,20 @@ def test_a_dra_claim_on_the_faulty_gpus_device_is_evicted() -> None:
         (
             pod("x"),
             Faulty(
-                frozenset({GPU[3]}), node_tainted=False, dra_devices={GPU[3]: ("gpu.nvidia.com", NODE, "g3")}
+                frozenset({GPU[3]}),
+                node_tainted=False,
+                dra_devices={GPU[3]: ("gpu.nvidia.com", NODE, "g3")},
+                ruled=frozenset({GPU[3]}),
             ),
             None,
         ),
         (
             pod("x"),
             Faulty(
-                frozenset({GPU[3]}), node_deferred=True, dra_devices={GPU[3]: ("gpu.nvidia.com", NODE, "g3")}
+                frozenset({GPU[3]}),
+                node_deferred=True,
+                dra_devices={GPU[3]: ("gpu.nvidia.com", NODE, "g3")},
+                ruled=frozenset({GPU[3]}),
             ),
             None,
         ),

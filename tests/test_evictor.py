@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import pytest
 import structlog
@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from gpuguard.errors import ConflictError, PermanentApiError, TransientApiError
 from gpuguard.eviction.evictor import Evictor, Settings, backoff, faulty_gpus
-from gpuguard.eviction.plan import Faulty
+from gpuguard.eviction.plan import Faulty, Pod
 from gpuguard.metrics import Metrics
 from gpuguard.model import Fault, GpuVerdict, PodDevices, Verdict
 from gpuguard.podresources.client import PodResourcesClient
@@ -621,6 +621,45 @@ def test_grpc_is_loaded_only_when_the_agent_evicts(call: str, loaded: bool) -> N
     assert out.split() == [str(loaded), str(loaded)]
 
 
+def test_a_dra_claim_on_a_faulty_gpu_without_a_rule_of_its_own_is_still_matched(sock: str) -> None:
+    """GPU 6's rule could not be written (its fault went to the node's taint): its pods' DRA claims name
+    (driver, pool, device), matched through the GPUs the node's ResourceSlices publish, not only the rules."""
+    from gpuguard.config import Config, NodeSettings
+    from gpuguard.eviction.plan import plan
+    from gpuguard.model import GpuQuarantine
+    from gpuguard.quarantine.reconciler import NodeStatus
+    from gpuguard.running import Connection, make_evictor
+
+    class Devices:
+        published: ClassVar = {
+            GPU[6]: ("gpu.nvidia.com", NODE, "gpu-6"),
+            GPU[3]: ("gpu.nvidia.com", NODE, "gpu-3"),
+        }
+
+    class Reconciler:
+        status = NodeStatus(
+            tainted=True, gpus=(GpuQuarantine(GPU[3], "gpu-3", "r3", "xid-79", "NoSchedule", deferred=False),)
+        )
+        devices = Devices()
+
+        def wait_idle(self, timeout: float) -> bool:
+            return True
+
+    settings = NodeSettings(name=NODE, dry_run=True, evict="gpu-pods", pod_resources_socket=sock)
+    cfg = Config(backend="mock", node=settings)
+    evictor = make_evictor(cfg, Connection(settings), cast(Any, Reconciler()), Metrics(CollectorRegistry()))
+    assert evictor is not None
+    faulty = replace(evictor._context(), uuids=frozenset({GPU[3], GPU[6]}))
+    claims = [
+        PodDevices("ml", "on-6", claims=(("gpu.nvidia.com", NODE, "gpu-6"),)),
+        PodDevices("ml", "on-3", claims=(("gpu.nvidia.com", NODE, "gpu-3"),)),
+    ]
+    listed = {("ml", n): Pod("ml", n, uid=n, node=NODE) for n in ("on-6", "on-3")}
+    got = {d.pod.name: d.keep for d in plan(faulty, claims, listed)}
+    # GPU 6: held out by the node's taint; GPU 3: by its own rule. Both pods go.
+    assert got == {"on-6": None, "on-3": None}
+
+
 def test_the_evictor_sees_the_quarantine_through_the_reconcilers_status(sock: str) -> None:
     """running.make_evictor's context: the GPUs' DeviceTaintRules (a NoExecute one, not deferred, is left to
     kube-controller-manager; each rule's device for DRA claims) and a NoExecute node taint."""
@@ -638,6 +677,7 @@ def test_the_evictor_sees_the_quarantine_through_the_reconcilers_status(sock: st
                 GpuQuarantine(GPU[5], "gpu-5", "r5", "xid-79", "NoSchedule", deferred=False),
             ),
         )
+        devices = None  # a node quarantine only: no ResourceSlices read
 
         def wait_idle(self, timeout: float) -> bool:
             return True

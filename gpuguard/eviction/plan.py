@@ -128,13 +128,15 @@ class Faulty:
     uuids: frozenset[str]
     # The faults' reasons (the taint's values), for tolerations with operator Equal.
     reasons: frozenset[str] = frozenset()
-    # DRA: each published GPU's device (driver, pool, device) by UUID.
+    # DRA: each published GPU's device (driver, pool, device) by UUID (its ResourceSlice's, or its rule's).
     dra_devices: Mapping[str, tuple[str, str, str]] | None = None
     # GPUs whose DeviceTaintRule has effect NoExecute now: kube-controller-manager evicts their pods.
     dra_noexecute: frozenset[str] = frozenset()
     # The effect of gpuguard's node taint (--taint-effect) and whether it is on the node now with NoExecute.
     taint_effect: str = "NoSchedule"
     node_noexecute: bool = False
+    # GPUs with a DeviceTaintRule of their own (`dra_devices` names every published GPU, ruled or not).
+    ruled: frozenset[str] = frozenset()
     # Past the quarantine budget: GPUs whose DeviceTaintRule is deferred (effect None), and whether the
     # node's own quarantine is (it stands for every faulty GPU without a rule of its own).
     deferred: frozenset[str] = frozenset()
@@ -146,7 +148,7 @@ class Faulty:
     def not_held_out(self, gpu: str) -> str | None:
         """Why no new pod is kept off this GPU yet (DEFERRED, NOT_QUARANTINED), or None: it has a blocking
         rule of its own, or the node carries the full quarantine."""
-        if gpu in (self.dra_devices or {}) and gpu not in self.deferred:
+        if gpu in self.ruled and gpu not in self.deferred:
             return None
         if self.node_tainted and not self.node_deferred:
             return None
