@@ -301,10 +301,17 @@ def make_evictor(
         held = [g for g in status.gpus if not g.deferred]
         return Faulty(
             frozenset(),
-            dra_devices={g.uuid: (s.dra_driver, node, g.device) for g in status.gpus},
+            dra_devices={
+                **(reconciler.devices.published if reconciler.devices is not None else {}),
+                **{g.uuid: (s.dra_driver, node, g.device) for g in status.gpus},
+            },
+            ruled=frozenset(g.uuid for g in status.gpus),
             dra_noexecute=frozenset(g.uuid for g in held if g.effect == "NoExecute"),
             taint_effect=s.taint_effect,
             node_noexecute=status.tainted and not status.deferred and s.taint_effect == "NoExecute",
+            deferred=frozenset(g.uuid for g in status.gpus if g.deferred),
+            node_deferred=status.deferred,
+            node_tainted=status.tainted,
         )
 
     return ev.Evictor(

@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 from datetime import UTC, datetime
 
+import pytest
 from structlog.testing import capture_logs
 
 from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
@@ -130,6 +131,29 @@ def test_a_taint_and_label_gpuguard_did_not_place_are_never_removed() -> None:
     assert plan_degraded(theirs, (), clean_streak=99, recover_after=3, taint=True) is None
 
 
+@pytest.mark.parametrize("effect", ["NoSchedule", "PreferNoSchedule"])
+def test_an_operators_own_taint_with_the_degraded_key_is_neither_rewritten_nor_removed(effect: str) -> None:
+    theirs = Taint(DEGRADED_TAINT_KEY, effect, "maintenance")
+    node = marks(replace(NODE, taints=(theirs,)), NVLINK)
+    assert node.taints == (theirs,)  # not weakened to PreferNoSchedule, its value kept
+    assert node.labels[LABEL_DEGRADED] == "true" and ANN_DEGRADED in node.annotations
+    change = plan_degraded(node, (), clean_streak=3, recover_after=3, taint=True)
+    assert change is not None and change.action == "degrade-clear"
+    assert apply_change(node, change).taints == (theirs,)
+    assert marks(node, NVLINK, taint=False).taints == (theirs,)  # --no-degraded-taint: ours only
+
+
+def test_its_own_taint_is_released_even_when_the_record_was_cut_to_its_first_keys() -> None:
+    """More signals than the record keeps: the taint's value comes from the recorded keys, so the release
+    still knows the taint for gpuguard's ("a-b/..." sorts before "a/...": reason "a" is not recorded)."""
+    many = tuple(Fault("a-b", "x", uuid=f"GPU-{i:04}", gpu_index=i) for i in range(MAX_DEGRADED_KEYS))
+    node = marks(NODE, *many, Fault("a", "x", uuid="GPU-9999", gpu_index=99))
+    assert any(t.key == DEGRADED_TAINT_KEY for t in node.taints)
+    change = plan_degraded(node, (), clean_streak=3, recover_after=3, taint=True)
+    assert change is not None
+    assert not any(t.key == DEGRADED_TAINT_KEY for t in apply_change(node, change).taints)
+
+
 def test_a_malformed_or_oversized_record_is_read_as_bounded_keys_or_none() -> None:
     assert DegradedRecord.read({ANN_DEGRADED: "{not json"}) == DegradedRecord(present=True)
     assert DegradedRecord.read({ANN_DEGRADED: '{"a": 1}'}).keys == frozenset()
@@ -202,6 +226,18 @@ def test_the_reconciler_marks_a_degraded_node_without_cordon_and_releases_it_whe
     node = writer.node
     assert node.taints == () and LABEL_DEGRADED not in node.labels and node.degraded_condition == "False"
     assert [e.reason for e in writer.events] == ["GPUDegraded", "GPUDegradedCleared"]
+
+
+def test_after_a_restart_the_condition_follows_signals_that_changed_while_the_agent_was_down() -> None:
+    """The node holds the marks and GPUDegraded=True for nvlink-down (the last run's); the new run's first
+    verdict has pcie-width only: the condition must not keep naming nvlink-down for as long as it lasts."""
+    writer, r = make()
+    step(r, degraded_verdict(NVLINK))
+    assert "nvlink-down" in writer.conditions[-1]["message"]
+    restarted = NodeReconciler(writer, r._settings, budget=QuarantineBudget(writer, r._settings))
+    step(restarted, degraded_verdict(PCIE))
+    assert "pcie-width" in writer.conditions[-1]["message"]
+    assert "nvlink-down" not in writer.conditions[-1]["message"]
 
 
 def test_one_pass_writes_the_fault_quarantine_and_the_degraded_marks() -> None:

@@ -180,6 +180,16 @@ def test_a_rule_the_api_server_refuses_falls_back_to_the_node_taint() -> None:
     assert source.store == {} and writer.node.our_taint is not None and writer.node.our_taint.value == ECC
 
 
+def test_every_published_gpu_is_known_by_its_device_with_or_without_a_rule() -> None:
+    """What the evictor matches pods' DRA claims with: GPU 1's rule was refused (node taint instead)."""
+    _, source, r, _ = make()
+    source.inject_error(PermanentApiError("denied by policy", status=403))
+    run(r, verdict(ecc_on=1))
+    assert r.devices is not None and r.status.gpus == ()
+    published = r.devices.published
+    assert len(published) == 8 and published[UUIDS[1]] == (DRIVER, NODE, "gpu-1")
+
+
 def test_recovery_deletes_the_rule_when_the_ecc_counter_reads_zero_after_recover_after_checks() -> None:
     writer, source, r, _ = make()
     sick = verdict(ecc_on=6)

@@ -76,6 +76,43 @@ def test_a_dra_claim_on_the_faulty_gpus_device_is_evicted() -> None:
         (None, Faulty(frozenset({GPU[3]})), p.NOT_LISTED),
         (pod("x"), Faulty(frozenset({GPU[3]}), dra_noexecute=frozenset({GPU[3]})), p.DRA_NOEXECUTE),
         (pod("x"), Faulty(frozenset({GPU[3]}), node_noexecute=True), p.NODE_NOEXECUTE),
+        # Past the quarantine budget (a fleet-wide false alarm must not take the fleet out of service): the
+        # GPU's rule is deferred, or the node's own quarantine is and the GPU has no rule of its own.
+        (
+            pod("x"),
+            Faulty(
+                frozenset({GPU[3]}),
+                dra_devices={GPU[3]: ("gpu.nvidia.com", NODE, "g3")},
+                ruled=frozenset({GPU[3]}),
+                deferred=frozenset({GPU[3]}),
+                node_tainted=False,
+            ),
+            p.DEFERRED,
+        ),
+        (pod("x"), Faulty(frozenset({GPU[3]}), node_deferred=True), p.DEFERRED),
+        # The quarantine not in place yet (its write pending or refused): the replacement would land on the
+        # same GPU again. A GPU under a blocking rule of its own is held out without the node's taint.
+        (pod("x"), Faulty(frozenset({GPU[3]}), node_tainted=False), p.NOT_QUARANTINED),
+        (
+            pod("x"),
+            Faulty(
+                frozenset({GPU[3]}),
+                node_tainted=False,
+                dra_devices={GPU[3]: ("gpu.nvidia.com", NODE, "g3")},
+                ruled=frozenset({GPU[3]}),
+            ),
+            None,
+        ),
+        (
+            pod("x"),
+            Faulty(
+                frozenset({GPU[3]}),
+                node_deferred=True,
+                dra_devices={GPU[3]: ("gpu.nvidia.com", NODE, "g3")},
+                ruled=frozenset({GPU[3]}),
+            ),
+            None,
+        ),
         (pod("x", tolerations=(Toleration(TAINT_KEY, "Exists"),)), Faulty(frozenset({GPU[3]})), p.TOLERATES),
         (pod("x", tolerations=(Toleration("", "Exists"),)), Faulty(frozenset({GPU[3]})), p.TOLERATES),
         (
@@ -171,7 +208,7 @@ def test_operations_md_explains_every_reason_a_pod_is_kept_and_every_eviction_li
     section = text.split("## Evicting the pods on a faulty GPU", 1)[1].split("\n## ", 1)[0]
     reasons = [v for k, v in vars(p).items() if k.isupper() and isinstance(v, str) and "/" not in v]
     reasons = [r for r in reasons if r not in (p.GPU_RESOURCE_PREFIX, p.MIRROR_ANNOTATION)]
-    assert len(reasons) == 8
+    assert len(reasons) == 10
     for word in reasons:
         assert f"`{word}`" in section, word
     evictor = (Path(__file__).resolve().parent.parent / "gpuguard" / "eviction" / "evictor.py").read_text()

@@ -11,7 +11,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, cast
+from dataclasses import replace
+from typing import Any, ClassVar, cast
 
 import pytest
 import structlog
@@ -19,12 +20,12 @@ from prometheus_client import CollectorRegistry
 
 from gpuguard.errors import ConflictError, PermanentApiError, TransientApiError
 from gpuguard.eviction.evictor import Evictor, Settings, backoff, faulty_gpus
-from gpuguard.eviction.plan import Faulty
+from gpuguard.eviction.plan import Faulty, Pod
 from gpuguard.metrics import Metrics
 from gpuguard.model import Fault, GpuVerdict, PodDevices, Verdict
 from gpuguard.podresources.client import PodResourcesClient
 from harness.kube import eventually
-from harness.kubelet import FakeKubelet, gpu_pod
+from harness.kubelet import FakeContainer, FakeKubelet, FakePod, gpu_pod
 
 NODE = "gpu-node-1"
 GPU = [f"GPU-{i:08d}-0000-0000-0000-000000000000" for i in range(8)]
@@ -265,6 +266,78 @@ def test_a_kubelet_that_is_gone_is_reported_and_retried(sock: str) -> None:
     assert api.evicted == ["train-3"]
 
 
+def test_a_node_without_the_kubelets_socket_is_reported_at_start_not_only_at_the_first_fault(
+    sock: str,
+) -> None:
+    """A DaemonSet without the pod-resources mount (or a kubelet under another root directory): eviction
+    cannot work on this node, and the operator learns it when the agent starts, not when a GPU fails."""
+    evictor, _ = make(sock, FakeApi(EIGHT))
+    with structlog.testing.capture_logs() as logs:
+        evictor.start()
+        try:
+            eventually(
+                lambda: any(e["event"] == "eviction.kubelet_unavailable" for e in logs), 5, what="line"
+            )
+        finally:
+            evictor.stop()
+    line = next(e for e in logs if e["event"] == "eviction.kubelet_unavailable")
+    assert line["log_level"] == "warning" and "no socket" in line["error"] and "gpus" not in line
+    with FakeKubelet(sock, pods=[]) as kubelet, structlog.testing.capture_logs() as logs:
+        evictor, _ = make(sock, FakeApi(EIGHT))
+        evictor.start()
+        eventually(lambda: kubelet.calls == ["List"], 5, what="the probe")
+        evictor.stop()
+    assert [e["event"] for e in logs] == []  # a kubelet that answers: nothing to say
+
+
+def test_a_pod_on_a_mig_slice_is_reported_once_since_its_gpu_cannot_be_told_never_passed_over_silently(
+    sock: str, kubelet: FakeKubelet
+) -> None:
+    """NVIDIA's device plugin names a MIG slice by its own UUID (MIG-...), not its GPU's: gpuguard cannot
+    tell whether the slice is on the faulty GPU, so the pod is not evicted, and the operator is told."""
+    mig = FakePod("ml", "mig-pod", [FakeContainer("main", {"nvidia.com/mig-1g.10gb": ["MIG-4d3c2b1a-0000"]})])
+    with kubelet.lock:
+        kubelet.pods.append(mig)
+    api = FakeApi([*EIGHT, api_pod("mig-pod")])
+    evictor, _ = make(sock, api)
+    evictor.observe(verdict(3))
+    with structlog.testing.capture_logs() as logs:
+        evictor.round()
+        evictor.round()
+    assert api.evicted == ["train-3"]
+    lines = [e for e in logs if e["event"] == "eviction.mig_unknown"]
+    assert (
+        len(lines) == 1 and lines[0]["pod"] == "ml/mig-pod" and lines[0]["devices"] == ["MIG-4d3c2b1a-0000"]
+    )
+    assert lines[0]["log_level"] == "warning"
+
+
+def test_a_bug_in_the_start_up_check_does_not_end_the_evictor(sock: str, kubelet: FakeKubelet) -> None:
+    api = FakeApi(EIGHT)
+    evictor, _ = make(sock, api)
+    real, calls = PodResourcesClient(sock), []
+
+    class FirstCallBreaks:
+        def list(self) -> tuple[PodDevices, ...]:
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("a bug")
+            return real.list()
+
+        def get(self, namespace: str, name: str) -> PodDevices | None:
+            return real.get(namespace, name)
+
+    evictor._kubelet = FirstCallBreaks()
+    with structlog.testing.capture_logs() as logs:
+        evictor.start()
+        try:
+            evictor.observe(verdict(3))
+            eventually(lambda: api.evicted == ["train-3"], 10, what="the eviction")
+        finally:
+            evictor.stop()
+    assert logs[0]["event"] == "eviction.round_failed"
+
+
 def test_a_kubelet_without_the_api_is_asked_again_only_every_5_minutes(sock: str) -> None:
     api = FakeApi(EIGHT)
     evictor, _ = make(sock, api)
@@ -321,6 +394,76 @@ def test_a_pod_replaced_under_the_same_name_is_not_evicted_and_one_already_delet
     assert evictor.round() is None
     assert api.evicted == [] and evictions(metrics, "gone") == 2
     assert ("ml", "train-3") in api.pods
+
+
+def test_a_pod_made_again_under_the_same_name_on_a_healthy_gpu_of_this_node_is_not_evicted(
+    sock: str, kubelet: FakeKubelet
+) -> None:
+    """Between the kubelet's List and the API server's read, train-3 (on faulty GPU 3) is deleted and made
+    again under the same name (a StatefulSet) on this node, on healthy GPU 7: the API server has only the new
+    pod (a new UID), so the UID precondition cannot tell; the kubelet's Get must still show the faulty GPU."""
+    api = FakeApi([p for p in EIGHT if p["metadata"]["name"] != "train-7"])
+    kubelet.remove("ml", "train-7")
+    evictor, metrics = make(sock, api)
+    real = PodResourcesClient(sock)
+
+    class Remade:
+        def list(self) -> tuple[PodDevices, ...]:
+            answer = real.list()
+            kubelet.remove("ml", "train-3")
+            kubelet.pods.append(gpu_pod("ml", "train-3", GPU[7]))
+            api.pods[("ml", "train-3")] = api_pod("train-3", uid="new-uid")
+            return answer
+
+        def get(self, namespace: str, name: str) -> PodDevices | None:
+            return real.get(namespace, name)
+
+    evictor._kubelet = Remade()
+    evictor.observe(verdict(3))
+    with structlog.testing.capture_logs() as logs:
+        assert evictor.round() is None
+    assert api.evictions == [] and api.events == []
+    assert [e["event"] for e in logs] == ["eviction.pod_gone"]
+    assert evictions(metrics, "gone") == 1
+
+
+def test_a_dry_run_writes_no_event_for_a_pod_in_a_namespace_the_role_does_not_list(
+    sock: str, kubelet: FakeKubelet
+) -> None:
+    api = FakeApi(EIGHT)
+    api.forbidden.add("ml")
+    evictor, _ = make(sock, api, dry_run=True)
+    evictor.observe(verdict(3))
+    with structlog.testing.capture_logs() as logs:
+        assert evictor.round() is None
+    assert api.events == [] and api.evictions == []
+    assert [(e["event"], e["why"]) for e in logs] == [("eviction.not_permitted", "namespace-not-permitted")]
+
+
+def test_no_pod_is_evicted_before_the_quarantine_is_on_the_node_and_it_is_asked_again_soon(
+    sock: str, kubelet: FakeKubelet
+) -> None:
+    """The node's taint write failed or is still pending (the API server refused the patch): an evicted
+    pod's replacement could be placed back on the same faulty GPU, so nothing is evicted yet."""
+    api = FakeApi(EIGHT)
+    context = Faulty(frozenset(), node_tainted=False)
+    evictor, _ = make(sock, api)
+    evictor._context = lambda: context
+    evictor.observe(verdict(3))
+    with structlog.testing.capture_logs() as logs:
+        waits = [evictor.round() for _ in range(3)]
+    assert api.evictions == [] and waits == [1.0, 2.0, 4.0]  # soon, but no hammering if the write is refused
+    assert [(e["event"], e["why"]) for e in logs] == [("eviction.pod_kept", "not-quarantined")]
+    context = Faulty(frozenset(), node_tainted=True)
+    assert evictor.round() is None
+    assert api.evicted == ["train-3"]
+    context = Faulty(frozenset(), node_tainted=False)
+    evictor.observe(verdict(4))
+    assert [evictor.round(), evictor.round()] == [1.0, 2.0]
+    evictor.observe(verdict())  # the fault clears while waiting; the next one's wait starts from 1 s again
+    assert evictor.round() is None
+    evictor.observe(verdict(5))
+    assert evictor.round() == 1.0
 
 
 def test_a_dry_run_logs_the_eviction_and_sends_none(sock: str, kubelet: FakeKubelet) -> None:
@@ -478,6 +621,45 @@ def test_grpc_is_loaded_only_when_the_agent_evicts(call: str, loaded: bool) -> N
     assert out.split() == [str(loaded), str(loaded)]
 
 
+def test_a_dra_claim_on_a_faulty_gpu_without_a_rule_of_its_own_is_still_matched(sock: str) -> None:
+    """GPU 6's rule could not be written (its fault went to the node's taint): its pods' DRA claims name
+    (driver, pool, device), matched through the GPUs the node's ResourceSlices publish, not only the rules."""
+    from gpuguard.config import Config, NodeSettings
+    from gpuguard.eviction.plan import plan
+    from gpuguard.model import GpuQuarantine
+    from gpuguard.quarantine.reconciler import NodeStatus
+    from gpuguard.running import Connection, make_evictor
+
+    class Devices:
+        published: ClassVar = {
+            GPU[6]: ("gpu.nvidia.com", NODE, "gpu-6"),
+            GPU[3]: ("gpu.nvidia.com", NODE, "gpu-3"),
+        }
+
+    class Reconciler:
+        status = NodeStatus(
+            tainted=True, gpus=(GpuQuarantine(GPU[3], "gpu-3", "r3", "xid-79", "NoSchedule", deferred=False),)
+        )
+        devices = Devices()
+
+        def wait_idle(self, timeout: float) -> bool:
+            return True
+
+    settings = NodeSettings(name=NODE, dry_run=True, evict="gpu-pods", pod_resources_socket=sock)
+    cfg = Config(backend="mock", node=settings)
+    evictor = make_evictor(cfg, Connection(settings), cast(Any, Reconciler()), Metrics(CollectorRegistry()))
+    assert evictor is not None
+    faulty = replace(evictor._context(), uuids=frozenset({GPU[3], GPU[6]}))
+    claims = [
+        PodDevices("ml", "on-6", claims=(("gpu.nvidia.com", NODE, "gpu-6"),)),
+        PodDevices("ml", "on-3", claims=(("gpu.nvidia.com", NODE, "gpu-3"),)),
+    ]
+    listed = {("ml", n): Pod("ml", n, uid=n, node=NODE) for n in ("on-6", "on-3")}
+    got = {d.pod.name: d.keep for d in plan(faulty, claims, listed)}
+    # GPU 6: held out by the node's taint; GPU 3: by its own rule. Both pods go.
+    assert got == {"on-6": None, "on-3": None}
+
+
 def test_the_evictor_sees_the_quarantine_through_the_reconcilers_status(sock: str) -> None:
     """running.make_evictor's context: the GPUs' DeviceTaintRules (a NoExecute one, not deferred, is left to
     kube-controller-manager; each rule's device for DRA claims) and a NoExecute node taint."""
@@ -495,6 +677,7 @@ def test_the_evictor_sees_the_quarantine_through_the_reconcilers_status(sock: st
                 GpuQuarantine(GPU[5], "gpu-5", "r5", "xid-79", "NoSchedule", deferred=False),
             ),
         )
+        devices = None  # a node quarantine only: no ResourceSlices read
 
         def wait_idle(self, timeout: float) -> bool:
             return True
@@ -516,3 +699,15 @@ def test_the_evictor_sees_the_quarantine_through_the_reconcilers_status(sock: st
             GPU[5]: ("gpu.nvidia.com", NODE, "gpu-5"),
         }
         assert (got.taint_effect, got.node_noexecute) == (effect, node_noexecute)
+        assert (got.deferred, got.node_deferred) == (frozenset({GPU[4]}), False)
+    Reconciler.status = replace(Reconciler.status, deferred=True)
+    got = make_evictor(
+        cfg, Connection(settings), cast(Any, Reconciler()), Metrics(CollectorRegistry())
+    )._context()  # type: ignore[union-attr]
+    assert got.node_deferred and not got.node_noexecute
+    assert got.node_tainted
+    Reconciler.status = replace(Reconciler.status, tainted=False)
+    got = make_evictor(
+        cfg, Connection(settings), cast(Any, Reconciler()), Metrics(CollectorRegistry())
+    )._context()  # type: ignore[union-attr]
+    assert not got.node_tainted

@@ -32,7 +32,7 @@ from gpuguard.errors import (
     PermanentApiError,
     TransientApiError,
 )
-from gpuguard.eviction.plan import NOT_LISTED, Decision, Faulty, Pod, held, plan
+from gpuguard.eviction.plan import NOT_LISTED, NOT_QUARANTINED, Decision, Faulty, Pod, held, mig_slices, plan
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import pods
 from gpuguard.metrics import Metrics, counted
@@ -45,7 +45,7 @@ BACKOFF_MAX = 60.0
 # A kubelet without the PodResources API will not grow one: asked again this rarely.
 UNSUPPORTED_RETRY = 300.0
 # While a fault holds, the kubelet is asked again this often even when nothing waits: a pod that lands on the
-# faulty GPU later (one that tolerates a deferred PreferNoSchedule taint, a static pod's restart) is found.
+# faulty GPU later (one placed there while the quarantine was deferred, a static pod's restart) is found.
 # One local gRPC call a minute; the API server is asked only about pods that hold a faulty GPU.
 RESCAN_S = 60.0
 # Why a pod is kept that the plan cannot know: the eviction Role does not cover its namespace (a 403).
@@ -114,6 +114,7 @@ class Evictor:
         self._attempts: dict[str, int] = {}  # pod UID -> refusals in a row
         self._reported: set[tuple[str, str]] = set()  # (pod UID, what) already logged or told in an Event
         self._failures = 0  # rounds in a row that could not read the kubelet or the API server
+        self._unheld = 0  # rounds in a row that kept a pod because the quarantine was not on yet
         self._unsupported = False  # the kubelet answered UNIMPLEMENTED
         self._forbidden: dict[tuple[str, str], str] = {}  # pods the token may not read: the refusal
         self._thread: threading.Thread | None = None
@@ -137,6 +138,14 @@ class Evictor:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        try:  # at start: a node where eviction cannot work (no mount, no API) is reported now, not at a fault
+            self._kubelet.list()
+        except KubeletError as exc:
+            unsupported = isinstance(exc, KubeletUnsupported)
+            event = "eviction.kubelet_unsupported" if unsupported else "eviction.kubelet_unavailable"
+            log.warning(event, node=self._s.node, error=str(exc), note="at start: no pod can be evicted yet")
+        except Exception:  # never the end of the thread before its first round
+            log.exception("eviction.round_failed", node=self._s.node)
         wait: float | None = None
         while not self._stop.is_set():
             self._wake.wait(wait)
@@ -162,7 +171,7 @@ class Evictor:
         if not uuids:
             self._attempts.clear()
             self._reported.clear()
-            self._failures = 0
+            self._failures = self._unheld = 0
             return None
         self.rounds += 1
         self._settled(self._s.timeout)
@@ -172,7 +181,8 @@ class Evictor:
             return self._failure_wait()
         self._failures = 0
         self._unsupported = False
-        waits = [w for d in decisions if (w := self._apply(d)) is not None]
+        self._unheld = self._unheld + 1 if any(d.keep == NOT_QUARANTINED for d in decisions) else 0
+        waits = [w for d in decisions if (w := self._apply(d, faulty)) is not None]
         return min(waits) if waits else None
 
     def _plan(self, faulty: Faulty) -> list[Decision] | None:
@@ -188,6 +198,10 @@ class Evictor:
             )
             return None
         holders = [r for r in resources if held(r, faulty)]
+        for r in resources:  # MIG slices: which GPU they are on is unknown here (plan.mig_slices)
+            name = f"{r.namespace}/{r.name}"
+            if r not in holders and (mig := mig_slices(r)) and self._once(name, "mig"):
+                log.warning("eviction.mig_unknown", node=node, pod=name, devices=list(mig))
         found: dict[tuple[str, str], Pod] = {}
         try:
             for r in holders:
@@ -227,7 +241,7 @@ class Evictor:
     def _failure_wait(self) -> float:
         return UNSUPPORTED_RETRY if self._unsupported else backoff(self._failures)
 
-    def _apply(self, d: Decision) -> float | None:
+    def _apply(self, d: Decision, faulty: Faulty) -> float | None:
         pod = d.pod
         fields: dict[str, Any] = {
             "node": self._s.node,
@@ -239,33 +253,41 @@ class Evictor:
                 error = self._forbidden.get(pod.key, "")
                 log.warning("eviction.not_permitted", why=d.keep, error=error, **fields)
                 self._count("failed")
-                self._node_event(
-                    "GPUEvictionBlocked",
-                    f"gpuguard may not evict pod {pod.namespace}/{pod.name} from faulty GPU "
-                    f"{', '.join(d.gpus)} on node {self._s.node}: namespace {pod.namespace} is not in the "
-                    "eviction's namespaces",
-                )
+                if not self._s.dry_run:  # a dry run writes nothing, Events included
+                    self._node_event(
+                        "GPUEvictionBlocked",
+                        f"gpuguard may not evict pod {pod.namespace}/{pod.name} from faulty GPU "
+                        f"{', '.join(d.gpus)} on node {self._s.node}: namespace {pod.namespace} is not "
+                        "in the eviction's namespaces",
+                    )
             return None
         if d.keep is not None:
             if self._once(pod.uid or pod.name, f"kept:{d.keep}"):
                 log.info("eviction.pod_kept", why=d.keep, **fields)
-            return None
+            # Not on yet: asked again soon, backing off as for a refusal (its write may be refused for long).
+            return backoff(self._unheld) if d.keep == NOT_QUARANTINED else None
         if self._s.dry_run:
             if self._once(pod.uid, "dry-run"):
                 log.info("eviction.dry_run", grace_period_s=self._s.grace_period, **fields)
                 self._count("dry-run")
             return None
-        if self._kubelet_gone(pod):
+        if self._kubelet_gone(pod, faulty):
             log.info(
-                "eviction.pod_gone", note="the pod left between the kubelet's list and the eviction", **fields
+                "eviction.pod_gone",
+                note="the pod left, or was made again on a healthy GPU, after the kubelet's list",
+                **fields,
             )
             self._count("gone")
             return None
         return self._evict(d, fields)
 
-    def _kubelet_gone(self, pod: Pod) -> bool:
+    def _kubelet_gone(self, pod: Pod, faulty: Faulty) -> bool:
+        """The kubelet no longer has this pod on a faulty GPU. A pod deleted and made again under the same
+        name on this node after the List (a StatefulSet) is the API server's only pod of that name, so the
+        UID precondition cannot tell it apart: the kubelet's Get, by name too, shows what the new one has."""
         try:
-            return self._kubelet.get(pod.namespace, pod.name) is None
+            answer = self._kubelet.get(pod.namespace, pod.name)
+            return answer is None or not held(answer, faulty)
         except KubeletError:
             return False  # the List just answered: the Eviction's UID precondition still guards the pod
 

@@ -8,7 +8,10 @@ plugin; `UUID::n` for a time-sliced share of it), or a DRA device (driver, pool,
 Never evicted: DaemonSet pods (the DaemonSet puts them back on the same node), mirror (static) pods (the API
 cannot evict them; the kubelet runs them from a file), pods that tolerate gpuguard's taint (they asked to
 stay on a sick GPU: a diagnostic or a drain job), pods already terminating or finished, and pods the API
-server does not list on this node (gone, or never this node's). A GPU whose DRA DeviceTaintRule already has
+server does not list on this node (gone, or never this node's); nor while the quarantine budget defers
+the GPU's quarantine (a fleet-wide false alarm, a bad driver roll-out, must not evict every GPU pod of the
+cluster: the budget bounds eviction as it bounds the hard taint), or before it is in place (its replacement
+would be placed back on the same GPU). A GPU whose DRA DeviceTaintRule already has
 effect NoExecute is left to kube-controller-manager, which evicts its pods itself, and so is every pod while
 the node's own gpuguard taint is NoExecute: never two evictions of one pod.
 """
@@ -37,6 +40,8 @@ FINISHED = "finished"
 NOT_LISTED = "not-on-this-node"
 DRA_NOEXECUTE = "dra-noexecute"
 NODE_NOEXECUTE = "node-noexecute"
+DEFERRED = "quarantine-deferred"
+NOT_QUARANTINED = "not-quarantined"
 
 
 @dataclass(frozen=True)
@@ -123,13 +128,31 @@ class Faulty:
     uuids: frozenset[str]
     # The faults' reasons (the taint's values), for tolerations with operator Equal.
     reasons: frozenset[str] = frozenset()
-    # DRA: each published GPU's device (driver, pool, device) by UUID.
+    # DRA: each published GPU's device (driver, pool, device) by UUID (its ResourceSlice's, or its rule's).
     dra_devices: Mapping[str, tuple[str, str, str]] | None = None
     # GPUs whose DeviceTaintRule has effect NoExecute now: kube-controller-manager evicts their pods.
     dra_noexecute: frozenset[str] = frozenset()
     # The effect of gpuguard's node taint (--taint-effect) and whether it is on the node now with NoExecute.
     taint_effect: str = "NoSchedule"
     node_noexecute: bool = False
+    # GPUs with a DeviceTaintRule of their own (`dra_devices` names every published GPU, ruled or not).
+    ruled: frozenset[str] = frozenset()
+    # Past the quarantine budget: GPUs whose DeviceTaintRule is deferred (effect None), and whether the
+    # node's own quarantine is (it stands for every faulty GPU without a rule of its own).
+    deferred: frozenset[str] = frozenset()
+    node_deferred: bool = False
+    # gpuguard's taint is on the node now (the reconciler's status; False while its write is pending or
+    # refused). A pod evicted before is replaced on the same faulty GPU.
+    node_tainted: bool = True
+
+    def not_held_out(self, gpu: str) -> str | None:
+        """Why no new pod is kept off this GPU yet (DEFERRED, NOT_QUARANTINED), or None: it has a blocking
+        rule of its own, or the node carries the full quarantine."""
+        if gpu in self.ruled and gpu not in self.deferred:
+            return None
+        if self.node_tainted and not self.node_deferred:
+            return None
+        return DEFERRED if gpu in self.deferred or self.node_deferred else NOT_QUARANTINED
 
 
 def held(pod: PodDevices, faulty: Faulty) -> tuple[str, ...]:
@@ -144,6 +167,14 @@ def held(pod: PodDevices, faulty: Faulty) -> tuple[str, ...]:
         if uuid in faulty.uuids and device in claims:
             gpus.add(uuid)
     return tuple(sorted(gpus))
+
+
+def mig_slices(pod: PodDevices) -> tuple[str, ...]:
+    """The MIG slices an NVIDIA resource gave this pod. NVIDIA's device plugin names a slice by its own UUID
+    (MIG-...), not its GPU's, and gpuguard does not read the slices' UUIDs: `held` cannot tell whether one
+    is on a faulty GPU, so such a pod is reported, never evicted on a guess."""
+    ids = {d.split("::", 1)[0] for r, d in pod.devices if r.startswith(GPU_RESOURCE_PREFIX)}
+    return tuple(sorted(d for d in ids if d.startswith("MIG-")))
 
 
 def plan(
@@ -177,6 +208,9 @@ def _keep(pod: Pod, gpus: tuple[str, ...], faulty: Faulty) -> str | None:
         return DAEMONSET
     if any(t.tolerates(TAINT_KEY, faulty.taint_effect, faulty.reasons) for t in pod.tolerations):
         return TOLERATES
+    why = [faulty.not_held_out(g) for g in gpus]
+    if all(why):
+        return DEFERRED if DEFERRED in why else NOT_QUARANTINED
     if faulty.node_noexecute:
         return NODE_NOEXECUTE
     if all(g in faulty.dra_noexecute for g in gpus):

@@ -313,6 +313,24 @@ def test_the_agent_cannot_make_its_degraded_taint_more_than_a_preference(
     assert hard not in taints(admin, node)
 
 
+@pytest.mark.parametrize("effect", ["NoSchedule", "NoExecute"])
+def test_an_administrators_own_hard_degraded_taint_does_not_block_the_agents_other_writes(
+    admin: Admin, control_plane: Any, effect: str
+) -> None:
+    """An administrator marked the node by hand with gpuguard.io/gpu-degraded:NoSchedule: gpuguard leaves it
+    as it is (node/degraded.py), and its fault quarantine must still reach the node beside it."""
+    theirs = {"key": "gpuguard.io/gpu-degraded", "value": "by-hand", "effect": effect}
+    node = new_node(admin, taints=[FOREIGN, theirs])
+    core = agent_core(admin, control_plane, node)
+    core.patch_node(node, {"spec": {"taints": [*taints(admin, node), ours()]}}, **MERGE)
+    core.patch_node(node, {"metadata": {"labels": {"gpuguard.io/quarantined": "true"}}}, **MERGE)
+    assert ours() in taints(admin, node) and theirs in taints(admin, node)
+    changed = [t for t in taints(admin, node) if t != theirs] + [{**theirs, "value": "other"}]
+    assert refused(lambda: core.patch_node(node, {"spec": {"taints": changed}}, **MERGE)).startswith(
+        "gpuguard may set its gpuguard.io/gpu-degraded taint only with effect PreferNoSchedule"
+    )
+
+
 # -- what it may not do --------------------------------------------------------------------------------------
 
 

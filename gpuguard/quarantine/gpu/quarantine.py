@@ -113,6 +113,12 @@ class DeviceQuarantine:
         return self._settings.quarantine
 
     @property
+    def published(self) -> dict[str, tuple[str, str, str]]:
+        """The node's GPUs as its ResourceSlices publish them: (driver, pool, device) by UUID, each GPU's with
+        or without a rule (the evictor matches pods' DRA claims with them)."""
+        return {uuid: (d.driver, d.pool, d.device) for uuid, d in self._devices.items()}
+
+    @property
     def holds_rules(self) -> bool:
         """Rules are held: the reconciler reads the node (its bootID) every --node-resync seconds, and the
         rules are read again then (an operator's deletion)."""

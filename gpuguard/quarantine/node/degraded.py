@@ -105,13 +105,14 @@ def _mark(
     if node.labels.get(LABEL_DEGRADED) != "true":
         labels[LABEL_DEGRADED] = "true"
     current = degraded_taint(node)
-    wanted = Taint(key=DEGRADED_TAINT_KEY, value=_first_reason(degraded), effect=SOFT_EFFECT)
+    ours = current is not None and _ours(current, record)
+    wanted = Taint(key=DEGRADED_TAINT_KEY, value=_first_reason(keys), effect=SOFT_EFFECT)
     taints: tuple[Taint, ...] | None = None
-    if taint and (new or current is not None) and _differs(current, wanted):
+    if taint and ((new and current is None) or ours) and _differs(current, wanted):
         # Placed for new signals, kept up to date while present; removed by hand for the same signals, it
-        # stays off (an operator's override).
+        # stays off (an operator's override). Someone else's taint with this key is left exactly as it is.
         taints = (*(t for t in node.taints if t.key != DEGRADED_TAINT_KEY), wanted)
-    elif not taint and current is not None and record.present:
+    elif not taint and ours:
         taints = tuple(t for t in node.taints if t.key != DEGRADED_TAINT_KEY)
     if not annotations and not labels and taints is None:
         return None
@@ -125,10 +126,11 @@ def _mark(
 
 
 def _clear(node: NodeView, record: DegradedRecord) -> NodeChange:
-    ours = degraded_taint(node)
+    current = degraded_taint(node)
+    ours = current is not None and _ours(current, record)
     return NodeChange(
         action="degrade-clear",
-        taints=tuple(t for t in node.taints if t.key != DEGRADED_TAINT_KEY) if ours is not None else None,
+        taints=tuple(t for t in node.taints if t.key != DEGRADED_TAINT_KEY) if ours else None,
         annotations={ANN_DEGRADED: None},
         labels={LABEL_DEGRADED: None} if LABEL_DEGRADED in node.labels else {},
         event=EventSpec(
@@ -144,9 +146,23 @@ def _differs(current: Taint | None, wanted: Taint) -> bool:
     return current is None or (current.value, current.effect) != (wanted.value, wanted.effect)
 
 
-def _first_reason(degraded: Iterable[Fault]) -> str:
-    """The taint's value: the alphabetically first reason, as a valid label value (or none at all)."""
-    first = min(f.reason for f in degraded)
+def _ours(current: Taint, record: DegradedRecord) -> bool:
+    """The taint with our key is the one gpuguard wrote for the recorded signals: PreferNoSchedule with the
+    value `_first_reason` gives their keys. An operator's taint with the same key (another effect or value,
+    placed before gpuguard's record or after ours was removed by hand) is theirs: never rewritten, never
+    removed."""
+    if not record.present or current.effect != SOFT_EFFECT:
+        return False
+    return current.value in {"degraded", _first_reason(record.keys)}
+
+
+def _first_reason(keys: Iterable[str]) -> str:
+    """The taint's value: the alphabetically first reason of the keys as recorded (so the record read back
+    tells the same value, even when cut to MAX_DEGRADED_KEYS), as a valid label value (or none at all)."""
+    return _valid(min((k.split("/", 1)[0] for k in keys), default="degraded"))
+
+
+def _valid(first: str) -> str:
     try:
         return validation.taint_value(first)
     except ConfigError:
@@ -172,12 +188,14 @@ def plan_degraded_condition(
     now: datetime,
 ) -> dict[str, str] | None:
     """The GPUDegraded condition to write, or None: True with the reasons and GPU UUIDs while degraded
-    (rewritten when the signals change); False once clean for the recovery window, only on a node that has
-    the condition (a node never degraded costs no request)."""
+    (rewritten when the signals change, and once after a restart); False once clean for the recovery
+    window, only on a node that has the condition (a node never degraded costs no request)."""
     stamp = rfc3339(now)
     if degraded:
         keys = degraded_keys(degraded)
-        if current == "True" and (last_keys is None or last_keys == keys):
+        # `last_keys` None: this run has not written it yet; the condition on the node is a previous
+        # run's, whose signals may have changed since: written once (a request at a degraded node's start).
+        if current == "True" and last_keys == keys:
             return None
         gpus = len({f.uuid for f in degraded if f.uuid})
         return {
