@@ -42,7 +42,8 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
 @pytest.fixture(autouse=True)
 def _structlog_config_restored() -> Iterator[None]:
     """Each test starts from the logging configuration the one before it found: a command run in-process
-    (`gpuguard check` sets the level to WARNING) must not hide the next test's info lines from capture_logs."""
+    (`gpuguard check` sets the level to WARNING) must not hide the next test's info lines from
+    capture_logs."""
     saved = structlog.get_config()
     yield
     structlog.configure(**saved)
