@@ -3,9 +3,11 @@ bench/burst.py's table; a short version runs in `make test`).
 
 On the same control plane as bench/burst.py (kube-scheduler, kube-controller-manager, kwok), gpuguard nodes
 of 8 GPUs (each behind the startup gate until its agent's first check) and the inference Deployment scaled
-from 2 replicas to many in one step. Once every replica of the scale-up exists and each of the first few
-nodes has Ready pods, while the scheduler is still binding, a fatal Xid (79) is written to the fake driver on
-the GPU of one Ready pod per such node. Once per mode, each on its own control plane:
+from 2 replicas to more than those nodes hold, in one step. Once every replica of the scale-up exists and
+each of the first few nodes has Ready pods, while the replicas that found no GPU are still Pending (the
+burst waits for new nodes), a fatal Xid (79) is written to the fake driver on the GPU of one Ready pod per
+such node, and new gpuguard nodes start to join (gated until their first check). Once per mode, each on its
+own control plane:
   gpuguard        the agent taints the node (nothing more: --evict none, the default);
   gpuguard+evict  the same agent with --evict gpu-pods, which evicts the pod holding the failed GPU.
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,15 +60,22 @@ class Case:
     nodes: int  # gpuguard nodes of 8 GPUs
     fault_nodes: int  # of those, how many lose the GPU of one running pod
     ready_pods: int  # Ready pods each of those has when its GPU fails
-    replicas: int  # the scale-up's target: fits the nodes without a fault
+    replicas: int  # the scale-up's target: more than the nodes hold, so some are Pending at the fault
+    joiners: int  # good nodes that join after the fault, for the Pending replicas and the replacements
+    join_every: float  # seconds between two joining nodes
     hold: float  # seconds after the fault a pod not replaced is watched before it counts as never replaced
     timeout: float  # seconds from the scale-up to give up
 
 
-# 40 nodes, 3 lose a GPU: 37 * 8 = 296 good GPUs for 280 replicas, the replacements included.
-FULL = Case(nodes=40, fault_nodes=3, ready_pods=2, replicas=280, hold=30.0, timeout=300.0)
-# 4 nodes, 1 loses a GPU: 3 * 8 = 24 good GPUs for 20 replicas.
-SHORT = Case(nodes=4, fault_nodes=1, ready_pods=2, replicas=20, hold=15.0, timeout=120.0)
+# 40 nodes hold 320 of 340 replicas: 20 or more Pending at the fault; 3 lose a GPU (and, tainted, the room
+# left on them), 6 join: 37 * 8 + 6 * 8 = 344 good GPUs besides the pods the 3 faulty nodes keep.
+FULL = Case(
+    nodes=40, fault_nodes=3, ready_pods=2, replicas=340, joiners=6, join_every=0.5, hold=30.0, timeout=300.0
+)
+# 4 nodes hold 32 of 36 replicas; 1 loses a GPU, 2 join: 3 * 8 + 2 * 8 = 40 good GPUs.
+SHORT = Case(
+    nodes=4, fault_nodes=1, ready_pods=2, replicas=36, joiners=2, join_every=0.5, hold=15.0, timeout=120.0
+)
 
 
 class DeviceWatch(burst.PodWatch):
@@ -98,7 +108,7 @@ class DeviceWatch(burst.PodWatch):
                 held.pop(name, None)
             elif name not in held and free:
                 held[name] = free[0]
-        for node, kubelet in self.kubelets.items():
+        for node, kubelet in dict(self.kubelets).items():  # a copy: nodes join from other threads
             table = [gpu_pod(burst.NAMESPACE, p, f"GPU-{i}") for p, i in self.device.get(node, {}).items()]
             with kubelet.lock:
                 kubelet.pods = table
@@ -165,12 +175,12 @@ class Scenario(burst.Scenario):
     def __init__(self, mode: str, case: Case, work: Path, log: Callable[[str], None]) -> None:
         shape = burst.Shape(
             nodes=case.nodes,
-            joiners=0,
+            joiners=case.joiners,
             bad_joiners=0,
             xid_nodes=case.fault_nodes,
             replicas=case.replicas,
             fault_at=0.0,
-            join_every=0.0,
+            join_every=case.join_every,
             timeout=case.timeout,
         )
         super().__init__("gpuguard", shape, work, log)
@@ -178,10 +188,11 @@ class Scenario(burst.Scenario):
         self.kubelets: dict[str, FakeKubelet] = {}
 
     def _monitor(self, node: str, *, lost: bool = False) -> Path:
-        # A short path: a unix socket's is at most 107 bytes.
-        kubelet = FakeKubelet(str(self.work / f"k{len(self.kubelets)}.sock")).start()
-        self.stack.callback(kubelet.stop)
-        self.kubelets[node] = kubelet
+        with self._lock:  # joining nodes come from threads of their own
+            # A short path: a unix socket's is at most 107 bytes.
+            kubelet = FakeKubelet(str(self.work / f"k{len(self.kubelets)}.sock")).start()
+            self.stack.callback(kubelet.stop)
+            self.kubelets[node] = kubelet
         return super()._monitor(node, lost=lost)
 
     def agent_args(self, node: str) -> tuple[str, ...]:
@@ -245,6 +256,8 @@ class Scenario(burst.Scenario):
         self.log(
             f"{self.label}: Xid 79 under {sorted(chosen.values())} with {result.bound_at_fault} pods bound"
         )
+        joining = threading.Thread(target=self._joins, daemon=True)
+        joining.start()
 
         last, quiet_since = (-1, -1), time.monotonic()
         while time.monotonic() < t0 + case.timeout:
@@ -259,9 +272,20 @@ class Scenario(burst.Scenario):
             elif time.monotonic() - fault > case.hold and time.monotonic() - quiet_since > QUIET:
                 break
             time.sleep(0.2)
+        joining.join(case.timeout)
         watch.stop()
         self._count(watch, result, fault=fault, t0=t0, before=before, bad=set(bad), others=set(others))
         return result
+
+    def _joins(self) -> None:
+        """New good nodes, one every join_every seconds (each while the one before waits for its agent)."""
+        joining = []
+        for _ in range(self.case.joiners):
+            joining.append(threading.Thread(target=self._join, args=(False,), daemon=True))
+            joining[-1].start()
+            time.sleep(self.case.join_every)
+        for t in joining:
+            t.join(self.case.timeout)
 
     def _count(
         self,

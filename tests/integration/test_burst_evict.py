@@ -1,8 +1,9 @@
 """The burst's eviction case, short (bench/burst_evict.py SHORT; `make e2e` runs the full size): on the real
 scheduler and controller-manager with kwok's GPU nodes, each with a fake kubelet serving PodResources, an
-inference Deployment scales from 2 to 20 replicas and a fatal Xid hits the GPU of a Ready pod on one node.
-With --evict gpu-pods that pod is evicted and a new replica Runs on another node within a bound; without, it
-stays bound to the bad node. Either way the node's other pods keep their UIDs."""
+inference Deployment scales from 2 to 36 replicas (more than the 4 nodes hold) and, while some are Pending,
+a fatal Xid hits the GPU of a Ready pod on one node and 2 nodes join. With --evict gpu-pods that pod is
+evicted and a new replica Runs on another node within a bound; without, it stays bound to the bad node.
+Either way the node's other pods keep their UIDs."""
 
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ def test_with_eviction_the_pod_on_the_failed_gpu_is_replaced_on_another_node_wit
     assert len(r.replaced_after) == len(r.affected), r.row()
     assert max(r.replaced_after) < REPLACED_WITHIN, r.row()
     assert r.all_ready is not None
+
+
+@pytest.mark.parametrize("mode", burst_evict.MODES)
+def test_the_gpu_fails_mid_burst_while_replicas_are_still_pending(
+    results: dict[str, burst_evict.Result], mode: str
+) -> None:
+    assert results[mode].bound_at_fault < burst_evict.SHORT.replicas, results[mode].row()
 
 
 def test_without_eviction_the_pod_stays_bound_to_the_bad_node(results: dict[str, burst_evict.Result]) -> None:
