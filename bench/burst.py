@@ -151,16 +151,20 @@ class PodWatch:
             )
             now = time.monotonic()
             with self.lock:
-                for pod in json.loads(resp.data)["items"]:
-                    name, node = pod["metadata"]["name"], pod["spec"].get("nodeName")
-                    if node and name not in self.bound:
-                        self.bound[name] = (node, now)
-                    conditions = pod.get("status", {}).get("conditions") or []
-                    if name not in self.ready and any(
-                        c["type"] == "Ready" and c["status"] == "True" for c in conditions
-                    ):
-                        self.ready[name] = now
+                self._observe(json.loads(resp.data)["items"], now)
             self._stop.wait(0.1)
+
+    def _observe(self, items: list[dict[str, Any]], now: float) -> None:
+        """One list's pods, seen at `now` (under the lock)."""
+        for pod in items:
+            name, node = pod["metadata"]["name"], pod["spec"].get("nodeName")
+            if node and name not in self.bound:
+                self.bound[name] = (node, now)
+            conditions = pod.get("status", {}).get("conditions") or []
+            if name not in self.ready and any(
+                c["type"] == "Ready" and c["status"] == "True" for c in conditions
+            ):
+                self.ready[name] = now
 
     def stop(self) -> None:
         self._stop.set()
@@ -239,7 +243,7 @@ class Scenario:
         )
         if self.mode == "gpuguard":
             agent = AgentProc(
-                node=node, kubeconfig=kubeconfig, state=state, args=("--max-quarantined", "100%")
+                node=node, kubeconfig=kubeconfig, state=state, args=self.agent_args(node)
             ).start()
             with self._lock:
                 self.stack.callback(agent.close)
@@ -262,6 +266,10 @@ class Scenario:
                 else:
                     self.first_check[node] = time.monotonic()
         return state
+
+    def agent_args(self, node: str) -> tuple[str, ...]:
+        """The gpuguard agent's flags on node (beyond its node, kubeconfig and fake driver)."""
+        return ("--max-quarantined", "100%")
 
     def _gated(self, node: str) -> bool:
         return any(t["key"] == GATE["key"] for t in self.admin.node(node)["spec"].get("taints") or [])
