@@ -30,6 +30,7 @@ from gpuguard.quarantine.reconciler import NodeReconciler
 from gpuguard.quarantine.release import ANN_RELEASE
 from gpuguard.quarantine.repeat import RepeatOffenders
 from gpuguard.report import status_table
+from gpuguard.state import StateStore
 from harness.clock import Clock
 from harness.dra import gpu_uuid, nvidia_slice
 from harness.fakes import FakeDeviceSource, FakeNodeWriter
@@ -304,3 +305,76 @@ def test_on_a_dra_node_the_held_gpus_rule_says_repeat_offender_and_stays_across_
     assert writer.node.our_taint is None and not writer.node.unschedulable
     assert writer.node.labels[LABEL_NEEDS_REPAIR] == "true"
     assert json.loads(writer.node.annotations[ANN_REPEAT_OFFENDERS]) == {uuids[3]: 3}
+
+
+def test_a_taint_removed_by_hand_from_a_held_node_is_an_override_for_this_boot_only(tmp_path: Path) -> None:
+    """An operator who takes the taint off a held node overrides the hold until the node reboots, as any
+    taint removed by hand is overridden for the faults it recorded; the hold itself is the GPU history's and
+    only `gpuguard release` ends it, so the next boot holds the GPU again. Decided, not an accident: a
+    repaired GPU comes with a release, and a hold that a stray `kubectl taint ... -` ended for good would
+    put a GPU that faulted three times back into service with no record of who decided it."""
+    node = held_node(tmp_path)
+    (ours,) = [t for t in node.writer.node.taints if t.key == "gpuguard.io/gpu-unhealthy"]
+    node.writer.edit(taints=tuple(t for t in node.writer.node.taints if t != ours))
+    node.agent._node = None  # the agent's next re-read (--node-resync) sees it
+    for streak in range(SETTINGS.recover_after + 5):
+        node.check(HEALTHY, SETTINGS.recover_after + 5 + streak)
+    assert node.writer.node.our_taint is None  # not put back in this boot
+    assert node.held == {"GPU-0": 3}  # still held: the history says so
+    assert node.writer.node.labels[LABEL_NEEDS_REPAIR] == "true"
+    assert HistoryStore(tmp_path).load()["GPU-0"].escalated is not None
+    node.reboot("boot-4")
+    assert node.taint_value == "repeat-offender"  # held again by the next boot
+    assert node.writer.node.labels[LABEL_NEEDS_REPAIR] == "true"
+
+
+def test_a_held_gpus_rule_deleted_by_hand_is_an_override_for_this_boot_only(tmp_path: Path) -> None:
+    """The same on a DRA node: the rule memory that makes a deleted rule an override is the boot's
+    (state.StateStore), the hold is the history's."""
+    node_name = "gpu-node-1"
+    uuids = [gpu_uuid(node_name, i) for i in range(8)]
+    gpus = tuple(GpuReading(index=i, uuid=u) for i, u in enumerate(uuids))
+    healthy = evaluate(Snapshot(gpus=gpus), previous=None, settings=PolicySettings())
+    xid = evaluate(
+        Snapshot(gpus=gpus, xids=(XidEvent(3, uuids[3], 79),)), previous=None, settings=PolicySettings()
+    )
+    settings = NodeSettings(name=node_name, retry_max_wait=0.01, recover_after=2)
+    writer = FakeNodeWriter(NodeView(name=node_name, resource_version="1", boot_id="boot-0"))
+    source = FakeDeviceSource([nvidia_slice(node_name)])
+    now = [T0]
+
+    def agent() -> NodeReconciler:
+        clock = Clock()
+        memory = StateStore(tmp_path / "state", boot_id=writer.node.boot_id)
+        devices = DeviceQuarantine(source, settings, clock=clock, memory=memory)
+        repeat = RepeatOffenders(HistoryStore(tmp_path), Limits(), recover_after=2, wall=lambda: now[0])
+        return NodeReconciler(writer, settings, devices=devices, clock=clock, repeat=repeat)
+
+    def checks(r: NodeReconciler, n: int = 4) -> None:
+        for streak in range(n):
+            r.submit(healthy, streak)
+            r.reconcile_now()
+
+    r = agent()
+    for boot in ("boot-1", "boot-2", "boot-3"):
+        r.submit(xid, 0)
+        r.reconcile_now()
+        now[0] += DAY
+        writer.edit(boot_id=boot)
+        r = agent()
+        checks(r)
+    (name,) = source.store
+    assert source.store[name]["spec"]["taint"]["value"] == "repeat-offender"
+    source.operator_delete(name)
+    checks(r)
+    r = agent()  # an agent restart in the same boot remembers the override
+    checks(r)
+    assert source.store == {}
+    overridden = StateStore(tmp_path / "state", boot_id="boot-3").load_rules().overridden
+    assert set(overridden) == {uuids[3]}
+    assert r.repeat is not None and r.repeat.held == {uuids[3]: 3}
+    writer.edit(boot_id="boot-4")
+    r = agent()
+    checks(r)
+    (rule,) = source.store.values()
+    assert rule["spec"]["taint"]["value"] == "repeat-offender"  # held again by the next boot

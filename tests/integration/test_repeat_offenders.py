@@ -1,7 +1,8 @@
 """Repeat offenders against a real kube-apiserver, through the fake NVML library: a GPU whose Xid 79 returns
 after two reboots is held (taint `repeat-offender`, label needs-repair, Event, condition), a further reboot
 does not release it, `gpuguard status` shows it and `gpuguard release` (as an operator) lifts it; a GPU
-whose faults are further apart than the window is never held."""
+whose faults are further apart than the window is never held; on a DRA node the GPU's own DeviceTaintRule
+holds it the same way."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import kubernetes
 import pytest
 
+from harness.dra import gpu_uuid, nvidia_slice
 from harness.kube import GPUS_OK, Admin, Agent, eventually
 from tests.integration.fixtures import (  # noqa: F401
     RESYNC,
@@ -57,12 +60,13 @@ def reboot(
     state: Path,
     boot: str,
     args: tuple[str, ...] = (),
+    healthy: str = GPUS_OK,
 ) -> Agent:
     """The node reboots: the agent stops, the kubelet posts a new bootID, the GPUs read healthy, a new agent
     (the same --state-dir on the node's disk) starts."""
     agent.stop()
     admin.set_boot_id(node, boot)
-    state.write_text(GPUS_OK)
+    state.write_text(healthy)
     host = f"host-rebooted-to-{boot}"
     new, _, _ = start_agent(node=node, state=state, host_boot_id=host, env=RESYNC, args=args)
     return new  # type: ignore[no-any-return]
@@ -138,3 +142,69 @@ def test_faults_further_apart_than_the_window_never_hold_the_gpu(admin: Admin, s
     assert not [e for e in admin.events_for(node) if e["reason"] == "GPURepeatOffender"]
     history = json.loads((agent.state_dir / "history.json").read_text())["gpus"][UUID]
     assert len(history["episodes"]) == 4 and history["escalated"] is None
+
+
+def test_on_a_dra_node_the_rule_of_a_gpu_whose_xid_returns_after_two_reboots_holds_it_until_released(
+    admin: Admin, start_agent: Any, control_plane: Any, tmp_path: Path
+) -> None:
+    """The per-GPU quarantine (a ResourceSlice of gpu.nvidia.com in the node's pool): the GPU's own
+    DeviceTaintRule says repeat-offender, the next reboot does not delete it, `gpuguard release` does; the
+    node itself is never tainted."""
+    node = f"repeat-dra-{int(time.time() * 1000) % 100000}"
+    admin.make_node(node, boot_id="boot-a")
+    custom: Any = kubernetes.client.CustomObjectsApi(admin.api)
+    custom.create_cluster_custom_object("resource.k8s.io", "v1", "resourceslices", nvidia_slice(node, gpus=2))
+    ok = "".join(f"gpu {i} uuid={gpu_uuid(node, i)}\n" for i in range(2))
+    xid = ok + "xid 1 79\n"
+    held_uuid, name = gpu_uuid(node, 1), f"gpuguard.{node}.gpu-1"
+
+    def rule() -> dict[str, Any] | None:
+        items: list[dict[str, Any]] = (
+            custom.list_cluster_custom_object(
+                "resource.k8s.io", "v1", "devicetaintrules", label_selector=f"gpuguard.io/node={node}"
+            ).get("items")
+            or []
+        )
+        assert [i["metadata"]["name"] for i in items] in ([], [name]), items
+        return items[0] if items else None
+
+    def value() -> str | None:
+        r = rule()
+        return str(r["spec"]["taint"]["value"]) if r else None
+
+    state = tmp_path / "gpus.state"
+    state.write_text(ok)
+    agent, _, _ = start_agent(node=node, state=state, env=RESYNC)
+    state.write_text(xid)
+    eventually(lambda: value() == "xid-79" or None, 10, what="rule")
+    for boot in ("boot-b", "boot-c"):
+        agent = reboot(admin, start_agent, agent, node=node, state=state, boot=boot, healthy=ok)
+        eventually(lambda: rule() is None or None, 10, what=f"rule deleted by the reboot to {boot}")
+        state.write_text(xid)  # the Xid returns
+        eventually(lambda: value() or None, 10, what=f"rule in {boot}")
+    eventually(lambda: value() == "repeat-offender" or None, 10, what="held")
+    repair = "gpuguard.io/needs-repair"
+    eventually(lambda: labels(admin, node).get(repair) == "true" or None, 10, what="the repair label")
+    assert json.loads(annotations_of(admin, node)["gpuguard.io/repeat-offenders"]) == {held_uuid: 3}
+    assert admin.our_taint(node) is None and not admin.node(node)["spec"].get("unschedulable")
+
+    # A fourth boot: the GPU reads healthy, and still its rule holds it.
+    agent = reboot(admin, start_agent, agent, node=node, state=state, boot="boot-d", healthy=ok)
+    eventually(
+        lambda: (
+            ((rule() or {}).get("metadata", {}).get("annotations") or {}).get("gpuguard.io/boot-id")
+            == "boot-d"
+            or None
+        ),
+        10,
+        what="the rule carried into the new boot",
+    )
+    time.sleep(1.5)  # 7 checks, more than 3x --recover-after, and 5 re-reads
+    assert value() == "repeat-offender"
+    assert not agent.events("device.recovered") and not agent.events("device.rule_write_rejected")
+
+    released = gpuguard(control_plane, "release", "--node", node, "--gpu", held_uuid, "--by", "it-operator")
+    assert released.returncode == 0, released.stderr
+    eventually(lambda: rule() is None or None, 10, what="rule deleted after the release")
+    eventually(lambda: repair not in labels(admin, node) or None, 10, what="the repair label gone")
+    assert [e["by"] for e in agent.events("repeat.released")] == ["it-operator"]

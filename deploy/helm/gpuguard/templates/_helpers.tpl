@@ -55,3 +55,9 @@ every node), for GPUGUARD_GPU_NODE_SELECTOR. */}}
 {{- define "gpuguard.evicting" -}}
 {{- if eq ((.Values.evict).mode | default "none") "gpu-pods" }}true{{ end }}
 {{- end }}
+
+{{/* A number of seconds as the agent's flag reads it: helm reads a values file's numbers as float64, whose
+toString is 3.1536e+07 from 1e6 up; a whole number is written as an integer. */}}
+{{- define "gpuguard.seconds" -}}
+{{- if and (kindIs "float64" .) (eq . (float64 (int64 .))) -}}{{ int64 . }}{{- else -}}{{ toString . }}{{- end -}}
+{{- end -}}
