@@ -195,3 +195,40 @@ def test_a_restarted_agent_still_reports_a_link_that_went_down_before_it_started
     assert _agent_life(fakenvml, nvml_state, state_dir)["GPU-0b"] == [reason]
     # Without the file an agent takes the degraded reading as its baseline: blind (what the file prevents).
     assert _agent_life(fakenvml, nvml_state, tmp_path / "empty") == {"GPU-0a": [], "GPU-0b": []}
+
+
+def test_a_write_is_a_synced_temp_file_renamed_then_a_synced_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        synced.append("dir" if os.path.isdir(f"/proc/self/fd/{fd}") else os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def replace(src: Any, dst: Any) -> None:
+        synced.append(f"rename {Path(src).name} -> {Path(dst).name}")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    BaselineStore(tmp_path).save(MEMORY, BOTH)
+    tmp = f".{FILE_NAME}-{os.getpid()}.tmp"
+    assert synced == [str(tmp_path / tmp), f"rename {tmp} -> {FILE_NAME}", "dir"]
+
+
+def test_a_dry_run_and_a_run_without_state_dir_keep_baselines_in_memory_only(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from gpuguard.config import Config, NodeSettings
+    from gpuguard.running import build
+
+    for cfg in (
+        Config(backend="mock", state_dir=str(tmp_path), node=NodeSettings(name="gpu-1", dry_run=True)),
+        Config(backend="mock", node=NodeSettings(name="gpu-1", dry_run=True)),
+    ):
+        parts = build(cfg, registry=CollectorRegistry())
+        assert parts.agent._baselines is None
+        parts.agent.run(run_for=0.3)
+    assert list(tmp_path.iterdir()) == []
