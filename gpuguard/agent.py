@@ -14,9 +14,10 @@ from datetime import UTC, datetime
 
 import structlog
 
+from gpuguard.baselines import BaselineStore
 from gpuguard.config import PolicySettings
 from gpuguard.metrics import Metrics
-from gpuguard.model import AgentStatus, Fault, Snapshot, Verdict
+from gpuguard.model import AgentStatus, Fault, SignalMemory, Snapshot, Verdict
 from gpuguard.nvml.base import Backend, wait_for
 from gpuguard.policy import evaluate
 from gpuguard.quarantine.node.writers import DRY_RUN_NODE
@@ -45,6 +46,7 @@ class Agent:
         dry_run: bool = False,
         metrics: Metrics | None = None,
         state: StateStore | None = None,
+        baselines: BaselineStore | None = None,
         flap_window: float = 600.0,
         library_wait: float | None = None,
         call_wait: float = 0.0,
@@ -55,7 +57,8 @@ class Agent:
         signal_config: SignalConfig | None = None,
         uptime: float | None = None,
     ) -> None:
-        """on_verdict: also handed each verdict, after the reconciler (the evictor's `observe`)."""
+        """on_verdict: also handed each verdict, after the reconciler (the evictor's `observe`). `baselines`:
+        the signals' first-good baselines kept across restarts (None: in this process only, a dry run)."""
         self._backend = backend
         self._on_verdict = on_verdict
         self._reconciler = reconciler
@@ -69,6 +72,7 @@ class Agent:
         self._dry_run = dry_run
         self._metrics = metrics
         self._state = state
+        self._baselines = baselines
         self._flap_window = flap_window
         self._library_wait = library_wait
         # The longest a check waits on one NVML call before it reports the call as hung: the loop is alive
@@ -134,10 +138,14 @@ class Agent:
             self._backend.close()
 
     def restore(self) -> None:
-        """Load the faults recorded earlier in this boot (an Xid the driver will not deliver again)."""
-        if self._state is not None and self._verdict is None:
-            sticky = self._state.load()
-            self._restored = Verdict(sticky=sticky) if sticky else None
+        """Load the faults recorded earlier in this boot (an Xid the driver will not deliver again) and the
+        signals' first-good baselines (a link down before the restart stays down in the judgement)."""
+        if self._verdict is not None:
+            return
+        sticky = self._state.load() if self._state is not None else ()
+        memory = self._baselines.load() if self._baselines is not None else SignalMemory()
+        if sticky or memory != SignalMemory():
+            self._restored = Verdict(sticky=sticky, signal_memory=memory)
 
     def check_once(self) -> Verdict:
         t0 = self._clock()
@@ -157,6 +165,9 @@ class Agent:
             self._flush_ignored(self._clock())
         if self._state is not None:
             self._state.save(verdict.sticky)  # before the write: a crash now must not lose the fault
+        if self._baselines is not None:
+            listed = {uuid for _, uuid, _ in verdict.known if uuid}  # a UUID NVML no longer lists is dropped
+            self._baselines.save(verdict.signal_memory, listed)
         now = self._clock()
         flapping = self._flapping(verdict, now)
         self._verdict = verdict

@@ -180,6 +180,7 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
     from prometheus_client import REGISTRY  # noqa: PLC0415
 
     from gpuguard.agent import Agent  # noqa: PLC0415
+    from gpuguard.baselines import BaselineStore  # noqa: PLC0415
     from gpuguard.metrics import Metrics  # noqa: PLC0415
     from gpuguard.quarantine.apistate import ApiState  # noqa: PLC0415
     from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine  # noqa: PLC0415
@@ -205,13 +206,15 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
     # The start-up jitter (--startup-jitter): a fleet started at once reaches the API server spread out.
     uptime = host_uptime()
     delay = startup_delay(cfg, uptime=uptime)
-    state = None
+    state = baselines = None
     if cfg.state_dir and cfg.node.dry_run:
         # A dry run writes nothing, on the host either: a fault it kept would be restored, and written to
         # the node, by the enforcing run that follows it on the same host.
         log.info("state.off", directory=cfg.state_dir, note="a dry run keeps no durable fault state")
     elif cfg.state_dir:
         state = StateStore(cfg.state_dir, boot_id=read_boot_id(cfg.boot_id_file), backend=cfg.backend)
+        # The signals' first-good baselines beside it (not in a dry run: it writes nothing on the host).
+        baselines = BaselineStore(cfg.state_dir, backend=cfg.backend)
     devices = device_source = rules_watch = None
     if cfg.node.quarantine != "node":
         node_name = cfg.node.name or ""
@@ -256,6 +259,7 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         dry_run=cfg.node.dry_run,
         metrics=metrics,
         state=state,
+        baselines=baselines,
         flap_window=cfg.node.flap_window,
         library_wait=None if cfg.backend != "nvml" or cfg.policy.allow_no_gpu else cfg.nvml_load_timeout,
         call_wait=float(getattr(backend, "longest_wait", 0.0)),

@@ -3,9 +3,9 @@ faults and `degraded` reasons, per GPU and for the node.
 
 Pure: no I/O, no NVML, no clock (the snapshot's `taken_at` is the time base of every window). What is not
 applicable reads None and is never judged; a signal whose read failed this pass (a transient error) keeps its
-last judgement: never a fault, never a clear. Baselines ("the first good reading") live in this process:
-an agent restarted on a node whose link was already down takes the degraded state as its baseline, which
-`pcie-width-max` and the fabric's own health mask do not depend on.
+last judgement: never a fault, never a clear. Baselines ("the first good reading") are SignalMemory's
+`first_*`; the agent keeps them across restarts in --state-dir (gpuguard.baselines) and hands them back in
+the restored verdict, so a restarted agent judges against the same first reading.
 """
 
 from __future__ import annotations

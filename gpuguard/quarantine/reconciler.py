@@ -1,7 +1,7 @@
 """The reconciler: applies the newest verdict to both quarantines on its own thread, so the GPU checks never
 wait for the API server. The node as last read (a cache kept from the answers to its own writes),
 optimistic concurrency (every patch carries the resourceVersion it was planned against; a 409 means re-read
-and re-plan) and tenacity retries of transient failures. The verdict's hand-off is `handoff`'s, the
+and re-plan) and retries of transient failures (`retrypolicy`). The verdict's hand-off is `handoff`'s, the
 condition, Events and log lines `nodereport`'s; the budget's state lives in `node.budget.QuarantineBudget`
 and the GPUs' in `gpu.quarantine.DeviceQuarantine`: this module only asks them."""
 
@@ -35,6 +35,7 @@ from gpuguard.quarantine.nodereport import NodeReport
 from gpuguard.quarantine.record import ANN_REASON, ANN_SINCE
 from gpuguard.quarantine.repair import marks, with_marks
 from gpuguard.quarantine.repeat import RepeatOffenders
+from gpuguard.quarantine.retrypolicy import node_retrying
 
 log = structlog.get_logger(__name__)
 
@@ -174,13 +175,12 @@ class NodeReconciler:
         generation, sig = self._handoff.begin()
         settled = False
         self._blocked = False
-        retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception_type(TransientApiError),
-            wait=self._wait,
-            stop=tenacity.stop_after_delay(self._retry_deadline) | _StopOn(self._stop),
+        retrying = node_retrying(
+            deadline=self._retry_deadline,
+            max_wait=self._settings.retry_max_wait,
+            stop=self._stop,
             sleep=self._sleep,
             before_sleep=self._before_sleep,
-            reraise=True,
         )
         try:
             retrying(self._reconcile_once)
@@ -372,16 +372,6 @@ class NodeReconciler:
             node = self._node
         self._report.degraded_condition(node, verdict, clean_streak=degraded_streak)
 
-    def _wait(self, state: tenacity.RetryCallState) -> float:
-        base = tenacity.wait_exponential_jitter(
-            multiplier=0.1, jitter=0.1, max=self._settings.retry_max_wait
-        )(state)
-        exc = state.outcome.exception() if state.outcome else None
-        retry_after = getattr(exc, "retry_after", None)
-        if retry_after:
-            return max(base, min(float(retry_after), 30.0))
-        return base
-
     def _sleep(self, seconds: float) -> None:
         self._stop.wait(seconds)
 
@@ -392,13 +382,3 @@ class NodeReconciler:
         if isinstance(exc, NodeUpdateError):
             self.api.unreachable(exc)
         log.debug("api.retry", attempt=state.attempt_number, error=str(exc))
-
-
-class _StopOn(tenacity.stop.stop_base):
-    """Stop retrying once the agent shuts down."""
-
-    def __init__(self, event: threading.Event) -> None:
-        self._event = event
-
-    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
-        return self._event.is_set()
