@@ -19,10 +19,17 @@ KIB = 1 << 10
 MIB = 1 << 20
 
 
+def shown(path: str | Path) -> str:
+    """A path as one line: a name with a newline or another control character (a kubeconfig can name any
+    string) is shown escaped, as Python's repr would, so an error naming it stays one line."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 def read_bytes(path: str | Path, *, limit: int, what: str, error: type[ConfigError] = ConfigError) -> bytes:
     """The file's bytes; `error` ("{what} {path}: ...", one line) if it is missing, unreadable, not a regular
     file or larger than `limit` bytes (checked before reading, and again while reading: a file that grows)."""
-    name = f"{what} {path}"
+    name = f"{what} {shown(path)}"
     try:
         # O_NONBLOCK: a FIFO's open() does not wait for a writer; it is refused below as not a regular file.
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)

@@ -91,3 +91,10 @@ def test_an_unreadable_file_says_why(tmp_path: Path) -> None:
 )
 def test_sizes_are_said_in_the_unit_they_were_chosen_in(limit: int, text: str) -> None:
     assert files.size_text(limit) == text
+
+
+def test_a_missing_file_whose_name_has_a_newline_is_named_on_one_line(tmp_path: Path) -> None:
+    """Found by tests/test_fuzz.py: a kubeconfig's client-key "\\n" made a two-line error."""
+    with pytest.raises(ConfigError) as exc:
+        files.read_bytes(tmp_path / "a\nb", limit=10, what="kubeconfig x: client-key")
+    assert "\n" not in str(exc.value) and "a\\nb: no such file" in str(exc.value)
