@@ -57,6 +57,7 @@ from bench.cluster import (
 )
 from bench.fleet import Fleet
 from bench.nvml_bench import gpu_lines
+from gpuguard.config import GPU_NODE_SELECTOR
 from gpuguard.quarantine.gpu.rules import rule_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -792,6 +793,9 @@ def _apf_delta(
 # -- items 2 and 3: the idle window --------------------------------------------------------------------------
 
 
+HEALTHY_POOL = ("bench.gpuguard.io/pool", "healthy")
+
+
 class IdleWindow:
     """One agent (8 GPUs, --interval 3) and the whole fleet, healthy, for `seconds`; other phases may run
     meanwhile on other nodes (requests are attributed per node)."""
@@ -799,7 +803,11 @@ class IdleWindow:
     def __init__(self, cl: Cluster, fleet: Fleet | None, seconds: float) -> None:
         self.cl, self.fleet, self.seconds = cl, fleet, seconds
         node = "idle-0"
-        cl.make_nodes([node])
+        # Its own budget pool (a label its --gpu-node-selector adds): the latency runs' nodes fault about
+        # 100 times in the window, and in the fleet's pool every one of those quarantines would reach this
+        # agent through its budget's watch; a healthy fleet has none. Pools are how a fleet of several GPU
+        # models gives each its own budget (one Helm release per pool, its nodeSelector).
+        cl.make_nodes([node], labels={HEALTHY_POOL[0]: HEALTHY_POOL[1]})
         state = cl.tmp / "idle.state"
         state.write_text(gpu_lines(GPUS))
         self.node = node
@@ -807,7 +815,16 @@ class IdleWindow:
         # (spread over the first minute it would land in the window as if it were steady state).
         self.audit_start = cl.cp.audit_line_count()
         self.agent = cl.agent(
-            node, cl.agent_kubeconfig(node), state, interval=3.0, args=("--budget-count-spread", "0")
+            node,
+            cl.agent_kubeconfig(node),
+            state,
+            interval=3.0,
+            args=(
+                "--budget-count-spread",
+                "0",
+                "--gpu-node-selector",
+                f"{GPU_NODE_SELECTOR},{HEALTHY_POOL[0]}={HEALTHY_POOL[1]}",
+            ),
         )
         self.agent.wait_ready(READY_TIMEOUT)
         # The start-up is over when the budget has listed the quarantined nodes and counted the GPU nodes

@@ -704,8 +704,8 @@ def goals_table(raw: dict[str, Any], fleet_row: Row) -> str:
         ),
         (
             f"CPU of an idle agent (its checks: dry run), {fl['gpus']} GPUs, --interval "
-            f"{fl['interval']:.0f}, {fl['window_s'] / 60:.0f} min; with the real API server (the budget's "
-            f"watch delivering the latency runs' quarantines): {idle['cpu_s_per_hour']:.2f} CPU-s/h",
+            f"{fl['interval']:.0f}, {fl['window_s'] / 60:.0f} min; with the real API server (a healthy "
+            f"pool: the budget's watch idle): {idle['cpu_s_per_hour']:.2f} CPU-s/h",
             f"{fl['agent_cpu_s_per_hour']:.2f} CPU-s/h: {fl['ratio']:.2f}x the floor; wake-ups/h "
             f"{fl['agent_wakeups_per_hour']:.0f}",
             f"NVML polling floor, same window: {fl['floor_cpu_s_per_hour']:.2f} CPU-s/h; wake-ups/h "
@@ -776,9 +776,9 @@ def main() -> int:
         with load.mark("fleet start-up and burst"):
             fleet, raw["fleet"] = k8s_bench.fleet_phase(cl, nodes=100 if q else 1000, processes=2)
         window = k8s_bench.IdleWindow(cl, fleet, window_s)
-        # The floor beside an agent whose only work is its checks (a dry run: `nvml_bench idle`): the agent
-        # of the window above also gets, through the budget's watch, every quarantine of the latency runs'
-        # nodes meanwhile (100 faults in 10 minutes), which a healthy fleet does not send.
+        # The floor beside an agent whose only work is its checks (a dry run: `nvml_bench idle`); the agent
+        # of the window above also has its API server threads (a budget pool of its own: the latency runs'
+        # 100 quarantines in 10 minutes, which a healthy fleet does not have, do not reach its watch).
         floor = nvml_bench.IdleVsFloor(gpus=8, interval=3.0)
         idle_t0 = time.monotonic()
         with load.mark("latency"):
@@ -960,9 +960,11 @@ def document(  # noqa: PLR0917 - one call site, every part named there
             "slices), NVML event thread, node reconciler); RSS =",
             "VmRSS at the end; requests per hour = requests in the window x 3600 / window. The agent counts",
             "the GPU nodes at start (`--budget-count-spread 0`), so the window opens after its start-up",
-            "requests. The latency runs overlap the window: every quarantine of their nodes reaches this",
-            "agent through its budget's watch (which is why the comparison with the floor uses a dry-run",
-            "agent).",
+            "requests. The latency runs overlap the window (about 100 quarantines in it, which a healthy",
+            "fleet does not have): the node is in a budget pool of its own (the label",
+            "`bench.gpuguard.io/pool=healthy`, added to its `--gpu-node-selector`), so none of them reaches",
+            "its budget's watch; the fleet's idle requests are measured in the fleet's pool (below). The",
+            "comparison with the floor uses a dry-run agent: its checks alone.",
             bullet=True,
         ),
         _para(
