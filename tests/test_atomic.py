@@ -75,45 +75,39 @@ def test_a_temp_file_left_by_an_earlier_life_of_this_pid_is_replaced_not_appende
 
 
 @pytest.mark.parametrize("durable", [True, False])
-def test_a_failed_write_leaves_the_old_file_and_no_temp_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool
+@pytest.mark.parametrize(
+    "failure",
+    [
+        ("write", OSError(28, "No space left on device"), 0),  # the disk full mid-write
+        ("replace", OSError(5, "Input/output error"), 1),  # the file synced, then the rename fails
+    ],
+)
+def test_a_failed_write_or_rename_leaves_the_old_file_and_no_temp_file(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    durable: bool,
+    failure: tuple[str, OSError, int],
 ) -> None:
-    path = tmp_path / "kept.json"
-    path.write_bytes(b"old")
-
-    def write(fd: int, data: Any) -> int:
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "write", write)
-    with pytest.raises(OSError, match="No space left"):
-        atomic.write_atomically(path, b"new", durable=durable)
-    assert path.read_bytes() == b"old"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.json"]
-
-
-@pytest.mark.parametrize("durable", [True, False])
-def test_a_failed_rename_leaves_the_old_file_and_no_temp_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool
-) -> None:
+    call, error, fsyncs = failure  # the call that fails, its error, the fsyncs made before it
     path = tmp_path / "kept.json"
     path.write_bytes(b"old")
     synced: list[int] = []
     real_fsync = os.fsync
 
-    def replace(src: Any, dst: Any) -> None:
-        raise OSError(5, "Input/output error")
+    def fail(*args: Any) -> None:
+        raise error
 
     def fsync(fd: int) -> None:
         synced.append(fd)
         real_fsync(fd)
 
-    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, call, fail)
     monkeypatch.setattr(os, "fsync", fsync)
-    with pytest.raises(OSError, match="Input/output error"):
+    with pytest.raises(OSError, match=error.strerror):
         atomic.write_atomically(path, b"new", durable=durable)
     assert path.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.json"]
-    assert len(synced) == (1 if durable else 0)  # the file's fsync only: no directory sync after it
+    assert len(synced) == (fsyncs if durable else 0)  # never the directory's: no rename happened
 
 
 def test_a_directory_that_cannot_be_made_raises_and_leaves_nothing(tmp_path: Path) -> None:
