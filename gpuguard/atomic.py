@@ -1,5 +1,5 @@
 """The files gpuguard keeps across restarts (state.json, history.json, signal-baselines.json): each written
-whole by one rename, and one that cannot be read moved aside.
+whole by one rename, and one that cannot be read moved aside (each caller logs its own stable event).
 
 A write is a temp file of this process (`.<stem>-<pid>.tmp` beside the file, mode 0600, made anew each time),
 one write() of the whole text, then os.replace over the old file: a reader, or an agent killed at any moment,
@@ -16,10 +16,6 @@ import contextlib
 import os
 import time
 from pathlib import Path
-
-import structlog
-
-log = structlog.get_logger(__name__)
 
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 
@@ -59,14 +55,14 @@ def write_atomically(path: Path, data: bytes, *, durable: bool, temp_stem: str |
             os.close(dfd)
 
 
-def move_aside(path: Path, why: str, *, tag: str, event: str) -> Path:
-    """Rename a corrupt or foreign file to `<name>.<tag>-<unix time>` and log `event` (a warning naming both
-    paths and `why`); the next write starts a new file. Never raises: a file that cannot be moved stays where
-    it is (`moved_to` is then the path itself) and is replaced at the next write. Returns where it is now."""
+def move_aside(path: Path, *, tag: str) -> Path:
+    """Rename a corrupt or foreign file to `<name>.<tag>-<unix time>`, so the next write starts a new one and
+    the old one stays for a person to read. Never raises: a file that cannot be moved stays where it is (and
+    is replaced at the next write). Returns where the file is now, for the caller's warning, which names its
+    own stable event (`state.corrupt`, `history.corrupt`, `baselines.corrupt`)."""
     aside = path.with_name(f"{path.name}.{tag}-{int(time.time())}")
     try:
         path.replace(aside)
     except OSError:
-        aside = path
-    log.warning(event, path=str(path), moved_to=str(aside), error=why[:300])
+        return path
     return aside

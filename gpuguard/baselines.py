@@ -78,10 +78,10 @@ class BaselineStore:
             doc = json.loads(files.read_bytes(path, limit=MAX_BYTES, what="signal baselines file"))
             loaded = _parse(doc)
         except ConfigError as exc:  # not a regular file, larger than MAX_BYTES, unreadable
-            atomic.move_aside(path, str(exc), tag="corrupt", event="baselines.corrupt")
+            _move_aside(path, str(exc))
             return SignalMemory()
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
-            atomic.move_aside(path, f"{type(exc).__name__}: {exc}", tag="corrupt", event="baselines.corrupt")
+            _move_aside(path, f"{type(exc).__name__}: {exc}")
             return SignalMemory()
         if doc.get("backend") != self._backend:
             log.warning("baselines.other_backend_discarded", path=str(path), backend=doc.get("backend"))
@@ -184,3 +184,8 @@ def _int(value: Any, low: int, high: int, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise ValueError(f"{what} must be an integer from {low} to {high}")
     return value
+
+
+def _move_aside(path: Path, why: str) -> None:
+    aside = atomic.move_aside(path, tag="corrupt")
+    log.warning("baselines.corrupt", path=str(path), moved_to=str(aside), error=why[:300])

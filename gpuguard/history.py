@@ -153,10 +153,10 @@ class HistoryStore:
             doc = json.loads(files.read_bytes(path, limit=MAX_BYTES, what="history file"))
             history = parse(doc)
         except ConfigError as exc:  # not a regular file, too large, unreadable
-            atomic.move_aside(path, str(exc), tag="bad", event="history.corrupt")
+            _move_aside(path, str(exc))
             return {}
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
-            atomic.move_aside(path, f"{type(exc).__name__}: {exc}", tag="bad", event="history.corrupt")
+            _move_aside(path, f"{type(exc).__name__}: {exc}")
             return {}
         held = sum(1 for h in history.values() if h.escalated is not None)
         log.info("history.loaded", path=str(path), gpus=len(history), held=held)
@@ -270,3 +270,8 @@ def _ending(value: Any) -> str | None:
     if value is not None and value not in ENDINGS:
         raise ValueError(f"unknown ending {value!r}")
     return value  # type: ignore[no-any-return]
+
+
+def _move_aside(path: Path, why: str) -> None:
+    aside = atomic.move_aside(path, tag="bad")
+    log.warning("history.corrupt", path=str(path), moved_to=str(aside), error=why[:300])

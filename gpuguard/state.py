@@ -128,11 +128,11 @@ class StateStore:
             doc = json.loads(raw)
             faults = _parse(doc)
         except ConfigError as exc:  # not a regular file, larger than MAX_BYTES, unreadable
-            atomic.move_aside(path, str(exc), tag="corrupt", event="state.corrupt")
+            _move_aside(path, str(exc))
             return ()
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
             # RecursionError: JSON nested deeper than the interpreter's stack (json.loads raises it).
-            atomic.move_aside(path, f"{type(exc).__name__}: {exc}", tag="corrupt", event="state.corrupt")
+            _move_aside(path, f"{type(exc).__name__}: {exc}")
             return ()
         if doc.get("boot_id") != self._boot_id:
             log.info("state.previous_boot_discarded", path=str(path), faults=len(faults))
@@ -252,3 +252,8 @@ def _text(value: Any) -> str:
 
 def _keys(values: Any) -> frozenset[str]:
     return frozenset(_text(v) for v in _bounded(values))
+
+
+def _move_aside(path: Path, why: str) -> None:
+    aside = atomic.move_aside(path, tag="corrupt")
+    log.warning("state.corrupt", path=str(path), moved_to=str(aside), error=why[:300])
