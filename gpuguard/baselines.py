@@ -19,9 +19,7 @@ bounded; a corrupt or foreign file is moved aside with a log line, and the agent
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import time
 from collections.abc import Collection
 from pathlib import Path
@@ -29,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from gpuguard import files
+from gpuguard import atomic, files
 from gpuguard.errors import ConfigError
 from gpuguard.model import SignalMemory
 
@@ -80,10 +78,10 @@ class BaselineStore:
             doc = json.loads(files.read_bytes(path, limit=MAX_BYTES, what="signal baselines file"))
             loaded = _parse(doc)
         except ConfigError as exc:  # not a regular file, larger than MAX_BYTES, unreadable
-            self._move_aside(path, str(exc))
+            _move_aside(path, str(exc))
             return SignalMemory()
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
-            self._move_aside(path, f"{type(exc).__name__}: {exc}")
+            _move_aside(path, f"{type(exc).__name__}: {exc}")
             return SignalMemory()
         if doc.get("backend") != self._backend:
             log.warning("baselines.other_backend_discarded", path=str(path), backend=doc.get("backend"))
@@ -105,7 +103,7 @@ class BaselineStore:
         if kept == self._saved:
             return
         try:
-            self._replace(_dump(kept, self._backend))
+            atomic.write_atomically(self.path, _dump(kept, self._backend), durable=True)
         except OSError as exc:
             self._disabled = True
             log.warning(
@@ -117,41 +115,6 @@ class BaselineStore:
             return
         self._saved = kept
         log.info("baselines.saved", path=str(self.path), gpus=_count(kept))
-
-    def _replace(self, data: bytes) -> None:
-        """Temp file, fsync, rename over the old file, fsync of the directory: the file survives a power cut
-        as the old one or the new one."""
-        self._dir.mkdir(parents=True, exist_ok=True)
-        tmp = self._dir / f".{FILE_NAME}-{os.getpid()}.tmp"
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)  # left by an earlier life of this pid killed half-way
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        dfd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-
-    def _move_aside(self, path: Path, why: str) -> None:
-        aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
-        try:
-            path.replace(aside)
-        except OSError:
-            aside = path
-        log.warning("baselines.corrupt", path=str(path), moved_to=str(aside), error=why[:300])
 
 
 def _count(m: SignalMemory) -> int:
@@ -221,3 +184,8 @@ def _int(value: Any, low: int, high: int, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise ValueError(f"{what} must be an integer from {low} to {high}")
     return value
+
+
+def _move_aside(path: Path, why: str) -> None:
+    aside = atomic.move_aside(path, tag="corrupt")
+    log.warning("baselines.corrupt", path=str(path), moved_to=str(aside), error=why[:300])

@@ -16,10 +16,7 @@ with an empty history, never crashes.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from gpuguard import files
+from gpuguard import atomic, files
 from gpuguard.errors import ConfigError
 
 log = structlog.get_logger(__name__)
@@ -156,10 +153,10 @@ class HistoryStore:
             doc = json.loads(files.read_bytes(path, limit=MAX_BYTES, what="history file"))
             history = parse(doc)
         except ConfigError as exc:  # not a regular file, too large, unreadable
-            self._move_aside(path, str(exc))
+            _move_aside(path, str(exc))
             return {}
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
-            self._move_aside(path, f"{type(exc).__name__}: {exc}")
+            _move_aside(path, f"{type(exc).__name__}: {exc}")
             return {}
         held = sum(1 for h in history.values() if h.escalated is not None)
         log.info("history.loaded", path=str(path), gpus=len(history), held=held)
@@ -187,38 +184,9 @@ class HistoryStore:
         return True
 
     def _replace(self, data: bytes) -> None:
+        """The file's new content, durably (the crash test drives this write in a loop)."""
         assert self._dir is not None
-        self._dir.mkdir(parents=True, exist_ok=True)
-        tmp = self._dir / f".history-{os.getpid()}.tmp"
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)  # left by an earlier life of this pid, killed half-way
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)  # the new content on disk before the name points at it
-            finally:
-                os.close(fd)
-            os.replace(tmp, self._dir / FILE_NAME)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        dfd = os.open(self._dir, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fsync(dfd)  # the rename itself survives a power cut
-        finally:
-            os.close(dfd)
-
-    def _move_aside(self, path: Path, why: str) -> None:
-        aside = path.with_name(f"{path.name}.bad-{int(time.time())}")
-        try:
-            path.replace(aside)
-        except OSError:
-            aside = path
-        log.warning("history.corrupt", path=str(path), moved_to=str(aside), error=why[:300])
+        atomic.write_atomically(self._dir / FILE_NAME, data, durable=True, temp_stem="history")
 
 
 def serialize(history: History) -> dict[str, Any]:
@@ -302,3 +270,8 @@ def _ending(value: Any) -> str | None:
     if value is not None and value not in ENDINGS:
         raise ValueError(f"unknown ending {value!r}")
     return value  # type: ignore[no-any-return]
+
+
+def _move_aside(path: Path, why: str) -> None:
+    aside = atomic.move_aside(path, tag="bad")
+    log.warning("history.corrupt", path=str(path), moved_to=str(aside), error=why[:300])

@@ -23,9 +23,7 @@ a crash is moved aside as corrupt, which is the same outcome. docs/reliability.m
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import threading
 import time
 from collections.abc import Mapping
@@ -35,7 +33,7 @@ from typing import Any
 
 import structlog
 
-from gpuguard import files
+from gpuguard import atomic, files
 from gpuguard.errors import ConfigError
 from gpuguard.model import Fault
 
@@ -130,11 +128,11 @@ class StateStore:
             doc = json.loads(raw)
             faults = _parse(doc)
         except ConfigError as exc:  # not a regular file, larger than MAX_BYTES, unreadable
-            self._move_aside(path, str(exc))
+            _move_aside(path, str(exc))
             return ()
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
             # RecursionError: JSON nested deeper than the interpreter's stack (json.loads raises it).
-            self._move_aside(path, f"{type(exc).__name__}: {exc}")
+            _move_aside(path, f"{type(exc).__name__}: {exc}")
             return ()
         if doc.get("boot_id") != self._boot_id:
             log.info("state.previous_boot_discarded", path=str(path), faults=len(faults))
@@ -187,7 +185,8 @@ class StateStore:
         }
         data = json.dumps(doc, separators=(",", ":")).encode()
         try:
-            self._replace(data)
+            # No fsync (see the module's docstring): it runs in a fault's path before the taint.
+            atomic.write_atomically(self._dir / FILE_NAME, data, durable=False, temp_stem="state")
         except OSError as exc:
             self._disabled = True
             log.warning(
@@ -198,41 +197,6 @@ class StateStore:
             )
             return False
         return True
-
-    def _replace(self, data: bytes) -> None:
-        """The file's new content, atomically: a temp file of this process, then a rename over the old one.
-        Plain system calls, no fsync (see the module's docstring): it runs in a fault's path before the taint,
-        so no tempfile.mkstemp (a random name), no mkdir at every write, one write() of the whole text."""
-        assert self._dir is not None
-        tmp = self._dir / f".state-{os.getpid()}.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)  # left by a write of an earlier life of this pid that was killed half-way
-        try:
-            fd = os.open(tmp, flags, 0o600)
-        except FileNotFoundError:
-            self._dir.mkdir(parents=True, exist_ok=True)  # the first write (or the directory was removed)
-            fd = os.open(tmp, flags, 0o600)
-        try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-            finally:
-                os.close(fd)
-            os.replace(tmp, self._dir / FILE_NAME)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-
-    def _move_aside(self, path: Path, why: str) -> None:
-        aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
-        try:
-            path.replace(aside)
-        except OSError:
-            aside = path
-        log.warning("state.corrupt", path=str(path), moved_to=str(aside), error=why[:300])
 
 
 def _parse(doc: Any) -> tuple[Fault, ...]:
@@ -288,3 +252,8 @@ def _text(value: Any) -> str:
 
 def _keys(values: Any) -> frozenset[str]:
     return frozenset(_text(v) for v in _bounded(values))
+
+
+def _move_aside(path: Path, why: str) -> None:
+    aside = atomic.move_aside(path, tag="corrupt")
+    log.warning("state.corrupt", path=str(path), moved_to=str(aside), error=why[:300])
