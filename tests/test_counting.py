@@ -95,3 +95,10 @@ def test_every_non_counting_reason_says_why() -> None:
     for s in SIGNALS:
         assert s.repeat or len(s.repeat_why) > 20, s.name
     assert all(len(why) > 20 for why in NOT_COUNTED.values())
+
+
+def test_an_episode_cut_to_three_reasons_keeps_the_one_that_counts() -> None:
+    reasons = ("fabric-degraded", "fabric-incomplete", "recovery-recover-imex-domain", "xid-79")
+    h, new = boots({"GPU-0": reasons})
+    assert h["GPU-0"].episodes[0].reasons == ("fabric-degraded", "fabric-incomplete", "xid-79")
+    assert new == {"GPU-0": 3}

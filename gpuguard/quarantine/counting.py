@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from gpuguard.history import MAX_REASONS
 from gpuguard.model import NVML_INIT, NVML_UNRESPONSIVE, RECOVERY_PREFIX, REPEAT_OFFENDER
 from gpuguard.signals import SIGNALS, SignalTable
 
@@ -50,3 +51,10 @@ def counts(reason: str, table: SignalTable = SIGNALS) -> bool:
 def counted(reasons: Iterable[str], table: SignalTable = SIGNALS) -> bool:
     """Whether an episode with these reasons counts: at least one of them does."""
     return any(counts(r, table) for r in reasons)
+
+
+def kept(reasons: Iterable[str], table: SignalTable = SIGNALS) -> tuple[str, ...]:
+    """The reasons an episode keeps (the history keeps MAX_REASONS), sorted: the counting ones first, so that
+    an episode cut short never loses the reason that makes it count (three fabric reasons and Xid 79)."""
+    ranked = sorted(set(reasons), key=lambda r: (not counts(r, table), r))
+    return tuple(sorted(ranked[:MAX_REASONS]))

@@ -22,9 +22,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
-from gpuguard.history import MAX_REASONS, Episode, GpuHistory, History, Release
+from gpuguard.history import Episode, GpuHistory, History, Release
 from gpuguard.model import REPEAT_OFFENDER, Fault, Verdict
 from gpuguard.quarantine.counting import counted as counts_toward
+from gpuguard.quarantine.counting import kept
 
 DEFAULT_LIMIT = 3
 DEFAULT_WINDOW_S = 604800.0
@@ -86,7 +87,7 @@ def observe(
         opened = h.open
         if opened is not None and _same_boot(opened.boot_id, boot_id):
             if not set(reasons) <= set(opened.reasons):
-                merged = tuple(sorted(set(opened.reasons) | set(reasons)))[:MAX_REASONS]
+                merged = kept((*opened.reasons, *reasons))
                 out[uuid] = _with_last(h, replace(opened, reasons=merged))
             continue
         if opened is not None:
@@ -99,7 +100,7 @@ def observe(
             and set(reasons) <= set(last.reasons)
         ):
             continue  # released with these very faults in this boot: not a new episode
-        episode = Episode(reasons=reasons[:MAX_REASONS], first_seen=now, boot_id=boot_id)
+        episode = Episode(reasons=kept(reasons), first_seen=now, boot_id=boot_id)
         out[uuid] = replace(h, episodes=(*h.episodes, episode))
     for uuid, h in history.items():
         opened = h.open
