@@ -67,6 +67,15 @@ def expected_from_node(
     api: kubeclient.Client | None = None,
 ) -> int | None:
     """The count `label` holds on `node`; None (with a log line saying why) when it cannot be used."""
+    labels = node_labels(node, kubeconfig=kubeconfig, api=api)
+    return None if labels is None else expected_from_labels(labels, node=node, label=label)
+
+
+def node_labels(
+    node: str, *, kubeconfig: str | None, api: kubeclient.Client | None = None
+) -> dict[str, str] | None:
+    """`node`'s labels in one read (the one `check` makes: its GPU count and --signals-config's node rules
+    both come from it); None, with the line `check.node_unread`, when the API does not answer."""
     try:
         client = api if api is not None else kubeclient.load(kubeconfig)
         obj = client.request(
@@ -80,12 +89,19 @@ def expected_from_node(
             "check.node_unread",
             node=node,
             error=str(exc),
-            action="judged without the node's GPU count",
+            action="judged without the node's labels (its GPU count, --signals-config's node rules)",
         )
         return None
     metadata = obj.get("metadata") if isinstance(obj, dict) else None
     labels = metadata.get("labels") if isinstance(metadata, dict) else None
-    value = labels.get(label) if isinstance(labels, dict) else None
+    if not isinstance(labels, dict):
+        return {}
+    return {str(k): v for k, v in labels.items() if isinstance(v, str)}
+
+
+def expected_from_labels(labels: dict[str, str], *, node: str, label: str = GPU_COUNT_LABEL) -> int | None:
+    """The count `label` holds among a node's labels; None (with a log line saying why) otherwise."""
+    value = labels.get(label)
     if value is None:
         log.info("check.expected_gpus_label_absent", node=node, label=label)
         return None

@@ -25,6 +25,7 @@ from gpuguard.policy import evaluate
 if TYPE_CHECKING:  # the watch's parts: imported where they are built, not by `check`
     from prometheus_client import CollectorRegistry
 
+    from gpuguard import checknode
     from gpuguard.agent import Agent
     from gpuguard.eviction.evictor import Evictor
     from gpuguard.kube import client as kubeclient
@@ -90,7 +91,8 @@ def check_once(cfg: Config, *, at: float | None = None) -> Check:
     """One pass over the GPUs (`gpuguard check`); `at`: a mock scenario as it stands that many seconds in."""
     if at is not None and cfg.backend != "mock":
         raise ConfigError("--at needs --backend mock: it moves a scenario's clock, not a real GPU's")
-    policy = replace(cfg.policy, expected_gpus=expected_gpus(cfg))
+    node = node_facts(cfg)
+    policy = replace(cfg.policy, expected_gpus=node.expected_gpus, signals=node.signals)
     backend = make_backend(cfg, start_at=at or 0.0)
     backend.open(lambda: None)
     try:
@@ -108,25 +110,12 @@ def check_once(cfg: Config, *, at: float | None = None) -> Check:
     return Check(verdict=verdict, no_library=no_library)
 
 
-def expected_gpus(cfg: Config) -> int | None:
-    """The GPU count `check` expects: --expected-gpus; else its node's label where it can read one
-    (gpuguard.gpucount: a cluster named, the node known, the container sees all the node's GPUs)."""
-    if cfg.policy.expected_gpus is not None or not cfg.expected_gpus_label or not cfg.node.name:
-        return cfg.policy.expected_gpus
-    from gpuguard import gpucount  # noqa: PLC0415 - the API client only where a node is read
+def node_facts(cfg: Config) -> checknode.NodeFacts:
+    """What `check` takes from its node in one read where it can (gpuguard.checknode): the GPU count it
+    expects and the signal table --signals-config's node rules give it."""
+    from gpuguard import checknode  # noqa: PLC0415 - the API client only where a node is read
 
-    if not gpucount.cluster_named(cfg.node.kubeconfig):
-        return None
-    if gpucount.sees_a_share():
-        log.info(
-            "check.expected_gpus_label_skipped",
-            node=cfg.node.name,
-            why="NVIDIA_VISIBLE_DEVICES lists this container's GPUs, not the node's",
-        )
-        return None
-    return gpucount.expected_from_node(
-        cfg.node.name, kubeconfig=cfg.node.kubeconfig, label=cfg.expected_gpus_label
-    )
+    return checknode.read(cfg)
 
 
 class Connection:

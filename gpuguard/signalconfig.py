@@ -14,7 +14,8 @@ nodes:                                     # in order, after the global part, wh
 
 GPU models differ (NVLink on HGX, none on PCIe cards): the node rules say so by the labels GPU Feature
 Discovery writes. The agent applies them when it first reads its node; before that, and in a dry run
-without a cluster, only the global part.
+without a cluster, only the global part. `gpuguard check` applies them from its one read of the node
+(gpuguard.checknode), the global part alone without it.
 """
 
 from __future__ import annotations

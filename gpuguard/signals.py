@@ -42,6 +42,10 @@ class Signal:
     """Where the threshold and the meaning come from (nvml.h, NVIDIA's guides, DCGM's limits)."""
     dcgm: str = ""
     """The DCGM health watch it matches."""
+    repeat: bool = True
+    """Whether its faults count toward a GPU's repeat limit (gpuguard.quarantine.counting): false where the
+    cause is the node's (the fabric, set up by Fabric Manager), not the GPU's hardware."""
+    repeat_why: str = ""
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,12 @@ def _number(value: object, *, where: str, top: float) -> float:
     return float(value)
 
 
+def _flag(value: object, *, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where} must be true or false, not {value!r}")
+    return value
+
+
 def load() -> SignalTable:
     """The shipped table, validated (a broken table fails the import, and the tests, not a node)."""
     doc = json.loads(resources.files("gpuguard.data").joinpath("signals.json").read_text("utf-8"))
@@ -117,6 +127,8 @@ def load() -> SignalTable:
                 reading=str(e["reading"]),
                 source=str(e["source"]),
                 dcgm=str(e["dcgm"]),
+                repeat=_flag(e.get("repeat", True), where=f"{where}.repeat"),
+                repeat_why=str(e.get("repeat_why", "")),
             )
         )
     if len({s.name for s in signals}) != len(signals):

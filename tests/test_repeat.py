@@ -5,6 +5,7 @@ an operator's annotation the agent validates; only gpuguard's marks are ever rem
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from structlog.testing import capture_logs
 from gpuguard.config import NodeSettings, PolicySettings
 from gpuguard.history import HistoryStore
 from gpuguard.metrics import Metrics
-from gpuguard.model import GpuReading, Snapshot, Verdict, XidEvent
+from gpuguard.model import Fault, GpuReading, Snapshot, Verdict, XidEvent
 from gpuguard.policy import evaluate
 from gpuguard.quarantine.escalation import Limits
 from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
@@ -378,3 +379,22 @@ def test_a_held_gpus_rule_deleted_by_hand_is_an_override_for_this_boot_only(tmp_
     checks(r)
     (rule,) = source.store.values()
     assert rule["spec"]["taint"]["value"] == "repeat-offender"  # held again by the next boot
+
+
+def test_a_fabric_that_never_completes_over_three_boots_holds_no_gpu(tmp_path: Path) -> None:
+    fabric = replace(
+        HEALTHY,
+        gpus=tuple(
+            replace(g, faults=(Fault("fabric-incomplete", "NOT_STARTED", uuid=g.uuid, gpu_index=g.index),))
+            for g in HEALTHY.gpus
+        ),
+    )
+    node = Node(tmp_path)
+    node.check(fabric, 0)
+    for boot in ("boot-1", "boot-2", "boot-3"):
+        node.reboot(boot)
+        node.check(fabric, 0)
+    assert node.held == {} and node.taint_value == "fabric-incomplete"
+    assert LABEL_NEEDS_REPAIR not in node.writer.node.labels
+    history = node.agent.repeat.history if node.agent.repeat is not None else {}
+    assert len(history["GPU-0"].episodes) == 4  # recorded, not counted

@@ -11,7 +11,9 @@ first-seen times fall within `window` seconds (and after its last release). It i
 quarantine carries the fault `repeat-offender` until an operator releases it, across reboots and resets,
 whatever the window says later. `limit` 0 turns escalation off. Defaults (3 in 7 days): GPUd asks for
 inspection after more than 3 reboots for the same Xid; NVSentinel escalates after 5 fatal Xids in 24 h or 5
-remediations in 7 days. A GPU that faults once per week never reaches 3 within 7 days.
+remediations in 7 days. A GPU that faults once per week never reaches 3 within 7 days. Only episodes
+with a reason that is the GPU's own count (`counting`): one whose reasons are all the node's (the fabric
+that Fabric Manager sets up, NVML itself) is recorded and not counted.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
-from gpuguard.history import MAX_REASONS, Episode, GpuHistory, History, Release
+from gpuguard.history import Episode, GpuHistory, History, Release
 from gpuguard.model import REPEAT_OFFENDER, Fault, Verdict
+from gpuguard.quarantine.counting import counted as counts_toward
+from gpuguard.quarantine.counting import kept
 
 DEFAULT_LIMIT = 3
 DEFAULT_WINDOW_S = 604800.0
@@ -83,7 +87,7 @@ def observe(
         opened = h.open
         if opened is not None and _same_boot(opened.boot_id, boot_id):
             if not set(reasons) <= set(opened.reasons):
-                merged = tuple(sorted(set(opened.reasons) | set(reasons)))[:MAX_REASONS]
+                merged = kept((*opened.reasons, *reasons))
                 out[uuid] = _with_last(h, replace(opened, reasons=merged))
             continue
         if opened is not None:
@@ -96,7 +100,7 @@ def observe(
             and set(reasons) <= set(last.reasons)
         ):
             continue  # released with these very faults in this boot: not a new episode
-        episode = Episode(reasons=reasons[:MAX_REASONS], first_seen=now, boot_id=boot_id)
+        episode = Episode(reasons=kept(reasons), first_seen=now, boot_id=boot_id)
         out[uuid] = replace(h, episodes=(*h.episodes, episode))
     for uuid, h in history.items():
         opened = h.open
@@ -111,11 +115,10 @@ def observe(
 
 def escalate(history: History, limits: Limits, now: float) -> tuple[dict[str, GpuHistory], dict[str, int]]:
     """The history with the new repeat offenders held (`escalated` set), and those new ones (UUID -> their
-    episodes in the window). Only episodes after a GPU's last release count: a release starts it afresh."""
+    episodes in the window). Only episodes after a GPU's last release count: a release starts it afresh; and
+    only those with a reason of the GPU's own (`counting`)."""
     counted = {
-        uuid: [e.first_seen for e in h.episodes if e.first_seen > h.last_release]
-        for uuid, h in history.items()
-        if h.escalated is None
+        uuid: [e.first_seen for e in _counted(h)] for uuid, h in history.items() if h.escalated is None
     }
     new = repeat_offenders(counted, limits, now)
     out = dict(history)
@@ -142,16 +145,12 @@ def release(history: History, gpu: str, *, by: str, at: float) -> tuple[dict[str
 def held(history: History) -> dict[str, int]:
     """The GPUs held as repeat offenders, each with its episodes since its last release (a held GPU stays
     held whatever the window says now)."""
-    return {
-        uuid: sum(1 for e in h.episodes if e.first_seen > h.last_release)
-        for uuid, h in sorted(history.items())
-        if h.escalated is not None
-    }
+    return {uuid: len(_counted(h)) for uuid, h in sorted(history.items()) if h.escalated is not None}
 
 
 def summary(h: GpuHistory, limits: Limits) -> str:
     """What the held fault says: the episodes counted, their reasons and how each ended, and what ends it."""
-    counted = [e for e in h.episodes if e.first_seen > h.last_release]
+    counted = _counted(h)
     days = limits.window_s / 86400
     parts = [f"{'+'.join(e.reasons)} {_date(e.first_seen)} ({e.ended or 'open'})" for e in counted[-4:]]
     more = f"{len(counted) - 4} earlier, " if len(counted) > 4 else ""
@@ -182,6 +181,11 @@ def held_faults(verdict: Verdict, history: History, limits: Limits) -> Verdict:
 def _fault(uuid: str, h: GpuHistory, limits: Limits, index: int | None) -> Fault:
     where = f"GPU {index}, {uuid}" if index is not None else uuid
     return Fault(REPEAT_OFFENDER, f"{summary(h, limits)} ({where})", uuid=uuid, gpu_index=index)
+
+
+def _counted(h: GpuHistory) -> list[Episode]:
+    """The episodes that count: after the GPU's last release, with a reason of the GPU's own."""
+    return [e for e in h.episodes if e.first_seen > h.last_release and counts_toward(e.reasons)]
 
 
 def _with_last(h: GpuHistory, episode: Episode) -> GpuHistory:

@@ -18,7 +18,7 @@ import structlog
 
 from gpuguard.history import GpuHistory, HistoryStore, bounded
 from gpuguard.model import Verdict
-from gpuguard.quarantine import escalation
+from gpuguard.quarantine import counting, escalation
 from gpuguard.quarantine.escalation import Limits
 from gpuguard.quarantine.node.view import NodeView
 from gpuguard.quarantine.release import ANN_RELEASE, parse
@@ -146,4 +146,10 @@ class RepeatOffenders:
                 how = ended.ended if ended is not None else None
                 log.info("repeat.episode_ended", node=node, uuid=uuid, how=how, reasons=list(old.reasons))
             if new is not None and (old is None or new.first_seen != old.first_seen):
-                log.info("repeat.episode_opened", node=node, uuid=uuid, reasons=list(new.reasons))
+                log.info(
+                    "repeat.episode_opened",
+                    node=node,
+                    uuid=uuid,
+                    reasons=list(new.reasons),
+                    counted=counting.counted(new.reasons),
+                )

@@ -2,7 +2,7 @@
 after two reboots is held (taint `repeat-offender`, label needs-repair, Event, condition), a further reboot
 does not release it, `gpuguard status` shows it and `gpuguard release` (as an operator) lifts it; a GPU
 whose faults are further apart than the window is never held; on a DRA node the GPU's own DeviceTaintRule
-holds it the same way."""
+holds it the same way; a fabric that never completes (a node's cause) is recorded and holds no GPU."""
 
 from __future__ import annotations
 
@@ -208,3 +208,44 @@ def test_on_a_dra_node_the_rule_of_a_gpu_whose_xid_returns_after_two_reboots_hol
     eventually(lambda: rule() is None or None, 10, what="rule deleted after the release")
     eventually(lambda: repair not in labels(admin, node) or None, 10, what="the repair label gone")
     assert [e["by"] for e in agent.events("repeat.released")] == ["it-operator"]
+
+
+FABRIC = "gpu 0 uuid=GPU-it-0 fabric_state=1\ngpu 1 uuid=GPU-it-1 fabric_state=1\n"
+
+
+def test_a_fabric_that_never_completes_over_four_boots_holds_no_gpu(
+    admin: Admin, start_agent: Any, tmp_path: Path
+) -> None:
+    """Fabric Manager fails at every boot: both GPUs read fabric-incomplete from the start of each boot (no
+    grace, the test's scale) and stay quarantined; each boot is a new episode in the history, and no GPU is
+    held (quarantine/counting.py). Before, the third boot held both."""
+    config = tmp_path / "signals.yaml"
+    config.write_text("signals:\n  fabric-incomplete: {window_s: 0}\n")
+    args = ("--signals-config", str(config))
+    state = tmp_path / "fabric.state"
+    state.write_text(FABRIC)  # from the agent's first read: a fabric the fake never reported is unsupported
+    agent, node, state = start_agent(boot_id="boot-a", env=RESYNC, args=args, state=state)
+
+    def fabric_taint() -> bool:
+        return (admin.our_taint(node) or {}).get("value") == "fabric-incomplete"
+
+    def opened() -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = agent.events("repeat.episode_opened")
+        return events
+
+    eventually(fabric_taint, 10, what="fabric taint")
+    for boot in ("boot-b", "boot-c", "boot-d"):
+        agent = reboot(
+            admin, start_agent, agent, node=node, state=state, boot=boot, args=args, healthy=FABRIC
+        )
+        eventually(lambda: len(opened()) == 2, 10, what=f"an episode per GPU in {boot}")
+        assert all(e["counted"] is False and e["reasons"] == ["fabric-incomplete"] for e in opened())
+    time.sleep(1.0)  # more reconciles: a hold would show by now
+    assert fabric_taint()
+    assert "gpuguard.io/needs-repair" not in labels(admin, node)
+    assert "gpuguard.io/repeat-offenders" not in annotations_of(admin, node)
+    assert not [e for e in admin.events_for(node) if e["reason"] == "GPURepeatOffender"]
+    assert not agent.events("repeat.escalated")
+    gpus = json.loads((agent.state_dir / "history.json").read_text())["gpus"]
+    for uuid in ("GPU-it-0", "GPU-it-1"):
+        assert len(gpus[uuid]["episodes"]) == 4 and gpus[uuid]["escalated"] is None
