@@ -86,6 +86,7 @@ class _Memory:
     clocks: dict[str, Samples]
     fabric_since: dict[str, float]
     booted_at: float | None = None  # the snapshot's, not remembered
+    known: frozenset[str] = frozenset()  # the GPUs the previous verdict judged, not remembered
 
     @classmethod
     def of(cls, m: SignalMemory) -> _Memory:
@@ -115,6 +116,7 @@ def judge(snapshot: Snapshot, *, previous: Verdict, table: SignalTable) -> Signa
     mem = _Memory.of(previous.signal_memory)
     mem.booted_at = snapshot.booted_at
     prev_by_uuid = {g.uuid: g for g in previous.gpus}
+    mem.known = frozenset(prev_by_uuid)
     faults: dict[str, tuple[Fault, ...]] = {}
     degraded: dict[str, tuple[Fault, ...]] = {}
     for g in snapshot.gpus:
@@ -205,11 +207,16 @@ def _fabric_incomplete(g: GpuReading, s: Signal, mem: _Memory, now: float) -> st
     if state is None or state == FABRIC_COMPLETED or state not in FABRIC_STATES:
         mem.fabric_since.pop(g.uuid, None)
         return ""
-    since = mem.fabric_since.setdefault(g.uuid, now)
-    # The grace runs from the host's boot where it is known (an agent started late, or `check`, need not
-    # wait another grace for a fabric that has been down since boot), else from the first such reading.
-    booted = mem.booted_at is not None and mem.booted_at < since
-    start = mem.booted_at if booted and mem.booted_at is not None else since
+    start = mem.fabric_since.get(g.uuid)
+    if start is None:
+        # The grace runs from the host's boot where it is known and the GPU is new to this judge (an agent
+        # started late, or `check`, need not wait another grace for a fabric down since boot), else from
+        # this first such reading: a GPU read before and now re-registering (after a GPU reset, a Fabric
+        # Manager restart) gets its whole grace, not a fault at once for the time since boot.
+        boot = mem.booted_at
+        start = boot if boot is not None and boot < now and g.uuid not in mem.known else now
+        mem.fabric_since[g.uuid] = start
+    booted = start == mem.booted_at
     if now - start < s.window_s:
         return ""
     after = "the host booted" if booted else "it was first read so"

@@ -295,3 +295,16 @@ def test_an_unresponsive_gpus_last_values_are_no_reading_a_storm_is_not_counted_
         v = evaluate(Snapshot(gpus=(braking,), taken_at=t), previous=v, settings=DEFAULT)
     assert found(v, "clock-power-brake") == ""
     assert len(v.signal_memory.clock_samples[0][1]) == 1
+
+
+def test_a_fabric_incomplete_after_a_completed_reading_gets_its_grace_from_then_not_from_boot() -> None:
+    """A GPU reset (the remedy of reset-required) or a Fabric Manager restart re-registers a GPU long after
+    boot: its fabric reads IN_PROGRESS for a while. Counted from the boot it would be a fault at once."""
+    v = None
+    seen = []
+    for t, state in ((5000, 3), (5003, 2), (5200, 2), (5310, 2)):
+        snap = Snapshot(gpus=(reading({"fabric_state": state}),), taken_at=t, booted_at=0)
+        v = evaluate(snap, previous=v, settings=DEFAULT)
+        seen.append(found(v, "fabric-incomplete"))
+    assert seen == ["", "", "", "fault"]
+    assert v is not None and "IN_PROGRESS 307 s after it was first read so" in v.faults[0].detail
