@@ -247,16 +247,20 @@ def _nvlink_down(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
     if active is None:
         return ""
     first = mem.links.get(g.uuid)
-    if first is None:
+    if first is None or not active <= first:
+        # The first good reading, raised by a link active now that it lacked (a first reading taken while
+        # the fabric still trained the links, or with one down): a link active once is one the GPU has.
         if active:
-            mem.links[g.uuid] = active  # the first good reading: a link active now is one it has
-        return ""
+            mem.links[g.uuid] = active | (first or frozenset())
+        if first is None:
+            return ""
+        first = mem.links[g.uuid]
     down = sorted(first - active)
     if len(down) <= s.threshold:
         return ""
     links = ", ".join(map(str, down))
     word = "link" if len(down) == 1 else "links"
-    return f"NVLink {word} {links} inactive, of {len(first)} active at the first reading"
+    return f"NVLink {word} {links} inactive, of {len(first)} active at the best reading"
 
 
 def _counter(key: str, value: int | None, s: Signal, mem: _Memory, now: float) -> int | None:
@@ -298,10 +302,13 @@ def _pcie_width(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
     width = g.signals.pcie_width
     if width is None:
         return ""
-    first = mem.width.setdefault(g.uuid, width)
+    first = mem.width.get(g.uuid)
+    if first is None or width > first:
+        # The first reading, raised by a wider one: a first reading of a link already narrow is no baseline.
+        first = mem.width[g.uuid] = width
     if width >= first - s.threshold:
         return ""
-    return f"PCIe link width x{width}, x{first} at the first reading"
+    return f"PCIe link width x{width}, x{first} at the best reading"
 
 
 def _pcie_width_max(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:

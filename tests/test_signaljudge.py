@@ -214,7 +214,7 @@ def test_one_nvlink_down_degrades_that_gpu_only() -> None:
     assert [(f.reason, f.uuid) for f in prev.degraded] == [("nvlink-down", "GPU-1")]
     assert (
         prev.gpus[1].degraded[0].detail
-        == "NVLink link 7 inactive, of 18 active at the first reading (GPU 1, GPU-1)"
+        == "NVLink link 7 inactive, of 18 active at the best reading (GPU 1, GPU-1)"
     )
 
 
@@ -308,3 +308,15 @@ def test_a_fabric_incomplete_after_a_completed_reading_gets_its_grace_from_then_
         seen.append(found(v, "fabric-incomplete"))
     assert seen == ["", "", "", "fault"]
     assert v is not None and "IN_PROGRESS 307 s after it was first read so" in v.faults[0].detail
+
+
+def test_a_baseline_taken_while_degraded_is_raised_by_a_better_reading_so_a_later_drop_is_seen() -> None:
+    """An agent that first reads a GPU while its link is narrow (a fresh install on a broken node) or while
+    the fabric still trains its NVLinks must not take that as the GPU's good state for ever."""
+    width = run([Step(0, {"pcie_width": 8}), Step(30, {"pcie_width": 16}), Step(60, {"pcie_width": 8})])
+    assert [found(x, "pcie-width") for x in width] == ["", "", "degraded"]
+    assert "x8, x16 at the best reading" in width[-1].degraded[0].detail
+    half = LINKS - {3, 4}
+    links = run([Step(t, {"nvlink_active": a}) for t, a in ((0, half), (30, LINKS), (60, half))])
+    assert [found(x, "nvlink-down") for x in links] == ["", "", "degraded"]
+    assert "links 3, 4 inactive, of 18 active" in links[-1].degraded[0].detail
