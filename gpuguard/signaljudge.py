@@ -99,6 +99,12 @@ class _Memory:
             dict(m.fabric_incomplete_since),
         )
 
+    def keep(self, judged: set[str]) -> None:
+        """Drop the windows of GPUs not judged (lost, gone): never judged again, they stay pending."""
+        self.counters = {k: v for k, v in self.counters.items() if k.rsplit("/", 1)[0] in judged}
+        self.clocks = {u: v for u, v in self.clocks.items() if u in judged}
+        self.fabric_since = {u: v for u, v in self.fabric_since.items() if u in judged}
+
     def frozen(self, previous: SignalMemory) -> SignalMemory:
         m = SignalMemory(
             first_links=tuple(self.links.items()),
@@ -125,6 +131,7 @@ def judge(snapshot: Snapshot, *, previous: Verdict, table: SignalTable) -> Signa
         found = _gpu(g, mem, table, snapshot.taken_at, prev_by_uuid.get(g.uuid))
         faults[g.uuid] = tuple(f for level, f in found if level == FAULT)
         degraded[g.uuid] = tuple(f for level, f in found if level == DEGRADED)
+    mem.keep({g.uuid for g in snapshot.gpus if not g.lost})  # baselines stay: the file drops gone GPUs
     bus = table["gpu-missing"]
     node = _bus_only(snapshot, previous)
     return SignalOutcome(
