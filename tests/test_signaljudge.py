@@ -325,7 +325,7 @@ def test_a_baseline_taken_while_degraded_is_raised_by_a_better_reading_so_a_late
 def test_a_lost_gpus_windows_are_dropped_so_time_stops_being_pending_its_baselines_stay() -> None:
     """A GPU lost mid-storm (or with a fabric grace running) is never judged again: windows kept for it
     would keep `pending` true for ever, and the agent would judge every check of a steady node again."""
-    busy = {"clock_events": 0x80, "fabric_state": 2, "pcie_width": 16, "pcie_replays": 0}
+    busy: dict[str, object] = {"clock_events": 0x80, "fabric_state": 2, "pcie_width": 16, "pcie_replays": 0}
     v = None
     for t, values in ((0, busy), (3, busy | {"pcie_replays": 4})):
         v = evaluate(Snapshot(gpus=(reading(values),), taken_at=t), previous=v, settings=DEFAULT)
