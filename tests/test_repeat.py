@@ -378,3 +378,16 @@ def test_a_held_gpus_rule_deleted_by_hand_is_an_override_for_this_boot_only(tmp_
     checks(r)
     (rule,) = source.store.values()
     assert rule["spec"]["taint"]["value"] == "repeat-offender"  # held again by the next boot
+
+
+def test_a_release_dated_before_the_gpus_episodes_stays_released_after_the_next_agent_start(
+    tmp_path: Path,
+) -> None:
+    """The annotation's `at` is the releasing machine's clock (or a release written earlier and applied
+    late): recorded as is, the episodes after it counted again at the next start and held the GPU again."""
+    node = held_node(tmp_path)
+    release(node, at="2027-01-14T08:00:00Z")  # a day before the first episode
+    assert node.held == {}
+    node.reboot("boot-4")  # a new agent: escalation over the history read from the disk
+    assert node.held == {}
+    assert node.writer.node.our_taint is None

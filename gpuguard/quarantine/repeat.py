@@ -122,7 +122,11 @@ class RepeatOffenders:
         except ValueError as exc:
             log.warning("repeat.release_refused", node=node.name, error=str(exc), annotation=text[:200])
             return
-        self._history, released = escalation.release(self._history, request.gpu, by=request.by, at=request.at)
+        # Recorded at the node's time, the clock of the episodes it is compared with: the annotation's `at`
+        # (the releasing machine's clock, or a release applied late) before an episode would count that
+        # episode again at the next start and hold the GPU again.
+        at = max(request.at, now)
+        self._history, released = escalation.release(self._history, request.gpu, by=request.by, at=at)
         # On disk before the write that removes the annotation: an agent killed in between must not
         # forget a release the node no longer shows (the GPU would be held again).
         self.flush()
