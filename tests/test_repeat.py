@@ -391,3 +391,14 @@ def test_a_release_dated_before_the_gpus_episodes_stays_released_after_the_next_
     node.reboot("boot-4")  # a new agent: escalation over the history read from the disk
     assert node.held == {}
     assert node.writer.node.our_taint is None
+
+
+def test_a_release_that_names_no_held_gpu_is_logged_as_such_not_as_a_release(tmp_path: Path) -> None:
+    """A mistyped UUID: the annotation is handled and removed, so the log is all the operator has; it must
+    not say `repeat.released` while the GPU stays held."""
+    node = held_node(tmp_path)
+    with capture_logs() as logs:
+        release(node, gpu="GPU-9")
+    events = [e for e in logs if e["event"].startswith("repeat.release")]
+    assert [(e["event"], e["held"]) for e in events] == [("repeat.release_matched_none", ["GPU-0"])]
+    assert node.held == {"GPU-0": 3}

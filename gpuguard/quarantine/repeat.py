@@ -130,6 +130,10 @@ class RepeatOffenders:
         # On disk before the write that removes the annotation: an agent killed in between must not
         # forget a release the node no longer shows (the GPU would be held again).
         self.flush()
+        if not released:  # a mistyped UUID, a GPU not held: the log is all the operator will see
+            held = sorted(self.held)
+            log.warning("repeat.release_matched_none", node=node.name, gpu=request.gpu, held=held)
+            return
         log.warning(
             "repeat.released",
             node=node.name,
