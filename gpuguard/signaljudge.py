@@ -307,7 +307,7 @@ def _pcie_replays(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
 
 def _pcie_width(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
     width = g.signals.pcie_width
-    if width is None:
+    if not width:  # None, or 0 (down or unknown): no reading, never a baseline (the file refuses x0)
         return ""
     first = mem.width.get(g.uuid)
     if first is None or width > first:
@@ -327,7 +327,7 @@ def _pcie_width_max(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
 
 def _pcie_gen(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
     gen = g.signals.pcie_gen
-    if gen is None:
+    if not gen:  # None, or 0: no reading, as a width of 0
         return ""
     first = mem.gen.setdefault(g.uuid, gen)
     if gen >= first - s.threshold:
