@@ -22,7 +22,9 @@ from gpuguard.nvml.base import Backend, wait_for
 from gpuguard.policy import evaluate
 from gpuguard.quarantine.node.writers import DRY_RUN_NODE
 from gpuguard.quarantine.reconciler import NodeReconciler
+from gpuguard.signalcadence import fitted
 from gpuguard.signalconfig import SignalConfig
+from gpuguard.signals import SignalTable
 from gpuguard.state import StateStore
 from gpuguard.xidcatalog import CATALOG
 
@@ -62,13 +64,15 @@ class Agent:
         self._backend = backend
         self._on_verdict = on_verdict
         self._reconciler = reconciler
-        self._policy = policy
         self._signal_config = signal_config
         # When the host booted, on the agent's clock (`uptime`: seconds since, at construction).
         self._booted_at = None if uptime is None else clock() - uptime
         self._interval = interval
         self._node_name = node_name
         self._log_node = node_name or DRY_RUN_NODE  # the name the node's own lines use, also in a dry run
+        self._widened: dict[str, float] = {}
+        table = self._fit(policy.signals)
+        self._policy = policy if table is policy.signals else replace(policy, signals=table)
         self._dry_run = dry_run
         self._metrics = metrics
         self._state = state
@@ -194,12 +198,22 @@ class Agent:
         select them apply from the next check on. One log line when the table changes."""
         if self._signal_config is None:
             return
-        table = self._signal_config.table(labels)
+        table = self._fit(self._signal_config.table(labels))
         if table != self._policy.signals:
             self._policy = replace(self._policy, signals=table)
             log.info(
                 "signals.node_rules", node=self._log_node, rules=list(self._signal_config.matching(labels))
             )
+
+    def _fit(self, table: SignalTable) -> SignalTable:
+        """The table with the clock signals' windows widened to hold enough checks at --interval."""
+        table, widened = fitted(table, self._interval)
+        if widened and widened != self._widened:
+            log.warning(
+                "signals.window_widened", node=self._log_node, interval=self._interval, windows=widened
+            )
+        self._widened = widened
+        return table
 
     def _evaluate(self, snapshot: Snapshot, basis: Verdict | None) -> Verdict:
         """policy.evaluate, remembered for the last arguments: it is pure (no clock, no I/O), so the same

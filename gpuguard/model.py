@@ -220,7 +220,7 @@ class GpuVerdict:
 class SignalMemory:
     """What gpuguard.signaljudge carries from one check to the next, per GPU UUID: the first good reading's
     active NVLinks and PCIe width, counter samples (time, total) and clock event samples (time, mask) over
-    the longest window, and when a fabric was first seen incomplete."""
+    the longest window, and when a fabric's grace started (the boot or its first incomplete reading)."""
 
     first_links: tuple[tuple[str, frozenset[int]], ...] = ()
     first_width: tuple[tuple[str, int], ...] = ()

@@ -86,6 +86,7 @@ class _Memory:
     clocks: dict[str, Samples]
     fabric_since: dict[str, float]
     booted_at: float | None = None  # the snapshot's, not remembered
+    known: frozenset[str] = frozenset()  # the GPUs the previous verdict judged, not remembered
 
     @classmethod
     def of(cls, m: SignalMemory) -> _Memory:
@@ -97,6 +98,12 @@ class _Memory:
             dict(m.clock_samples),
             dict(m.fabric_incomplete_since),
         )
+
+    def keep(self, judged: set[str]) -> None:
+        """Drop the windows of GPUs not judged (lost, gone): never judged again, they stay pending."""
+        self.counters = {k: v for k, v in self.counters.items() if k.rsplit("/", 1)[0] in judged}
+        self.clocks = {u: v for u, v in self.clocks.items() if u in judged}
+        self.fabric_since = {u: v for u, v in self.fabric_since.items() if u in judged}
 
     def frozen(self, previous: SignalMemory) -> SignalMemory:
         m = SignalMemory(
@@ -115,6 +122,7 @@ def judge(snapshot: Snapshot, *, previous: Verdict, table: SignalTable) -> Signa
     mem = _Memory.of(previous.signal_memory)
     mem.booted_at = snapshot.booted_at
     prev_by_uuid = {g.uuid: g for g in previous.gpus}
+    mem.known = frozenset(prev_by_uuid)
     faults: dict[str, tuple[Fault, ...]] = {}
     degraded: dict[str, tuple[Fault, ...]] = {}
     for g in snapshot.gpus:
@@ -123,6 +131,7 @@ def judge(snapshot: Snapshot, *, previous: Verdict, table: SignalTable) -> Signa
         found = _gpu(g, mem, table, snapshot.taken_at, prev_by_uuid.get(g.uuid))
         faults[g.uuid] = tuple(f for level, f in found if level == FAULT)
         degraded[g.uuid] = tuple(f for level, f in found if level == DEGRADED)
+    mem.keep({g.uuid for g in snapshot.gpus if not g.lost})  # baselines stay: the file drops gone GPUs
     bus = table["gpu-missing"]
     node = _bus_only(snapshot, previous)
     return SignalOutcome(
@@ -205,11 +214,16 @@ def _fabric_incomplete(g: GpuReading, s: Signal, mem: _Memory, now: float) -> st
     if state is None or state == FABRIC_COMPLETED or state not in FABRIC_STATES:
         mem.fabric_since.pop(g.uuid, None)
         return ""
-    since = mem.fabric_since.setdefault(g.uuid, now)
-    # The grace runs from the host's boot where it is known (an agent started late, or `check`, need not
-    # wait another grace for a fabric that has been down since boot), else from the first such reading.
-    booted = mem.booted_at is not None and mem.booted_at < since
-    start = mem.booted_at if booted and mem.booted_at is not None else since
+    start = mem.fabric_since.get(g.uuid)
+    if start is None:
+        # The grace runs from the host's boot where it is known and the GPU is new to this judge (an agent
+        # started late, or `check`, need not wait another grace for a fabric down since boot), else from
+        # this first such reading: a GPU read before and now re-registering (after a GPU reset, a Fabric
+        # Manager restart) gets its whole grace, not a fault at once for the time since boot.
+        boot = mem.booted_at
+        start = boot if boot is not None and boot < now and g.uuid not in mem.known else now
+        mem.fabric_since[g.uuid] = start
+    booted = start == mem.booted_at
     if now - start < s.window_s:
         return ""
     after = "the host booted" if booted else "it was first read so"
@@ -240,16 +254,20 @@ def _nvlink_down(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
     if active is None:
         return ""
     first = mem.links.get(g.uuid)
-    if first is None:
+    if first is None or not active <= first:
+        # The first good reading, raised by a link active now that it lacked (a first reading taken while
+        # the fabric still trained the links, or with one down): a link active once is one the GPU has.
         if active:
-            mem.links[g.uuid] = active  # the first good reading: a link active now is one it has
-        return ""
+            mem.links[g.uuid] = active | (first or frozenset())
+        if first is None:
+            return ""
+        first = mem.links[g.uuid]
     down = sorted(first - active)
     if len(down) <= s.threshold:
         return ""
     links = ", ".join(map(str, down))
     word = "link" if len(down) == 1 else "links"
-    return f"NVLink {word} {links} inactive, of {len(first)} active at the first reading"
+    return f"NVLink {word} {links} inactive, of {len(first)} active at the best reading"
 
 
 def _counter(key: str, value: int | None, s: Signal, mem: _Memory, now: float) -> int | None:
@@ -289,12 +307,15 @@ def _pcie_replays(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
 
 def _pcie_width(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
     width = g.signals.pcie_width
-    if width is None:
+    if not width:  # None, or 0 (down or unknown): no reading, never a baseline (the file refuses x0)
         return ""
-    first = mem.width.setdefault(g.uuid, width)
+    first = mem.width.get(g.uuid)
+    if first is None or width > first:
+        # The first reading, raised by a wider one: a first reading of a link already narrow is no baseline.
+        first = mem.width[g.uuid] = width
     if width >= first - s.threshold:
         return ""
-    return f"PCIe link width x{width}, x{first} at the first reading"
+    return f"PCIe link width x{width}, x{first} at the best reading"
 
 
 def _pcie_width_max(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
@@ -306,7 +327,7 @@ def _pcie_width_max(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
 
 def _pcie_gen(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
     gen = g.signals.pcie_gen
-    if gen is None:
+    if not gen:  # None, or 0: no reading, as a width of 0
         return ""
     first = mem.gen.setdefault(g.uuid, gen)
     if gen >= first - s.threshold:

@@ -270,3 +270,14 @@ def test_healthz_carries_the_api_state_of_the_reconciler_and_none_in_a_dry_run()
         backend=backend, reconciler=dry, policy=PolicySettings(), interval=1, node_name="n", dry_run=True
     )
     assert dry_agent.status().api is None
+
+
+def test_at_interval_60_a_power_brake_storm_degrades_the_gpu_through_a_widened_window() -> None:
+    """5 checks within 300 s at most: with the shipped window the storm would never count more than 5."""
+    text = "gpus: 1\nevents:\n  - {at: 1, gpu: 0, clock_events: [hw_power_brake]}\n"
+    agent, clock, _writer, r, _metrics = make(text, interval=60.0)
+    seen = []
+    for i in range(8):
+        step(agent, r, clock, 1.0 + 60 * i)
+        seen.append([f.reason for f in agent.status().verdict.degraded])
+    assert seen == [[]] * 5 + [["clock-power-brake"]] * 3

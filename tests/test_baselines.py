@@ -232,3 +232,25 @@ def test_a_dry_run_and_a_run_without_state_dir_keep_baselines_in_memory_only(tmp
         assert parts.agent._baselines is None
         parts.agent.run(run_for=0.3)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_link_read_as_x0_or_gen_0_is_no_baseline_so_the_file_stays_loadable(tmp_path: Path) -> None:
+    """The judge kept a first width or generation of 0 (a link NVML reads as down or unknown), which the
+    file's own check refuses (1 to 64): the next start moved the whole file aside, every GPU's baselines
+    lost. A 0 is not judged and not a baseline."""
+    from gpuguard.config import PolicySettings
+    from gpuguard.model import GpuReading, SignalReadings, Snapshot
+    from gpuguard.policy import evaluate
+
+    gpus = (
+        GpuReading(index=0, uuid="GPU-a", signals=SignalReadings(pcie_width=0, pcie_gen=0)),
+        GpuReading(index=1, uuid="GPU-b", signals=SignalReadings(pcie_width=16, pcie_gen=4)),
+    )
+    from gpuguard.signals import SIGNALS
+
+    judged = PolicySettings(signals=SIGNALS.changed("pcie-gen", {"level": "degraded"}, where="test"))
+    v = evaluate(Snapshot(gpus=gpus, taken_at=0), previous=None, settings=judged)
+    assert v.healthy and not v.degraded
+    BaselineStore(tmp_path).save(v.signal_memory, BOTH)
+    loaded = BaselineStore(tmp_path).load()
+    assert loaded.first_width == (("GPU-b", 16),) and loaded.first_gen == (("GPU-b", 4),)

@@ -548,3 +548,17 @@ def test_every_line_an_api_incident_logs_is_explained_in_operations_md() -> None
     }
     assert incident - table == set(), "logged in an incident, not explained in docs/operations.md"
     assert table - code == set(), "explained in docs/operations.md, logged nowhere"
+
+
+def test_a_restarted_agent_rewrites_an_unhealthy_condition_so_it_names_this_runs_faults() -> None:
+    """The False condition a previous run wrote names that run's faults (an Xid since cleared by a reset,
+    say); the restarted agent that reads other faults must not leave the old ones in the message."""
+    writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b", gpu_condition="False"))
+    r = NodeReconciler(writer, SETTINGS)
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert [c["status"] for c in writer.conditions] == ["False"]
+    assert writer.conditions[0]["message"].startswith("ecc: 2 uncorrected")
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    assert len(writer.conditions) == 1  # once per start, then only on change

@@ -398,3 +398,27 @@ def test_a_fabric_that_never_completes_over_three_boots_holds_no_gpu(tmp_path: P
     assert LABEL_NEEDS_REPAIR not in node.writer.node.labels
     history = node.agent.repeat.history if node.agent.repeat is not None else {}
     assert len(history["GPU-0"].episodes) == 4  # recorded, not counted
+
+
+def test_a_release_dated_before_the_gpus_episodes_stays_released_after_the_next_agent_start(
+    tmp_path: Path,
+) -> None:
+    """The annotation's `at` is the releasing machine's clock (or a release written earlier and applied
+    late): recorded as is, the episodes after it counted again at the next start and held the GPU again."""
+    node = held_node(tmp_path)
+    release(node, at="2027-01-14T08:00:00Z")  # a day before the first episode
+    assert node.held == {}
+    node.reboot("boot-4")  # a new agent: escalation over the history read from the disk
+    assert node.held == {}
+    assert node.writer.node.our_taint is None
+
+
+def test_a_release_that_names_no_held_gpu_is_logged_as_such_not_as_a_release(tmp_path: Path) -> None:
+    """A mistyped UUID: the annotation is handled and removed, so the log is all the operator has; it must
+    not say `repeat.released` while the GPU stays held."""
+    node = held_node(tmp_path)
+    with capture_logs() as logs:
+        release(node, gpu="GPU-9")
+    events = [e for e in logs if e["event"].startswith("repeat.release")]
+    assert [(e["event"], e["held"]) for e in events] == [("repeat.release_matched_none", ["GPU-0"])]
+    assert node.held == {"GPU-0": 3}

@@ -214,7 +214,7 @@ def test_one_nvlink_down_degrades_that_gpu_only() -> None:
     assert [(f.reason, f.uuid) for f in prev.degraded] == [("nvlink-down", "GPU-1")]
     assert (
         prev.gpus[1].degraded[0].detail
-        == "NVLink link 7 inactive, of 18 active at the first reading (GPU 1, GPU-1)"
+        == "NVLink link 7 inactive, of 18 active at the best reading (GPU 1, GPU-1)"
     )
 
 
@@ -295,3 +295,43 @@ def test_an_unresponsive_gpus_last_values_are_no_reading_a_storm_is_not_counted_
         v = evaluate(Snapshot(gpus=(braking,), taken_at=t), previous=v, settings=DEFAULT)
     assert found(v, "clock-power-brake") == ""
     assert len(v.signal_memory.clock_samples[0][1]) == 1
+
+
+def test_a_fabric_incomplete_after_a_completed_reading_gets_its_grace_from_then_not_from_boot() -> None:
+    """A GPU reset (the remedy of reset-required) or a Fabric Manager restart re-registers a GPU long after
+    boot: its fabric reads IN_PROGRESS for a while. Counted from the boot it would be a fault at once."""
+    v = None
+    seen = []
+    for t, state in ((5000, 3), (5003, 2), (5200, 2), (5310, 2)):
+        snap = Snapshot(gpus=(reading({"fabric_state": state}),), taken_at=t, booted_at=0)
+        v = evaluate(snap, previous=v, settings=DEFAULT)
+        seen.append(found(v, "fabric-incomplete"))
+    assert seen == ["", "", "", "fault"]
+    assert v is not None and "IN_PROGRESS 307 s after it was first read so" in v.faults[0].detail
+
+
+def test_a_baseline_taken_while_degraded_is_raised_by_a_better_reading_so_a_later_drop_is_seen() -> None:
+    """An agent that first reads a GPU while its link is narrow (a fresh install on a broken node) or while
+    the fabric still trains its NVLinks must not take that as the GPU's good state for ever."""
+    width = run([Step(0, {"pcie_width": 8}), Step(30, {"pcie_width": 16}), Step(60, {"pcie_width": 8})])
+    assert [found(x, "pcie-width") for x in width] == ["", "", "degraded"]
+    assert "x8, x16 at the best reading" in width[-1].degraded[0].detail
+    half = LINKS - {3, 4}
+    links = run([Step(t, {"nvlink_active": a}) for t, a in ((0, half), (30, LINKS), (60, half))])
+    assert [found(x, "nvlink-down") for x in links] == ["", "", "degraded"]
+    assert "links 3, 4 inactive, of 18 active" in links[-1].degraded[0].detail
+
+
+def test_a_lost_gpus_windows_are_dropped_so_time_stops_being_pending_its_baselines_stay() -> None:
+    """A GPU lost mid-storm (or with a fabric grace running) is never judged again: windows kept for it
+    would keep `pending` true for ever, and the agent would judge every check of a steady node again."""
+    busy: dict[str, object] = {"clock_events": 0x80, "fabric_state": 2, "pcie_width": 16, "pcie_replays": 0}
+    v = None
+    for t, values in ((0, busy), (3, busy | {"pcie_replays": 4})):
+        v = evaluate(Snapshot(gpus=(reading(values),), taken_at=t), previous=v, settings=DEFAULT)
+    assert v is not None and v.signal_memory.pending
+    lost = replace(reading(busy), lost=True)
+    for t in (6, 400, 403):
+        v = evaluate(Snapshot(gpus=(lost,), taken_at=t), previous=v, settings=DEFAULT)
+    assert not v.signal_memory.pending
+    assert v.signal_memory.first_width == (("GPU-0", 16),)

@@ -122,10 +122,18 @@ class RepeatOffenders:
         except ValueError as exc:
             log.warning("repeat.release_refused", node=node.name, error=str(exc), annotation=text[:200])
             return
-        self._history, released = escalation.release(self._history, request.gpu, by=request.by, at=request.at)
+        # Recorded at the node's time, the clock of the episodes it is compared with: the annotation's `at`
+        # (the releasing machine's clock, or a release applied late) before an episode would count that
+        # episode again at the next start and hold the GPU again.
+        at = max(request.at, now)
+        self._history, released = escalation.release(self._history, request.gpu, by=request.by, at=at)
         # On disk before the write that removes the annotation: an agent killed in between must not
         # forget a release the node no longer shows (the GPU would be held again).
         self.flush()
+        if not released:  # a mistyped UUID, a GPU not held: the log is all the operator will see
+            held = sorted(self.held)
+            log.warning("repeat.release_matched_none", node=node.name, gpu=request.gpu, held=held)
+            return
         log.warning(
             "repeat.released",
             node=node.name,

@@ -4,6 +4,7 @@ counter)."""
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Any
 
@@ -50,6 +51,11 @@ def read_fields(handle: Any, ids: tuple[int, ...]) -> Fields:
         if ret != 0:  # NVML_SUCCESS
             out[fid] = (None, ERROR_NAMES.get(ret, f"NVML error {ret}"))
             continue
-        fmt = _VALUE.get(kind, _UINT)
-        out[fid] = (int(fmt.unpack_from(raw)[0]), "")
+        value = _VALUE.get(kind, _UINT).unpack_from(raw)[0]
+        if not (isinstance(value, int) or math.isfinite(value)) or value < 0:
+            # Every field read is a count, a counter or an enum: a NaN, an infinity or a negative value is
+            # this field's error (int(NaN) raised out of the pass, and every pass of the node failed).
+            out[fid] = (None, "INVALID_VALUE")
+            continue
+        out[fid] = (int(value), "")
     return out

@@ -3,7 +3,8 @@
 
 A GPU is an NVIDIA (vendor 0x10de) display controller: class 0x0300 (VGA) or 0x0302 (3D controller, what
 data-centre GPUs report). NVSwitches (class 0x0680) are not GPUs. A GPU bound to vfio-pci is passed to a
-virtual machine on purpose: not NVML's, not missing. The scan is a few hundred small sysfs reads: done at
+virtual machine on purpose: not NVML's, not missing; nor is an SR-IOV virtual function (a `physfn` link: the
+VFs of a vGPU host). The scan is a few hundred small sysfs reads: done at
 the first pass and every SCAN_EVERY_S, not at every poll.
 """
 
@@ -47,6 +48,8 @@ def nvidia_gpus(root: str) -> tuple[str, ...]:
             continue
         if os.path.basename(os.path.realpath(os.path.join(path, "driver"))) == "vfio-pci":
             continue
+        if os.path.lexists(os.path.join(path, "physfn")):
+            continue  # an SR-IOV virtual function (vGPU): NVML lists its physical GPU, not it
         found.append(name)
     return tuple(found)
 

@@ -256,7 +256,9 @@ def plan_condition(
     and how many of them DeviceTaintRules hold (`device_tainted`; the rest of the node stays in service)."""
     status = "True" if verdict.healthy else "False"
     keys = frozenset(f.key for f in verdict.faults)
-    if current == status and (last_keys is None or last_keys == keys):
+    # A restarted agent (`last_keys` None) leaves a matching True alone, but writes a False once: the
+    # message the previous run wrote names that run's faults, not necessarily this one's.
+    if current == status and (last_keys == keys or (last_keys is None and verdict.healthy)):
         return None
     stamp = rfc3339(now)
     return {

@@ -1,0 +1,41 @@
+"""The clock signals' windows fitted to --interval (gpuguard.signalcadence), and the judge over them."""
+
+from __future__ import annotations
+
+from gpuguard.config import PolicySettings
+from gpuguard.model import GpuReading, SignalReadings, Snapshot, Verdict
+from gpuguard.policy import evaluate
+from gpuguard.signalcadence import fitted
+from gpuguard.signals import SIGNALS
+
+
+def storm(settings: PolicySettings, interval: float, checks: int) -> list[bool]:
+    """A power brake read at every check: whether the signal is degraded after each."""
+    v: Verdict | None = None
+    out = []
+    for i in range(checks):
+        g = GpuReading(index=0, uuid="GPU-0", signals=SignalReadings(clock_events=0x80))
+        v = evaluate(Snapshot(gpus=(g,), taken_at=i * interval), previous=v, settings=settings)
+        out.append(any(f.reason == "clock-power-brake" for f in v.degraded))
+    return out
+
+
+def test_a_power_brake_storm_at_interval_60_is_never_seen_with_the_shipped_window() -> None:
+    """The defect: 5 checks within 300 s at most, never more than the threshold of 5."""
+    assert not any(storm(PolicySettings(), 60, 30))
+
+
+def test_at_interval_60_the_clock_windows_widen_to_hold_six_checks_and_the_storm_is_seen() -> None:
+    table, widened = fitted(SIGNALS, 60)
+    assert widened == {"clock-hw-slowdown": 360, "clock-hw-thermal": 360, "clock-power-brake": 360}
+    assert table["clock-power-brake"].window_s == 360 and table["clock-power-brake"].threshold == 5
+    assert storm(PolicySettings(signals=table), 60, 8) == [False] * 5 + [True] * 3
+
+
+def test_a_window_that_holds_enough_checks_and_an_ignored_signal_are_left_as_they_are() -> None:
+    assert fitted(SIGNALS, 3) == (SIGNALS, {})
+    assert fitted(SIGNALS, 50)[1] == {}  # 6 checks within 300 s
+    off = SIGNALS.changed("clock-hw-thermal", {"level": "ignore"}, where="t")
+    table, widened = fitted(off, 120)
+    assert "clock-hw-thermal" not in widened and table["clock-hw-thermal"].window_s == 300
+    assert widened["clock-hw-slowdown"] == 720
