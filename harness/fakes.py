@@ -103,6 +103,8 @@ class FakeNodeWriter:
             self.conditions.append(dict(condition))
             field = "degraded_condition" if condition["type"] == "GPUDegraded" else "gpu_condition"
             fields = {**self.node.__dict__, field: condition["status"]}
+            if field == "gpu_condition":
+                fields["gpu_condition_message"] = condition["message"]
             fields["resource_version"] = str(int(self.node.resource_version) + 1)
             self.node = NodeView(**fields)
             return self.node

@@ -562,3 +562,25 @@ def test_a_restarted_agent_rewrites_an_unhealthy_condition_so_it_names_this_runs
     r.submit(SICK, 0)
     r.reconcile_now()
     assert len(writer.conditions) == 1  # once per start, then only on change
+
+
+def test_a_restarted_agent_leaves_an_unhealthy_condition_that_already_names_its_faults() -> None:
+    """The restart of an agent whose node is still out for the same faults writes nothing (issue 7's
+    idempotence): the condition's message read from the node is the one this run would write."""
+    first = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b", gpu_condition="True"))
+    r = NodeReconciler(first, SETTINGS)
+    r.submit(SICK, 0)
+    r.reconcile_now()
+    written = [c for c in first.conditions if c["type"] == "GPUHealthy"][-1]
+    view = NodeView(
+        name="gpu-1",
+        resource_version="1",
+        boot_id="b",
+        gpu_condition="False",
+        gpu_condition_message=written["message"],
+    )
+    writer = FakeNodeWriter(view)
+    restarted = NodeReconciler(writer, SETTINGS)
+    restarted.submit(SICK, 0)
+    restarted.reconcile_now()
+    assert [c for c in writer.conditions if c["type"] == "GPUHealthy"] == []

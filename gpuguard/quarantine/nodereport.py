@@ -75,6 +75,7 @@ class NodeReport:
             last_keys=self._condition_keys,
             now=self._now(),
             device_tainted=device_tainted,
+            current_message=node.gpu_condition_message,
         )
         if condition is None:
             self._condition_keys = frozenset(f.key for f in verdict.faults)

@@ -250,26 +250,30 @@ def plan_condition(
     last_keys: frozenset[str] | None,
     now: datetime,
     device_tainted: int = 0,
+    current_message: str | None = None,
 ) -> dict[str, str] | None:
     """The GPUHealthy node condition to write, or None when it already says this (updated only on change:
     a status flip, or a different set of faults). Unhealthy, the message starts with how many GPUs are out
     and how many of them DeviceTaintRules hold (`device_tainted`; the rest of the node stays in service)."""
     status = "True" if verdict.healthy else "False"
     keys = frozenset(f.key for f in verdict.faults)
-    # A restarted agent (`last_keys` None) leaves a matching True alone, but writes a False once: the
-    # message the previous run wrote names that run's faults, not necessarily this one's.
-    if current == status and (last_keys == keys or (last_keys is None and verdict.healthy)):
+    message = (
+        f"{plural(len(verdict.gpus), 'GPU')} healthy (gpuguard)"
+        if verdict.healthy
+        else _out(verdict, device_tainted)
+    )
+    # A restarted agent (`last_keys` None) leaves a matching True alone, and a False whose message (read from
+    # the node: `current_message`) already names this run's faults; another False it writes once: the
+    # previous run's message names that run's faults, not necessarily this one's.
+    restarted_same = last_keys is None and (verdict.healthy or current_message == message)
+    if current == status and (last_keys == keys or restarted_same):
         return None
     stamp = rfc3339(now)
     return {
         "type": CONDITION_TYPE,
         "status": status,
         "reason": "GPUsHealthy" if verdict.healthy else _reason(verdict),
-        "message": (
-            f"{plural(len(verdict.gpus), 'GPU')} healthy (gpuguard)"
-            if verdict.healthy
-            else _out(verdict, device_tainted)
-        ),
+        "message": message,
         "lastHeartbeatTime": stamp,
         "lastTransitionTime": stamp,
     }

@@ -78,6 +78,8 @@ class NodeView:
     labels: Mapping[str, str] = field(default_factory=dict)
     # status.conditions[type=GPUHealthy].status ("True"/"False"), None if absent.
     gpu_condition: str | None = None
+    # Its message, None if absent: a restarted agent compares it with the message it would write.
+    gpu_condition_message: str | None = None
     # status.conditions[type=GPUDegraded].status, None if absent.
     degraded_condition: str | None = None
 
@@ -96,6 +98,7 @@ class NodeView:
             boot_id=str(info.get("bootID", "")),
             labels=dict(meta.get("labels") or {}),
             gpu_condition=_condition(obj, CONDITION_TYPE),
+            gpu_condition_message=_condition(obj, CONDITION_TYPE, "message"),
             degraded_condition=_condition(obj, DEGRADED_CONDITION_TYPE),
         )
 
@@ -242,9 +245,9 @@ def apply_change(node: NodeView, change: NodeChange, *, resource_version: str | 
     )
 
 
-def _condition(obj: Mapping[str, Any], kind: str) -> str | None:
+def _condition(obj: Mapping[str, Any], kind: str, field: str = "status") -> str | None:
     conditions = (obj.get("status") or {}).get("conditions") or ()
-    return next((str(c.get("status")) for c in conditions if c.get("type") == kind), None)
+    return next((str(c.get(field)) for c in conditions if c.get("type") == kind), None)
 
 
 def _merge(current: Mapping[str, str], patch: Mapping[str, str | None]) -> dict[str, str]:

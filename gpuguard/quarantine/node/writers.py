@@ -97,7 +97,9 @@ class DryRunNodeWriter:
         if condition["type"] == DEGRADED_CONDITION_TYPE:
             self._node = replace(self._node, degraded_condition=condition["status"])
         else:
-            self._node = replace(self._node, gpu_condition=condition["status"])
+            self._node = replace(
+                self._node, gpu_condition=condition["status"], gpu_condition_message=condition["message"]
+            )
         return self._node
 
 
