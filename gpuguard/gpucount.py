@@ -59,18 +59,6 @@ def sees_a_share() -> bool:
     return visible is not None and visible.strip() not in ("", "all")
 
 
-def expected_from_node(
-    node: str,
-    *,
-    kubeconfig: str | None,
-    label: str = GPU_COUNT_LABEL,
-    api: kubeclient.Client | None = None,
-) -> int | None:
-    """The count `label` holds on `node`; None (with a log line saying why) when it cannot be used."""
-    labels = node_labels(node, kubeconfig=kubeconfig, api=api)
-    return None if labels is None else expected_from_labels(labels, node=node, label=label)
-
-
 def node_labels(
     node: str, *, kubeconfig: str | None, api: kubeclient.Client | None = None
 ) -> dict[str, str] | None:

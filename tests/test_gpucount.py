@@ -14,8 +14,9 @@ import pytest
 import yaml
 from structlog.testing import capture_logs
 
+from gpuguard.config import GPU_COUNT_LABEL
 from gpuguard.errors import PermanentApiError, TransientApiError
-from gpuguard.gpucount import MAX_GPUS, expected_from_node, parse_count
+from gpuguard.gpucount import MAX_GPUS, expected_from_labels, node_labels, parse_count
 from gpuguard.kube import client as kubeclient
 from tests.test_cli import run, write
 
@@ -57,6 +58,14 @@ class _Api(kubeclient.Client):
         if self.error is not None:
             raise self.error
         return self.node
+
+
+def expected_from_node(
+    node: str, *, kubeconfig: str | None, label: str = GPU_COUNT_LABEL, api: Any
+) -> int | None:
+    """The count as `check` takes it from its one read of the node (gpuguard.checknode)."""
+    labels = node_labels(node, kubeconfig=kubeconfig, api=api)
+    return None if labels is None else expected_from_labels(labels, node=node, label=label)
 
 
 def _node(labels: dict[str, str] | None) -> dict[str, Any]:
