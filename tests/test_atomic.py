@@ -12,30 +12,13 @@ from typing import Any
 import pytest
 
 from gpuguard import atomic
-
-
-def _trace(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The fsyncs (the file's path, or 'dir') and renames a write makes, in order."""
-    calls: list[str] = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd: int) -> None:
-        calls.append("dir" if os.path.isdir(f"/proc/self/fd/{fd}") else os.readlink(f"/proc/self/fd/{fd}"))
-        real_fsync(fd)
-
-    def replace(src: Any, dst: Any) -> None:
-        calls.append(f"rename {Path(src).name} -> {Path(dst).name}")
-        real_replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
-    return calls
+from harness.synctrace import trace_syncs
 
 
 def test_a_durable_write_syncs_the_temp_file_then_renames_then_syncs_the_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls = _trace(monkeypatch)
+    calls = trace_syncs(monkeypatch)
     atomic.write_atomically(tmp_path / "kept.json", b"new", durable=True)
     tmp = f".kept.json-{os.getpid()}.tmp"
     assert calls == [str(tmp_path / tmp), f"rename {tmp} -> kept.json", "dir"]
@@ -45,7 +28,7 @@ def test_a_durable_write_syncs_the_temp_file_then_renames_then_syncs_the_directo
 def test_a_write_that_is_not_durable_renames_without_any_fsync(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls = _trace(monkeypatch)
+    calls = trace_syncs(monkeypatch)
     atomic.write_atomically(tmp_path / "state.json", b"new", durable=False, temp_stem="state")
     assert calls == [f"rename .state-{os.getpid()}.tmp -> state.json"]
     assert (tmp_path / "state.json").read_bytes() == b"new"

@@ -16,6 +16,7 @@ from structlog.testing import capture_logs
 
 from gpuguard.baselines import FILE_NAME, MAX_BYTES, MAX_GPUS, BaselineStore, baselines
 from gpuguard.model import SignalMemory
+from harness.synctrace import trace_syncs
 from tests.test_nvml_backend import ROOT, env
 
 MEMORY = SignalMemory(
@@ -200,19 +201,7 @@ def test_a_restarted_agent_still_reports_a_link_that_went_down_before_it_started
 def test_a_write_is_a_synced_temp_file_renamed_then_a_synced_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    synced: list[str] = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd: int) -> None:
-        synced.append("dir" if os.path.isdir(f"/proc/self/fd/{fd}") else os.readlink(f"/proc/self/fd/{fd}"))
-        real_fsync(fd)
-
-    def replace(src: Any, dst: Any) -> None:
-        synced.append(f"rename {Path(src).name} -> {Path(dst).name}")
-        real_replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
+    synced = trace_syncs(monkeypatch)
     BaselineStore(tmp_path).save(MEMORY, BOTH)
     tmp = f".{FILE_NAME}-{os.getpid()}.tmp"
     assert synced == [str(tmp_path / tmp), f"rename {tmp} -> {FILE_NAME}", "dir"]
