@@ -45,11 +45,11 @@ run: $(RUNTIME_STAMP)
 fakenvml: install
 	tests/fakenvml/build.sh build/fakenvml
 
-# The kubelet PodResources API's Python stubs (gpuguard/podresources/v1), generated from the committed proto with
+# The kubelet PodResources API's Python stubs (gpuguard/kube/podresources/v1), generated from the committed proto with
 # grpcio-tools (pinned in the dev extra); tests/test_podresources.py fails when they differ from what this makes.
 podresources-stubs: install
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
-		gpuguard/podresources/v1/api.proto
+		gpuguard/kube/podresources/v1/api.proto
 
 # etcd, kube-apiserver, kube-scheduler and kube-controller-manager built from their official Go modules
 # (pinned in hack/testenv/versions.env), cached per user under ~/.cache/gpuguard/testenv/<versions>/
@@ -133,7 +133,7 @@ unit: install fakenvml
 # Mutation testing of the pure decision modules (hack/mutation.py; not part of `make test`): every mutant
 # against the fast unit tests that run its line (chosen by coverage, pinned in the dev extra), then the kill rate per
 # module; docs/reliability.md has the last report. About 7 minutes on 2 cores. A part:
-# MUTATION_ARGS="--module gpuguard/policy.py" or "--sample 60" (a seeded sample of each module).
+# MUTATION_ARGS="--module gpuguard/judge/policy.py" or "--sample 60" (a seeded sample of each module).
 MUTATION_ARGS ?=
 mutation: install
 	$(BIN)/python hack/mutation.py $(MUTATION_ARGS)

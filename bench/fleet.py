@@ -84,9 +84,9 @@ class _Counting:
 
 
 def _verdicts(gpus: int = 8) -> dict[str, Any]:
-    from gpuguard.config import PolicySettings
-    from gpuguard.model import GpuReading, Snapshot
-    from gpuguard.policy import evaluate
+    from gpuguard.core.config import PolicySettings
+    from gpuguard.core.model import GpuReading, Snapshot
+    from gpuguard.judge.policy import evaluate
 
     def snap(ecc0: int) -> Snapshot:
         return Snapshot(
@@ -121,11 +121,11 @@ class Worker:
         import structlog
         import urllib3
 
-        from gpuguard.config import NodeSettings, QuarantineLimit
+        from gpuguard.core.config import NodeSettings, QuarantineLimit
         from gpuguard.quarantine.node.budget import QuarantineBudget
         from gpuguard.quarantine.node.writers import KubeNodeWriter, make_writer
         from gpuguard.quarantine.reconciler import NodeReconciler
-        from gpuguard.running import Connection
+        from gpuguard.runtime.root import Connection
 
         opts = options or {}
         self.counter = _Counting()

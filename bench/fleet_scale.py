@@ -54,7 +54,7 @@ from bench.cluster import (
     tainted,
 )
 from bench.fleet import Fleet
-from gpuguard.config import NodeSettings
+from gpuguard.core.config import NodeSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -57,7 +57,7 @@ from bench.cluster import (
 )
 from bench.fleet import Fleet
 from bench.nvml_bench import gpu_lines
-from gpuguard.config import GPU_NODE_SELECTOR
+from gpuguard.core.config import GPU_NODE_SELECTOR
 from gpuguard.quarantine.gpu.rules import rule_name
 
 ROOT = Path(__file__).resolve().parents[1]

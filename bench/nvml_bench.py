@@ -128,9 +128,9 @@ def _summary(lat: list[float]) -> dict[str, Any]:
 
 _CPU_WORKER = r"""
 import json, sys, time
-from gpuguard.config import PolicySettings
+from gpuguard.core.config import PolicySettings
 from gpuguard.nvml.real import NvmlBackend
-from gpuguard.policy import evaluate
+from gpuguard.judge.policy import evaluate
 b = NvmlBackend(); b.open(lambda: None)
 settings = PolicySettings(); v = None
 for _ in range(20):
@@ -199,7 +199,8 @@ def mean(xs: list[float]) -> float:
 # library nor gpuguard), printed as JSON: the floor imports exactly these.
 _AGENT_LIBRARIES = r"""
 import json, sys
-import gpuguard.cli, gpuguard.running, gpuguard.agent, gpuguard.metrics, gpuguard.server, gpuguard.state
+import gpuguard.cli, gpuguard.runtime.root, gpuguard.runtime.agent, gpuguard.core.metrics
+import gpuguard.runtime.server, gpuguard.store.state
 import gpuguard.quarantine.reconciler, gpuguard.quarantine.node.writers, gpuguard.quarantine.node.budget
 import gpuguard.nvml.real
 import prometheus_client

@@ -31,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gpuguard.model import RECOVERY_ACTIONS  # noqa: E402
+from gpuguard.core.model import RECOVERY_ACTIONS  # noqa: E402
 
 WATCH_SECONDS = float(os.environ.get("GPU_SMOKE_WATCH_SECONDS", "20"))
 problems: list[str] = []

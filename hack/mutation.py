@@ -42,11 +42,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = (
-    "gpuguard/policy.py",
-    "gpuguard/model.py",
-    "gpuguard/state.py",
-    "gpuguard/validation.py",
-    "gpuguard/xidcatalog.py",
+    "gpuguard/judge/policy.py",
+    "gpuguard/core/model.py",
+    "gpuguard/store/state.py",
+    "gpuguard/core/validation.py",
+    "gpuguard/core/xids.py",
     "gpuguard/quarantine/node/plan.py",
     "gpuguard/quarantine/node/view.py",
     "gpuguard/quarantine/gpu/rules.py",
@@ -86,24 +86,26 @@ _CUT = "equivalent: the cut at the bound or below it leaves the same text"
 _EMPTY = "equivalent: a name no rule or node has, and no digit, counts like the empty one"
 _LOGGED = "cosmetic: the value only reaches a log line (its de-duplication key included)"
 JUDGED: dict[str, str] = {
-    "gpuguard/policy.py evaluate: 0 -> 1 #7": "equivalent: a shortfall needs an expected count of at least "
-    "1, so `expected or 0` in its text never falls back",
-    "gpuguard/policy.py _ordered: 1 -> 2": "equivalent: any negative index puts the node's faults first",
-    "gpuguard/state.py StateStore._write: return False -> return None": _FALSY,
-    "gpuguard/state.py StateStore._write: False -> True": "equivalent: after a failed write the store is "
-    "disabled, so the faults it then takes for written are never compared or written again",
-    "gpuguard/state.py StateStore._replace: True -> False #2": "equivalent: mkdir runs only after the open "
-    "found no directory; exist_ok matters only if another process makes it in between",
-    "gpuguard/validation.py <module>: 1024 -> 1025 #3": (
+    "gpuguard/judge/policy.py evaluate: 0 -> 1 #7": "equivalent: a shortfall needs an expected count of "
+    "at least 1, so `expected or 0` in its text never falls back",
+    "gpuguard/judge/policy.py _ordered: 1 -> 2": (
+        "equivalent: any negative index puts the node's faults first"
+    ),
+    "gpuguard/store/state.py StateStore._write: return False -> return None": _FALSY,
+    "gpuguard/store/state.py StateStore._write: False -> True": "equivalent: after a failed write the store "
+    "is disabled, so the faults it then takes for written are never compared or written again",
+    "gpuguard/store/state.py StateStore._replace: True -> False #2": "equivalent: mkdir runs only after the "
+    "open found no directory; exist_ok matters only if another process makes it in between",
+    "gpuguard/core/validation.py <module>: 1024 -> 1025 #3": (
         "outside the fourteen: MAX_EVENT_MESSAGE_BYTES is read only by gpuguard/quarantine/node/writers.py"
     ),
-    "gpuguard/validation.py clean_text: False -> True": "equivalent: a gap before the first kept character "
-    "adds no space (nothing is kept yet)",
-    "gpuguard/validation.py fault_key: len(encoded) <= MAX_FAULT_KEY_BYTES -> len(encoded) < "
+    "gpuguard/core/validation.py clean_text: False -> True": "equivalent: a gap before the first kept "
+    "character adds no space (nothing is kept yet)",
+    "gpuguard/core/validation.py fault_key: len(encoded) <= MAX_FAULT_KEY_BYTES -> len(encoded) < "
     "MAX_FAULT_KEY_BYTES": _CUT,
-    "gpuguard/validation.py taint_key: '' -> 'XXXX'": "equivalent: a key that is not a string has no name "
-    "part either, and is refused for that",
-    "gpuguard/validation.py taint_key: '' -> 'XXXX' #2": "equivalent: the separator is not read",
+    "gpuguard/core/validation.py taint_key: '' -> 'XXXX'": "equivalent: a key that is not a string has no "
+    "name part either, and is refused for that",
+    "gpuguard/core/validation.py taint_key: '' -> 'XXXX' #2": "equivalent: the separator is not read",
     "gpuguard/quarantine/gpu/rules.py <module>: '/apis/resource.k8s.io/v1' -> "
     "'XX/apis/resource.k8s.io/v1XX'": (
         "not "

@@ -11,8 +11,8 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from gpuguard.config import QuarantineLimit
-from gpuguard.errors import ConflictError, NodeUpdateError
+from gpuguard.core.config import QuarantineLimit
+from gpuguard.core.errors import ConflictError, NodeUpdateError
 from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.gpu.rules import DeviceRule
 from gpuguard.quarantine.node.view import LABEL_QUARANTINED, EventSpec, NodeChange, NodeView, apply_change

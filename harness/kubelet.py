@@ -1,5 +1,5 @@
 """A fake kubelet: a real gRPC server on a unix socket that serves the official PodResources v1 proto
-(gpuguard/podresources/v1) from a table of pods, containers and devices, as the kubelet does.
+(gpuguard/kube/podresources/v1) from a table of pods, containers and devices, as the kubelet does.
 
 `pods` is the table, changed by the test at any time (a pod added, one that leaves). `unimplemented=True`
 serves no PodResources service at all (a kubelet without the API: every call answers UNIMPLEMENTED, from
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gpuguard.podresources.v1 import api_pb2, api_pb2_grpc
+from gpuguard.kube.podresources.v1 import api_pb2, api_pb2_grpc
 
 GPU_RESOURCE = "nvidia.com/gpu"
 

@@ -9,13 +9,13 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gpuguard.agent import Agent
-from gpuguard.config import NodeSettings, PolicySettings
-from gpuguard.metrics import Metrics
+from gpuguard.core.config import NodeSettings, PolicySettings
+from gpuguard.core.metrics import Metrics
 from gpuguard.nvml.mock import MockBackend, parse_scenario
 from gpuguard.quarantine.node.view import NodeView
 from gpuguard.quarantine.node.writers import DryRunNodeWriter
 from gpuguard.quarantine.reconciler import NodeReconciler
+from gpuguard.runtime.agent import Agent
 from harness.clock import Clock
 from harness.fakes import FakeNodeWriter
 
@@ -185,7 +185,7 @@ def test_a_backend_exception_does_not_kill_the_loop() -> None:
 
 
 def test_a_restarted_agent_restores_the_xid_it_saw_before_it_was_killed(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from gpuguard.state import StateStore
+    from gpuguard.store.state import StateStore
 
     scenario = "gpus: 2\nevents:\n  - {at: 1.0, gpu: 1, xid: 79}\n"
     agent, clock, writer, _r, _ = make(scenario)
@@ -221,7 +221,7 @@ def test_a_flapping_gpu_costs_one_write_per_episode_not_one_per_flip(flap_window
 def test_ignored_xids_are_logged_once_per_code_and_window_then_counted(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from gpuguard.agent import IGNORED_LOG_WINDOW_S
+    from gpuguard.runtime.agent import IGNORED_LOG_WINDOW_S
 
     storm = "gpus: 1\nevents:\n" + "".join("  - {at: 1.0, gpu: 0, xid: 13}\n" for _ in range(50))
     agent, clock, _, reconciler, _ = make(storm)
@@ -237,7 +237,7 @@ def test_an_agent_whose_state_file_holds_faults_of_the_wrong_type_starts_and_mov
     tmp_path, faults: str
 ) -> None:
     """The restore at start raised AttributeError in state.py: in a DaemonSet, a crash loop."""
-    from gpuguard.state import FILE_NAME, StateStore
+    from gpuguard.store.state import FILE_NAME, StateStore
 
     (tmp_path / FILE_NAME).write_text(
         f'{{"kind": "gpuguard-state", "version": 1, "boot_id": "boot-1", "faults": {faults}}}'
@@ -253,7 +253,7 @@ def test_an_agent_whose_state_file_holds_faults_of_the_wrong_type_starts_and_mov
 
 
 def test_healthz_carries_the_api_state_of_the_reconciler_and_none_in_a_dry_run() -> None:
-    from gpuguard.errors import TransientApiError
+    from gpuguard.core.errors import TransientApiError
 
     agent, _clock, _writer, r, _ = make("gpus: 1")
     agent.check_once()

@@ -15,17 +15,18 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gpuguard import cli, running
-from gpuguard.config import Config, NodeSettings, PolicySettings
-from gpuguard.errors import ConfigError
+from gpuguard import cli
+from gpuguard.core.config import Config, NodeSettings, PolicySettings
+from gpuguard.core.errors import ConfigError
+from gpuguard.core.model import GpuReading, Snapshot
+from gpuguard.judge.policy import evaluate
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig
 from gpuguard.kube.ratelimit import RateLimiter
-from gpuguard.model import GpuReading, Snapshot
-from gpuguard.policy import evaluate
 from gpuguard.quarantine.node.view import NodeView
 from gpuguard.quarantine.node.writers import KubeNodeWriter
 from gpuguard.quarantine.reconciler import NodeReconciler
+from gpuguard.runtime import root as running
 from harness.clock import Clock
 from harness.fakes import FakeNodeWriter
 from tests.test_kube_client import NODE, Recorder, server  # noqa: F401 - the fixture
@@ -263,7 +264,7 @@ def test_the_flags_and_their_variables_reach_the_settings(monkeypatch: pytest.Mo
         seen.append(cfg)
         return False
 
-    monkeypatch.setattr("gpuguard.running.watch", watch)
+    monkeypatch.setattr("gpuguard.runtime.root.watch", watch)
     args = ["watch", "--node", "n", "--backend", "mock", "--api-qps", "2.5", "--startup-jitter", "0"]
     result = CliRunner().invoke(cli.cli, args, env={"GPUGUARD_API_BURST": "7"})
     assert result.exit_code == 0, result.output

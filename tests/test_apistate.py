@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 from structlog.testing import capture_logs
 
-from gpuguard.errors import PermanentApiError, TransientApiError
+from gpuguard.core.errors import PermanentApiError, TransientApiError
 from gpuguard.quarantine.apistate import ApiState, Intent
 from harness.clock import Clock
 

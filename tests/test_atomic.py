@@ -1,4 +1,5 @@
-"""gpuguard.atomic: a kept file is replaced whole by one rename (durably: the temp file synced before it, the
+"""gpuguard.store.atomic: a kept file is replaced whole by one rename (durably: the temp file synced before
+it, the
 directory after), a failed write or rename leaves the old file and no temp file, and a corrupt file is moved
 aside."""
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gpuguard import atomic
+from gpuguard.store import atomic
 from harness.synctrace import trace_syncs
 
 

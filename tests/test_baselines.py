@@ -1,4 +1,4 @@
-"""The signals' first-good baselines across agent restarts (gpuguard/baselines.py): saved only when one
+"""The signals' first-good baselines across agent restarts (gpuguard/store/baselines.py): saved only when one
 changes, durably, bounded; a corrupt or foreign file moved aside with a log line; a restarted agent, through
 the real pynvml and the fake library, still reports the link that went down under the agent before it."""
 
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from gpuguard.baselines import FILE_NAME, MAX_BYTES, MAX_GPUS, BaselineStore, baselines
-from gpuguard.model import SignalMemory
+from gpuguard.core.model import SignalMemory
+from gpuguard.store.baselines import FILE_NAME, MAX_BYTES, MAX_GPUS, BaselineStore, baselines
 from harness.synctrace import trace_syncs
 from tests.test_nvml_backend import ROOT, env
 
@@ -142,9 +142,9 @@ def test_an_unwritable_directory_is_a_warning_and_memory_only(tmp_path: Path) ->
 
 _AGENT = r"""
 import json, sys
-from gpuguard.agent import Agent
-from gpuguard.baselines import BaselineStore
-from gpuguard.config import NodeSettings, PolicySettings
+from gpuguard.runtime.agent import Agent
+from gpuguard.store.baselines import BaselineStore
+from gpuguard.core.config import NodeSettings, PolicySettings
 from gpuguard.nvml.real import NvmlBackend
 from gpuguard.quarantine.node.view import NodeView
 from gpuguard.quarantine.node.writers import DryRunNodeWriter
@@ -210,8 +210,8 @@ def test_a_write_is_a_synced_temp_file_renamed_then_a_synced_directory(
 def test_a_dry_run_and_a_run_without_state_dir_keep_baselines_in_memory_only(tmp_path: Path) -> None:
     from prometheus_client import CollectorRegistry
 
-    from gpuguard.config import Config, NodeSettings
-    from gpuguard.running import build
+    from gpuguard.core.config import Config, NodeSettings
+    from gpuguard.runtime.root import build
 
     for cfg in (
         Config(backend="mock", state_dir=str(tmp_path), node=NodeSettings(name="gpu-1", dry_run=True)),
@@ -227,15 +227,15 @@ def test_a_link_read_as_x0_or_gen_0_is_no_baseline_so_the_file_stays_loadable(tm
     """The judge kept a first width or generation of 0 (a link NVML reads as down or unknown), which the
     file's own check refuses (1 to 64): the next start moved the whole file aside, every GPU's baselines
     lost. A 0 is not judged and not a baseline."""
-    from gpuguard.config import PolicySettings
-    from gpuguard.model import GpuReading, SignalReadings, Snapshot
-    from gpuguard.policy import evaluate
+    from gpuguard.core.config import PolicySettings
+    from gpuguard.core.model import GpuReading, SignalReadings, Snapshot
+    from gpuguard.judge.policy import evaluate
 
     gpus = (
         GpuReading(index=0, uuid="GPU-a", signals=SignalReadings(pcie_width=0, pcie_gen=0)),
         GpuReading(index=1, uuid="GPU-b", signals=SignalReadings(pcie_width=16, pcie_gen=4)),
     )
-    from gpuguard.signals import SIGNALS
+    from gpuguard.core.signaltable import SIGNALS
 
     judged = PolicySettings(signals=SIGNALS.changed("pcie-gen", {"level": "degraded"}, where="test"))
     v = evaluate(Snapshot(gpus=gpus, taken_at=0), previous=None, settings=judged)

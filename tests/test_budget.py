@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
-from gpuguard.errors import NodeUpdateError
-from gpuguard.model import GpuReading, Snapshot, Verdict
-from gpuguard.policy import evaluate
+from gpuguard.core.config import NodeSettings, PolicySettings, QuarantineLimit
+from gpuguard.core.errors import NodeUpdateError
+from gpuguard.core.model import GpuReading, Snapshot, Verdict
+from gpuguard.judge.policy import evaluate
 from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.node.budget import OtherNodes, QuarantineBudget, limit, plan_yield
 from gpuguard.quarantine.node.plan import plan

@@ -1,4 +1,5 @@
-"""`gpuguard check` and its node (gpuguard/checknode.py): one read of the Node gives the GPU count it expects
+"""`gpuguard check` and its node (gpuguard/runtime/checknode.py): one read of the Node gives the GPU count it
+expects
 and the labels that select --signals-config's node rules; without the labels, the global part applies."""
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from gpuguard import checknode
-from gpuguard.config import Config, NodeSettings, PolicySettings
-from gpuguard.errors import TransientApiError
-from gpuguard.signalconfig import parse
+from gpuguard.core.config import Config, NodeSettings, PolicySettings
+from gpuguard.core.errors import TransientApiError
+from gpuguard.core.signalconfig import parse
+from gpuguard.runtime import checknode
 from tests.test_cli import run, write
 from tests.test_gpucount import _Api, _node, _NodeServer
 

@@ -18,7 +18,7 @@ import pytest
 
 from gpuguard import cli
 from gpuguard.cli import settings as cli_settings
-from gpuguard.config import Config
+from gpuguard.core.config import Config
 from harness.agentproc import WatchProcess, healthz, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -383,7 +383,7 @@ def test_defect_12_a_mock_run_without_dry_run_keeps_no_state_in_the_hosts_direct
 
 
 def test_help_fills_a_120_column_terminal_and_wraps_the_ignored_xids_between_codes() -> None:
-    from gpuguard.config import DEFAULT_IGNORED_XIDS
+    from gpuguard.core.config import DEFAULT_IGNORED_XIDS
 
     wide = run("watch", "--help", env={"COLUMNS": "120"})
     assert wide.returncode == 0

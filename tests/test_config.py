@@ -1,4 +1,4 @@
-"""gpuguard.config's parsed values: what a flag's text becomes, once, at the edge."""
+"""gpuguard.core.config's parsed values: what a flag's text becomes, once, at the edge."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from fractions import Fraction
 
 import pytest
 
-from gpuguard.config import NodeSettings, QuarantineLimit
-from gpuguard.errors import ConfigError
+from gpuguard.core.config import NodeSettings, QuarantineLimit
+from gpuguard.core.errors import ConfigError
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """The import contracts hold rules, not a snapshot: in a scratch copy of the package, one import that breaks a
-rule makes `lint-imports` fail (the node quarantine importing the GPU quarantine; the policy importing the API
+rule makes `lint-imports` fail (an upward import between the packages by stage, an import across a layer's
+independent packages, the node quarantine importing the GPU quarantine, the policy importing the API
 client), and the copy as it is passes. lint-imports runs on the copy with its own config, the copy first on
 PYTHONPATH."""
 
@@ -57,9 +58,20 @@ def test_the_contracts_pass_on_an_unchanged_copy_of_the_package(tmp_path: Path) 
             "from gpuguard.quarantine.gpu import rules as _gpu_rules",
             "the quarantine package",
         ),
-        ("policy.py", "import gpuguard.kube.client", "nothing pure imports the API client"),
+        ("judge/policy.py", "import gpuguard.kube.client", "nothing pure imports the API client"),
+        ("core/model.py", "import gpuguard.cli", "layers by stage"),
+        ("store/history.py", "import gpuguard.quarantine.record", "layers by stage"),
+        ("kube/pods.py", "import gpuguard.nvml.base", "layers by stage"),
+        ("runtime/health.py", "import gpuguard.runtime.agent", "the runtime package"),
     ],
-    ids=["the node quarantine imports the GPU quarantine", "the policy imports the API client"],
+    ids=[
+        "the node quarantine imports the GPU quarantine",
+        "the policy imports the API client",
+        "the model imports the CLI: an upward import",
+        "a kept file imports the quarantine: an upward import",
+        "the API client imports the NVML layer beside it",
+        "the /healthz body imports the loop",
+    ],
 )
 def test_one_import_that_breaks_a_rule_fails_lint_imports(
     tmp_path: Path, module: str, line: str, contract: str

@@ -1,4 +1,5 @@
-"""What counts toward a GPU's repeat limit (gpuguard/quarantine/counting.py, used by escalation.py): only the
+"""What counts toward a GPU's repeat limit (gpuguard/quarantine/repeat/counting.py, used by escalation.py):
+only the
 GPU's own faults; a node's cause (the fabric that Fabric Manager sets up, NVML itself) is recorded, not
 counted."""
 
@@ -6,11 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gpuguard.history import GpuHistory
-from gpuguard.model import NVML_INIT, NVML_UNRESPONSIVE
-from gpuguard.quarantine.counting import NOT_COUNTED, counted, counts
-from gpuguard.quarantine.escalation import Limits, escalate, held, observe
-from gpuguard.signals import SIGNALS
+from gpuguard.core.model import NVML_INIT, NVML_UNRESPONSIVE
+from gpuguard.core.signaltable import SIGNALS
+from gpuguard.quarantine.repeat.counting import NOT_COUNTED, counted, counts
+from gpuguard.quarantine.repeat.escalation import Limits, escalate, held, observe
+from gpuguard.store.history import GpuHistory
 
 DAY = 86400.0
 NOW = 100 * DAY

@@ -9,9 +9,9 @@ from datetime import UTC, datetime
 
 from structlog.testing import capture_logs
 
-from gpuguard.config import NodeSettings
-from gpuguard.errors import PermanentApiError
-from gpuguard.model import Fault, GpuVerdict, Verdict
+from gpuguard.core.config import NodeSettings
+from gpuguard.core.errors import PermanentApiError
+from gpuguard.core.model import Fault, GpuVerdict, Verdict
 from gpuguard.quarantine.gpu.degraded import degraded_rule_name, own_degraded, plan_rules
 from gpuguard.quarantine.gpu.order import rules_share
 from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine

@@ -10,9 +10,9 @@ from datetime import UTC, datetime
 import pytest
 from structlog.testing import capture_logs
 
-from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
-from gpuguard.model import Fault, GpuReading, GpuVerdict, Snapshot, Verdict
-from gpuguard.policy import evaluate
+from gpuguard.core.config import NodeSettings, PolicySettings, QuarantineLimit
+from gpuguard.core.model import Fault, GpuReading, GpuVerdict, Snapshot, Verdict
+from gpuguard.judge.policy import evaluate
 from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.node.budget import OtherNodes, QuarantineBudget, count_budget
 from gpuguard.quarantine.node.degraded import (

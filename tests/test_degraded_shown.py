@@ -11,13 +11,13 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client import CollectorRegistry
 
-from gpuguard import report, running
-from gpuguard.cli import cli
-from gpuguard.health import health_body
-from gpuguard.metrics import Metrics
-from gpuguard.model import AgentStatus, Fault, GpuVerdict, Verdict
+from gpuguard.cli import cli, report
+from gpuguard.core.metrics import Metrics
+from gpuguard.core.model import AgentStatus, Fault, GpuVerdict, Verdict
 from gpuguard.quarantine.gpu.writers import quarantined_gpus
 from gpuguard.quarantine.node.writers import degraded_nodes, quarantined_nodes
+from gpuguard.runtime import root as running
+from gpuguard.runtime.health import health_body
 
 NVLINK = Fault("nvlink-down", "link 3 inactive", uuid="GPU-1", gpu_index=1)
 FABRIC = Fault("fabric-degraded", "bandwidth degraded")

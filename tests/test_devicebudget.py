@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from gpuguard.config import NodeSettings, QuarantineLimit
-from gpuguard.errors import NodeUpdateError
+from gpuguard.core.config import NodeSettings, QuarantineLimit
+from gpuguard.core.errors import NodeUpdateError
 from gpuguard.quarantine.budget import VERIFY_SETTLE, Budget
 from gpuguard.quarantine.gpu.budget import RuleBudget
 from gpuguard.quarantine.gpu.rules import ANN_NODE_GPUS, DeviceRule, rule_name

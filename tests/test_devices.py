@@ -13,11 +13,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from gpuguard.agent import Agent
-from gpuguard.config import Config, NodeSettings, PolicySettings
-from gpuguard.errors import ConfigError, ConflictError, PermanentApiError
-from gpuguard.metrics import Metrics
-from gpuguard.model import (
+from gpuguard.core.config import Config, NodeSettings, PolicySettings
+from gpuguard.core.errors import ConfigError, ConflictError, PermanentApiError
+from gpuguard.core.metrics import Metrics
+from gpuguard.core.model import (
     ECC,
     GPU_LOST,
     GPU_MISSING,
@@ -32,8 +31,8 @@ from gpuguard.model import (
     XidEvent,
     recovery_reason,
 )
+from gpuguard.judge.policy import evaluate
 from gpuguard.nvml.mock import MockBackend, parse_scenario
-from gpuguard.policy import evaluate
 from gpuguard.quarantine.budget import VERIFY_SETTLE, Budget
 from gpuguard.quarantine.gpu.order import rule_since, rules_past_limit, rules_share
 from gpuguard.quarantine.gpu.plan import Split, per_gpu, split
@@ -52,7 +51,8 @@ from gpuguard.quarantine.gpu.writers import DryRunDeviceSource
 from gpuguard.quarantine.node.view import NodeView, Taint
 from gpuguard.quarantine.reconciler import NodeReconciler
 from gpuguard.quarantine.record import TAINT_KEY
-from gpuguard.state import StateStore
+from gpuguard.runtime.agent import Agent
+from gpuguard.store.state import StateStore
 from harness.clock import Clock
 from harness.dra import DRIVER, gpu_uuid, nvidia_slice
 from harness.fakes import FakeDeviceSource, FakeNodeWriter

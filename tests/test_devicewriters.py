@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from gpuguard.config import NodeSettings, PolicySettings
-from gpuguard.errors import PermanentApiError
-from gpuguard.model import GpuReading, Snapshot, Verdict, XidEvent
-from gpuguard.policy import evaluate
+from gpuguard.core.config import NodeSettings, PolicySettings
+from gpuguard.core.errors import PermanentApiError
+from gpuguard.core.model import GpuReading, Snapshot, Verdict, XidEvent
+from gpuguard.judge.policy import evaluate
 from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
 from gpuguard.quarantine.gpu.writers import (
     RULES_API_NONE,

@@ -1,14 +1,13 @@
-"""Escalation's pure decision (gpuguard/quarantine/escalation.py)."""
+"""Escalation's pure decision (gpuguard/quarantine/repeat/escalation.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gpuguard.config import PolicySettings
-from gpuguard.history import Episode, GpuHistory
-from gpuguard.model import REPEAT_OFFENDER, GpuReading, Snapshot, XidEvent
-from gpuguard.policy import evaluate
-from gpuguard.quarantine.escalation import (
+from gpuguard.core.config import PolicySettings
+from gpuguard.core.model import REPEAT_OFFENDER, GpuReading, Snapshot, XidEvent
+from gpuguard.judge.policy import evaluate
+from gpuguard.quarantine.repeat.escalation import (
     ALL,
     Limits,
     escalate,
@@ -19,6 +18,7 @@ from gpuguard.quarantine.escalation import (
     release,
     repeat_offenders,
 )
+from gpuguard.store.history import Episode, GpuHistory
 
 DAY = 86400.0
 NOW = 100 * DAY

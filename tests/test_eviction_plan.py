@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
+from gpuguard.core.model import PodDevices
 from gpuguard.eviction import plan as p
 from gpuguard.eviction.plan import Decision, Faulty, Pod, Toleration, plan
-from gpuguard.model import PodDevices
 from gpuguard.quarantine.record import TAINT_KEY
 
 NODE = "gpu-node-1"

@@ -18,12 +18,12 @@ import pytest
 import structlog
 from prometheus_client import CollectorRegistry
 
-from gpuguard.errors import ConflictError, PermanentApiError, TransientApiError
+from gpuguard.core.errors import ConflictError, PermanentApiError, TransientApiError
+from gpuguard.core.metrics import Metrics
+from gpuguard.core.model import Fault, GpuVerdict, PodDevices, Verdict
 from gpuguard.eviction.evictor import Evictor, Settings, backoff, faulty_gpus
 from gpuguard.eviction.plan import Faulty, Pod
-from gpuguard.metrics import Metrics
-from gpuguard.model import Fault, GpuVerdict, PodDevices, Verdict
-from gpuguard.podresources.client import PodResourcesClient
+from gpuguard.kube.podresources.client import PodResourcesClient
 from harness.kube import eventually
 from harness.kubelet import FakeContainer, FakeKubelet, FakePod, gpu_pod
 
@@ -240,7 +240,7 @@ def test_the_api_server_down_is_reported_and_retried_then_the_eviction_goes_thro
 def test_a_kubeconfig_that_cannot_be_used_is_reported_and_retried_without_a_traceback(
     sock: str, kubelet: FakeKubelet
 ) -> None:
-    from gpuguard.errors import ConfigError
+    from gpuguard.core.errors import ConfigError
 
     def unusable() -> Any:
         raise ConfigError("kubeconfig /nowhere: no such file")
@@ -554,8 +554,8 @@ def test_a_node_wide_fault_names_no_gpu_and_evicts_nothing() -> None:
 def test_watch_builds_the_evictor_only_for_evict_gpu_pods_and_hands_it_each_verdict(
     sock: str, tmp_path: Any
 ) -> None:
-    from gpuguard.config import Config, NodeSettings
-    from gpuguard.running import build
+    from gpuguard.core.config import Config, NodeSettings
+    from gpuguard.runtime.root import build
 
     off = build(
         Config(backend="mock", node=NodeSettings(name=NODE, dry_run=True)), registry=CollectorRegistry()
@@ -583,16 +583,16 @@ def test_watch_builds_the_evictor_only_for_evict_gpu_pods_and_hands_it_each_verd
     ],
 )
 def test_eviction_settings_that_cannot_work_are_refused(node: dict[str, Any], error: str) -> None:
-    from gpuguard.config import Config, NodeSettings
-    from gpuguard.errors import ConfigError
+    from gpuguard.core.config import Config, NodeSettings
+    from gpuguard.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=error):
         Config(node=NodeSettings(name=NODE, **node))
 
 
 def test_the_default_socket_is_the_kubelets() -> None:
-    from gpuguard.config import NodeSettings
-    from gpuguard.podresources.client import SOCKET
+    from gpuguard.core.config import NodeSettings
+    from gpuguard.kube.podresources.client import SOCKET
 
     assert NodeSettings().pod_resources_socket == SOCKET == "/var/lib/kubelet/pod-resources/kubelet.sock"
 
@@ -612,8 +612,8 @@ def test_grpc_is_loaded_only_when_the_agent_evicts(call: str, loaded: bool) -> N
 
     code = (
         "import sys\n"
-        "from gpuguard.config import Config, NodeSettings\n"
-        "from gpuguard.running import build, check_once\n"
+        "from gpuguard.core.config import Config, NodeSettings\n"
+        "from gpuguard.runtime.root import build, check_once\n"
         f"{call}\n"
         "print('grpc' in sys.modules, 'google.protobuf' in sys.modules)\n"
     )
@@ -624,11 +624,11 @@ def test_grpc_is_loaded_only_when_the_agent_evicts(call: str, loaded: bool) -> N
 def test_a_dra_claim_on_a_faulty_gpu_without_a_rule_of_its_own_is_still_matched(sock: str) -> None:
     """GPU 6's rule could not be written (its fault went to the node's taint): its pods' DRA claims name
     (driver, pool, device), matched through the GPUs the node's ResourceSlices publish, not only the rules."""
-    from gpuguard.config import Config, NodeSettings
+    from gpuguard.core.config import Config, NodeSettings
+    from gpuguard.core.model import GpuQuarantine
     from gpuguard.eviction.plan import plan
-    from gpuguard.model import GpuQuarantine
     from gpuguard.quarantine.reconciler import NodeStatus
-    from gpuguard.running import Connection, make_evictor
+    from gpuguard.runtime.root import Connection, make_evictor
 
     class Devices:
         published: ClassVar = {
@@ -663,10 +663,10 @@ def test_a_dra_claim_on_a_faulty_gpu_without_a_rule_of_its_own_is_still_matched(
 def test_the_evictor_sees_the_quarantine_through_the_reconcilers_status(sock: str) -> None:
     """running.make_evictor's context: the GPUs' DeviceTaintRules (a NoExecute one, not deferred, is left to
     kube-controller-manager; each rule's device for DRA claims) and a NoExecute node taint."""
-    from gpuguard.config import Config, NodeSettings
-    from gpuguard.model import GpuQuarantine
+    from gpuguard.core.config import Config, NodeSettings
+    from gpuguard.core.model import GpuQuarantine
     from gpuguard.quarantine.reconciler import NodeStatus
-    from gpuguard.running import Connection, make_evictor
+    from gpuguard.runtime.root import Connection, make_evictor
 
     class Reconciler:
         status = NodeStatus(

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from gpuguard.cli import cli
-from gpuguard.config import TAINT_EFFECTS
+from gpuguard.core.config import TAINT_EFFECTS
 from gpuguard.quarantine.record import TAINT_KEY
 from tests.test_manifests import _all_keys, _tolerates
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuguard.model import ECC, Fault, xid_reason
+from gpuguard.core.model import ECC, Fault, xid_reason
 from gpuguard.quarantine.gpu.rules import DeviceRule
 from gpuguard.quarantine.node.view import NodeView
 from gpuguard.quarantine.record import ANN_BOOT_ID, ANN_FAULTS, ANN_REASON, FaultRecord, fault_keys

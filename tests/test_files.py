@@ -1,4 +1,5 @@
-"""gpuguard.files: every file gpuguard reads is a regular file of at most a stated size, read whole, or one
+"""gpuguard.core.files: every file gpuguard reads is a regular file of at most a stated size, read whole, or
+one
 line naming the file and the problem; never a read without end, never a wait on a FIFO."""
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard import files
-from gpuguard.errors import ConfigError, ScenarioError
+from gpuguard.core import files
+from gpuguard.core.errors import ConfigError, ScenarioError
 
 
 def test_a_file_within_its_bound_is_read_whole(tmp_path: Path) -> None:

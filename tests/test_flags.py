@@ -10,7 +10,7 @@ import pytest
 from gpuguard.cli import cli, settings
 from gpuguard.cli.flag import FROM_FIELD
 from gpuguard.cli.flags import FLAGS, GPU_FLAGS, WATCH_FLAGS
-from gpuguard.config import Config, NodeSettings, PolicySettings
+from gpuguard.core.config import Config, NodeSettings, PolicySettings
 
 CLI_PACKAGE = Path(__file__).resolve().parents[1] / "gpuguard" / "cli"
 # Defaults a command may write itself: "unset" (None), a switch that is off, an empty list, and the output
@@ -56,7 +56,8 @@ def test_the_commands_take_the_declared_flags_in_the_declared_order() -> None:
 
 
 def test_no_default_is_written_in_the_cli_package_but_none_off_empty_and_the_output_format() -> None:
-    """A default lives in gpuguard.config (a dataclass field, or a named constant there); the CLI names it.
+    """A default lives in gpuguard.core.config (a dataclass field, or a named constant there); the CLI names
+    it.
     A literal here would be a second copy that can drift from the settings the rest of gpuguard assumes."""
     written = []
     for path in sorted(CLI_PACKAGE.glob("*.py")):

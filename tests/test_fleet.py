@@ -10,8 +10,8 @@ from unittest import mock
 
 from structlog.testing import capture_logs
 
-from gpuguard.config import NodeSettings, QuarantineLimit
-from gpuguard.errors import TransientApiError
+from gpuguard.core.config import NodeSettings, QuarantineLimit
+from gpuguard.core.errors import TransientApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig
 from gpuguard.quarantine.apistate import ApiState
@@ -78,7 +78,7 @@ def test_a_fleet_of_5000_agents_starting_at_once_lists_the_gpu_nodes_no_faster_t
     import click
 
     from gpuguard.cli import watch
-    from gpuguard.config import NodeSettings
+    from gpuguard.core.config import NodeSettings
     from gpuguard.quarantine.node.budgetwatch import COUNT_SECONDS_PER_NODE
 
     spread = NodeSettings().budget_count_spread

@@ -42,13 +42,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from gpuguard import cli, running, server
-from gpuguard.config import Config, ServerSettings, parse_listen, parse_xids
-from gpuguard.errors import ConfigError, ScenarioError
-from gpuguard.metrics import Metrics
-from gpuguard.model import AgentStatus
+from gpuguard import cli
+from gpuguard.core.config import Config, ServerSettings, parse_listen, parse_xids
+from gpuguard.core.errors import ConfigError, ScenarioError
+from gpuguard.core.metrics import Metrics
+from gpuguard.core.model import AgentStatus
 from gpuguard.nvml import mocksignals
 from gpuguard.nvml.mock import Scenario, parse_scenario
+from gpuguard.runtime import root as running
+from gpuguard.runtime import server
 
 TRIED: Counter[str] = Counter()  # inputs tried, by kind
 SEEN: Counter[str] = Counter()  # how they came out: HTTP answers, known leaks met
@@ -99,7 +101,7 @@ def _yaml_constructor_leak(text: str) -> bool:
 
 def _non_ascii_digit_leak(text: str) -> bool:
     """str.isdigit() accepts digits int() refuses ("²", "①"): parse_xids and parse_listen then raise
-    ValueError. Owner: gpuguard/config.py (check with isascii() too, or a [0-9] regex)."""
+    ValueError. Owner: gpuguard/core/config.py (check with isascii() too, or a [0-9] regex)."""
     return any(ch.isdigit() and not ch.isascii() for ch in text)
 
 
@@ -143,7 +145,7 @@ def test_fixed_leak_a_non_ascii_digit_is_a_config_error(call: Callable[[], objec
 @pytest.mark.parametrize("flag", ["--run-for", "--budget-recheck"])
 def test_fixed_leak_a_nan_duration_is_a_usage_error(flag: str) -> None:
     """NaN compares false with every bound, so `value <= 0` lets it through: validate() should test
-    `not value > 0` (or math.isfinite). Owner: gpuguard/config.py."""
+    `not value > 0` (or math.isfinite). Owner: gpuguard/core/config.py."""
     with mock.patch.object(running, "watch", return_value=None), pytest.raises(SystemExit) as exit_:
         cli.main(["watch", "--dry-run", "--backend", "mock", flag, "nan"])
     assert exit_.value.code == 2
@@ -313,8 +315,8 @@ def state_docs(draw: st.DrawFn) -> Any:
 def test_a_state_file_with_any_field_of_any_type_restores_or_is_moved_aside(doc: Any) -> None:
     """The agent's start reads this file: anything but a tuple of faults (or a logged move aside) is a crash
     loop in a DaemonSet."""
-    from gpuguard.model import Fault
-    from gpuguard.state import FILE_NAME, StateStore
+    from gpuguard.core.model import Fault
+    from gpuguard.store.state import FILE_NAME, StateStore
 
     TRIED["state file: wrong-typed fields"] += 1
     with tempfile.TemporaryDirectory() as tmp:
@@ -332,7 +334,7 @@ def test_a_state_file_with_any_field_of_any_type_restores_or_is_moved_aside(doc:
 @fuzz(300)
 @given(st.binary(max_size=3000))
 def test_a_state_file_of_any_bytes_restores_or_is_moved_aside(data: bytes) -> None:
-    from gpuguard.state import FILE_NAME, StateStore
+    from gpuguard.store.state import FILE_NAME, StateStore
 
     TRIED["state file: bytes"] += 1
     with tempfile.TemporaryDirectory() as tmp:
@@ -427,7 +429,7 @@ def test_a_kubeconfig_of_any_bytes_is_credentials_or_a_one_line_config_error(dat
 def test_a_token_file_of_any_bytes_is_a_sendable_token_or_a_one_line_transient_error(data: bytes) -> None:
     """The ServiceAccount token is read again at each rotation: a newline or a control character in it
     would be refused by urllib3 as a header at every request, outside the errors the writer handles."""
-    from gpuguard.errors import TransientApiError
+    from gpuguard.core.errors import TransientApiError
     from gpuguard.kube import client as kubeclient
     from gpuguard.kube import kubeconfig
 
@@ -527,7 +529,7 @@ def test_the_cli_with_any_flag_values_exits_cleanly_with_at_most_one_line_of_err
         mock.patch.dict(os.environ, env, clear=True),
         # A valid `watch` is recorded, not run; logging is not reconfigured for the rest of the session.
         mock.patch.object(running, "watch", side_effect=record),
-        mock.patch("gpuguard.logs.configure"),
+        mock.patch("gpuguard.core.logs.configure"),
         contextlib.redirect_stdout(out),
         contextlib.redirect_stderr(err),
     ):

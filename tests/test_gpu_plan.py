@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from gpuguard.config import NodeSettings
-from gpuguard.model import ECC, REPEAT_OFFENDER, Fault, GpuQuarantine, GpuVerdict, Verdict, xid_reason
+from gpuguard.core.config import NodeSettings
+from gpuguard.core.model import ECC, REPEAT_OFFENDER, Fault, GpuQuarantine, GpuVerdict, Verdict, xid_reason
 from gpuguard.quarantine.gpu import plan
 from gpuguard.quarantine.gpu.rules import NONE_EFFECT, DeviceRule, rule_name
 from gpuguard.quarantine.record import ANN_BOOT_ID, ANN_DEFERRED, ANN_FAULTS, ANN_REASON, TAINT_KEY

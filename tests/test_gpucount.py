@@ -1,4 +1,5 @@
-"""`check` learns the expected GPU count from its node's label (gpuguard.gpucount): the value's bounds,
+"""`check` learns the expected GPU count from its node's label (gpuguard.runtime.gpucount): the value's
+bounds,
 what it does without an answer, and the CLI end to end against a small HTTP server that serves one Node."""
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import pytest
 import yaml
 from structlog.testing import capture_logs
 
-from gpuguard.config import GPU_COUNT_LABEL
-from gpuguard.errors import PermanentApiError, TransientApiError
-from gpuguard.gpucount import MAX_GPUS, expected_from_labels, node_labels, parse_count
+from gpuguard.core.config import GPU_COUNT_LABEL
+from gpuguard.core.errors import PermanentApiError, TransientApiError
 from gpuguard.kube import client as kubeclient
+from gpuguard.runtime.gpucount import MAX_GPUS, expected_from_labels, node_labels, parse_count
 from tests.test_cli import run, write
 
 
@@ -63,7 +64,7 @@ class _Api(kubeclient.Client):
 def expected_from_node(
     node: str, *, kubeconfig: str | None, label: str = GPU_COUNT_LABEL, api: Any
 ) -> int | None:
-    """The count as `check` takes it from its one read of the node (gpuguard.checknode)."""
+    """The count as `check` takes it from its one read of the node (gpuguard.runtime.checknode)."""
     labels = node_labels(node, kubeconfig=kubeconfig, api=api)
     return None if labels is None else expected_from_labels(labels, node=node, label=label)
 

@@ -20,7 +20,7 @@ import yaml
 
 import gpuguard
 from gpuguard.cli import cli
-from gpuguard.config import ServerSettings
+from gpuguard.core.config import ServerSettings
 from gpuguard.quarantine.record import TAINT_KEY
 from harness.agentproc import WatchProcess
 from tests.helmtool import CHART, NAMESPACE, ROOT, Docs, Helm, build_helm

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from gpuguard.cli import cli
-from gpuguard.config import NodeSettings
+from gpuguard.core.config import NodeSettings
 from harness.agentproc import WatchProcess
 from tests.helmtool import CHART, NAMESPACE, ROOT, Docs, Helm, build_helm
 from tests.test_helm import _agent, _agent_in, _env

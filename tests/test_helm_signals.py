@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from gpuguard.signalconfig import parse
+from gpuguard.core.signalconfig import parse
 from tests.helmtool import Docs, Helm, build_helm
 from tests.test_helm import _agent, _by_kind, _env, _pod_spec
 

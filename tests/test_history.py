@@ -1,4 +1,5 @@
-"""Each GPU's fault history (gpuguard/history.py): durable across a SIGKILL mid-write, bounded, and a corrupt
+"""Each GPU's fault history (gpuguard/store/history.py): durable across a SIGKILL mid-write, bounded, and a
+corrupt
 or foreign file moved aside with a log line, never a crash."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from gpuguard.history import (
+from gpuguard.store.history import (
     FILE_NAME,
     MAX_BYTES,
     MAX_EPISODES,
@@ -136,7 +137,7 @@ def test_the_largest_history_the_bounds_allow_fits_the_file_limit(tmp_path: Path
 
 _WRITER = """
 import json, sys
-from gpuguard.history import Episode, GpuHistory, HistoryStore, serialize
+from gpuguard.store.history import Episode, GpuHistory, HistoryStore, serialize
 store = HistoryStore(sys.argv[1])
 def history(n):
     episodes = tuple(Episode(reasons=("xid-79",), first_seen=float(n), boot_id="b" * 60) for _ in range(32))

@@ -20,15 +20,15 @@ import pytest
 import urllib3.util.connection
 import yaml
 
-from gpuguard.config import QuarantineLimit
-from gpuguard.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
+from gpuguard.core.config import QuarantineLimit
+from gpuguard.core.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
+from gpuguard.core.validation import MAX_EVENT_MESSAGE_BYTES
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig
 from gpuguard.kube import kubeconfig as kc
 from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.node.view import EventSpec, NodeView
 from gpuguard.quarantine.node.writers import EVENT_NAMESPACE, KubeNodeWriter
-from gpuguard.validation import MAX_EVENT_MESSAGE_BYTES
 from harness.fakes import http_server, self_signed_pem
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gpuguard.errors import NodeUpdateError, TransientApiError
+from gpuguard.core.errors import NodeUpdateError, TransientApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig
 from gpuguard.kube.listwatch import ListWatch

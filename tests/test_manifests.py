@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from gpuguard.cli import cli
-from gpuguard.config import TAINT_EFFECTS, ServerSettings
+from gpuguard.core.config import TAINT_EFFECTS, ServerSettings
 from gpuguard.quarantine.node.writers import EVENT_NAMESPACE
 from gpuguard.quarantine.record import TAINT_KEY
 

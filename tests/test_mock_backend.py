@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from gpuguard.errors import ScenarioError
+from gpuguard.core.errors import ScenarioError
 from gpuguard.nvml.mock import MockBackend, load_scenario, parse_scenario
 from harness.clock import Clock
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.config import PolicySettings
-from gpuguard.errors import ScenarioError
-from gpuguard.model import Verdict
+from gpuguard.core.config import PolicySettings
+from gpuguard.core.errors import ScenarioError
+from gpuguard.core.model import Verdict
+from gpuguard.core.signaltable import SIGNALS
+from gpuguard.judge.policy import evaluate
 from gpuguard.nvml import mocksignals
 from gpuguard.nvml.mock import MockBackend, parse_scenario
-from gpuguard.policy import evaluate
-from gpuguard.signals import SIGNALS
 from harness.clock import Clock
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "scenario.md"

@@ -1,11 +1,12 @@
-"""gpuguard.model: what a reading and a verdict mean when a backend leaves a field out, and the names a fault
+"""gpuguard.core.model: what a reading and a verdict mean when a backend leaves a field out, and the names a
+fault
 goes by (its key in the node's record, its message)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpuguard.model import Fault, GpuReading, GpuVerdict, Verdict, recovery_reason, xid_reason
+from gpuguard.core.model import Fault, GpuReading, GpuVerdict, Verdict, recovery_reason, xid_reason
 
 
 def test_a_reading_left_to_its_defaults_is_a_healthy_watched_gpu_with_nothing_known_about_it() -> None:

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from gpuguard.metrics import Metrics
+from gpuguard.core.metrics import Metrics
 from tests.helmtool import ROOT, Helm, build_helm
 
 MONITORING = ROOT / "deploy" / "monitoring"

@@ -10,9 +10,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
-from gpuguard.model import Fault, GpuReading, Snapshot, Verdict, XidEvent
-from gpuguard.policy import evaluate
+from gpuguard.core.config import NodeSettings, PolicySettings, QuarantineLimit
+from gpuguard.core.model import Fault, GpuReading, Snapshot, Verdict, XidEvent
+from gpuguard.judge.policy import evaluate
 from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.node.budget import limit, plan_yield, quarantine_rank
 from gpuguard.quarantine.node.plan import evidence_gone, plan, plan_condition
@@ -384,7 +384,7 @@ def test_the_startup_gate_stays_next_to_the_unhealthy_taint_until_recovery() -> 
 
 def test_the_startup_gate_waits_for_a_check_that_saw_gpus() -> None:
     gate = Taint(key=UNVERIFIED_TAINT_KEY, effect="NoSchedule")
-    from gpuguard.model import Verdict as V
+    from gpuguard.core.model import Verdict as V
 
     assert decide(node(taints=(gate,)), V()) is None
 

@@ -21,8 +21,8 @@ from typing import Any
 import pynvml
 import pytest
 
-from gpuguard import signaljudge
-from gpuguard.model import RECOVERY_ACTIONS
+from gpuguard.core.model import RECOVERY_ACTIONS
+from gpuguard.judge import signals as signaljudge
 from gpuguard.nvml import real
 from gpuguard.nvml.real import fabric, fields
 

@@ -92,12 +92,12 @@ def test_a_hung_device_count_makes_the_node_nvml_unresponsive_and_keeps_its_gpus
 RESTART = """
 import json, sys, time
 from pathlib import Path
-from gpuguard.agent import Agent
-from gpuguard.config import NodeSettings, PolicySettings
+from gpuguard.runtime.agent import Agent
+from gpuguard.core.config import NodeSettings, PolicySettings
 from gpuguard.quarantine.reconciler import NodeReconciler
 from gpuguard.quarantine.node.view import NodeView
 from gpuguard.nvml.real import NvmlBackend
-from gpuguard.state import StateStore
+from gpuguard.store.state import StateStore
 from harness.fakes import FakeNodeWriter
 
 state = StateStore(sys.argv[1], boot_id="boot-1")

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from gpuguard.signals import SIGNALS
+from gpuguard.core.signaltable import SIGNALS
 from tests.test_nvml_backend import ROOT, check, env
 from tests.test_nvml_faults import agent, reasons_of, watch_until
 
@@ -25,9 +25,9 @@ _SCRIPT = r"""
 import json, sys
 from dataclasses import replace
 from pathlib import Path
-from gpuguard.config import PolicySettings
+from gpuguard.core.config import PolicySettings
 from gpuguard.nvml.real import NvmlBackend
-from gpuguard.policy import evaluate
+from gpuguard.judge.policy import evaluate
 
 state = Path(sys.argv[1])
 scenarios = json.loads(Path(sys.argv[2]).read_text())

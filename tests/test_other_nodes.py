@@ -20,7 +20,7 @@ import pytest
 import structlog
 import yaml
 
-from gpuguard.config import QuarantineLimit
+from gpuguard.core.config import QuarantineLimit
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig as kc
 from gpuguard.quarantine.budget import SINCE_SKEW

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.errors import KubeletUnavailable, KubeletUnsupported
-from gpuguard.model import PodDevices
-from gpuguard.podresources.client import PodResourcesClient
+from gpuguard.core.errors import KubeletUnavailable, KubeletUnsupported
+from gpuguard.core.model import PodDevices
+from gpuguard.kube.podresources.client import PodResourcesClient
 from harness.kubelet import FakeContainer, FakeKubelet, FakePod, gpu_pod
 
 ROOT = Path(__file__).resolve().parent.parent
-STUBS = ROOT / "gpuguard" / "podresources" / "v1"
+STUBS = ROOT / "gpuguard" / "kube" / "podresources" / "v1"
 
 
 @pytest.fixture
@@ -119,7 +119,7 @@ def test_the_client_reconnects_to_a_kubelet_that_restarted(sock: str) -> None:
 def test_the_committed_stubs_are_what_make_podresources_stubs_generates_from_the_proto(
     tmp_path: Path,
 ) -> None:
-    target = tmp_path / "gpuguard" / "podresources" / "v1"
+    target = tmp_path / "gpuguard" / "kube" / "podresources" / "v1"
     target.mkdir(parents=True)
     shutil.copy(STUBS / "api.proto", target / "api.proto")
     subprocess.run(
@@ -132,7 +132,7 @@ def test_the_committed_stubs_are_what_make_podresources_stubs_generates_from_the
             "--python_out=.",
             "--pyi_out=.",
             "--grpc_python_out=.",
-            "gpuguard/podresources/v1/api.proto",
+            "gpuguard/kube/podresources/v1/api.proto",
         ],
         cwd=tmp_path,
         check=True,

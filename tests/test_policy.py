@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from gpuguard.config import DEFAULT_IGNORED_XIDS, PolicySettings
-from gpuguard.model import Fault, GpuReading, Snapshot, Verdict, XidEvent
-from gpuguard.policy import cleared_without_reboot, evaluate, primary
-from gpuguard.xidcatalog import CATALOG
+from gpuguard.core.config import DEFAULT_IGNORED_XIDS, PolicySettings
+from gpuguard.core.model import Fault, GpuReading, Snapshot, Verdict, XidEvent
+from gpuguard.core.xids import CATALOG
+from gpuguard.judge.policy import cleared_without_reboot, evaluate, primary
 
 DEFAULT = PolicySettings()
 

@@ -12,10 +12,10 @@ from unittest import mock
 import pytest
 from structlog.testing import capture_logs
 
-from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
-from gpuguard.errors import ConflictError, PermanentApiError, TransientApiError
-from gpuguard.model import GpuReading, Snapshot, XidEvent
-from gpuguard.policy import evaluate
+from gpuguard.core.config import NodeSettings, PolicySettings, QuarantineLimit
+from gpuguard.core.errors import ConflictError, PermanentApiError, TransientApiError
+from gpuguard.core.model import GpuReading, Snapshot, XidEvent
+from gpuguard.judge.policy import evaluate
 from gpuguard.quarantine.apistate import REFUSAL_BACKOFF
 from gpuguard.quarantine.node.budget import QuarantineBudget
 from gpuguard.quarantine.node.view import NodeView, Taint
@@ -535,7 +535,7 @@ _INCIDENT = re.compile(
 
 def test_every_line_an_api_incident_logs_is_explained_in_operations_md() -> None:
     code = set()
-    for path in [*(ROOT / "gpuguard" / "quarantine").rglob("*.py"), ROOT / "gpuguard" / "state.py"]:
+    for path in [*(ROOT / "gpuguard" / "quarantine").rglob("*.py"), ROOT / "gpuguard" / "store" / "state.py"]:
         code |= set(re.findall(r'log\.\w+\(\s*"([a-z_]+\.[a-z_]+)"', path.read_text()))
         code |= set(re.findall(r'"(node\.(?:read|write)_rejected)"', path.read_text()))
     doc = (ROOT / "docs" / "operations.md").read_text()

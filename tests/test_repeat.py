@@ -1,4 +1,5 @@
-"""Repeat offenders through the reconciler (gpuguard/quarantine/repeat.py, repair.py, release.py): a GPU whose
+"""Repeat offenders through the reconciler (gpuguard/quarantine/repeat/offenders.py, repair.py, release.py): a
+GPU whose
 Xid returns after reboots is held, not released by the next reboot, marked for repair, and released only by
 an operator's annotation the agent validates; only gpuguard's marks are ever removed."""
 
@@ -13,12 +14,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from gpuguard.config import NodeSettings, PolicySettings
-from gpuguard.history import HistoryStore
-from gpuguard.metrics import Metrics
-from gpuguard.model import Fault, GpuReading, Snapshot, Verdict, XidEvent
-from gpuguard.policy import evaluate
-from gpuguard.quarantine.escalation import Limits
+from gpuguard.cli.report import status_table
+from gpuguard.core.config import NodeSettings, PolicySettings
+from gpuguard.core.metrics import Metrics
+from gpuguard.core.model import Fault, GpuReading, Snapshot, Verdict, XidEvent
+from gpuguard.judge.policy import evaluate
 from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
 from gpuguard.quarantine.node.budget import QuarantineBudget
 from gpuguard.quarantine.node.view import (
@@ -28,10 +28,11 @@ from gpuguard.quarantine.node.view import (
     NodeView,
 )
 from gpuguard.quarantine.reconciler import NodeReconciler
-from gpuguard.quarantine.release import ANN_RELEASE
-from gpuguard.quarantine.repeat import RepeatOffenders
-from gpuguard.report import status_table
-from gpuguard.state import StateStore
+from gpuguard.quarantine.repeat.escalation import Limits
+from gpuguard.quarantine.repeat.offenders import RepeatOffenders
+from gpuguard.quarantine.repeat.release import ANN_RELEASE
+from gpuguard.store.history import HistoryStore
+from gpuguard.store.state import StateStore
 from harness.clock import Clock
 from harness.dra import gpu_uuid, nvidia_slice
 from harness.fakes import FakeDeviceSource, FakeNodeWriter

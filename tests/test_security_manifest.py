@@ -336,7 +336,7 @@ def test_the_other_policies_guard_the_service_account_fail_closed_and_name_every
 
 
 def test_the_device_policy_requires_the_name_and_bounds_the_agent_writes() -> None:
-    from gpuguard import validation
+    from gpuguard.core import validation
     from gpuguard.quarantine.gpu import degraded as degraded_rules
     from gpuguard.quarantine.gpu import rules as devices
 
@@ -349,7 +349,7 @@ def test_the_device_policy_requires_the_name_and_bounds_the_agent_writes() -> No
 
 
 def test_the_event_policy_covers_the_events_role_and_bounds_what_the_agent_writes() -> None:
-    from gpuguard import validation
+    from gpuguard.core import validation
 
     rules = _one(EVENT_POLICY, "ValidatingAdmissionPolicy")["spec"]["matchConstraints"]["resourceRules"]
     assert {g for r in rules for g in r["apiGroups"]} == {"", "events.k8s.io"}

@@ -12,11 +12,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gpuguard import cli
-from gpuguard.config import PolicySettings, parse_listen
-from gpuguard.metrics import Metrics
-from gpuguard.model import AgentStatus, ApiHealth, GpuQuarantine, GpuReading, Snapshot
-from gpuguard.policy import evaluate
-from gpuguard.server import HealthServer
+from gpuguard.core.config import PolicySettings, parse_listen
+from gpuguard.core.metrics import Metrics
+from gpuguard.core.model import AgentStatus, ApiHealth, GpuQuarantine, GpuReading, Snapshot
+from gpuguard.judge.policy import evaluate
+from gpuguard.runtime.server import HealthServer
 
 SICK = evaluate(
     Snapshot(gpus=(GpuReading(index=0, uuid="GPU-0"), GpuReading(index=1, uuid="GPU-1", ecc_uncorrected=3))),

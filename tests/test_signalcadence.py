@@ -1,12 +1,12 @@
-"""The clock signals' windows fitted to --interval (gpuguard.signalcadence), and the judge over them."""
+"""The clock signals' windows fitted to --interval (gpuguard.judge.cadence), and the judge over them."""
 
 from __future__ import annotations
 
-from gpuguard.config import PolicySettings
-from gpuguard.model import GpuReading, SignalReadings, Snapshot, Verdict
-from gpuguard.policy import evaluate
-from gpuguard.signalcadence import fitted
-from gpuguard.signals import SIGNALS
+from gpuguard.core.config import PolicySettings
+from gpuguard.core.model import GpuReading, SignalReadings, Snapshot, Verdict
+from gpuguard.core.signaltable import SIGNALS
+from gpuguard.judge.cadence import fitted
+from gpuguard.judge.policy import evaluate
 
 
 def storm(settings: PolicySettings, interval: float, checks: int) -> list[bool]:

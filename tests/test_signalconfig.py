@@ -10,14 +10,14 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuguard.agent import Agent
-from gpuguard.config import NodeSettings, PolicySettings
-from gpuguard.errors import ConfigError
+from gpuguard.core.config import NodeSettings, PolicySettings
+from gpuguard.core.errors import ConfigError
+from gpuguard.core.signalconfig import parse
+from gpuguard.core.signaltable import SIGNALS
 from gpuguard.nvml.mock import MockBackend, parse_scenario
 from gpuguard.quarantine.node.view import NodeView
 from gpuguard.quarantine.reconciler import NodeReconciler
-from gpuguard.signalconfig import parse
-from gpuguard.signals import SIGNALS
+from gpuguard.runtime.agent import Agent
 from harness.clock import Clock
 from harness.fakes import FakeNodeWriter
 from tests.test_cli import run, watch_config

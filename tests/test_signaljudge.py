@@ -8,11 +8,11 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from gpuguard.config import PolicySettings
-from gpuguard.model import GpuReading, SignalReadings, Snapshot, Verdict
-from gpuguard.policy import cleared_without_reboot, evaluate
-from gpuguard.signaljudge import SOURCES
-from gpuguard.signals import SIGNALS, SignalTable
+from gpuguard.core.config import PolicySettings
+from gpuguard.core.model import GpuReading, SignalReadings, Snapshot, Verdict
+from gpuguard.core.signaltable import SIGNALS, SignalTable
+from gpuguard.judge.policy import cleared_without_reboot, evaluate
+from gpuguard.judge.signals import SOURCES
 
 DEFAULT = PolicySettings()
 LINKS = frozenset(range(18))

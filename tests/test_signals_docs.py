@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from gpuguard.signals import SIGNALS
+from gpuguard.core.signaltable import SIGNALS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from gpuguard.config import Config
-from gpuguard.model import Fault
-from gpuguard.state import FILE_NAME, MAX_BYTES, MAX_RULES, RuleMemory, StateStore, read_boot_id
+from gpuguard.core.config import Config
+from gpuguard.core.model import Fault
+from gpuguard.store.state import FILE_NAME, MAX_BYTES, MAX_RULES, RuleMemory, StateStore, read_boot_id
 
 XID = Fault("xid-79", "GPU has fallen off the bus (GPU 1, GPU-b)", uuid="GPU-b", gpu_index=1)
 LOST = Fault("gpu-lost", "GPU is lost (GPU 0, GPU-a)", uuid="GPU-a", gpu_index=0)
@@ -119,7 +119,8 @@ def test_a_fault_saved_just_before_a_sigkill_is_restored(tmp_path: Path) -> None
     import sys
 
     code = (
-        "import os, signal, sys; from gpuguard.model import Fault; from gpuguard.state import StateStore; "
+        "import os, signal, sys; from gpuguard.core.model import Fault; "
+        "from gpuguard.store.state import StateStore; "
         "StateStore(sys.argv[1], boot_id='b').save((Fault('xid-79', 'd', uuid='GPU-b', gpu_index=1),)); "
         "os.kill(os.getpid(), signal.SIGKILL)"
     )

@@ -1,4 +1,4 @@
-"""gpuguard.validation: the syntax rules checked against independent reference implementations (written
+"""gpuguard.core.validation: the syntax rules checked against independent reference implementations (written
 from the Kubernetes definitions, not from the module), the sanitizers' guarantees as properties, and the
 write-boundary checks against every patch and condition that gpuguard's own planner produces."""
 
@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuguard import validation as v
-from gpuguard.config import NodeSettings, PolicySettings
-from gpuguard.errors import ConfigError
-from gpuguard.model import GpuReading, Snapshot, XidEvent, recovery_reason
-from gpuguard.policy import evaluate
+from gpuguard.core import validation as v
+from gpuguard.core.config import NodeSettings, PolicySettings
+from gpuguard.core.errors import ConfigError
+from gpuguard.core.model import GpuReading, Snapshot, XidEvent, recovery_reason
+from gpuguard.judge.policy import evaluate
 from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.node.budget import limit
 from gpuguard.quarantine.node.plan import plan, plan_condition
@@ -144,7 +144,7 @@ def test_label_values_are_accepted_exactly_when_the_reference_accepts_them(value
 
 
 def test_every_reason_gpuguard_uses_as_a_taint_value_is_valid() -> None:
-    from gpuguard.model import ECC, GPU_LOST, GPU_MISSING, NVML_INIT, ROW_REMAP, xid_reason
+    from gpuguard.core.model import ECC, GPU_LOST, GPU_MISSING, NVML_INIT, ROW_REMAP, xid_reason
 
     for reason in (ECC, GPU_LOST, GPU_MISSING, NVML_INIT, ROW_REMAP, xid_reason(0), xid_reason(2**32 - 1)):
         v.taint_value(reason)
@@ -468,7 +468,7 @@ def test_whatever_the_input_the_sanitized_values_pass_the_patch_check(
     ],
 )
 def test_taint_keys_the_gate_may_use_are_accepted(key: str) -> None:
-    from gpuguard.validation import taint_key
+    from gpuguard.core.validation import taint_key
 
     assert taint_key(key) == key
 
@@ -477,7 +477,7 @@ def test_taint_keys_the_gate_may_use_are_accepted(key: str) -> None:
     "key", ["", "/name", "example.com/", "Example.COM/x", "a/b/c", "x" * 64, "example.com/-x", "a b"]
 )
 def test_malformed_taint_keys_are_refused(key: str) -> None:
-    from gpuguard.validation import taint_key
+    from gpuguard.core.validation import taint_key
 
     with pytest.raises(ConfigError, match="is not a taint key"):
         taint_key(key)

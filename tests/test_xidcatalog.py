@@ -1,11 +1,11 @@
-"""gpuguard.xidcatalog: the catalog file as loaded, which Xids its buckets make events, and what it says
+"""gpuguard.core.xids: the catalog file as loaded, which Xids its buckets make events, and what it says
 about a code (the reason's wording and the bucket in the logs)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpuguard.xidcatalog import CATALOG, EVENT_BUCKETS, UNKNOWN_XID, load
+from gpuguard.core.xids import CATALOG, EVENT_BUCKETS, UNKNOWN_XID, load
 
 
 def test_the_catalog_file_loads_into_the_catalog_the_policy_uses() -> None:

@@ -11,10 +11,10 @@ from typing import Any
 
 import click
 
-from gpuguard import validation
 from gpuguard.cli.commands import EXIT_API, EXIT_OK, cli
 from gpuguard.cli.flags import FLAGS
-from gpuguard.errors import ConfigError, GpuguardError, NodeUpdateError, TransientApiError
+from gpuguard.core import validation
+from gpuguard.core.errors import ConfigError, GpuguardError, NodeUpdateError, TransientApiError
 
 
 @cli.command()
@@ -35,7 +35,7 @@ def status(kubeconfig: str | None, output: str) -> int:
         rows = [_printable(r) for r in (*nodes, *degraded, *quarantined_gpus(api))]
     except GpuguardError as exc:
         return _api_failed("status", api, exc)
-    from gpuguard import report  # noqa: PLC0415
+    from gpuguard.cli import report  # noqa: PLC0415
 
     click.echo(json.dumps(rows, indent=2) if output == "json" else report.status_table(rows))
     return EXIT_OK
@@ -52,7 +52,7 @@ def release(kubeconfig: str | None, node: str, gpu: str | None, by: str | None) 
     the hold (and only gpuguard's marks) and removes the annotation at its next re-read. The agents' own
     tokens may not write it (deploy/admission-policy.yaml). Exit 0; 2 a usage error; 4 the API server is
     unreachable or refused the request."""
-    from gpuguard.quarantine.release import ALL, ANN_RELEASE, annotation, parse  # noqa: PLC0415
+    from gpuguard.quarantine.repeat.release import ALL, ANN_RELEASE, annotation, parse  # noqa: PLC0415
 
     who = by if by is not None else os.environ.get("USER") or "unknown"
     gpu = gpu if gpu is not None else ALL
@@ -99,7 +99,7 @@ def uninstall(kubeconfig: str | None, nodes: tuple[str, ...], all_nodes: bool, d
     """Remove every gpuguard.io/ taint, label and annotation, the GPUHealthy and GPUDegraded conditions and
     the cordons gpuguard made, from the nodes named (--node) or all (--all), and gpuguard's DRA
     DeviceTaintRules of those nodes. Run it after removing the DaemonSet."""
-    from gpuguard.cleanup import clean_node, clean_rules, node_names  # noqa: PLC0415
+    from gpuguard.cli.uninstall import clean_node, clean_rules, node_names  # noqa: PLC0415
 
     if bool(nodes) == all_nodes:
         raise ConfigError("uninstall: name the nodes with --node NAME, or pass --all")

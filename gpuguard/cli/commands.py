@@ -11,7 +11,7 @@ import click
 from gpuguard import __version__
 from gpuguard.cli import settings
 from gpuguard.cli.flags import FLAGS, GPU_FLAGS, WATCH_FLAGS, options
-from gpuguard.errors import ConfigError
+from gpuguard.core.errors import ConfigError
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
 # The NVML library (libnvidia-ml.so.1) cannot be loaded at all: not a sick GPU, a node or container set-up.
@@ -40,9 +40,9 @@ def cli() -> None:
 def watch(**kw: Any) -> int:
     """Watch the GPUs and keep this node's taint in line with their health (the DaemonSet's command)."""
     cfg = settings.config(kw, watch=True)
-    from gpuguard import running  # noqa: PLC0415 - the agent's imports only for the command that runs it
+    from gpuguard.runtime import root  # noqa: PLC0415 - the agent's imports only for the command that runs it
 
-    if running.watch(cfg):
+    if root.watch(cfg):
         import structlog  # noqa: PLC0415
 
         structlog.get_logger(__name__).error(
@@ -87,10 +87,12 @@ def check(output: str, at: float | None, fail_on_degraded: bool, **kw: Any) -> i
     cfg = settings.config(kw, watch=False)
     import logging  # noqa: PLC0415
 
-    from gpuguard import logs, report, running  # noqa: PLC0415
+    from gpuguard.cli import report  # noqa: PLC0415
+    from gpuguard.core import logs  # noqa: PLC0415
+    from gpuguard.runtime import root  # noqa: PLC0415
 
     logs.configure(cfg.log_format, level=logging.WARNING)  # stdout is the table; stderr only problems
-    result = running.check_once(cfg, at=at)
+    result = root.check_once(cfg, at=at)
     if result.no_library:
         click.echo(f"gpuguard: {NO_NVML_HINT}", err=True)
     verdict = result.verdict

@@ -1,7 +1,7 @@
 """Every flag of gpuguard's commands, declared once (gpuguard.cli.flag.Flag: name, variable, type, the
 settings field whose default is the flag's, parser, help). The click options are made from these
 declarations and the settings are built from them (gpuguard.cli.settings), so a default is written only in
-gpuguard.config."""
+gpuguard.core.config."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 import click
 
 from gpuguard.cli.flag import F, Flag
-from gpuguard.config import (
+from gpuguard.core.config import (
     DEFAULT_IGNORED_XIDS,
     EVICT_MODES,
     GATE_REMOVALS,

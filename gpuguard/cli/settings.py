@@ -10,10 +10,10 @@ from typing import Any
 
 import click
 
-from gpuguard import signalconfig
 from gpuguard.cli.flags import FLAGS
-from gpuguard.config import DEFAULT_IGNORED_XIDS, Config, NodeSettings, PolicySettings, parse_xids
-from gpuguard.errors import ConfigError
+from gpuguard.core import signalconfig
+from gpuguard.core.config import DEFAULT_IGNORED_XIDS, Config, NodeSettings, PolicySettings, parse_xids
+from gpuguard.core.errors import ConfigError
 
 
 def config(values: Mapping[str, Any], *, watch: bool) -> Config:

@@ -22,8 +22,8 @@ from typing import Any, Protocol
 
 import structlog
 
-from gpuguard import validation
-from gpuguard.errors import (
+from gpuguard.core import validation
+from gpuguard.core.errors import (
     ConfigError,
     ConflictError,
     KubeletError,
@@ -32,11 +32,11 @@ from gpuguard.errors import (
     PermanentApiError,
     TransientApiError,
 )
+from gpuguard.core.metrics import Metrics, counted
+from gpuguard.core.model import PodDevices, Verdict
 from gpuguard.eviction.plan import NOT_LISTED, NOT_QUARANTINED, Decision, Faulty, Pod, held, mig_slices, plan
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import pods
-from gpuguard.metrics import Metrics, counted
-from gpuguard.model import PodDevices, Verdict
 
 log = structlog.get_logger(__name__)
 
@@ -54,7 +54,7 @@ EVENT_NAMESPACE = "default"  # the node's Events, where the quarantine's are (ku
 
 
 class Kubelet(Protocol):
-    """The kubelet's PodResources API (gpuguard.podresources.client.PodResourcesClient)."""
+    """The kubelet's PodResources API (gpuguard.kube.podresources.client.PodResourcesClient)."""
 
     def list(self) -> tuple[PodDevices, ...]: ...
 

@@ -22,8 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpuguard.model import PodDevices
-from gpuguard.validation import PREFIX
+from gpuguard.core.model import PodDevices
+from gpuguard.core.validation import PREFIX
 
 # gpuguard's fault taint (gpuguard.quarantine.record.TAINT_KEY; eviction and quarantine are independent
 # layers, tests/test_eviction_plan.py checks that the two agree).

@@ -7,7 +7,7 @@ for the kubeconfigs that only its loader understands (exec plugins, auth provide
 lists): `load()` hands those to it and takes back the server, the TLS files and the token it resolved. The
 in-cluster path (the DaemonSet) and plain token or certificate kubeconfigs never import it.
 
-Errors are mapped here, where the codes are known, into gpuguard's own (`gpuguard.errors`): 409 is a
+Errors are mapped here, where the codes are known, into gpuguard's own (`gpuguard.core.errors`): 409 is a
 `ConflictError`; 429, 5xx, no answer (connection, TLS, timeout) and an answer that is not JSON (a proxy's
 error page) are a `TransientApiError` (with Retry-After); any other status >= 400 a `PermanentApiError`.
 Callers never translate library exceptions again.
@@ -29,8 +29,9 @@ import urllib3
 from urllib3.connection import HTTPConnection
 from urllib3.exceptions import HTTPError
 
-from gpuguard import __version__, files
-from gpuguard.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
+from gpuguard import __version__
+from gpuguard.core import files
+from gpuguard.core.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
 from gpuguard.kube.kubeconfig import MAX_TOKEN, Credentials, bearer_token, credentials
 from gpuguard.kube.ratelimit import RateLimiter
 

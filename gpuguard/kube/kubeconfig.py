@@ -24,11 +24,11 @@ from urllib.request import getproxies
 
 import yaml
 
-from gpuguard import files
-from gpuguard.errors import ConfigError
+from gpuguard.core import files
+from gpuguard.core.errors import ConfigError
 
-# Bounds of what is read (gpuguard.files): a kubeconfig with the embedded certificates of a hundred clusters
-# is a few hundred KiB; a token about 1 KiB; a CA bundle, a certificate or a key a few KiB.
+# Bounds of what is read (gpuguard.core.files): a kubeconfig with the embedded certificates of a hundred
+# clusters is a few hundred KiB; a token about 1 KiB; a CA bundle, a certificate or a key a few KiB.
 MAX_KUBECONFIG = 4 * files.MIB
 MAX_TOKEN = 64 * files.KIB
 MAX_PEM = files.MIB

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from gpuguard.errors import NodeUpdateError
+from gpuguard.core.errors import NodeUpdateError
 from gpuguard.kube import client as kubeclient
 
 # After a failed list or watch: waits from 1 s doubling to 60 s (jittered), so that a restarted API server is

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuguard.errors import PermanentApiError, TransientApiError
+from gpuguard.core.errors import PermanentApiError, TransientApiError
 from gpuguard.kube import client as kubeclient
 
 # The API server's words when a PodDisruptionBudget refuses an eviction (its 429's message and cause).

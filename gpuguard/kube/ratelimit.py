@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from gpuguard.errors import ConfigError
+from gpuguard.core.errors import ConfigError
 
 
 class RateLimiter:

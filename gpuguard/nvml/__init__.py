@@ -1,4 +1,4 @@
-"""GPU backends: they report readings and decide nothing (see gpuguard.policy for the decisions)."""
+"""GPU backends: they report readings and decide nothing (see gpuguard.judge.policy for the decisions)."""
 
 from gpuguard.nvml.base import Backend, Wakeup
 

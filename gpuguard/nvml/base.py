@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from gpuguard.model import Snapshot
+from gpuguard.core.model import Snapshot
 
 Wakeup = Callable[[], None]
 """Called by a backend from any thread when something arrived that must not wait for the next poll

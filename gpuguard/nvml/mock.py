@@ -15,9 +15,9 @@ from typing import Any, TypeGuard
 
 import yaml
 
-from gpuguard import files
-from gpuguard.errors import ScenarioError
-from gpuguard.model import GpuReading, SignalReadings, Snapshot, XidEvent
+from gpuguard.core import files
+from gpuguard.core.errors import ScenarioError
+from gpuguard.core.model import GpuReading, SignalReadings, Snapshot, XidEvent
 from gpuguard.nvml import mocksignals
 from gpuguard.nvml.base import Wakeup, wait_for
 
@@ -55,7 +55,7 @@ class Scenario:
 def load_scenario(path: str | Path | None) -> Scenario:
     """Read and validate a scenario file (None: the embedded demo). Raises ScenarioError, one line."""
     if path is None:
-        text = resources.files("gpuguard.examples").joinpath(DEFAULT_SCENARIO).read_text("utf-8")
+        text = resources.files("gpuguard.nvml.examples").joinpath(DEFAULT_SCENARIO).read_text("utf-8")
         return parse_scenario(text, source=f"<embedded {DEFAULT_SCENARIO}>")
     text = files.read_text(path, limit=MAX_BYTES, what="scenario", error=ScenarioError)
     return parse_scenario(text, source=str(path))

@@ -12,8 +12,8 @@ import re
 from dataclasses import replace
 from typing import TypeGuard
 
-from gpuguard.errors import ScenarioError
-from gpuguard.model import GpuReading, SignalReadings
+from gpuguard.core.errors import ScenarioError
+from gpuguard.core.model import GpuReading, SignalReadings
 
 MOCK_LINKS = 18
 FABRIC_STATES = {"not_started": 1, "in_progress": 2, "completed": 3}

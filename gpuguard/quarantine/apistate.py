@@ -23,8 +23,8 @@ from datetime import UTC, datetime
 
 import structlog
 
-from gpuguard.errors import NodeUpdateError, PermanentApiError
-from gpuguard.model import ApiHealth
+from gpuguard.core.errors import NodeUpdateError, PermanentApiError
+from gpuguard.core.model import ApiHealth
 
 log = structlog.get_logger(__name__)
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from gpuguard.model import Verdict
+from gpuguard.core.model import Verdict
 
 
 @dataclass(frozen=True)

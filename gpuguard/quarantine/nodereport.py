@@ -8,11 +8,11 @@ from datetime import datetime
 
 import structlog
 
-from gpuguard import validation
-from gpuguard.config import NodeSettings
-from gpuguard.errors import NodeUpdateError
-from gpuguard.model import Verdict
-from gpuguard.policy import primary
+from gpuguard.core import validation
+from gpuguard.core.config import NodeSettings
+from gpuguard.core.errors import NodeUpdateError
+from gpuguard.core.model import Verdict
+from gpuguard.judge.policy import primary
 from gpuguard.quarantine.node.degraded import (
     DEGRADED_ACTIONS,
     degraded_keys,

@@ -19,10 +19,10 @@ from datetime import UTC, datetime
 import structlog
 import tenacity
 
-from gpuguard.config import NodeSettings
-from gpuguard.errors import ConflictError, NodeUpdateError, PermanentApiError, TransientApiError
-from gpuguard.metrics import Metrics
-from gpuguard.model import GpuQuarantine, Verdict
+from gpuguard.core.config import NodeSettings
+from gpuguard.core.errors import ConflictError, NodeUpdateError, PermanentApiError, TransientApiError
+from gpuguard.core.metrics import Metrics
+from gpuguard.core.model import GpuQuarantine, Verdict
 from gpuguard.quarantine.apistate import ApiState, Intent
 from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
 from gpuguard.quarantine.handoff import DegradedStreaks, Handoff
@@ -33,8 +33,8 @@ from gpuguard.quarantine.node.view import NodeChange, NodeView
 from gpuguard.quarantine.node.writers import DRY_RUN_NODE, NodeWriter
 from gpuguard.quarantine.nodereport import NodeReport
 from gpuguard.quarantine.record import ANN_REASON, ANN_SINCE
-from gpuguard.quarantine.repair import marks, with_marks
-from gpuguard.quarantine.repeat import RepeatOffenders
+from gpuguard.quarantine.repeat.marks import marks, with_marks
+from gpuguard.quarantine.repeat.offenders import RepeatOffenders
 from gpuguard.quarantine.retrypolicy import node_retrying
 
 log = structlog.get_logger(__name__)

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
 
-from gpuguard import validation
-from gpuguard.model import Fault
-from gpuguard.policy import cleared_without_reboot
+from gpuguard.core import validation
+from gpuguard.core.model import Fault
+from gpuguard.judge.policy import cleared_without_reboot
 
 DOMAIN = "gpuguard.io"
 TAINT_KEY = f"{DOMAIN}/gpu-unhealthy"

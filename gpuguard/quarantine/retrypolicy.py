@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import tenacity
 
-from gpuguard.errors import TransientApiError
+from gpuguard.core.errors import TransientApiError
 
 
 def node_retrying(

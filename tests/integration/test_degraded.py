@@ -13,10 +13,10 @@ from typing import Any
 import kubernetes
 import pytest
 
-from gpuguard.cleanup import clean_node
-from gpuguard.config import NodeSettings, QuarantineLimit
+from gpuguard.cli.uninstall import clean_node
+from gpuguard.core.config import NodeSettings, QuarantineLimit
+from gpuguard.core.model import Fault, GpuVerdict, Verdict
 from gpuguard.kube import client as kubeclient
-from gpuguard.model import Fault, GpuVerdict, Verdict
 from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
 from gpuguard.quarantine.gpu.writers import KubeDeviceSource
 from gpuguard.quarantine.node.budget import QuarantineBudget

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from gpuguard.agent import Agent
-from gpuguard.config import PolicySettings
+from gpuguard.core.config import PolicySettings
+from gpuguard.core.signalconfig import parse
 from gpuguard.nvml.mock import MockBackend, parse_scenario
-from gpuguard.signalconfig import parse
+from gpuguard.runtime.agent import Agent
 from harness.clock import Clock
 from harness.kube import GPU_NODE_LABELS, Admin
 from tests.integration.test_admission import admin, new_node  # noqa: F401

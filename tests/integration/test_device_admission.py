@@ -14,7 +14,7 @@ from typing import Any
 import kubernetes
 import pytest
 
-from gpuguard.cleanup import clean_rules
+from gpuguard.cli.uninstall import clean_rules
 from gpuguard.kube import client as kubeclient
 from harness import controlplane
 from harness.kube import (

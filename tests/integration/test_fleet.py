@@ -18,7 +18,7 @@ import urllib3
 
 from bench.cluster import audit_code, audit_node, audit_time
 from bench.fleet import Fleet
-from gpuguard.config import NodeSettings
+from gpuguard.core.config import NodeSettings
 from harness.kube import NAMESPACE, Admin, eventually, token_kubeconfig
 from tests.integration.fixtures import USER_AGENT, WRITE_VERBS, admin  # noqa: F401
 

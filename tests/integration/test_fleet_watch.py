@@ -12,7 +12,7 @@ from typing import Any
 import kubernetes
 import pytest
 
-from gpuguard.config import QuarantineLimit
+from gpuguard.core.config import QuarantineLimit
 from gpuguard.kube import client as kubeclient
 from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.gpu.rules import DeviceRule

@@ -256,14 +256,14 @@ def _proc(pid: int) -> tuple[float, int, int]:
 
 _SOAK = """
 import sys
-from gpuguard import logs
-from gpuguard.agent import Agent
-from gpuguard.config import NodeSettings, PolicySettings
+from gpuguard.core import logs
+from gpuguard.runtime.agent import Agent
+from gpuguard.core.config import NodeSettings, PolicySettings
 from gpuguard.quarantine.reconciler import NodeReconciler
 from gpuguard.quarantine.node.view import NodeView
 from gpuguard.quarantine.node.writers import DryRunNodeWriter
 from gpuguard.nvml.real import NvmlBackend
-from gpuguard.server import HealthServer
+from gpuguard.runtime.server import HealthServer
 logs.configure("json")
 settings = NodeSettings(name="soak", dry_run=True)
 reconciler = NodeReconciler(DryRunNodeWriter(NodeView(name="soak", resource_version="1")), settings)

@@ -15,13 +15,13 @@ from typing import Any
 import kubernetes
 import pytest
 
-from gpuguard.agent import Agent as LoopAgent
-from gpuguard.config import NodeSettings, PolicySettings, QuarantineLimit
+from gpuguard.core.config import NodeSettings, PolicySettings, QuarantineLimit
+from gpuguard.core.model import GpuReading, Snapshot
 from gpuguard.kube import client as kubeclient
-from gpuguard.model import GpuReading, Snapshot
 from gpuguard.nvml.base import Wakeup, wait_for
 from gpuguard.quarantine.node.writers import KubeNodeWriter
 from gpuguard.quarantine.reconciler import NodeReconciler
+from gpuguard.runtime.agent import Agent as LoopAgent
 from harness.dra import gpu_uuid, nvidia_slice
 from harness.kube import GPU_NODE_LABELS, GPUS_OK, Admin, eventually
 from tests.integration.fixtures import USER_AGENT, admin, start_agent, unique  # noqa: F401

@@ -21,9 +21,9 @@ import kubernetes
 import pytest
 import yaml
 
-from gpuguard.config import NodeSettings, QuarantineLimit
+from gpuguard.core.config import NodeSettings, QuarantineLimit
+from gpuguard.core.model import Fault, GpuVerdict, Verdict
 from gpuguard.kube import client as kubeclient
-from gpuguard.model import Fault, GpuVerdict, Verdict
 from gpuguard.quarantine.budget import VERIFY_SETTLE
 from gpuguard.quarantine.gpu.writers import quarantined_gpus
 from gpuguard.quarantine.node.writers import KubeNodeWriter
@@ -478,7 +478,7 @@ def test_a_lost_gpu_on_a_dra_node_still_quarantines_the_node(
 
 
 def remembered(state_dir: Path, rule: str) -> bool:
-    """The agent's durable state (gpuguard.state) lists `rule` among the rules it made."""
+    """The agent's durable state (gpuguard.store.state) lists `rule` among the rules it made."""
     try:
         doc = json.loads((state_dir / "state.json").read_text())
     except (OSError, ValueError):

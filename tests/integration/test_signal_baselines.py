@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gpuguard.baselines import FILE_NAME
+from gpuguard.store.baselines import FILE_NAME
 from harness.kube import Admin
 from tests.integration.fixtures import admin, start_agent  # noqa: F401
 

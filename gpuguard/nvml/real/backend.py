@@ -17,7 +17,7 @@ from typing import Any
 import pynvml
 import structlog
 
-from gpuguard.model import Snapshot
+from gpuguard.core.model import Snapshot
 from gpuguard.nvml.base import Wakeup, wait_for
 from gpuguard.nvml.real.common import XID_RECOVERY_ACTION, Device, error_name, handle_key, is_lost, text
 from gpuguard.nvml.real.deadline import (

@@ -11,7 +11,7 @@ from typing import Any
 
 import pynvml
 
-from gpuguard.model import GpuReading, SignalReadings
+from gpuguard.core.model import GpuReading, SignalReadings
 
 # NVML error code -> name without the NVML_ERROR_ prefix, e.g. 15 -> "GPU_IS_LOST".
 ERROR_NAMES: dict[int, str] = {

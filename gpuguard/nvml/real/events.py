@@ -23,7 +23,7 @@ from typing import Any
 import pynvml
 import structlog
 
-from gpuguard.model import XidEvent
+from gpuguard.core.model import XidEvent
 from gpuguard.nvml.base import Wakeup
 from gpuguard.nvml.real.common import (
     EVENT_DOUBLE_BIT_ECC,

@@ -8,7 +8,7 @@ from typing import Any
 
 import pynvml
 
-from gpuguard.model import GpuReading, SignalReadings
+from gpuguard.core.model import GpuReading, SignalReadings
 from gpuguard.nvml.real.common import (
     FI_GPU_RECOVERY_ACTION,
     Device,

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from gpuguard.model import SignalReadings
+from gpuguard.core.model import SignalReadings
 from gpuguard.nvml.real.common import Device, SignalState, code, error_name, is_lost, not_supported
 from gpuguard.nvml.real.deadline import Pass
 from gpuguard.nvml.real.fabric import read_fabric

@@ -16,8 +16,8 @@ from typing import Any
 
 import structlog
 
-from gpuguard.config import NodeSettings
-from gpuguard.errors import NodeUpdateError
+from gpuguard.core.config import NodeSettings
+from gpuguard.core.errors import NodeUpdateError
 from gpuguard.quarantine.budget import VERIFY_SETTLE, Budget
 from gpuguard.quarantine.gpu.order import rules_past_limit, rules_share
 from gpuguard.quarantine.gpu.plan import step_back

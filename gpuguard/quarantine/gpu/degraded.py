@@ -14,9 +14,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gpuguard import validation
-from gpuguard.errors import ConfigError
-from gpuguard.model import Fault, Verdict
+from gpuguard.core import validation
+from gpuguard.core.errors import ConfigError
+from gpuguard.core.model import Fault, Verdict
 from gpuguard.quarantine.gpu.rules import (
     ANN_NODE_GPUS,
     ANN_UUID,

@@ -12,8 +12,8 @@ from typing import TypeVar
 
 import structlog
 
-from gpuguard.errors import ConflictError, PermanentApiError
-from gpuguard.model import Fault, Verdict
+from gpuguard.core.errors import ConflictError, PermanentApiError
+from gpuguard.core.model import Fault, Verdict
 from gpuguard.quarantine.gpu.degraded import (
     DegradedPlan,
     degraded_rule_body,

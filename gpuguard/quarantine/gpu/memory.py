@@ -10,11 +10,11 @@ from typing import Protocol
 
 import structlog
 
-from gpuguard.model import Fault
+from gpuguard.core.model import Fault
 from gpuguard.quarantine.gpu.plan import suppressed
 from gpuguard.quarantine.gpu.rules import DeviceRule
 from gpuguard.quarantine.record import join_keys
-from gpuguard.state import RuleMemory
+from gpuguard.store.state import RuleMemory
 
 log = structlog.get_logger(__name__)
 

@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gpuguard.config import NodeSettings
-from gpuguard.model import (
+from gpuguard.core.config import NodeSettings
+from gpuguard.core.model import (
     ECC,
     REPEAT_OFFENDER,
     RESET_REQUIRED,

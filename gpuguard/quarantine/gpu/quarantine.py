@@ -14,9 +14,9 @@ from typing import Any, TypeVar
 
 import structlog
 
-from gpuguard.config import NodeSettings
-from gpuguard.errors import ConflictError, GpuguardError, PermanentApiError
-from gpuguard.model import Fault, GpuQuarantine, Verdict
+from gpuguard.core.config import NodeSettings
+from gpuguard.core.errors import ConflictError, GpuguardError, PermanentApiError
+from gpuguard.core.model import Fault, GpuQuarantine, Verdict
 from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.gpu import plan as gpu_plan
 from gpuguard.quarantine.gpu.budget import RuleBudget

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Protocol
 
-from gpuguard import validation
-from gpuguard.errors import ConfigError
-from gpuguard.model import Fault
-from gpuguard.policy import primary
+from gpuguard.core import validation
+from gpuguard.core.errors import ConfigError
+from gpuguard.core.model import Fault
+from gpuguard.judge.policy import primary
 from gpuguard.quarantine.gpu.slices import SliceDevice
 from gpuguard.quarantine.record import (
     ANN_BOOT_ID,

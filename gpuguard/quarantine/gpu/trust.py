@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from gpuguard.errors import ConflictError
+from gpuguard.core.errors import ConflictError
 from gpuguard.quarantine.gpu.rules import NONE_EFFECT, RULE_PREFIX, DeviceRule
 from gpuguard.quarantine.gpu.slices import SliceDevice
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from gpuguard.errors import NodeUpdateError
+from gpuguard.core.errors import NodeUpdateError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube.listwatch import ListWatch
 from gpuguard.quarantine.gpu.rules import (

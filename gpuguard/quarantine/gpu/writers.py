@@ -13,10 +13,10 @@ from typing import Any
 
 import structlog
 
-from gpuguard.config import NodeSettings
-from gpuguard.errors import GpuguardError, PermanentApiError
+from gpuguard.core.config import NodeSettings
+from gpuguard.core.errors import GpuguardError, PermanentApiError
+from gpuguard.core.metrics import Metrics, counted
 from gpuguard.kube import client as kubeclient
-from gpuguard.metrics import Metrics, counted
 from gpuguard.quarantine.gpu.degraded import is_degraded_rule
 from gpuguard.quarantine.gpu.rules import (
     API,

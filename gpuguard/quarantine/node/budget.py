@@ -23,10 +23,10 @@ from typing import Any, Protocol
 
 import structlog
 
-from gpuguard import validation
-from gpuguard.config import NodeSettings, QuarantineLimit
-from gpuguard.errors import NodeUpdateError
-from gpuguard.model import Verdict, plural
+from gpuguard.core import validation
+from gpuguard.core.config import NodeSettings, QuarantineLimit
+from gpuguard.core.errors import NodeUpdateError
+from gpuguard.core.model import Verdict, plural
 from gpuguard.quarantine.budget import VERIFY_SETTLE, Budget, api_time, since_time
 from gpuguard.quarantine.node.plan import record_faults
 from gpuguard.quarantine.node.view import (

@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import structlog
 
-from gpuguard.config import NodeSettings, QuarantineLimit
-from gpuguard.errors import NodeUpdateError, TransientApiError
+from gpuguard.core.config import NodeSettings, QuarantineLimit
+from gpuguard.core.errors import NodeUpdateError, TransientApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube.listwatch import ListWatch
 from gpuguard.quarantine.apistate import ApiState

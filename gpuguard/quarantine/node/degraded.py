@@ -20,9 +20,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
-from gpuguard import validation
-from gpuguard.errors import ConfigError
-from gpuguard.model import Fault, plural
+from gpuguard.core import validation
+from gpuguard.core.errors import ConfigError
+from gpuguard.core.model import Fault, plural
 from gpuguard.quarantine.node.view import (
     DEGRADED_CONDITION_TYPE,
     SOFT_EFFECT,

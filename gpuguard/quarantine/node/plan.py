@@ -15,9 +15,9 @@ from collections.abc import Iterable
 from dataclasses import replace
 from datetime import datetime
 
-from gpuguard.config import NodeSettings
-from gpuguard.model import REPEAT_OFFENDER, Fault, Verdict, plural
-from gpuguard.policy import primary
+from gpuguard.core.config import NodeSettings
+from gpuguard.core.model import REPEAT_OFFENDER, Fault, Verdict, plural
+from gpuguard.judge.policy import primary
 from gpuguard.quarantine.node.view import (
     ANN_CORDONED,
     CONDITION_TYPE,

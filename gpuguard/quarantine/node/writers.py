@@ -16,11 +16,11 @@ from typing import Any, Protocol
 
 import structlog
 
-from gpuguard import validation
-from gpuguard.config import GPU_NODE_SELECTOR, NodeSettings, QuarantineLimit
-from gpuguard.errors import ConfigError, GpuguardError, PermanentApiError
+from gpuguard.core import validation
+from gpuguard.core.config import GPU_NODE_SELECTOR, NodeSettings, QuarantineLimit
+from gpuguard.core.errors import ConfigError, GpuguardError, PermanentApiError
+from gpuguard.core.metrics import Metrics, counted
 from gpuguard.kube import client as kubeclient
-from gpuguard.metrics import Metrics, counted
 from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.node.budget import OtherNodes, count_budget
 from gpuguard.quarantine.node.degraded import LABEL_DEGRADED, DegradedRecord, degraded_taint

@@ -1,0 +1,178 @@
+"""`gpuguard uninstall`: take off the nodes everything gpuguard put there, for a clean uninstall.
+
+gpuguard's marks on a node: taints, labels and annotations under ``gpuguard.io/``, the ``GPUHealthy`` and
+``GPUDegraded`` node conditions, and the cordon when gpuguard made it (annotation
+``gpuguard.io/cordoned=true``; an operator's own cordon stays); and its DeviceTaintRules, which hold single
+GPUs out (the per-GPU quarantine) or show a degraded one. Removing the DaemonSet leaves all of them in
+place, on purpose: a node that was held out for a bad GPU stays held out until someone decides. Run this
+after the agents are gone (they would put the marks back). Writes are merge patches with the
+resourceVersion read (a 409 re-reads and plans again) and touch nothing else; the conditions go with a
+strategic-merge delete on nodes/status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import tenacity
+
+from gpuguard.core.errors import ConflictError, GpuguardError
+from gpuguard.kube import client as kubeclient
+from gpuguard.quarantine.gpu.writers import KubeDeviceSource
+from gpuguard.quarantine.node.view import ANN_CORDONED, CONDITION_TYPE, DEGRADED_CONDITION_TYPE
+from gpuguard.quarantine.record import DOMAIN
+
+PREFIX = f"{DOMAIN}/"
+_ATTEMPTS = 5
+
+
+class _Conflict(Exception):
+    """The node changed between read and write (409): read and plan again."""
+
+
+@dataclass(frozen=True)
+class Cleanup:
+    """What gpuguard left on one node, as a merge patch for the node and whether the condition is there."""
+
+    node: str
+    resource_version: str
+    taints: tuple[str, ...]
+    labels: tuple[str, ...]
+    annotations: tuple[str, ...]
+    uncordon: bool
+    condition: bool
+    kept_taints: tuple[Mapping[str, Any], ...] = ()
+    # The second level's condition (a degraded GPU), removed like GPUHealthy.
+    degraded_condition: bool = False
+
+    @property
+    def empty(self) -> bool:
+        return not (
+            self.taints
+            or self.labels
+            or self.annotations
+            or self.uncordon
+            or self.condition
+            or self.degraded_condition
+        )
+
+    def describe(self) -> str:
+        parts = [f"taint {k}" for k in self.taints]
+        parts += [f"label {k}" for k in self.labels]
+        parts += [f"annotation {k}" for k in self.annotations]
+        parts += ["the cordon gpuguard made"] * self.uncordon
+        parts += [f"condition {CONDITION_TYPE}"] * self.condition
+        parts += [f"condition {DEGRADED_CONDITION_TYPE}"] * self.degraded_condition
+        return ", ".join(parts) if parts else "nothing of gpuguard's"
+
+    def patch(self) -> dict[str, Any] | None:
+        meta: dict[str, Any] = {"resourceVersion": self.resource_version}
+        if self.labels:
+            meta["labels"] = dict.fromkeys(self.labels)
+        if self.annotations:
+            meta["annotations"] = dict.fromkeys(self.annotations)
+        spec: dict[str, Any] = {}
+        if self.taints:
+            spec["taints"] = [dict(t) for t in self.kept_taints]
+        if self.uncordon:
+            spec["unschedulable"] = False
+        if len(meta) == 1 and not spec:
+            return None
+        return {"metadata": meta, **({"spec": spec} if spec else {})}
+
+
+def plan_cleanup(obj: Mapping[str, Any]) -> Cleanup:
+    """Pure: what to take off this Node object (as the API returns it)."""
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    taints = list(spec.get("taints") or [])
+    annotations = meta.get("annotations") or {}
+    conditions = (obj.get("status") or {}).get("conditions") or []
+    return Cleanup(
+        node=str(meta.get("name", "")),
+        resource_version=str(meta.get("resourceVersion", "")),
+        taints=tuple(sorted({str(t.get("key")) for t in taints if str(t.get("key", "")).startswith(PREFIX)})),
+        labels=tuple(sorted(k for k in meta.get("labels") or {} if k.startswith(PREFIX))),
+        annotations=tuple(sorted(k for k in annotations if k.startswith(PREFIX))),
+        uncordon=bool(spec.get("unschedulable")) and annotations.get(ANN_CORDONED) == "true",
+        condition=any(c.get("type") == CONDITION_TYPE for c in conditions),
+        kept_taints=tuple(t for t in taints if not str(t.get("key", "")).startswith(PREFIX)),
+        degraded_condition=any(c.get("type") == DEGRADED_CONDITION_TYPE for c in conditions),
+    )
+
+
+def _request(api: kubeclient.Client, what: str, method: str, path: str, **kw: Any) -> Any:
+    """One request; a 409 is _Conflict, any other failure the client's GpuguardError naming what was tried."""
+    try:
+        return api.request(method, path, what=what, **kw)
+    except ConflictError as exc:
+        raise _Conflict(str(exc)) from exc
+
+
+def node_names(api: kubeclient.Client, *, timeout: float = 10.0) -> Iterator[str]:
+    """Every node's name, a page of 500 at a time."""
+    query = {"limit": "500"}
+    while True:
+        page = _request(api, "list nodes", "GET", "/api/v1/nodes", query=query, timeout=timeout)
+        for item in page.get("items") or []:
+            yield str(item["metadata"]["name"])
+        token = (page.get("metadata") or {}).get("continue")
+        if not token:
+            return
+        query = {"limit": "500", "continue": token}
+
+
+def clean_node(api: kubeclient.Client, name: str, *, dry_run: bool = False, timeout: float = 10.0) -> Cleanup:
+    """Take gpuguard's marks off one node (or, dry_run, only say which); the plan that was applied."""
+    path = f"/api/v1/nodes/{name}"
+
+    def once() -> Cleanup:
+        plan = plan_cleanup(_request(api, f"read node {name}", "GET", path, timeout=timeout))
+        if dry_run or plan.empty:
+            return plan
+        body = plan.patch()
+        if body is not None:
+            merge = "application/merge-patch+json"
+            _request(api, f"patch node {name}", "PATCH", path, body=body, content_type=merge, timeout=timeout)
+        gone = [CONDITION_TYPE] * plan.condition + [DEGRADED_CONDITION_TYPE] * plan.degraded_condition
+        if gone:
+            _request(
+                api,
+                f"patch node {name} status",
+                "PATCH",
+                path + "/status",
+                body={"status": {"conditions": [{"type": t, "$patch": "delete"} for t in gone]}},
+                content_type="application/strategic-merge-patch+json",
+                timeout=timeout,
+            )
+        return plan
+
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(_Conflict),
+        stop=tenacity.stop_after_attempt(_ATTEMPTS),
+        wait=tenacity.wait_fixed(0.2),
+        reraise=True,
+    )
+    try:
+        return retrying(once)
+    except _Conflict as exc:
+        raise GpuguardError(f"node {name}: changed under every one of {_ATTEMPTS} attempts: {exc}") from None
+
+
+def clean_rules(
+    api: kubeclient.Client, nodes: tuple[str, ...] | None, *, dry_run: bool = False, timeout: float = 10.0
+) -> list[str]:
+    """Delete gpuguard's DeviceTaintRules (the per-GPU quarantine) of the named nodes, or of every node
+    (None): only rules labelled app.kubernetes.io/managed-by=gpuguard, an administrator's stay. The names,
+    "<node>/<device> (<rule>)", deleted (or, dry_run, to be deleted)."""
+    source = KubeDeviceSource("", api=api, driver="", timeout=timeout)
+    done = []
+    for rule in source.all_rules():
+        if nodes is not None and rule.pool not in nodes:
+            continue
+        if not dry_run:
+            source.delete(rule)
+        done.append(f"{rule.pool}/{rule.device} ({rule.name})")
+    return sorted(done)

@@ -1,0 +1,146 @@
+"""--signals-config FILE (GPUGUARD_SIGNALS_CONFIG; the chart's `signalsConfig`, a ConfigMap): changes to the
+signal table (gpuguard/core/data/signals.json), globally and per node label selector. Parsed and checked once
+at start: a bad file is one ConfigError line (exit 2), never a silent default.
+
+```yaml
+signals:                                   # every node
+  pcie-replays: {threshold: 16, window_s: 60}
+  clock-power-brake: {level: ignore}
+nodes:                                     # in order, after the global part, where every label matches
+  - selector: {nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3}
+    signals:
+      nvlink-down: {level: fault}
+```
+
+GPU models differ (NVLink on HGX, none on PCIe cards): the node rules say so by the labels GPU Feature
+Discovery writes. The agent applies them when it first reads its node; before that, and in a dry run
+without a cluster, only the global part. `gpuguard check` applies them from its one read of the node
+(gpuguard.runtime.checknode), the global part alone without it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from gpuguard.core import files
+from gpuguard.core.errors import ConfigError
+from gpuguard.core.signaltable import SIGNALS, SignalTable
+
+MAX_BYTES = files.MIB
+MAX_RULES = 256
+_LABEL_KEY = re.compile(
+    r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+
+Changes = tuple[tuple[str, tuple[tuple[str, object], ...]], ...]
+
+
+@dataclass(frozen=True)
+class NodeRule:
+    selector: tuple[tuple[str, str], ...]
+    """Labels a node must all have, with these values."""
+    changes: Changes
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        return all(labels.get(k) == v for k, v in self.selector)
+
+
+@dataclass(frozen=True)
+class SignalConfig:
+    source: str
+    changes: Changes = ()
+    rules: tuple[NodeRule, ...] = ()
+
+    def table(self, labels: Mapping[str, str] | None = None, base: SignalTable = SIGNALS) -> SignalTable:
+        """The table for a node with these labels (None: not known, the global part only)."""
+        table = _apply(base, self.changes, where=self.source)
+        for i, rule in enumerate(self.rules):
+            if labels is not None and rule.matches(labels):
+                table = _apply(table, rule.changes, where=f"{self.source}: nodes[{i}]")
+        return table
+
+    def matching(self, labels: Mapping[str, str]) -> tuple[int, ...]:
+        """The indices of the node rules these labels select (for the log line)."""
+        return tuple(i for i, rule in enumerate(self.rules) if rule.matches(labels))
+
+
+def _apply(table: SignalTable, changes: Changes, *, where: str) -> SignalTable:
+    for name, change in changes:
+        table = table.changed(name, dict(change), where=where)
+    return table
+
+
+def load(path: str | Path) -> SignalConfig:
+    """Read and check the file; ConfigError (one line, names the file and the entry) otherwise."""
+    text = files.read_text(path, limit=MAX_BYTES, what="signals config", error=ConfigError)
+    return parse(text, source=f"--signals-config {path}")
+
+
+def parse(text: str, *, source: str = "--signals-config") -> SignalConfig:
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{source}:{line} not valid YAML") from None
+    except (RecursionError, ValueError, TypeError, AttributeError, OverflowError):
+        raise ConfigError(f"{source}: a value YAML cannot build") from None
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{source}: expected a mapping with 'signals' and/or 'nodes'")
+    unknown = set(doc) - {"signals", "nodes"}
+    if unknown:
+        raise ConfigError(f"{source}: unknown key {', '.join(sorted(map(repr, map(str, unknown))))}")
+    changes = _changes(doc.get("signals"), where=source)
+    raw_rules = doc.get("nodes") or []
+    if not isinstance(raw_rules, list) or len(raw_rules) > MAX_RULES:
+        raise ConfigError(f"{source}: 'nodes' must be a list of at most {MAX_RULES} rules")
+    rules = tuple(_rule(r, where=f"{source}: nodes[{i}]") for i, r in enumerate(raw_rules))
+    config = SignalConfig(source=source, changes=changes, rules=rules)
+    # Every value checked now, against the shipped table: global, then each rule on its own.
+    base = config.table(None)
+    for i, rule in enumerate(rules):
+        _apply(base, rule.changes, where=f"{source}: nodes[{i}]")
+    return config
+
+
+def _changes(raw: object, *, where: str) -> Changes:
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{where}: 'signals' must map a signal name to its changes, e.g. nvlink-down: {{level: fault}}"
+        )
+    out = []
+    for name, change in raw.items():
+        if not isinstance(change, dict) or not change:
+            raise ConfigError(f"{where}: {name}: expected a mapping of level, threshold and/or window_s")
+        out.append((str(name), tuple((str(k), v) for k, v in change.items())))
+    changes = tuple(out)
+    _apply(SIGNALS, changes, where=where)  # names, keys and values, as early as possible
+    return changes
+
+
+def _rule(raw: object, *, where: str) -> NodeRule:
+    if not isinstance(raw, dict) or set(raw) - {"selector", "signals"}:
+        raise ConfigError(f"{where}: expected a mapping with 'selector' and 'signals'")
+    selector = raw.get("selector")
+    if not isinstance(selector, dict) or not selector:
+        raise ConfigError(f"{where}: 'selector' must map node label keys to values (every one must match)")
+    pairs = []
+    for key, value in selector.items():
+        if not isinstance(key, str) or not _LABEL_KEY.match(key):
+            raise ConfigError(f"{where}: selector key {key!r} is not a label key")
+        if not isinstance(value, str) or not _LABEL_VALUE.match(value):
+            raise ConfigError(
+                f"{where}: selector value {value!r} of {key} is not a label value (quote numbers)"
+            )
+        pairs.append((key, value))
+    return NodeRule(selector=tuple(pairs), changes=_changes(raw.get("signals"), where=where))

@@ -1,0 +1,192 @@
+"""The signals' first-good baselines, kept across agent restarts in --state-dir (`signal-baselines.json`).
+
+gpuguard.judge.signals judges `nvlink-down`, `pcie-width` and `pcie-gen` against the first good reading of
+each GPU. Kept in the process only, a restarted agent (a DaemonSet rollout, an OOM kill) would take a link
+already down, or a PCIe link already narrower, as its first good reading and report the degraded GPU clean.
+This file keeps those baselines per GPU UUID (never the rate windows: counters and clock samples start again),
+so the next agent judges against the same first reading. The GPUs are known by UUID: a GPU replaced is a new
+UUID and a new baseline; a UUID NVML no longer lists is dropped at the next write.
+
+Not keyed by the boot ID, unlike state.json: a link down before a reboot is as likely down after it. To take
+a new baseline on purpose (a GPU moved to a narrower slot), delete the file and restart the agent.
+
+Written only when a baseline changes (in practice once, at the first check), durably: a temp file, fsync,
+rename, fsync of the directory. The write happens once per GPU life, off the fault's path, so unlike
+state.json's it pays for fsync: the file outlives the boot. Read once at start, validated field by field and
+bounded; a corrupt or foreign file is moved aside with a log line, and the agent starts without baselines
+(as before this file existed), never a crash. An unwritable directory: a warning, memory only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gpuguard.core import files
+from gpuguard.core.errors import ConfigError
+from gpuguard.core.model import SignalMemory
+from gpuguard.store import atomic
+
+log = structlog.get_logger(__name__)
+
+KIND = "gpuguard-signal-baselines"
+VERSION = 1
+FILE_NAME = "signal-baselines.json"
+MAX_BYTES = 256 * files.KIB
+# A node has at most a few dozen GPUs; nvml.h's NVML_NVLINK_MAX_LINKS is 18 (headroom for later parts).
+MAX_GPUS = 256
+MAX_LINK = 63
+MAX_UUID = 96
+MAX_WIDTH = 64
+MAX_GEN = 32
+
+
+def baselines(memory: SignalMemory, present: Collection[str]) -> SignalMemory:
+    """Pure: the baselines in `memory` (not its windows) of the GPUs in `present`, in UUID order."""
+    return SignalMemory(
+        first_links=tuple(sorted((u, v) for u, v in memory.first_links if u in present)),
+        first_width=tuple(sorted((u, v) for u, v in memory.first_width if u in present)),
+        first_gen=tuple(sorted((u, v) for u, v in memory.first_gen if u in present)),
+    )
+
+
+class BaselineStore:
+    """The baselines' file in `directory`. `backend`: whose GPUs the file holds; a file of another backend
+    (a mock demo on the same host) is not loaded."""
+
+    def __init__(self, directory: str | Path, *, backend: str = "nvml") -> None:
+        self._dir = Path(directory)
+        self._backend = backend
+        self._saved = SignalMemory()
+        self._seen: tuple[SignalMemory, frozenset[str]] | None = None
+        self._disabled = False
+
+    @property
+    def path(self) -> Path:
+        return self._dir / FILE_NAME
+
+    def load(self) -> SignalMemory:
+        """The baselines of the file (none if absent, corrupt, foreign or of another backend)."""
+        path = self.path
+        if not path.exists():
+            return SignalMemory()
+        try:
+            doc = json.loads(files.read_bytes(path, limit=MAX_BYTES, what="signal baselines file"))
+            loaded = _parse(doc)
+        except ConfigError as exc:  # not a regular file, larger than MAX_BYTES, unreadable
+            _move_aside(path, str(exc))
+            return SignalMemory()
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            _move_aside(path, f"{type(exc).__name__}: {exc}")
+            return SignalMemory()
+        if doc.get("backend") != self._backend:
+            log.warning("baselines.other_backend_discarded", path=str(path), backend=doc.get("backend"))
+            return SignalMemory()
+        self._saved = loaded
+        log.info("baselines.restored", path=str(path), gpus=_count(loaded))
+        return loaded
+
+    def save(self, memory: SignalMemory, present: Collection[str]) -> None:
+        """Write the baselines of the GPUs NVML lists (`present`) if they changed. Never raises. Nothing
+        listed (NVML not up): nothing written, so a failed start drops no GPU's baseline."""
+        if self._disabled or not present:
+            return
+        key = (memory, frozenset(present))
+        if self._seen is not None and self._seen[0] is memory and self._seen[1] == key[1]:
+            return  # the same memory object as at the last check: nothing new
+        self._seen = key
+        kept = baselines(memory, key[1])
+        if kept == self._saved:
+            return
+        try:
+            atomic.write_atomically(self.path, _dump(kept, self._backend), durable=True)
+        except OSError as exc:
+            self._disabled = True
+            log.warning(
+                "baselines.unavailable",
+                directory=str(self._dir),
+                error=str(exc),
+                note="signal baselines kept in memory only: a restarted agent takes new ones",
+            )
+            return
+        self._saved = kept
+        log.info("baselines.saved", path=str(self.path), gpus=_count(kept))
+
+
+def _count(m: SignalMemory) -> int:
+    return len({u for part in (m.first_links, m.first_width, m.first_gen) for u, _ in part})
+
+
+def _dump(m: SignalMemory, backend: str) -> bytes:
+    links, width, gen = dict(m.first_links), dict(m.first_width), dict(m.first_gen)
+    gpus = [
+        {
+            "uuid": u,
+            "links": sorted(links[u]) if u in links else None,
+            "width": width.get(u),
+            "gen": gen.get(u),
+        }
+        for u in sorted(set(links) | set(width) | set(gen))
+    ]
+    doc = {
+        "kind": KIND,
+        "version": VERSION,
+        "backend": backend,
+        "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "gpus": gpus,
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _parse(doc: Any) -> SignalMemory:
+    """Trust nothing: every field checked for type and range, every list bounded."""
+    if not isinstance(doc, dict) or doc.get("kind") != KIND:
+        raise ValueError("not a gpuguard signal baselines file")
+    if doc.get("version") != VERSION:
+        raise ValueError(f"unsupported version {doc.get('version')!r}")
+    if not isinstance(doc.get("backend"), str):
+        raise TypeError("backend must be a string")
+    gpus = doc["gpus"]
+    if not isinstance(gpus, list) or len(gpus) > MAX_GPUS:
+        raise TypeError(f"gpus must be a list of at most {MAX_GPUS} objects")
+    links: dict[str, frozenset[int]] = {}
+    width: dict[str, int] = {}
+    gen: dict[str, int] = {}
+    seen: set[str] = set()
+    for g in gpus:
+        if not isinstance(g, dict):
+            raise TypeError("each GPU must be an object")
+        uuid = g["uuid"]
+        if not isinstance(uuid, str) or not 0 < len(uuid) <= MAX_UUID or uuid in seen:
+            raise ValueError(f"uuid must be a unique string of 1 to {MAX_UUID} characters")
+        seen.add(uuid)
+        if g.get("links") is not None:
+            raw = g["links"]
+            if not isinstance(raw, list) or not raw or len(raw) > MAX_LINK + 1:
+                raise TypeError("links must be a non-empty list of link numbers")
+            links[uuid] = frozenset(_int(v, 0, MAX_LINK, "link") for v in raw)
+        if g.get("width") is not None:
+            width[uuid] = _int(g["width"], 1, MAX_WIDTH, "width")
+        if g.get("gen") is not None:
+            gen[uuid] = _int(g["gen"], 1, MAX_GEN, "gen")
+    return SignalMemory(
+        first_links=tuple(sorted(links.items())),
+        first_width=tuple(sorted(width.items())),
+        first_gen=tuple(sorted(gen.items())),
+    )
+
+
+def _int(value: Any, low: int, high: int, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"{what} must be an integer from {low} to {high}")
+    return value
+
+
+def _move_aside(path: Path, why: str) -> None:
+    aside = atomic.move_aside(path, tag="corrupt")
+    log.warning("baselines.corrupt", path=str(path), moved_to=str(aside), error=why[:300])
