@@ -6,6 +6,7 @@ Standard library only: nothing here may import pynvml or kubernetes, so the pure
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
@@ -282,6 +283,38 @@ class Verdict:
     @property
     def healthy(self) -> bool:
         return not self.faults
+
+
+@dataclass(frozen=True)
+class Streaks:
+    """Checks in a row, kept in one place (gpuguard.judge.streaks advances them once per check): with no
+    fault (the node's `healthy`, each GPU's by UUID in `gpus`) and with no degraded signal (`clean`,
+    `gpus_clean`). A quarantine or a degraded mark is lifted once its streak reaches --recover-after.
+    `gpus` None: the node's streak stands for every GPU (never longer than any GPU's own)."""
+
+    healthy: int = 0
+    gpus: Mapping[str, int] | None = None
+    clean: int = 0
+    gpus_clean: Mapping[str, int] = field(default_factory=dict)
+
+    def capped(self, most: int) -> tuple[object, ...]:
+        """What a decision can tell apart: each streak up to `most` (--recover-after)."""
+        return (
+            min(self.healthy, most),
+            tuple(sorted((u, min(n, most)) for u, n in (self.gpus or {}).items())),
+            min(self.clean, most),
+            tuple(sorted((u, min(n, most)) for u, n in self.gpus_clean.items())),
+        )
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """The one value that crosses from the agent's thread to the writer's: the verdict, judged once, and what
+    the agent knows with it (the streaks, and whether the faults flap within --flap-window)."""
+
+    verdict: Verdict
+    streaks: Streaks = field(default_factory=Streaks)
+    flapping: bool = False
 
 
 @dataclass(frozen=True)

@@ -257,7 +257,6 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         signal_config=cfg.signals_config,
         uptime=uptime if cfg.backend == "nvml" else 0.0,  # a mock scenario's node boots with it
     )
-    reconciler.on_node = agent.node_labels  # --signals-config's node rules, from the node's labels
     return Parts(
         agent=agent,
         reconciler=reconciler,
