@@ -119,7 +119,9 @@ class NodeSettings:
     recover: bool = True
     """Remove our own taint once the fault's evidence is gone (a repaired node returns without a human)."""
     recover_after: int = 3
-    """Consecutive healthy checks before recovery: one lucky read must not undo a quarantine."""
+    """Healthy checks at --interval before recovery, measured in time (judge/streaks.py: a run that began at t0
+    is 1 + (now - t0) // interval checks long): one lucky read must not undo a quarantine, and checks that
+    events bring early do not count twice."""
     degraded_taint: bool = True
     """A degraded GPU (issue 29's second level) also puts a PreferNoSchedule taint gpuguard.io/gpu-degraded
     on its node, so the scheduler prefers other nodes; False: the condition, label and annotation only."""

@@ -16,13 +16,13 @@ import structlog
 
 from gpuguard.core.config import PolicySettings
 from gpuguard.core.metrics import Metrics
-from gpuguard.core.model import AgentStatus, Fault, Judgement, SignalMemory, Snapshot, Streaks, Verdict
+from gpuguard.core.model import AgentStatus, Fault, Judgement, SignalMemory, Snapshot, Verdict
 from gpuguard.core.signalconfig import SignalConfig
 from gpuguard.core.signaltable import SignalTable
 from gpuguard.core.xids import CATALOG
 from gpuguard.judge.cadence import fitted
 from gpuguard.judge.policy import evaluate
-from gpuguard.judge.streaks import advance
+from gpuguard.judge.streaks import Runs, advance, streaks
 from gpuguard.nvml.base import Backend, wait_for
 from gpuguard.quarantine.node.writers import DRY_RUN_NODE
 from gpuguard.quarantine.reconciler import NodeReconciler
@@ -99,8 +99,8 @@ class Agent:
         self._wake = threading.Event()
         self._verdict: Verdict | None = None
         self._last_evaluation: tuple[Snapshot, Verdict | None, Verdict, PolicySettings] | None = None
-        # Checks in a row with no fault and with no degraded signal, the node's and each GPU's.
-        self._streaks = Streaks()
+        # When the node's and each GPU's runs with no fault and with no degraded signal began.
+        self._runs = Runs()
         # The node's labels the signal table was last chosen for (the reconciler reads the node).
         self._labels: Mapping[str, str] | None = None
         self._started = clock()
@@ -161,7 +161,8 @@ class Agent:
         self._note_stuck(snapshot.stuck_calls)
         previous = self._verdict
         verdict = self._evaluate(snapshot, previous or self._restored)
-        self._streaks = advance(self._streaks, verdict)
+        judged_at = self._clock()
+        self._runs = advance(self._runs, verdict, judged_at)
         if verdict is not previous or verdict.ignored_xids:
             # The very verdict as before (the remembered evaluation) has no transition to log.
             self._log_transitions(previous, verdict)
@@ -178,7 +179,7 @@ class Agent:
         self._last_check = now
         self._last_check_wall = self._wall()
         self.checks += 1
-        self._reconciler.submit(Judgement(verdict, self._streaks, flapping))
+        self._reconciler.submit(Judgement(verdict, streaks(self._runs, judged_at, self._interval), flapping))
         if self._on_verdict is not None:
             self._on_verdict(verdict)
         if self._metrics is not None:
