@@ -60,7 +60,7 @@ def recovery_reason(action: int) -> str:
 
 @dataclass(frozen=True)
 class SignalReadings:
-    """Issue 29's signals as one pass read them from one GPU. Readings only, judged by gpuguard.judge.signals.
+    """The health signals as one pass read them from one GPU. Readings only, judged by gpuguard.judge.signals.
     Every field None where it does not apply (NVML answers NOT_SUPPORTED) or was not read this pass."""
 
     # nvmlDeviceGetGpuFabricInfoV: NVML_GPU_FABRIC_STATE_* (1 not started, 2 in progress, 3 completed), the
@@ -120,7 +120,7 @@ class GpuReading:
     # An NVML call on this GPU has not returned within its deadline (what, which deadline); the other values
     # are the last ones read.
     unresponsive: str | None = None
-    # Issue 29's signals (fabric, NVLink, PCIe, clock events, InfoROM).
+    # The health signals (fabric, NVLink, PCIe, clock events, InfoROM).
     signals: SignalReadings = SignalReadings()
 
 
@@ -207,7 +207,7 @@ class GpuVerdict:
     # The PCIe link as last read, (generation, width): shown, not judged by default (an idle GPU lowers its
     # generation to save power); None where not read.
     pcie_link: tuple[int, int] | None = None
-    # Issue 29's second level: signals that make this GPU `degraded` (shown, scheduled around softly with a
+    # The second level: signals that make this GPU `degraded` (shown, scheduled around softly with a
     # PreferNoSchedule taint or an effect-None DeviceTaintRule, never cordoned, never counted by the budget).
     # `reason` is the signal's name (e.g. `nvlink-down`); a GPU may be degraded and faulty at once.
     degraded: tuple[Fault, ...] = ()
@@ -265,7 +265,7 @@ class Verdict:
     unidentified_streaks: tuple[tuple[int, int], ...] = ()
     # Consecutive checks a node-wide query failed (Snapshot.node_error).
     node_error_streak: int = 0
-    # Node-wide `degraded` signals (issue 29), as GpuVerdict.degraded for one GPU.
+    # Node-wide `degraded` signals, as GpuVerdict.degraded for one GPU.
     node_degraded: tuple[Fault, ...] = ()
     # What the signals' judge remembers between checks (first good readings, counter samples, events).
     signal_memory: SignalMemory = field(default_factory=SignalMemory)
@@ -277,7 +277,7 @@ class Verdict:
 
     @cached_property
     def degraded(self) -> tuple[Fault, ...]:
-        # Every `degraded` signal, the node's first (issue 29). Not faults: `healthy` ignores them.
+        # Every `degraded` signal, the node's first. Not faults: `healthy` ignores them.
         return self.node_degraded + tuple(f for g in self.gpus for f in g.degraded)
 
     @property

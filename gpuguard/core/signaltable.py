@@ -1,4 +1,4 @@
-"""Issue 29's health signals as data: the table shipped in gpuguard/core/data/signals.json, loaded and
+"""The health signals as data: the table shipped in gpuguard/core/data/signals.json, loaded and
 validated once, and the levels it may give.
 
 Each signal names what it reads, its default level (`fault`: quarantined as today; `degraded`: shown and

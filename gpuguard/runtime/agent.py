@@ -225,7 +225,7 @@ class Agent:
         skips the evaluation at every poll (a fifth of an idle check's CPU, docs/performance.md)."""
         last = self._last_evaluation
         policy = self._policy  # read once: the node's labels may change it from the reconciler's thread
-        # A signal counted over a window (issue 29) is judged again as time passes, readings unchanged; a
+        # A health signal counted over a window is judged again as time passes, readings unchanged; a
         # table the node's labels changed judges again too.
         timed = basis is not None and basis.signal_memory.pending
         if last is not None and not timed and last[3] is policy:

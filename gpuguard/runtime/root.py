@@ -369,7 +369,7 @@ def watch(cfg: Config) -> bool:
 
 
 def repeat_offenders(cfg: Config, *, durable: bool) -> RepeatOffenders:
-    """The GPU history and its repeat offenders (issue 30): in --state-dir where the fault state is kept
+    """The GPU history and its repeat offenders: in --state-dir where the fault state is kept
     there, else in memory only (a dry run, no state directory)."""
     from gpuguard.quarantine.repeat.escalation import Limits  # noqa: PLC0415
     from gpuguard.quarantine.repeat.offenders import RepeatOffenders  # noqa: PLC0415

@@ -316,7 +316,7 @@ def quarantined_nodes(api: kubeclient.Client, *, timeout: float = 10.0) -> list[
                 "cordoned_by_gpuguard": n.cordoned_by_us and n.unschedulable,
                 "unschedulable": n.unschedulable,
                 "degraded": sorted(DegradedRecord.read(n.annotations).keys),
-                # GPUs held for repair (issue 30): UUID -> fault episodes.
+                # GPUs held for repair as repeat offenders: UUID -> fault episodes.
                 "repeat_offenders": n.repeat_offenders,
             }
         )
