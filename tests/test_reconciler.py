@@ -585,3 +585,33 @@ def test_a_restarted_agent_leaves_an_unhealthy_condition_that_already_names_its_
     hand_over(restarted, SICK, 0)
     restarted.reconcile_now()
     assert [c for c in writer.conditions if c["type"] == "GPUHealthy"] == []
+
+
+def test_a_new_fault_during_a_refused_reads_backoff_is_read_for_and_written_at_once() -> None:
+    """The backoff holds back the refused request, not a new fault: a node read refused (403, RBAC removed)
+    while healthy is not sent again for the same verdict, but an ECC fault a second later reads again at once,
+    and once RBAC is back the taint is written."""
+    writer, r = make()
+    writer.inject_error(PermanentApiError("403 forbidden", status=403), on="read")
+    hand_over(r, HEALTHY, 1)
+    r.reconcile_now()
+    hand_over(r, HEALTHY, 2)
+    r.reconcile_now()
+    assert writer.reads == 1  # the same read, within its backoff: not sent again
+    hand_over(r, SICK, 0)
+    r.reconcile_now()
+    assert writer.reads == 2 and writer.writes == 1
+    assert writer.node.our_taint is not None and r.api.health.state == "ok"
+
+
+def test_a_fault_a_refusal_leaves_off_the_node_is_named_in_the_log() -> None:
+    writer, r = make()
+    hand_over(r, HEALTHY, 1)
+    r.reconcile_now()
+    writer.inject_error(PermanentApiError("403 forbidden", status=403))
+    with capture_logs() as logs:
+        hand_over(r, SICK, 0)
+        r.reconcile_now()
+    (line,) = [e for e in logs if e["event"] == "node.write_rejected"]
+    assert line["faults_unwritten"] == sorted(f.key for f in SICK.faults)
+    assert line["request"] == "patch node gpu-1"

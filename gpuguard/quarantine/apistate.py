@@ -94,8 +94,9 @@ class ApiState:
             entry = self._refused.get(intent)
             return entry is not None and self._clock() < entry[0]
 
-    def refused(self, intent: Intent, exc: PermanentApiError) -> None:
-        """One ERROR line for a refused request, and the backoff of its intent."""
+    def refused(self, intent: Intent, exc: PermanentApiError, *, unwritten: tuple[str, ...] = ()) -> None:
+        """One ERROR line for a refused request, and the backoff of its intent. `unwritten`: the faults the
+        refusal leaves off the node, named in the line (sent again at once when they change)."""
         now = self._clock()
         with self._lock:
             first = self._refused.get(intent, (0.0, now))[1]
@@ -118,6 +119,7 @@ class ApiState:
             error=str(exc),
             refused_for_s=round(now - first),
             retry_in_s=round(retry_in),
+            faults_unwritten=list(unwritten) or None,
             note="the API server (RBAC or an admission policy) refused it: not sent again before retry_in_s"
             + (
                 " (soon: the API server has just come back and may not have loaded RBAC yet)"
@@ -131,6 +133,11 @@ class ApiState:
         now = self._clock()
         with self._lock:
             entry = self._refused.pop(intent, None)
+            if intent.verb == "get":
+                # A read answered: the object is readable, whatever faults an earlier refused read was for.
+                for other in [i for i in self._refused if (i.verb, i.target) == (intent.verb, intent.target)]:
+                    entry = entry or self._refused[other]
+                    del self._refused[other]
         if entry is not None:
             log.info(
                 "node.request_accepted",

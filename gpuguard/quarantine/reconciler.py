@@ -107,7 +107,9 @@ class NodeReconciler:
         self._node: NodeView | None = None
         self._status = NodeStatus()
         self.api = api or ApiState(self._name, backoff=settings.refusal_backoff, clock=clock)
-        self._read_intent = Intent("get", f"node {self._name}")
+        self._read_intent = Intent(
+            "get", f"node {self._name}"
+        )  # the faults it is read for: see _reconcile_once
         self._intent: Intent | None = None  # the request in flight, named if it is refused
         self.writes = 0
 
@@ -169,7 +171,8 @@ class NodeReconciler:
                 note="no answer within the retries: the change is sent again at the next check",
             )
         except PermanentApiError as exc:
-            self.api.refused(self._intent or Intent("request", f"for node {self._name}"), exc)
+            intent = self._intent or Intent("request", f"for node {self._name}")
+            self.api.refused(intent, exc, unwritten=self._unwritten())
         finally:
             if self.repeat is not None:
                 self.repeat.flush()  # after the writes: no fsync before the taint
@@ -196,6 +199,11 @@ class NodeReconciler:
         verdict, streaks, flapping = latest.verdict, latest.streaks, latest.flapping
         streak, gpu_streaks, degraded_streak = streaks.healthy, streaks.gpus, streaks.clean
         self._intent = None
+        # A refused read's backoff holds back that read, not a new fault: the read is known by the faults it
+        # is read for, so a verdict with other faults reads (and writes) at once.
+        self._read_intent = Intent(
+            "get", f"node {self._name}", ",".join(sorted(f.key for f in verdict.faults))
+        )
         node = self._node
         if node is None or self._resync_due(node):
             if self.api.blocked(self._read_intent):
@@ -344,6 +352,14 @@ class NodeReconciler:
         if self._node is not None:  # the GPUHealthy write answers with the node: its resourceVersion
             node = self._node
         self._report.degraded_condition(node, verdict, clean_streak=degraded_streak)
+
+    def _unwritten(self) -> tuple[str, ...]:
+        """The faults of the latest verdict that are not on the node as last read: what a refusal leaves off
+        it, named in the refusal's line so that no fault goes unwritten in silence."""
+        latest = self._handoff.latest()
+        keys = {f.key for f in latest.verdict.faults} if latest is not None else set()
+        on = self._node.recorded_faults if self._node is not None else frozenset()
+        return tuple(sorted(keys - on))
 
     def _sleep(self, seconds: float) -> None:
         self._stop.wait(seconds)
