@@ -21,6 +21,7 @@ from gpuguard.core.config import GPU_NODE_SELECTOR, NodeSettings, QuarantineLimi
 from gpuguard.core.errors import ConfigError, GpuguardError, PermanentApiError
 from gpuguard.core.metrics import Metrics, counted
 from gpuguard.kube import client as kubeclient
+from gpuguard.kube import events
 from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.node.budget import OtherNodes, count_budget
 from gpuguard.quarantine.node.degraded import LABEL_DEGRADED, DegradedRecord, degraded_taint
@@ -38,9 +39,6 @@ log = structlog.get_logger(__name__)
 
 _METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 DRY_RUN_NODE = "dry-run"
-# Where the agent's Events about its node go: "default", like the kubelet's node Events. The only namespace
-# whose Events the agent may create (a Role there, deploy/daemonset.yaml).
-EVENT_NAMESPACE = "default"
 
 
 class NodeWriter(Protocol):
@@ -113,7 +111,7 @@ class KubeNodeWriter:
         *,
         api: kubeclient.Client,
         timeout: float = 10.0,
-        event_namespace: str = EVENT_NAMESPACE,
+        event_namespace: str = events.NODE_NAMESPACE,
         metrics: Metrics | None = None,
         gpu_node_selector: str = GPU_NODE_SELECTOR,
         others: OtherNodes | None = None,
@@ -173,25 +171,18 @@ class KubeNodeWriter:
         return NodeView.from_api(doc)
 
     def record_event(self, node: NodeView, event: EventSpec) -> None:
-        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        body = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"name": f"{node.name}.{time.time_ns():x}", "namespace": self._event_namespace},
-            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": node.uid},
-            "type": event.type,
-            "reason": event.reason,
-            "message": validation.clean_text(event.message, max_bytes=validation.MAX_EVENT_MESSAGE_BYTES),
-            "source": {"component": "gpuguard", "host": node.name},
-            "reportingComponent": "gpuguard",
-            "reportingInstance": node.name,
-            "firstTimestamp": stamp,
-            "lastTimestamp": stamp,
-            "count": 1,
-        }
-        path = kubeclient.path_of("api/v1/namespaces", self._event_namespace, "events")
+        body = events.body(
+            events.node_ref(node.name, node.uid),
+            namespace=self._event_namespace,
+            name=f"{node.name}.{time.time_ns():x}",
+            type=event.type,
+            reason=event.reason,
+            message=event.message,
+            host=node.name,
+            now=datetime.now(UTC),
+        )
         with self._counted("create"):
-            self._api.request("POST", path, body=body, timeout=self._timeout, what="create event")
+            events.post(self._api, body, timeout=self._timeout)
 
     def budget(self, spec: QuarantineLimit, *, exclude: str) -> Budget | None:
         """One list (`budgetwatch.WatchedBudget`'s fallback while its watch is not synced): for a count, the
