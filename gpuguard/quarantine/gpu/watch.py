@@ -21,18 +21,10 @@ import structlog
 from gpuguard.core.errors import NodeUpdateError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube.listwatch import ListWatch
-from gpuguard.quarantine.gpu.rules import (
-    LABEL_MANAGED_BY,
-    LABEL_NODE,
-    LIST_PAGE,
-    MANAGED_BY,
-    DeviceRule,
-    trim_rule,
-)
+from gpuguard.quarantine.gpu.rules import LIST_PAGE, DeviceRule, trim_rule
+from gpuguard.quarantine.gpu.writers import EVERY_NODE
 
 log = structlog.get_logger(__name__)
-
-SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_NODE}"
 
 
 class WatchedRules:
@@ -53,7 +45,12 @@ class WatchedRules:
         self._fallback = fallback
         self._path = path
         self._watched = ListWatch(
-            api, selector=SELECTOR, what="device taint rules", timeout=timeout, keep=trim_rule, page=LIST_PAGE
+            api,
+            selector=EVERY_NODE,
+            what="device taint rules",
+            timeout=timeout,
+            keep=trim_rule,
+            page=LIST_PAGE,
         )
         # Each item converted once: an event replaces an item whole.
         self._rules: dict[str, tuple[dict[str, Any], DeviceRule]] = {}
