@@ -115,7 +115,7 @@ class Evictor:
         self._unheld = 0  # rounds in a row that kept a pod because the quarantine was not on yet
         self._unsupported = False  # the kubelet answered UNIMPLEMENTED
         self._forbidden: dict[tuple[str, str], str] = {}  # pods the token may not read: the refusal
-        self._thread: threading.Thread | None = None
+        self._thread = threading.Thread(target=self._run, name="gpuguard-evictor", daemon=True)
         self.rounds = 0
 
     def observe(self, verdict: Verdict) -> None:
@@ -126,13 +126,13 @@ class Evictor:
             self._wake.set()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="gpuguard-evictor", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 2.0) -> None:
+        """Ends the thread at its next wake-up: now, unless a round is under way."""
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
+        if self._thread.is_alive():
             self._thread.join(timeout)
 
     def _run(self) -> None:

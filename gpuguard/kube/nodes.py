@@ -46,15 +46,7 @@ def patch(
 ) -> Any:
     """A JSON merge patch of the node (`body["metadata"]["resourceVersion"]`, where there is one, the
     precondition); the node as the API server now has it."""
-    return api.request(
-        "PATCH",
-        path(name),
-        body=body,
-        content_type=_MERGE,
-        timeout=timeout,
-        what=f"patch node {name}",
-        tokens=tokens,
-    )
+    return _patch(api, path(name), body, _MERGE, what=f"patch node {name}", timeout=timeout, tokens=tokens)
 
 
 def patch_status(
@@ -67,14 +59,23 @@ def patch_status(
 ) -> Any:
     """A strategic merge patch of nodes/status with these conditions (they merge by type; one with
     "$patch": "delete" goes); the node as the API server now has it."""
+    body = {"status": {"conditions": conditions}}
+    what = f"patch node {name} status"
+    return _patch(api, path(name) + "/status", body, _STRATEGIC, what=what, timeout=timeout, tokens=tokens)
+
+
+def _patch(
+    api: kubeclient.Client,
+    where: str,
+    body: Mapping[str, Any],
+    content_type: str,
+    *,
+    what: str,
+    timeout: float,
+    tokens: float,
+) -> Any:
     return api.request(
-        "PATCH",
-        path(name) + "/status",
-        body={"status": {"conditions": conditions}},
-        content_type=_STRATEGIC,
-        timeout=timeout,
-        what=f"patch node {name} status",
-        tokens=tokens,
+        "PATCH", where, body=body, content_type=content_type, timeout=timeout, what=what, tokens=tokens
     )
 
 

@@ -6,7 +6,6 @@ the API server, through `gpuguard.kube.client`, which raises gpuguard's errors i
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
@@ -17,7 +16,7 @@ from gpuguard.core.config import NodeSettings
 from gpuguard.core.errors import GpuguardError, PermanentApiError
 from gpuguard.core.metrics import Metrics, counted
 from gpuguard.kube import client as kubeclient
-from gpuguard.kube import devicerules
+from gpuguard.kube import devicerules, kubeconfig
 from gpuguard.quarantine.gpu.degraded import is_degraded_rule
 from gpuguard.quarantine.gpu.rules import (
     LABEL_MANAGED_BY,
@@ -289,30 +288,29 @@ def make_device_source(
     settings: NodeSettings, connect: Callable[[], kubeclient.Client], metrics: Metrics | None = None
 ) -> KubeDeviceSource | DryRunDeviceSource:
     """The source the settings ask for: the API server (through the agent's one client, `connect()`, the
-    node writer's), or a dry run (the real slices where a cluster is named, as `writers.make_writer` reads the
-    real node)."""
-    if not settings.dry_run:
-        assert settings.name is not None  # validated
-        return KubeDeviceSource(
-            settings.name,
-            api=connect(),
-            driver=settings.dra_driver,
-            timeout=settings.api_timeout,
-            metrics=metrics,
-            announce=True,
-        )
+    node writer's), or a dry run."""
+    if settings.dry_run:
+        return _dry_run(settings, connect)
+    assert settings.name is not None  # validated
+    driver, timeout = settings.dra_driver, settings.api_timeout
+    return KubeDeviceSource(
+        settings.name, api=connect(), driver=driver, timeout=timeout, metrics=metrics, announce=True
+    )
+
+
+def _dry_run(settings: NodeSettings, connect: Callable[[], kubeclient.Client]) -> DryRunDeviceSource:
+    """A dry run reads the real slices where a cluster is named, as `node.writers.make_writer` reads the
+    real node."""
     real = None
-    if settings.name and (settings.kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST")):
+    if settings.name and kubeconfig.named(settings.kubeconfig):
         try:
-            real = KubeDeviceSource(
-                settings.name,
-                api=connect(),
-                driver=settings.dra_driver,
-                timeout=3.0,
-                announce=True,
-            )
+            api = connect()
         except GpuguardError as exc:
             log.warning("device.dry_run_without_cluster", error=str(exc))
+        else:
+            real = KubeDeviceSource(
+                settings.name, api=api, driver=settings.dra_driver, timeout=3.0, announce=True
+            )
     return DryRunDeviceSource(real)
 
 

@@ -6,7 +6,6 @@ budget in memory); a dry run has no fleet (every quarantine is full)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -21,7 +20,7 @@ from gpuguard.core.config import GPU_NODE_SELECTOR, NodeSettings, QuarantineLimi
 from gpuguard.core.errors import ConfigError, GpuguardError, PermanentApiError
 from gpuguard.core.metrics import Metrics, counted
 from gpuguard.kube import client as kubeclient
-from gpuguard.kube import events, nodes
+from gpuguard.kube import events, kubeconfig, nodes
 from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.node.budget import OtherNodes, count_budget
 from gpuguard.quarantine.node.degraded import LABEL_DEGRADED, DegradedRecord, degraded_taint
@@ -243,9 +242,8 @@ def make_writer(
         )
     name = settings.name or DRY_RUN_NODE
     initial = NodeView(name=name, resource_version="1", boot_id="dry-run")
-    # A dry run on a live cluster starts from the real node, so it shows the real decisions. Only when a
-    # cluster is named (flag or in-cluster): a laptop demo must not wait on a kubeconfig's dead server.
-    if settings.name and (settings.kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST")):
+    # A dry run on a live cluster starts from the real node, so it shows the real decisions.
+    if settings.name and kubeconfig.named(settings.kubeconfig):
         try:
             real = KubeNodeWriter(settings.name, api=connect(), timeout=3.0)
             initial = real.read()
