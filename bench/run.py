@@ -109,7 +109,7 @@ def nvml_rows(quick: bool) -> tuple[list[Row], dict[int, dict[str, float]]]:
     every = nvml_bench.cpu_per_check(8, checks=100 if quick else 500, signals=nvml_bench.ALL_SIGNALS)
     rows.append(
         (
-            "CPU per check with every health signal read (issue 29: 18 NVLinks and a fabric per GPU), 8 GPUs",
+            "CPU per check with every health signal read (18 NVLinks and a fabric per GPU), 8 GPUs",
             f"{every['cpu_us']:.0f} us CPU ({every['cpu_us'] / 8:.1f} us/GPU), "
             f"{every['wall_us']:.0f} us wall; {every['cpu_us'] / cpu[8]['cpu_us']:.2f}x the check above",
             "reference",
@@ -170,7 +170,7 @@ def requests_text_str(d: dict[str, str]) -> str:
 
 
 def device_goal(lat: dict[str, Any]) -> tuple[str, str]:
-    """Xid -> DeviceTaintRule's goal and verdict: the node taint's goal (issue 15: p99 < 50 ms), no floor of
+    """Xid -> DeviceTaintRule's goal and verdict: the node taint's goal (p99 < 50 ms), no floor of
     its own; Xid -> taint of the same run stands beside it in the goals table."""
     return "p99 < 50 ms, as Xid -> taint", verdict(lat["device"]["p99_ms"] < 50.0)
 
@@ -280,7 +280,7 @@ def _latency_rows(lat: dict[str, Any]) -> list[Row]:
         (
             f"ECC -> taint visible (watch), gpuguard, --interval 3, 8 GPUs (n={e['n']})",
             pcts(e, 0),
-            "p99 <= 1.5x Xid -> taint's or < 100 ms (both NVML events since issue 16)",
+            "p99 <= 1.5x Xid -> taint's or < 100 ms (both NVML events)",
             verdict(e["p99_ms"] <= max(100.0, x["p99_ms"] * 1.5)),
         ),
         *_device_rows(lat),
@@ -650,7 +650,7 @@ def fleet_section(
     return (what, result, FLEET_GOAL, mark), wrap("fleet", body)
 
 
-# -- issue 15: each figure beside its goal and the floor --------------------------------------------------
+# -- each figure beside its goal and the floor -----------------------------------------------------------
 
 WATCH_REQUESTS_PER_HOUR = 3600 / (
     (48 * 60 + 3600) / 2
@@ -743,7 +743,7 @@ def goals_table(raw: dict[str, Any], fleet_row: Row) -> str:
         ),
     ]
     out = [
-        "| issue 15 | this run | the floor / reference | goal | | load (1-min mean / max) |",
+        "| figure | this run | the floor / reference | goal | | load (1-min mean / max) |",
         "|---|---|---|---|---|---|",
     ]
     out += ["| " + " | ".join(r) + " |" for r in rows]
@@ -1054,7 +1054,7 @@ def document(  # noqa: PLR0917 - one call site, every part named there
         "stopped at the end. Every figure in this file comes from this one run of `bench/run.py`, except",
         "the sections between `kept` markers, which other commands measure (each says which and when) and",
         "`make bench` copies verbatim from the file it replaces. MISSED means this run did not meet the",
-        "goal; the goals are the issues'. The machine's 1-minute load average during the run: mean",
+        "goal; the goals are the project's. The machine's 1-minute load average during the run: mean",
         f"{raw['load']['mean']:.1f}, max {raw['load']['max']:.1f} on {os.cpu_count()} CPUs (the bench's own",
         f"processes included; per section, mean / max: {per_section}); wall-clock figures (latency,",
         "start-up) grow with it, CPU figures less so.",
@@ -1063,7 +1063,7 @@ def document(  # noqa: PLR0917 - one call site, every part named there
 
 {head}
 
-## Issue 15: each figure beside its goal and the floor
+## Each figure beside its goal and the floor
 
 {goals}
 

@@ -1,6 +1,5 @@
 """What a durable write does to the disk, in order: the tests of gpuguard.store.atomic and of each kept file's
-store
-(signal baselines) assert the fsync-rename-fsync sequence through this one tracer."""
+store (signal baselines) assert the fsync-rename-fsync sequence through this one tracer."""
 
 from __future__ import annotations
 

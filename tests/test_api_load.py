@@ -29,6 +29,7 @@ from gpuguard.quarantine.reconciler import NodeReconciler
 from gpuguard.runtime import root as running
 from harness.clock import Clock
 from harness.fakes import FakeNodeWriter
+from harness.judging import hand_over
 from tests.test_kube_client import NODE, Recorder, server  # noqa: F401 - the fixture
 
 SETTINGS = NodeSettings(name="gpu-1", retry_max_wait=0.01)
@@ -66,7 +67,7 @@ def start(started: list[NodeReconciler], delay: float) -> tuple[FakeNodeWriter, 
 def test_a_healthy_agents_first_request_waits_for_its_start_up_delay(started: list[NodeReconciler]) -> None:
     t0 = time.monotonic()
     writer, r = start(started, 0.4)
-    r.submit(HEALTHY, 1)
+    hand_over(r, HEALTHY, 1)
     time.sleep(0.2)
     assert writer.reads == 0 and not r.status.reconciled  # /readyz waits with it
     assert r.wait_idle(5)
@@ -76,7 +77,7 @@ def test_a_healthy_agents_first_request_waits_for_its_start_up_delay(started: li
 def test_a_fault_at_start_is_written_at_once_whatever_the_delay(started: list[NodeReconciler]) -> None:
     t0 = time.monotonic()
     writer, r = start(started, 60)
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     assert r.wait_idle(5)
     assert writer.writes == 1 and r.status.tainted
     assert time.monotonic() - t0 < 5
@@ -84,10 +85,10 @@ def test_a_fault_at_start_is_written_at_once_whatever_the_delay(started: list[No
 
 def test_a_fault_found_during_the_delay_ends_it(started: list[NodeReconciler]) -> None:
     writer, r = start(started, 60)
-    r.submit(HEALTHY, 1)
+    hand_over(r, HEALTHY, 1)
     time.sleep(0.1)
     assert writer.reads == 0
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     assert r.wait_idle(5)
     assert writer.writes == 1 and r.status.tainted
 
@@ -96,7 +97,7 @@ def test_an_agent_stopped_during_the_delay_stops_at_once_without_a_request(
     started: list[NodeReconciler],
 ) -> None:
     writer, r = start(started, 60)
-    r.submit(HEALTHY, 1)
+    hand_over(r, HEALTHY, 1)
     t0 = time.monotonic()
     r.stop(timeout=5)
     assert time.monotonic() - t0 < 1
@@ -105,7 +106,7 @@ def test_an_agent_stopped_during_the_delay_stops_at_once_without_a_request(
 
 def test_no_delay_is_the_old_behaviour(started: list[NodeReconciler]) -> None:
     writer, r = start(started, 0)
-    r.submit(HEALTHY, 1)
+    hand_over(r, HEALTHY, 1)
     assert r.wait_idle(2) and writer.reads == 1
 
 
@@ -217,7 +218,7 @@ def test_a_write_without_a_reserving_read_pays_its_own_token(server: str) -> Non
 
 def test_the_reconcilers_reads_reserve_the_write_after_them(started: list[NodeReconciler]) -> None:
     writer, r = start(started, 0)
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     assert r.wait_idle(5)
     assert writer.reads >= 1 and writer.reserved_reads == writer.reads
 

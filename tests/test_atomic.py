@@ -1,7 +1,6 @@
 """gpuguard.store.atomic: a kept file is replaced whole by one rename (durably: the temp file synced before
-it, the
-directory after), a failed write or rename leaves the old file and no temp file, and a corrupt file is moved
-aside."""
+it, the directory after), a failed write or rename leaves the old file and no temp file, and a corrupt file is
+moved aside."""
 
 from __future__ import annotations
 

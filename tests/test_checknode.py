@@ -1,6 +1,6 @@
 """`gpuguard check` and its node (gpuguard/runtime/checknode.py): one read of the Node gives the GPU count it
-expects
-and the labels that select --signals-config's node rules; without the labels, the global part applies."""
+expects and the labels that select --signals-config's node rules; without the labels, the global part
+applies."""
 
 from __future__ import annotations
 

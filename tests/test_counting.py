@@ -1,7 +1,6 @@
 """What counts toward a GPU's repeat limit (gpuguard/quarantine/repeat/counting.py, used by escalation.py):
-only the
-GPU's own faults; a node's cause (the fabric that Fabric Manager sets up, NVML itself) is recorded, not
-counted."""
+only the GPU's own faults; a node's cause (the fabric that Fabric Manager sets up, NVML itself) is recorded,
+not counted."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from gpuguard.quarantine.record import DEGRADED_TAINT_KEY, TAINT_KEY
 from harness.clock import Clock
 from harness.dra import DRIVER, gpu_uuid, nvidia_slice
 from harness.fakes import FakeDeviceSource, FakeNodeWriter
+from harness.judging import hand_over
 
 NODE = "gpu-node-1"
 SETTINGS = NodeSettings(name=NODE, retry_max_wait=0.01, recover_after=2)
@@ -59,7 +60,7 @@ def make(source: FakeDeviceSource | None = None) -> tuple[FakeNodeWriter, FakeDe
 
 
 def run(r: NodeReconciler, v: Verdict) -> None:
-    r.submit(v, 0 if v.faults else 1)
+    hand_over(r, v, 0 if v.faults else 1)
     r.reconcile_now()
 
 

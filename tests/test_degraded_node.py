@@ -28,6 +28,7 @@ from gpuguard.quarantine.node.writers import DryRunNodeWriter
 from gpuguard.quarantine.reconciler import NodeReconciler
 from gpuguard.quarantine.record import DEGRADED_TAINT_KEY
 from harness.fakes import FakeNodeWriter
+from harness.judging import hand_over
 
 NOW = datetime(2026, 12, 5, 9, 0, tzinfo=UTC)
 NVLINK = Fault("nvlink-down", "link 3 inactive", uuid="GPU-0", gpu_index=0)
@@ -204,7 +205,7 @@ def make(budget: Budget | None = None) -> tuple[FakeNodeWriter, NodeReconciler]:
 
 
 def step(r: NodeReconciler, verdict: Verdict, streak: int = 0) -> None:
-    r.submit(verdict, streak)
+    hand_over(r, verdict, streak)
     r.reconcile_now()
 
 
@@ -304,13 +305,13 @@ def test_the_writer_thread_wakes_for_the_degraded_signals_and_their_clean_streak
     r.start()
     try:
         clean = degraded_verdict()
-        r.submit(clean, 1)
+        hand_over(r, clean, 1)
         assert r.wait_idle(5)
-        r.submit(degraded_verdict(NVLINK), 1)  # the same healthy streak: only the signals differ
+        hand_over(r, degraded_verdict(NVLINK), 1)  # the same healthy streak: only the signals differ
         assert r.wait_idle(5)
         assert writer.node.labels.get(LABEL_DEGRADED) == "true"
         for streak in (3, 4, 5):  # past --recover-after for the faults: only the clean streak moves
-            r.submit(clean, streak)
+            hand_over(r, clean, streak)
             assert r.wait_idle(5)
         assert LABEL_DEGRADED not in writer.node.labels and writer.node.degraded_condition == "False"
     finally:

@@ -56,6 +56,7 @@ from gpuguard.store.state import StateStore
 from harness.clock import Clock
 from harness.dra import DRIVER, gpu_uuid, nvidia_slice
 from harness.fakes import FakeDeviceSource, FakeNodeWriter
+from harness.judging import hand_over
 
 NODE = "gpu-node-1"
 SETTINGS = NodeSettings(name=NODE, retry_max_wait=0.01, recover_after=2)
@@ -115,7 +116,7 @@ def ecc_on_3_after(previous: Verdict) -> Verdict:
 
 
 def run(r: NodeReconciler, v: Verdict, streak: int = 0) -> None:
-    r.submit(v, streak)
+    hand_over(r, v, streak)
     r.reconcile_now()
 
 
@@ -226,7 +227,7 @@ def test_a_rule_an_operator_deleted_is_not_recreated_for_the_same_fault_but_a_ne
     source.operator_delete(f"gpuguard.{NODE}.gpu-3")
     clock.t += SETTINGS.node_resync + 1
     run(r, verdict(prev=first), streak=0)
-    r.submit(verdict(prev=first), 0)
+    hand_over(r, verdict(prev=first), 0)
     r.reconcile_now()
     assert source.store == {} and writer.node.our_taint is None
     second = ecc_on_3_after(first)

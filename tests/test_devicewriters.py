@@ -26,6 +26,7 @@ from gpuguard.quarantine.node.view import NodeView
 from gpuguard.quarantine.reconciler import NodeReconciler
 from harness.dra import DRIVER, gpu_uuid, nvidia_slice
 from harness.fakes import FakeNodeWriter
+from harness.judging import hand_over
 
 NODE = "gpu-node-1"
 GROUP = "/apis/resource.k8s.io"
@@ -159,7 +160,7 @@ def dry_run(api: FakeResourceApi) -> tuple[FakeNodeWriter, NodeReconciler, DryRu
     settings = NodeSettings(name=NODE, dry_run=True)
     dry = DryRunDeviceSource(source(api))
     r = NodeReconciler(writer, settings, devices=DeviceQuarantine(dry, settings))
-    r.submit(xid_on_gpu_3(), 0)
+    hand_over(r, xid_on_gpu_3(), 0)
     r.reconcile_now()
     return writer, r, dry
 

@@ -1,6 +1,5 @@
 """gpuguard.core.files: every file gpuguard reads is a regular file of at most a stated size, read whole, or
-one
-line naming the file and the problem; never a read without end, never a wait on a FIFO."""
+one line naming the file and the problem; never a read without end, never a wait on a FIFO."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`check` learns the expected GPU count from its node's label (gpuguard.runtime.gpucount): the value's
-bounds,
-what it does without an answer, and the CLI end to end against a small HTTP server that serves one Node."""
+bounds, what it does without an answer, and the CLI end to end against a small HTTP server that serves one
+Node."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Each GPU's fault history (gpuguard/store/history.py): durable across a SIGKILL mid-write, bounded, and a
-corrupt
-or foreign file moved aside with a log line, never a crash."""
+corrupt or foreign file moved aside with a log line, never a crash."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """gpuguard.core.model: what a reading and a verdict mean when a backend leaves a field out, and the names a
-fault
-goes by (its key in the node's record, its message)."""
+fault goes by (its key in the node's record, its message)."""
 
 from __future__ import annotations
 

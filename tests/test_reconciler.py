@@ -24,6 +24,7 @@ from gpuguard.quarantine.reconciler import NodeReconciler
 from gpuguard.quarantine.record import TAINT_KEY
 from harness.clock import Clock
 from harness.fakes import FakeNodeWriter
+from harness.judging import hand_over
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = NodeSettings(name="gpu-1", retry_max_wait=0.01)
@@ -51,7 +52,7 @@ def budget_of(r: NodeReconciler) -> QuarantineBudget:
 def test_a_healthy_node_costs_one_read_at_start_and_nothing_after() -> None:
     writer, r = make()
     for _ in range(50):
-        r.submit(HEALTHY, 1)
+        hand_over(r, HEALTHY, 1)
         r.reconcile_now()
     assert (writer.reads, writer.writes) == (1, 0)
     assert r.status.reconciled and not r.status.tainted
@@ -59,9 +60,9 @@ def test_a_healthy_node_costs_one_read_at_start_and_nothing_after() -> None:
 
 def test_a_fault_is_one_write_and_one_event() -> None:
     writer, r = make()
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert writer.writes == 1 and [e.reason for e in writer.events] == ["GPUUnhealthy"]
     assert r.status.tainted and r.status.cordoned
@@ -69,11 +70,11 @@ def test_a_fault_is_one_write_and_one_event() -> None:
 
 def test_a_conflict_re_reads_and_keeps_the_other_writers_taint() -> None:
     writer, r = make()
-    r.submit(HEALTHY, 1)
+    hand_over(r, HEALTHY, 1)
     r.reconcile_now()  # caches resourceVersion 1
     foreign = Taint(key="other.io/x", effect="NoSchedule")
     writer.edit(taints=(foreign,))  # resourceVersion 2 behind our back
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert writer.node.taints[0] == foreign
     assert writer.node.our_taint is not None and writer.node.our_taint.key == TAINT_KEY
@@ -83,7 +84,7 @@ def test_a_conflict_re_reads_and_keeps_the_other_writers_taint() -> None:
 def test_transient_failures_are_retried_until_the_write_lands() -> None:
     writer, r = make()
     writer.inject_error(TransientApiError("connection refused"), TransientApiError("503"))
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert writer.writes == 1
 
@@ -93,7 +94,7 @@ def test_retry_after_is_honoured() -> None:
     writer, r = make()
     r._sleep = waits.append  # type: ignore[method-assign,assignment]
     writer.inject_error(TransientApiError("429", retry_after=1.5))
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert waits and waits[0] >= 1.5
     assert writer.writes == 1
@@ -101,13 +102,13 @@ def test_retry_after_is_honoured() -> None:
 
 def test_a_permanent_error_is_not_retried_in_a_loop() -> None:
     writer, r = make()
-    r.submit(HEALTHY, 1)
+    hand_over(r, HEALTHY, 1)
     r.reconcile_now()
     writer.inject_error(PermanentApiError("403 forbidden", status=403))
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     for _ in range(20):
-        r.submit(SICK, 0)
+        hand_over(r, SICK, 0)
         r.reconcile_now()
     # one refused attempt, one re-read after it, then silence until the backoff expires
     assert writer.writes == 0
@@ -117,7 +118,7 @@ def test_a_permanent_error_is_not_retried_in_a_loop() -> None:
 def test_a_conflict_storm_is_ridden_out_and_the_write_lands() -> None:
     writer, r = make(max_conflicts=3)
     writer.inject_error(*[ConflictError("x")] * 50)
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert writer.writes == 1
     assert writer.reads >= 50 // 3
@@ -126,7 +127,7 @@ def test_a_conflict_storm_is_ridden_out_and_the_write_lands() -> None:
 def test_endless_conflicts_stop_at_the_retry_deadline_without_hanging() -> None:
     writer, r = make(retry_deadline=0.2, max_conflicts=3)
     writer.inject_error(*[ConflictError("x")] * 100_000)
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()  # does not raise, does not hang
     assert writer.writes == 0
 
@@ -135,7 +136,7 @@ def test_the_background_thread_applies_the_latest_verdict() -> None:
     writer, r = make()
     r.start()
     try:
-        r.submit(SICK, 0)
+        hand_over(r, SICK, 0)
         assert r.wait_idle(5)
         assert writer.writes == 1
     finally:
@@ -147,19 +148,19 @@ def test_a_fault_reads_the_budget_once_and_defers_when_it_is_spent() -> None:
 
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=1, limit=1)
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert writer.budget_lists == 1
     assert writer.node.our_taint is not None and writer.node.our_taint.effect == "PreferNoSchedule"
     # While deferred: the budget is re-read at most once a minute, not at every check.
     for _ in range(20):
-        r.submit(SICK, 0)
+        hand_over(r, SICK, 0)
         r.reconcile_now()
     assert writer.budget_lists == 1 and writer.writes == 1
     assert r.status.deferred and r.status.tainted and not r.status.cordoned
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
     budget_of(r).checked -= 61
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert writer.budget_lists == 2
     assert writer.node.our_taint is not None and writer.node.our_taint.effect == "NoSchedule"
@@ -170,7 +171,7 @@ def test_no_budget_list_when_the_budget_is_unlimited() -> None:
     writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))
     unlimited = NodeSettings(name="gpu-1", max_quarantined=QuarantineLimit.parse("100%"))
     r = NodeReconciler(writer, unlimited, budget=QuarantineBudget(writer, unlimited))
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert writer.budget_lists == 0 and writer.writes == 1
 
@@ -178,10 +179,10 @@ def test_no_budget_list_when_the_budget_is_unlimited() -> None:
 def test_the_gpu_healthy_condition_is_written_only_when_it_changes() -> None:
     writer, r = make()
     for _ in range(5):
-        r.submit(HEALTHY, 1)
+        hand_over(r, HEALTHY, 1)
         r.reconcile_now()
     for _ in range(5):
-        r.submit(SICK, 0)
+        hand_over(r, SICK, 0)
         r.reconcile_now()
     assert [c["status"] for c in writer.conditions] == ["True", "False"]
     assert writer.conditions[1]["reason"] == "GPUFault"
@@ -191,7 +192,7 @@ def test_the_gpu_healthy_condition_is_written_only_when_it_changes() -> None:
 def test_a_restarted_agent_does_not_rewrite_a_condition_that_already_matches() -> None:
     writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b", gpu_condition="True"))
     r = NodeReconciler(writer, SETTINGS)
-    r.submit(HEALTHY, 1)
+    hand_over(r, HEALTHY, 1)
     r.reconcile_now()
     assert writer.conditions == [] and writer.writes == 0
 
@@ -202,7 +203,7 @@ def test_a_conflict_re_plan_reuses_the_budget_it_just_listed() -> None:
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
     writer.inject_error(ConflictError("x"), ConflictError("y"))
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert writer.writes == 1 and writer.budget_lists == 1
 
@@ -212,12 +213,12 @@ def test_an_escalation_that_meets_a_conflict_still_escalates_on_the_re_plan() ->
 
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=1, limit=1)
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()  # deferred: the soft taint
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
     budget_of(r).checked -= 61
     writer.inject_error(ConflictError("x"))
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert writer.budget_lists == 2  # the re-plan after the 409 reused the list of this call
     assert writer.node.our_taint is not None and writer.node.our_taint.effect == "NoSchedule"
@@ -230,7 +231,7 @@ def test_the_next_reconcile_lists_the_budget_again() -> None:
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
     writer.inject_error(TransientApiError("down"))  # the first call fails before its write lands
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert writer.writes == 1 and writer.budget_lists == 2  # the retry counted again: time has passed
 
@@ -244,7 +245,7 @@ def test_a_burst_that_overshoots_the_budget_steps_back_the_node_past_the_limit()
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
     writer.order = [("2026-12-02T00:00:00Z", "gpu-0")]  # quarantined first, by another agent
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert [p.action for p in writer.patches] == ["taint", "yield"]
     assert writer.order_lists == 1
@@ -255,7 +256,7 @@ def test_a_burst_that_overshoots_the_budget_steps_back_the_node_past_the_limit()
     assert r.status.deferred and not r.status.cordoned
     # The settle check is not needed any more: a deferred node costs one budget list a minute, no more.
     for _ in range(5):
-        r.submit(SICK, 0)
+        hand_over(r, SICK, 0)
         r.reconcile_now()
     assert writer.order_lists == 1 and len(writer.patches) == 2
 
@@ -267,10 +268,10 @@ def test_the_first_in_the_order_stays_and_checks_once_more_after_the_burst_settl
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
     writer.order = [("2999-01-01T00:00:00Z", "gpu-9")]  # quarantined after us
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert [p.action for p in writer.patches] == ["taint"] and writer.order_lists == 1
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert writer.order_lists == 1  # not due yet
     # A slow writer landed after our first check, with an earlier since: the second check sees it.
@@ -278,12 +279,12 @@ def test_the_first_in_the_order_stays_and_checks_once_more_after_the_burst_settl
     settle = budget_of(r).settle
     assert settle is not None
     budget_of(r).settle = (settle[0], 0.0)
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert writer.order_lists == 2
     assert [p.action for p in writer.patches] == ["taint", "yield"]
     assert writer.node.deferred and writer.node.annotations[ANN_SINCE]
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert writer.order_lists == 2 and budget_of(r).settle is None
 
@@ -295,23 +296,23 @@ def test_a_watched_fleet_is_checked_again_at_each_change_and_a_node_now_past_the
 
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert [p.action for p in writer.patches] == ["taint"] and writer.order_lists == 1
     for _ in range(3):  # nothing changed: no check, and an unchanged verdict does not wake the writer
-        r.submit(SICK, 0)
+        hand_over(r, SICK, 0)
         r.reconcile_now()
     assert writer.order_lists == 1 and budget_of(r).settle is not None  # the 10 s check is still to come
     # Another agent's quarantine with an earlier since lands: the watch delivers it.
     writer.order.append(("2000-01-01T00:00:00Z", "gpu-0"))
     writer.generation += 1
     assert budget_of(r).settling
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert writer.order_lists == 2
     assert [p.action for p in writer.patches] == ["taint", "yield"] and writer.node.deferred
     writer.generation += 1  # a deferred node holds no full quarantine: no order check
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert writer.order_lists == 2
 
@@ -322,7 +323,7 @@ def test_a_failed_order_check_keeps_the_quarantine_and_checks_again_later() -> N
     writer, r = make()
     writer.quarantine_budget = Budget(gpu_nodes=10, quarantined=0, limit=1)
     writer.order_error = TransientApiError("list failed")
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert [p.action for p in writer.patches] == ["taint"] and writer.node.unschedulable
     assert budget_of(r).settle is not None
@@ -332,7 +333,7 @@ def test_no_order_check_without_a_budget() -> None:
     writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))
     unlimited = NodeSettings(name="gpu-1", max_quarantined=QuarantineLimit.parse("100%"))
     r = NodeReconciler(writer, unlimited, budget=QuarantineBudget(writer, unlimited))
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert writer.order_lists == 0 and budget_of(r).settle is None
 
@@ -345,7 +346,7 @@ def test_with_external_gate_removal_the_condition_is_written_and_the_gate_left_a
     )
     writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b", taints=(gate,)))
     r = NodeReconciler(writer, settings)
-    r.submit(HEALTHY, 1)
+    hand_over(r, HEALTHY, 1)
     r.reconcile_now()
     assert [c["status"] for c in writer.conditions] == ["True"]
     assert writer.writes == 0 and writer.node.taints == (gate,)
@@ -376,7 +377,7 @@ def test_a_fault_added_to_a_cordoned_node_is_logged_with_the_node_still_cordoned
     )
     with capture_logs() as logs:
         for v in (xid, both):
-            r.submit(v, 0)
+            hand_over(r, v, 0)
             r.reconcile_now()
     lines = {e["event"]: e for e in logs if e["event"] in ("node.tainted", "node.fault_added")}
     assert (lines["node.tainted"]["cordoned"], lines["node.tainted"]["uncordoned"]) == (True, False)
@@ -397,7 +398,7 @@ def test_defect_13_the_fault_added_line_is_about_the_fault_it_added() -> None:
     assert {f.reason for f in second.faults} == {"xid-79", "ecc"}  # the taint still names the Xid
     with capture_logs() as logs:
         for v in (first, second):
-            r.submit(v, 0)
+            hand_over(r, v, 0)
             r.reconcile_now()
     added = [e for e in logs if e["event"] == "node.fault_added"]
     assert len(added) == 1
@@ -424,7 +425,7 @@ def test_a_refused_patch_is_sent_once_per_backoff_although_each_plan_carries_a_n
     writer.inject_error(*[PermanentApiError("patch node gpu-1: HTTP 403: denied", status=403)] * 100)
     with capture_logs() as logs:
         for _ in range(100):  # 297 s of checks, 3 s apart: all within the backoff
-            r.submit(SICK, 0)
+            hand_over(r, SICK, 0)
             r.reconcile_now()
             clock.t += 2.97
     assert writer.patch_attempts == 1
@@ -437,13 +438,13 @@ def test_a_refused_patch_is_sent_once_per_backoff_although_each_plan_carries_a_n
     clock.t += 3.1  # 300 s after the refusal: sent once more, refused once more, one more line
     with capture_logs() as logs:
         for _ in range(3):
-            r.submit(SICK, 0)
+            hand_over(r, SICK, 0)
             r.reconcile_now()
     assert writer.patch_attempts == 2 and events(logs) == ["node.write_rejected"]
     writer._patch_errors.clear()  # the policy is fixed
     clock.t += 300
     with capture_logs() as logs:
-        r.submit(SICK, 0)
+        hand_over(r, SICK, 0)
         r.reconcile_now()
     assert writer.writes == 1 and r.status.tainted
     assert "node.request_accepted" in events(logs) and "node.write_rejected" not in events(logs)
@@ -455,7 +456,7 @@ def test_a_refused_patch_is_sent_once_per_backoff_although_each_plan_carries_a_n
 def test_a_different_write_is_not_held_back_by_an_earlier_refusal() -> None:
     writer, r, _clock = make_clocked()
     writer.inject_error(PermanentApiError("denied", status=403))
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert writer.patch_attempts == 1
     other = evaluate(
@@ -463,7 +464,7 @@ def test_a_different_write_is_not_held_back_by_an_earlier_refusal() -> None:
         previous=None,
         settings=PolicySettings(),
     )
-    r.submit(other, 0)
+    hand_over(r, other, 0)
     r.reconcile_now()
     assert writer.patch_attempts == 2 and writer.writes == 1
 
@@ -476,7 +477,7 @@ def test_a_refused_first_read_is_sent_once_per_backoff_with_one_error_line(statu
     )
     with capture_logs() as logs:
         for _ in range(50):
-            r.submit(HEALTHY, 1)
+            hand_over(r, HEALTHY, 1)
             r.reconcile_now()
             clock.t += 3
     assert writer.reads == 1
@@ -486,7 +487,7 @@ def test_a_refused_first_read_is_sent_once_per_backoff_with_one_error_line(statu
     clock.t += 150  # 300 s after the refusal
     writer._read_errors.clear()
     with capture_logs() as logs:
-        r.submit(HEALTHY, 1)
+        hand_over(r, HEALTHY, 1)
         r.reconcile_now()
     assert writer.reads == 2 and r.status.reconciled
     assert events(logs, "node.re") == ["node.request_accepted"] and r.api.health.state == "ok"
@@ -511,7 +512,7 @@ def test_an_outage_is_logged_when_it_starts_every_30_s_while_it_lasts_and_when_i
     writer.inject_error(*[TransientApiError("read node gpu-1: timed out")] * 10_000, on="read")
     # tenacity measures the retry deadline with time.monotonic: the test's clock for the length of the call.
     with mock.patch("time.monotonic", clock), capture_logs() as logs:
-        r.submit(SICK, 0)
+        hand_over(r, SICK, 0)
         r.reconcile_now()
     lines = [e for e in logs if e["event"].startswith("api.") and e["log_level"] != "debug"]
     assert [e["event"] for e in lines][:2] == ["api.unavailable", "api.still_unavailable"]
@@ -521,7 +522,7 @@ def test_an_outage_is_logged_when_it_starts_every_30_s_while_it_lasts_and_when_i
     assert r.api.health.state == "unreachable" and r.api.health.error == "read node gpu-1: timed out"
     writer._read_errors.clear()
     with capture_logs() as logs:
-        r.submit(SICK, 0)
+        hand_over(r, SICK, 0)
         r.reconcile_now()
     assert events(logs, "api.") == ["api.available"] and writer.writes == 1
     assert r.api.health.state == "ok"
@@ -555,11 +556,11 @@ def test_a_restarted_agent_rewrites_an_unhealthy_condition_so_it_names_this_runs
     say); the restarted agent that reads other faults must not leave the old ones in the message."""
     writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b", gpu_condition="False"))
     r = NodeReconciler(writer, SETTINGS)
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert [c["status"] for c in writer.conditions] == ["False"]
     assert writer.conditions[0]["message"].startswith("ecc: 2 uncorrected")
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     assert len(writer.conditions) == 1  # once per start, then only on change
 
@@ -569,7 +570,7 @@ def test_a_restarted_agent_leaves_an_unhealthy_condition_that_already_names_its_
     idempotence): the condition's message read from the node is the one this run would write."""
     first = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b", gpu_condition="True"))
     r = NodeReconciler(first, SETTINGS)
-    r.submit(SICK, 0)
+    hand_over(r, SICK, 0)
     r.reconcile_now()
     written = [c for c in first.conditions if c["type"] == "GPUHealthy"][-1]
     view = NodeView(
@@ -581,6 +582,6 @@ def test_a_restarted_agent_leaves_an_unhealthy_condition_that_already_names_its_
     )
     writer = FakeNodeWriter(view)
     restarted = NodeReconciler(writer, SETTINGS)
-    restarted.submit(SICK, 0)
+    hand_over(restarted, SICK, 0)
     restarted.reconcile_now()
     assert [c for c in writer.conditions if c["type"] == "GPUHealthy"] == []

@@ -1,7 +1,6 @@
 """Repeat offenders through the reconciler (gpuguard/quarantine/repeat/offenders.py, repair.py, release.py): a
-GPU whose
-Xid returns after reboots is held, not released by the next reboot, marked for repair, and released only by
-an operator's annotation the agent validates; only gpuguard's marks are ever removed."""
+GPU whose Xid returns after reboots is held, not released by the next reboot, marked for repair, and released
+only by an operator's annotation the agent validates; only gpuguard's marks are ever removed."""
 
 from __future__ import annotations
 
@@ -36,6 +35,7 @@ from gpuguard.store.state import StateStore
 from harness.clock import Clock
 from harness.dra import gpu_uuid, nvidia_slice
 from harness.fakes import FakeDeviceSource, FakeNodeWriter
+from harness.judging import hand_over
 
 SETTINGS = NodeSettings(name="gpu-1", retry_max_wait=0.01, recover_after=3)
 DAY = 86400.0
@@ -69,7 +69,7 @@ class Node:
         return NodeReconciler(self.writer, SETTINGS, budget=budget, repeat=repeat, metrics=self.metrics)
 
     def check(self, verdict: Verdict, streak: int) -> None:
-        self.agent.submit(verdict, streak)
+        hand_over(self.agent, verdict, streak)
         self.agent.reconcile_now()
 
     def reboot(self, boot_id: str, *, days: float = 1.0) -> None:
@@ -293,13 +293,13 @@ def test_on_a_dra_node_the_held_gpus_rule_says_repeat_offender_and_stays_across_
 
     r = agent()
     for boot in ("boot-1", "boot-2", "boot-3"):
-        r.submit(xid, 0)
+        hand_over(r, xid, 0)
         r.reconcile_now()
         now[0] += DAY
         writer.edit(boot_id=boot)
         r = agent()
         for streak in range(4):
-            r.submit(healthy, streak)
+            hand_over(r, healthy, streak)
             r.reconcile_now()
     (rule,) = source.store.values()
     assert rule["spec"]["taint"]["value"] == "repeat-offender"
@@ -354,12 +354,12 @@ def test_a_held_gpus_rule_deleted_by_hand_is_an_override_for_this_boot_only(tmp_
 
     def checks(r: NodeReconciler, n: int = 4) -> None:
         for streak in range(n):
-            r.submit(healthy, streak)
+            hand_over(r, healthy, streak)
             r.reconcile_now()
 
     r = agent()
     for boot in ("boot-1", "boot-2", "boot-3"):
-        r.submit(xid, 0)
+        hand_over(r, xid, 0)
         r.reconcile_now()
         now[0] += DAY
         writer.edit(boot_id=boot)

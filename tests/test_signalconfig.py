@@ -134,7 +134,6 @@ def test_the_node_rules_apply_once_the_agent_has_read_its_nodes_labels() -> None
         clock=clock,
         signal_config=config,
     )
-    reconciler.on_node = agent.node_labels
     agent.check_once()
     clock.t += 3
     assert [f.reason for f in agent.check_once().degraded] == ["nvlink-down"]  # before the node is read

@@ -42,7 +42,7 @@ class PolicySettings:
     fault: one failed pass is a transient NVML error, three (9 s at --interval 3) a GPU that does not
     answer. `check` uses 1: a preflight has one pass. RESET_REQUIRED and GPU_IS_LOST are faults at once."""
     signals: SignalTable = SIGNALS
-    """Issue 29's signals with their levels, thresholds and windows (gpuguard/core/data/signals.json), as
+    """The health signals with their levels, thresholds and windows (gpuguard/core/data/signals.json), as
     --signals-config changed them for this node (gpuguard.core.signalconfig)."""
 
 
@@ -119,9 +119,11 @@ class NodeSettings:
     recover: bool = True
     """Remove our own taint once the fault's evidence is gone (a repaired node returns without a human)."""
     recover_after: int = 3
-    """Consecutive healthy checks before recovery: one lucky read must not undo a quarantine."""
+    """Healthy checks at --interval before recovery, measured in time (judge/streaks.py: a run that began
+    at t0 is 1 + (now - t0) // interval checks long): one lucky read must not undo a quarantine, and checks
+    that events bring early do not count twice."""
     degraded_taint: bool = True
-    """A degraded GPU (issue 29's second level) also puts a PreferNoSchedule taint gpuguard.io/gpu-degraded
+    """A degraded GPU (the second level) also puts a PreferNoSchedule taint gpuguard.io/gpu-degraded
     on its node, so the scheduler prefers other nodes; False: the condition, label and annotation only."""
     dry_run: bool = False
     """Log the exact change instead of writing it."""
@@ -149,7 +151,7 @@ class NodeSettings:
     (one a second fleet-wide); a minute (the old default) put 83 lists of 5,000 nodes a second on the API
     server at every fleet-wide start (docs/performance.md, "The fleet at 5,000 nodes"). Until then the
     budget proves room without the count where it can (always with nothing quarantined), and a fault whose
-    room it cannot prove lists in its path, as before issue 15."""
+    room it cannot prove lists in its path, as before the budget was read from a watch."""
     slice_refresh: float = 600.0
     """Seconds: a GPU fault that finds no device in the slices read them again after its node taint, when
     the last read is older than this (a DRA driver that started after the agent). At most one request per

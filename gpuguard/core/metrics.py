@@ -64,7 +64,7 @@ class Metrics:
             ["gpu", "uuid"],
             registry=registry,
         )
-        # Issue 29: the PCIe link, shown (a generation below the device's is an idle GPU saving power).
+        # The health signals' PCIe link, shown (a generation below the device's is an idle GPU saving power).
         self.pcie_generation = Gauge(
             "gpuguard_gpu_pcie_link_generation",
             "The PCIe link's current generation, as last read (every 30 s; absent where not read).",
@@ -152,7 +152,7 @@ class Metrics:
         self._stuck_value = 0
         self.gpu_degraded = Gauge(
             "gpuguard_gpu_degraded",
-            "1 for each degraded signal a GPU has now (issue 29's second level: shown and scheduled around "
+            "1 for each degraded signal a GPU has now (the second level: shown and scheduled around "
             'softly, never a quarantine); gpu="" and uuid="" for a signal of the node. The series goes when '
             "the signal clears.",
             ["gpu", "uuid", "reason"],
@@ -168,7 +168,7 @@ class Metrics:
             ["result"],
             registry=registry,
         )
-        # Issue 30: the GPUs held for repair (quarantine.escalation).
+        # Repeat offenders: the GPUs held for repair (quarantine.escalation).
         self.repeat_offender = Gauge(
             "gpuguard_gpu_repeat_offender",
             "Fault episodes of a GPU held as a repeat offender (absent when not held): its quarantine stays "

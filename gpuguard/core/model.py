@@ -6,6 +6,7 @@ Standard library only: nothing here may import pynvml or kubernetes, so the pure
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
@@ -59,7 +60,7 @@ def recovery_reason(action: int) -> str:
 
 @dataclass(frozen=True)
 class SignalReadings:
-    """Issue 29's signals as one pass read them from one GPU. Readings only, judged by gpuguard.judge.signals.
+    """The health signals as one pass read them from one GPU. Readings only, judged by gpuguard.judge.signals.
     Every field None where it does not apply (NVML answers NOT_SUPPORTED) or was not read this pass."""
 
     # nvmlDeviceGetGpuFabricInfoV: NVML_GPU_FABRIC_STATE_* (1 not started, 2 in progress, 3 completed), the
@@ -119,7 +120,7 @@ class GpuReading:
     # An NVML call on this GPU has not returned within its deadline (what, which deadline); the other values
     # are the last ones read.
     unresponsive: str | None = None
-    # Issue 29's signals (fabric, NVLink, PCIe, clock events, InfoROM).
+    # The health signals (fabric, NVLink, PCIe, clock events, InfoROM).
     signals: SignalReadings = SignalReadings()
 
 
@@ -206,7 +207,7 @@ class GpuVerdict:
     # The PCIe link as last read, (generation, width): shown, not judged by default (an idle GPU lowers its
     # generation to save power); None where not read.
     pcie_link: tuple[int, int] | None = None
-    # Issue 29's second level: signals that make this GPU `degraded` (shown, scheduled around softly with a
+    # The second level: signals that make this GPU `degraded` (shown, scheduled around softly with a
     # PreferNoSchedule taint or an effect-None DeviceTaintRule, never cordoned, never counted by the budget).
     # `reason` is the signal's name (e.g. `nvlink-down`); a GPU may be degraded and faulty at once.
     degraded: tuple[Fault, ...] = ()
@@ -264,7 +265,7 @@ class Verdict:
     unidentified_streaks: tuple[tuple[int, int], ...] = ()
     # Consecutive checks a node-wide query failed (Snapshot.node_error).
     node_error_streak: int = 0
-    # Node-wide `degraded` signals (issue 29), as GpuVerdict.degraded for one GPU.
+    # Node-wide `degraded` signals, as GpuVerdict.degraded for one GPU.
     node_degraded: tuple[Fault, ...] = ()
     # What the signals' judge remembers between checks (first good readings, counter samples, events).
     signal_memory: SignalMemory = field(default_factory=SignalMemory)
@@ -276,12 +277,44 @@ class Verdict:
 
     @cached_property
     def degraded(self) -> tuple[Fault, ...]:
-        # Every `degraded` signal, the node's first (issue 29). Not faults: `healthy` ignores them.
+        # Every `degraded` signal, the node's first. Not faults: `healthy` ignores them.
         return self.node_degraded + tuple(f for g in self.gpus for f in g.degraded)
 
     @property
     def healthy(self) -> bool:
         return not self.faults
+
+
+@dataclass(frozen=True)
+class Streaks:
+    """Checks in a row, kept in one place (gpuguard.judge.streaks advances them once per check): with no
+    fault (the node's `healthy`, each GPU's by UUID in `gpus`) and with no degraded signal (`clean`,
+    `gpus_clean`). A quarantine or a degraded mark is lifted once its streak reaches --recover-after.
+    `gpus` None: the node's streak stands for every GPU (never longer than any GPU's own)."""
+
+    healthy: int = 0
+    gpus: Mapping[str, int] | None = None
+    clean: int = 0
+    gpus_clean: Mapping[str, int] = field(default_factory=dict)
+
+    def capped(self, most: int) -> tuple[object, ...]:
+        """What a decision can tell apart: each streak up to `most` (--recover-after)."""
+        return (
+            min(self.healthy, most),
+            tuple(sorted((u, min(n, most)) for u, n in (self.gpus or {}).items())),
+            min(self.clean, most),
+            tuple(sorted((u, min(n, most)) for u, n in self.gpus_clean.items())),
+        )
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """The one value that crosses from the agent's thread to the writer's: the verdict, judged once, and what
+    the agent knows with it (the streaks, and whether the faults flap within --flap-window)."""
+
+    verdict: Verdict
+    streaks: Streaks = field(default_factory=Streaks)
+    flapping: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,5 @@
-"""Issue 29's health signals as data: the table shipped in gpuguard/core/data/signals.json, loaded and
-validated
-once, and the levels it may give.
+"""The health signals as data: the table shipped in gpuguard/core/data/signals.json, loaded and
+validated once, and the levels it may give.
 
 Each signal names what it reads, its default level (`fault`: quarantined as today; `degraded`: shown and
 scheduled around softly; `ignore`: read, shown, not judged), its threshold and window, and the NVIDIA or

@@ -35,7 +35,7 @@ _CLEARED_BY_READING = frozenset(
     {ECC, NVML_INIT, RESET_REQUIRED, GPU_UNREADABLE, GPU_UNRESPONSIVE, NVML_UNRESPONSIVE, RETIRED_PAGES}
     # The hold of a repeat offender: gone from the verdict only by an operator's release, which is its proof.
     | {REPEAT_OFFENDER}
-) | (frozenset(SIGNALS.names()) - {GPU_MISSING})  # issue 29's signals judge each reading afresh
+) | (frozenset(SIGNALS.names()) - {GPU_MISSING})  # the health signals judge each reading afresh
 
 
 def cleared_without_reboot(key: str, reset_cleared: frozenset[str] = frozenset()) -> bool:

@@ -1,4 +1,4 @@
-"""Issue 29's signals judged: one snapshot's readings + the signal table + what the judge remembers ->
+"""The health signals judged: one snapshot's readings + the signal table + what the judge remembers ->
 faults and `degraded` reasons, per GPU and for the node.
 
 Pure: no I/O, no NVML, no clock (the snapshot's `taken_at` is the time base of every window). What is not

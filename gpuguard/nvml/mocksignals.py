@@ -1,4 +1,4 @@
-"""The mock backend's scenario keys for issue 29's signals (docs/scenario.md): their validation and what
+"""The mock backend's scenario keys for the health signals (docs/scenario.md): their validation and what
 each does to a mock GPU's reading.
 
 A mock GPU reads like an HGX GPU at rest: 18 NVLinks active with no errors, a PCIe Gen5 x16 link at its

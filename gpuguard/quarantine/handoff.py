@@ -1,34 +1,17 @@
-"""The hand-off of the newest verdict from the agent's thread to the reconciler's writer thread: latest wins
-(an old verdict is never applied after a newer one), a verdict that cannot change any decision does not wake
-the writer, and the start-up jitter holds the first request. The reconciler does the work; this module only
-says when there is some."""
+"""The hand-off of the newest judgement (model.Judgement: the verdict and its streaks) from the agent's
+thread to the reconciler's writer thread: latest wins (an old one is never applied after a newer one), one
+that cannot change any decision does not wake the writer, and the start-up jitter holds the first request.
+The reconciler does the work; this module only says when there is some."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
-from gpuguard.core.model import Verdict
+from gpuguard.core.model import Judgement, Verdict
 
-
-@dataclass(frozen=True)
-class DegradedStreaks:
-    """Checks in a row without a degraded signal (issue 29's second level): the node's (no GPU degraded,
-    nor the node) and each GPU's by UUID. The marks and rules go once these reach --recover-after."""
-
-    node: int = 0
-    gpus: Mapping[str, int] = field(default_factory=dict)
-
-    def capped(self, most: int) -> tuple[object, ...]:
-        return (min(self.node, most), tuple(sorted((u, min(n, most)) for u, n in self.gpus.items())))
-
-
-# What the writer applies: the verdict, the node's healthy streak, flapping, each GPU's healthy streak, and
-# the degraded streaks.
-Latest = tuple[Verdict, int, bool, Mapping[str, int] | None, DegradedStreaks]
-# The decision-relevant summary of a verdict (see Handoff.submit).
+# The decision-relevant summary of a judgement (see Handoff.submit).
 Signature = tuple[object, ...]
 
 
@@ -42,7 +25,7 @@ class Handoff:
         self._stop = stop
         self._clock = clock
         self._cond = threading.Condition()
-        self._latest: Latest | None = None
+        self._latest: Judgement | None = None
         self._fault_keys: tuple[Verdict, frozenset[str], frozenset[str]] | None = None
         # The summary of the last verdict reconciled without error, and of the one handed over since.
         self._settled: Signature | None = None
@@ -51,20 +34,11 @@ class Handoff:
         self._done_generation = 0
         self._first_verdict_at: float | None = None
 
-    def submit(
-        self,
-        verdict: Verdict,
-        healthy_streak: int,
-        *,
-        flapping: bool,
-        gpu_streaks: Mapping[str, int] | None,
-        quiet: Callable[[], bool],
-        degraded: DegradedStreaks | None = None,
-    ) -> None:
-        """Hand over the newest verdict. One whose summary (fault keys, health, the streaks up to
-        --recover-after, flapping, GPUs seen, the degraded signals and their clean streak) is that of the last
-        verdict reconciled, while `quiet()` (asked under the lock: the node cached, nothing pending on it)
-        does not wake the writer."""
+    def submit(self, judgement: Judgement, *, quiet: Callable[[], bool]) -> None:
+        """Hand over the newest judgement. One whose summary (fault keys, health, the streaks up to
+        --recover-after, flapping, GPUs seen, the degraded signals) is that of the last one reconciled, while
+        `quiet()` (asked under the lock: the node cached, nothing pending on it) does not wake the writer."""
+        verdict = judgement.verdict
         keys = self._fault_keys
         if keys is None or keys[0] is not verdict:
             # Once per verdict object: the agent hands over its remembered verdict at every steady check.
@@ -73,28 +47,25 @@ class Handoff:
                 frozenset(f.key for f in verdict.faults),
                 frozenset(f.key for f in verdict.degraded),
             )
-        most = self._recover_after
         sig = (
             keys[1],
             verdict.healthy,
-            min(healthy_streak, most),
-            tuple(sorted((u, min(n, most)) for u, n in (gpu_streaks or {}).items())),
-            flapping,
+            judgement.streaks.capped(self._recover_after),
+            judgement.flapping,
             bool(verdict.gpus),
             keys[2],
-            (degraded or DegradedStreaks()).capped(most),
         )
         with self._cond:
             if self._first_verdict_at is None:
                 self._first_verdict_at = self._clock()
-            self._latest = (verdict, healthy_streak, flapping, gpu_streaks, degraded or DegradedStreaks())
+            self._latest = judgement
             if sig == self._settled and quiet():
                 return
             self._pending = sig
             self._generation += 1
             self._cond.notify_all()
 
-    def latest(self) -> Latest | None:
+    def latest(self) -> Judgement | None:
         with self._cond:
             return self._latest
 
@@ -144,7 +115,7 @@ class Handoff:
                 if latest is None or first is None:
                     self._cond.wait()
                     continue
-                if latest[0].faults:
+                if latest.verdict.faults:
                     break
                 left = first + delay - self._clock()
                 if left <= 0:

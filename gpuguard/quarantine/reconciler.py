@@ -22,10 +22,10 @@ import tenacity
 from gpuguard.core.config import NodeSettings
 from gpuguard.core.errors import ConflictError, NodeUpdateError, PermanentApiError, TransientApiError
 from gpuguard.core.metrics import Metrics
-from gpuguard.core.model import GpuQuarantine, Verdict
+from gpuguard.core.model import GpuQuarantine, Judgement, Verdict
 from gpuguard.quarantine.apistate import ApiState, Intent
 from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
-from gpuguard.quarantine.handoff import DegradedStreaks, Handoff
+from gpuguard.quarantine.handoff import Handoff
 from gpuguard.quarantine.node.budget import QuarantineBudget
 from gpuguard.quarantine.node.degraded import DEGRADED_ACTIONS, plan_degraded
 from gpuguard.quarantine.node.plan import plan
@@ -50,6 +50,8 @@ class NodeStatus:
     deferred: bool = False
     # GPUs held out by DeviceTaintRules (per-GPU quarantine), in device order.
     gpus: tuple[GpuQuarantine, ...] = ()
+    # The node's labels as last read: an input of the agent's next check (--signals-config's node rules).
+    labels: Mapping[str, str] | None = None
 
 
 class NodeReconciler:
@@ -107,11 +109,7 @@ class NodeReconciler:
         self.api = api or ApiState(self._name, backoff=settings.refusal_backoff, clock=clock)
         self._read_intent = Intent("get", f"node {self._name}")
         self._intent: Intent | None = None  # the request in flight, named if it is refused
-        # Told the node's labels at every read (the agent's --signals-config node rules).
-        self.on_node: Callable[[Mapping[str, str]], None] | None = None
         self.writes = 0
-        # Checks in a row without a degraded signal (issue 29): the degraded marks go after --recover-after.
-        self._degraded_streaks = DegradedStreaks()
 
     @property
     def status(self) -> NodeStatus:
@@ -127,20 +125,11 @@ class NodeReconciler:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def submit(
-        self,
-        verdict: Verdict,
-        healthy_streak: int,
-        *,
-        flapping: bool = False,
-        gpu_streaks: Mapping[str, int] | None = None,
-    ) -> None:
-        """Hand over the newest verdict (latest wins: an old one is never applied after a newer one).
-        `gpu_streaks`: each GPU's own healthy streak by UUID (a GPU's rule recovers on it); None: the
-        node's streak for every GPU (never longer than any GPU's own).
+    def submit(self, judgement: Judgement) -> None:
+        """Hand over the newest judgement (latest wins: an old one is never applied after a newer one).
 
-        A verdict that cannot change any decision (same faults, a streak past --recover-after, the node
-        cached and not deferred) does not wake the writer thread: an idle agent costs next to nothing."""
+        One that cannot change any decision (same faults, streaks past --recover-after, the node cached and
+        not deferred) does not wake the writer thread: an idle agent costs next to nothing."""
         settling = (self.budget is not None and self.budget.settling) or (
             self.devices is not None and self.devices.settling
         )
@@ -149,22 +138,7 @@ class NodeReconciler:
             node = self._node
             return node is not None and not node.deferred and not settling and not self._resync_due(node)
 
-        # One submit per check: the agent hands over its remembered verdict at every steady check too.
-        before = self._degraded_streaks
-        self._degraded_streaks = DegradedStreaks(
-            node=0 if verdict.degraded else before.node + 1,
-            gpus={
-                g.uuid: 0 if g.degraded else before.gpus.get(g.uuid, 0) + 1 for g in verdict.gpus if g.uuid
-            },
-        )
-        self._handoff.submit(
-            verdict,
-            healthy_streak,
-            flapping=flapping,
-            gpu_streaks=gpu_streaks,
-            quiet=quiet,
-            degraded=self._degraded_streaks,
-        )
+        self._handoff.submit(judgement, quiet=quiet)
 
     def wait_idle(self, timeout: float) -> bool:
         """For tests and one-shot runs: block until every submitted verdict has been reconciled."""
@@ -219,8 +193,8 @@ class NodeReconciler:
         latest = self._handoff.latest()
         if latest is None:
             return
-        verdict, streak, flapping, gpu_streaks, degraded = latest
-        degraded_streak = degraded.node
+        verdict, streaks, flapping = latest.verdict, latest.streaks, latest.flapping
+        streak, gpu_streaks, degraded_streak = streaks.healthy, streaks.gpus, streaks.clean
         self._intent = None
         node = self._node
         if node is None or self._resync_due(node):
@@ -245,7 +219,7 @@ class NodeReconciler:
                 streak=streak,
                 flapping=flapping,
                 gpu_streaks=gpu_streaks,
-                degraded_streaks=degraded.gpus,
+                degraded_streaks=streaks.gpus_clean,
             )
         for attempt in range(self._max_conflicts):
             change = self._plan(node, verdict, streak, flapping) or self._degraded(
@@ -354,8 +328,6 @@ class NodeReconciler:
         """The node as the API server last answered (a read, or the answer to our write)."""
         if node is not self._node:
             self._read_at = self._clock()
-            if self.on_node is not None:
-                self.on_node(node.labels)
         self._node = node
         self._status = NodeStatus(
             tainted=node.our_taint is not None,
@@ -363,6 +335,7 @@ class NodeReconciler:
             reconciled=self._status.reconciled,  # set once, at the end of the first reconcile
             deferred=node.deferred,
             gpus=self.devices.quarantined if self.devices is not None else (),
+            labels=node.labels,
         )
 
     def _condition(self, node: NodeView, verdict: Verdict, flapping: bool, degraded_streak: int) -> None:

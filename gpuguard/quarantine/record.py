@@ -16,7 +16,7 @@ from gpuguard.judge.policy import cleared_without_reboot
 
 DOMAIN = "gpuguard.io"
 TAINT_KEY = f"{DOMAIN}/gpu-unhealthy"
-# The second level's taint (issue 29): a PreferNoSchedule node taint, or an effect-None DeviceTaintRule.
+# The second level's taint (degraded GPUs): a PreferNoSchedule node taint, or an effect-None DeviceTaintRule.
 DEGRADED_TAINT_KEY = f"{DOMAIN}/gpu-degraded"
 ANN_REASON = f"{DOMAIN}/reason"
 ANN_SINCE = f"{DOMAIN}/since"

@@ -16,12 +16,13 @@ import structlog
 
 from gpuguard.core.config import PolicySettings
 from gpuguard.core.metrics import Metrics
-from gpuguard.core.model import AgentStatus, Fault, SignalMemory, Snapshot, Verdict
+from gpuguard.core.model import AgentStatus, Fault, Judgement, SignalMemory, Snapshot, Verdict
 from gpuguard.core.signalconfig import SignalConfig
 from gpuguard.core.signaltable import SignalTable
 from gpuguard.core.xids import CATALOG
 from gpuguard.judge.cadence import fitted
 from gpuguard.judge.policy import evaluate
+from gpuguard.judge.streaks import Runs, advance, streaks
 from gpuguard.nvml.base import Backend, wait_for
 from gpuguard.quarantine.node.writers import DRY_RUN_NODE
 from gpuguard.quarantine.reconciler import NodeReconciler
@@ -98,9 +99,10 @@ class Agent:
         self._wake = threading.Event()
         self._verdict: Verdict | None = None
         self._last_evaluation: tuple[Snapshot, Verdict | None, Verdict, PolicySettings] | None = None
-        self._streak = 0
-        # Each GPU's own healthy streak (by UUID): a GPU's rule recovers on its own evidence, not the node's.
-        self._gpu_streaks: dict[str, int] = {}
+        # When the node's and each GPU's runs with no fault and with no degraded signal began.
+        self._runs = Runs()
+        # The node's labels the signal table was last chosen for (the reconciler reads the node).
+        self._labels: Mapping[str, str] | None = None
         self._started = clock()
         self._last_check: float | None = None
         self._last_check_wall: datetime | None = None
@@ -153,15 +155,14 @@ class Agent:
 
     def check_once(self) -> Verdict:
         t0 = self._clock()
+        self._node_rules()
         snapshot = self._backend.snapshot()
         self._check_library(snapshot.init_error)
         self._note_stuck(snapshot.stuck_calls)
         previous = self._verdict
         verdict = self._evaluate(snapshot, previous or self._restored)
-        self._streak = self._streak + 1 if verdict.healthy else 0
-        self._gpu_streaks = {
-            g.uuid: self._gpu_streaks.get(g.uuid, 0) + 1 if g.healthy else 0 for g in verdict.gpus if g.uuid
-        }
+        judged_at = self._clock()
+        self._runs = advance(self._runs, verdict, judged_at)
         if verdict is not previous or verdict.ignored_xids:
             # The very verdict as before (the remembered evaluation) has no transition to log.
             self._log_transitions(previous, verdict)
@@ -178,7 +179,7 @@ class Agent:
         self._last_check = now
         self._last_check_wall = self._wall()
         self.checks += 1
-        self._reconciler.submit(verdict, self._streak, flapping=flapping, gpu_streaks=self._gpu_streaks)
+        self._reconciler.submit(Judgement(verdict, streaks(self._runs, judged_at, self._interval), flapping))
         if self._on_verdict is not None:
             self._on_verdict(verdict)
         if self._metrics is not None:
@@ -193,11 +194,14 @@ class Agent:
             )
         return verdict
 
-    def node_labels(self, labels: Mapping[str, str]) -> None:
-        """The node's labels as last read (the reconciler's thread): --signals-config's node rules that
-        select them apply from the next check on. One log line when the table changes."""
-        if self._signal_config is None:
+    def _node_rules(self) -> None:
+        """The node's labels as the reconciler last read them are an input of this check: --signals-config's
+        node rules that select them apply from the first check after the read. One log line when the table
+        changes."""
+        labels = self._reconciler.status.labels
+        if self._signal_config is None or labels is None or labels is self._labels:
             return
+        self._labels = labels
         table = self._fit(self._signal_config.table(labels))
         if table != self._policy.signals:
             self._policy = replace(self._policy, signals=table)
@@ -221,7 +225,7 @@ class Agent:
         skips the evaluation at every poll (a fifth of an idle check's CPU, docs/performance.md)."""
         last = self._last_evaluation
         policy = self._policy  # read once: the node's labels may change it from the reconciler's thread
-        # A signal counted over a window (issue 29) is judged again as time passes, readings unchanged; a
+        # A health signal counted over a window is judged again as time passes, readings unchanged; a
         # table the node's labels changed judges again too.
         timed = basis is not None and basis.signal_memory.pending
         if last is not None and not timed and last[3] is policy:

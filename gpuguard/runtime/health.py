@@ -18,7 +18,7 @@ def health_body(s: AgentStatus) -> dict[str, Any]:
         "healthy": v.healthy if v is not None else False,
         # Faults of the node itself (nvml-init, gpu-missing, an Xid NVML could not attribute, a hung call).
         "node_reasons": [f.message for f in v.node_faults] if v is not None else [],
-        # Degraded signals of the node itself (issue 29's second level), as each GPU's `degraded`.
+        # Degraded signals of the node itself (the second level, `degraded`), as each GPU's `degraded`.
         "node_degraded": [f.message for f in v.node_degraded] if v is not None else [],
         "gpus": [
             {
@@ -26,7 +26,7 @@ def health_body(s: AgentStatus) -> dict[str, Any]:
                 "uuid": g.uuid,
                 "healthy": g.healthy,
                 "reasons": [f.message for f in g.faults],
-                # Issue 29's second level: signals that make the GPU degraded (shown and scheduled around
+                # The second level: signals that make the GPU degraded (shown and scheduled around
                 # softly, never a quarantine; `healthy` ignores them).
                 "degraded": [f.message for f in g.degraded],
                 # False while the agent is not registered for this GPU's Xid events (see xid_watch_note).

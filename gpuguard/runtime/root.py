@@ -257,7 +257,6 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         signal_config=cfg.signals_config,
         uptime=uptime if cfg.backend == "nvml" else 0.0,  # a mock scenario's node boots with it
     )
-    reconciler.on_node = agent.node_labels  # --signals-config's node rules, from the node's labels
     return Parts(
         agent=agent,
         reconciler=reconciler,
@@ -370,7 +369,7 @@ def watch(cfg: Config) -> bool:
 
 
 def repeat_offenders(cfg: Config, *, durable: bool) -> RepeatOffenders:
-    """The GPU history and its repeat offenders (issue 30): in --state-dir where the fault state is kept
+    """The GPU history and its repeat offenders: in --state-dir where the fault state is kept
     there, else in memory only (a dry run, no state directory)."""
     from gpuguard.quarantine.repeat.escalation import Limits  # noqa: PLC0415
     from gpuguard.quarantine.repeat.offenders import RepeatOffenders  # noqa: PLC0415

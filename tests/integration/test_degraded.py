@@ -24,6 +24,7 @@ from gpuguard.quarantine.node.writers import KubeNodeWriter, degraded_nodes
 from gpuguard.quarantine.reconciler import NodeReconciler
 from harness import controlplane
 from harness.dra import DRIVER, gpu_uuid, nvidia_slice
+from harness.judging import hand_over
 from harness.kube import Admin, enforced_admin, token_client, token_kubeconfig
 from tests.integration.test_admission import FOREIGN, admin, new_node  # noqa: F401
 
@@ -62,7 +63,7 @@ def agent_reconciler(
 
 def step(r: NodeReconciler, v: Verdict) -> None:
     streak = 0 if v.faults else 1
-    r.submit(v, streak)
+    hand_over(r, v, streak)
     r.reconcile_now()
     assert r.api.health.state == "ok", r.api.health
 

@@ -91,7 +91,6 @@ def test_the_signals_configs_node_rules_follow_the_labels_read_from_the_real_nod
             clock=clock,
             signal_config=config,
         )
-        reconciler.on_node = agent.node_labels
         for t in (0.0, 3.0, 6.0, 9.0):
             clock.t = t
             agent.check_once()

@@ -29,6 +29,7 @@ from gpuguard.quarantine.gpu.writers import quarantined_gpus
 from gpuguard.quarantine.node.writers import KubeNodeWriter
 from gpuguard.quarantine.reconciler import NodeReconciler
 from harness.dra import DRIVER, gpu_uuid, nvidia_slice
+from harness.judging import hand_over
 from harness.kube import (
     DEPLOY,
     GPUS_OK,
@@ -237,7 +238,8 @@ def test_the_scheduler_prefers_a_clean_node_to_a_degraded_one_and_still_uses_the
     reconciler = NodeReconciler(KubeNodeWriter(degraded, api=api), settings)
     uuids = [gpu_uuid(degraded, i) for i in range(8)]
     nvlink = Fault("nvlink-down", "link 3 inactive", uuid=uuids[1], gpu_index=1)
-    reconciler.submit(
+    hand_over(
+        reconciler,
         Verdict(
             gpus=tuple(
                 GpuVerdict(index=i, uuid=u, degraded=(nvlink,) * (i == 1)) for i, u in enumerate(uuids)

@@ -114,7 +114,7 @@ class Device:
     unsupported: bool = False
     register_failures: int = 0
     register_retry_at: float = 0.0
-    # Issue 29's signals: what nvml.real.signalreads read less often than every pass, and when next.
+    # The health signals: what nvml.real.signalreads read less often than every pass, and when next.
     signal_state: SignalState = field(default_factory=SignalState)
     # The last pass's reading and what it was built from (readings.read reuses it while nothing differs).
     last_reading: tuple[tuple[Any, ...], GpuReading] | None = field(default=None, compare=False, repr=False)

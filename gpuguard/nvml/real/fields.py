@@ -1,5 +1,5 @@
 """The one nvmlDeviceGetFieldValues call per GPU and pass: the driver's recovery action and the cheap
-counters of issue 29's signals (NVLink link count and CRC / replay / recovery error totals, the PCIe replay
+counters of the health signals (NVLink link count and CRC / replay / recovery error totals, the PCIe replay
 counter)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One GPU's reading of issue 29's signals, in the pass of its other reads (nvml.real.readings).
+"""One GPU's reading of the health signals, in the pass of its other reads (nvml.real.readings).
 
 Every pass: the signals' fields (read with the recovery action in the GPU's one nvmlDeviceGetFieldValues
 call: NVLink and PCIe counters) and nvmlDeviceGetCurrentClocksEventReasons (clock events are counted per

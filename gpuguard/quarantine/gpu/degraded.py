@@ -1,4 +1,4 @@
-"""Issue 29's second level on a DRA node, pure: a `degraded` GPU published in a ResourceSlice gets a
+"""The second level, `degraded`, on a DRA node, pure: a `degraded` GPU published in a ResourceSlice gets a
 DeviceTaintRule of its own with effect None (the scheduler ignores it; `kubectl get devicetaintrules` and
 tools show it), named gpuguard-degraded.<node>.<device>, with the key gpuguard.io/gpu-degraded. It blocks
 nothing, so the budget never counts it (`trust.countable` skips effect None) and it never holds the startup

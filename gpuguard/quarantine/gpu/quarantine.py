@@ -103,7 +103,7 @@ class DeviceQuarantine:
         self._node_name = settings.name or ""
         self._read_error = ""
         self.quarantined: tuple[GpuQuarantine, ...] = ()
-        # Issue 29's second level: the effect-None rules of degraded GPUs, from the same reads.
+        # The second level: the effect-None rules of degraded GPUs, from the same reads.
         self.degraded = DegradedRules(
             source, recover_after=settings.recover_after, dry_run=settings.dry_run, now=now
         )

@@ -1,4 +1,4 @@
-"""The node's second level (issue 29): `degraded` GPUs are shown and scheduled around softly, never cordoned
+"""The node's second level, `degraded`: GPUs are shown and scheduled around softly, never cordoned
 and never counted by the quarantine budget. A pure plan of the marks gpuguard keeps for them on its Node:
 
 - the annotation ANN_DEGRADED: the degraded signals' keys (JSON list of "<reason>/<uuid or node>", sorted,

@@ -310,6 +310,6 @@ def _status_row(
         "cordoned_by_gpuguard": cordoned_by_gpuguard,
         "unschedulable": n.unschedulable,
         "degraded": degraded,
-        # GPUs held for repair: UUID -> fault episodes.
+        # GPUs held for repair as repeat offenders: UUID -> fault episodes.
         "repeat_offenders": n.repeat_offenders,
     }

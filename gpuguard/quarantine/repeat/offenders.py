@@ -1,9 +1,8 @@
 """Repeat offenders across reconciles: the GPU history (`gpuguard.store.history`, read once at start), kept up
-to
-date from each verdict the reconciler applies (`escalation.observe`, `escalation.escalate`), an operator's
-release read from the node (`release`), and the verdict the quarantines are planned for: each held GPU
-carries the fault `repeat-offender` (`escalation.held_faults`), so its node taint or DeviceTaintRule stays
-across reboots and resets, and counts against the budget like any quarantine.
+to date from each verdict the reconciler applies (`escalation.observe`, `escalation.escalate`), an operator's
+release read from the node (`release`), and the verdict the quarantines are planned for: each held GPU carries
+the fault `repeat-offender` (`escalation.held_faults`), so its node taint or DeviceTaintRule stays across
+reboots and resets, and counts against the budget like any quarantine.
 
 The history is written after the reconcile's writes (`flush`), never before the taint: a fault's path costs
 no fsync. A release is the exception: written before the write that removes its annotation, so that no crash
