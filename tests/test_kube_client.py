@@ -26,9 +26,10 @@ from gpuguard.core.validation import MAX_EVENT_MESSAGE_BYTES
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig
 from gpuguard.kube import kubeconfig as kc
+from gpuguard.kube.events import NODE_NAMESPACE
 from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.node.view import EventSpec, NodeView
-from gpuguard.quarantine.node.writers import EVENT_NAMESPACE, KubeNodeWriter
+from gpuguard.quarantine.node.writers import KubeNodeWriter
 from harness.fakes import http_server, self_signed_pem
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -437,9 +438,9 @@ def test_an_event_goes_to_the_event_namespace_with_its_message_bounded(server: s
         node, EventSpec("Warning", "GPUUnhealthy", "Xid 79 on GPU-\u00e9" + "x" * (1 << 20) + "\x1b[2J")
     )
     (request,) = Recorder.seen
-    assert (request["method"], request["path"]) == ("POST", f"/api/v1/namespaces/{EVENT_NAMESPACE}/events")
+    assert (request["method"], request["path"]) == ("POST", f"/api/v1/namespaces/{NODE_NAMESPACE}/events")
     event = json.loads(request["body"])
-    assert event["metadata"]["namespace"] == EVENT_NAMESPACE == "default"
+    assert event["metadata"]["namespace"] == NODE_NAMESPACE == "default"
     message = event["message"]
     assert len(message.encode()) <= MAX_EVENT_MESSAGE_BYTES and message.startswith("Xid 79 on GPU-\u00e9")
     assert message.endswith("...") and "\x1b" not in message

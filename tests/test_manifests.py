@@ -24,7 +24,7 @@ import yaml
 
 from gpuguard.cli import cli
 from gpuguard.core.config import TAINT_EFFECTS, ServerSettings
-from gpuguard.quarantine.node.writers import EVENT_NAMESPACE
+from gpuguard.kube.events import NODE_NAMESPACE as EVENT_NAMESPACE
 from gpuguard.quarantine.record import TAINT_KEY
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -52,6 +52,7 @@ def release(kubeconfig: str | None, node: str, gpu: str | None, by: str | None) 
     the hold (and only gpuguard's marks) and removes the annotation at its next re-read. The agents' own
     tokens may not write it (deploy/admission-policy.yaml). Exit 0; 2 a usage error; 4 the API server is
     unreachable or refused the request."""
+    from gpuguard.kube import nodes  # noqa: PLC0415
     from gpuguard.quarantine.repeat.release import ALL, ANN_RELEASE, annotation, parse  # noqa: PLC0415
 
     who = by if by is not None else os.environ.get("USER") or "unknown"
@@ -65,13 +66,7 @@ def release(kubeconfig: str | None, node: str, gpu: str | None, by: str | None) 
         raise ConfigError(f"release: {exc}") from None
     api = _client("release", kubeconfig)
     try:
-        api.request(
-            "PATCH",
-            f"/api/v1/nodes/{node}",
-            body={"metadata": {"annotations": {ANN_RELEASE: text}}},
-            content_type="application/merge-patch+json",
-            what=f"patch node {node}",
-        )
+        nodes.patch(api, node, {"metadata": {"annotations": {ANN_RELEASE: text}}})
     except GpuguardError as exc:
         return _api_failed("release", api, exc)
     click.echo(f"{node}: release of {gpu} by {who} written; the agent lifts the hold at its next re-read")
@@ -99,7 +94,8 @@ def uninstall(kubeconfig: str | None, nodes: tuple[str, ...], all_nodes: bool, d
     """Remove every gpuguard.io/ taint, label and annotation, the GPUHealthy and GPUDegraded conditions and
     the cordons gpuguard made, from the nodes named (--node) or all (--all), and gpuguard's DRA
     DeviceTaintRules of those nodes. Run it after removing the DaemonSet."""
-    from gpuguard.cli.uninstall import clean_node, clean_rules, node_names  # noqa: PLC0415
+    from gpuguard.cli.uninstall import clean_node, clean_rules  # noqa: PLC0415
+    from gpuguard.kube.nodes import names as node_names  # noqa: PLC0415
 
     if bool(nodes) == all_nodes:
         raise ConfigError("uninstall: name the nodes with --node NAME, or pass --all")

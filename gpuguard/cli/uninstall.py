@@ -12,20 +12,22 @@ strategic-merge delete on nodes/status.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import tenacity
 
 from gpuguard.core.errors import ConflictError, GpuguardError
 from gpuguard.kube import client as kubeclient
+from gpuguard.kube import nodes
 from gpuguard.quarantine.gpu.writers import KubeDeviceSource
 from gpuguard.quarantine.node.view import ANN_CORDONED, CONDITION_TYPE, DEGRADED_CONDITION_TYPE
 from gpuguard.quarantine.record import DOMAIN
 
 PREFIX = f"{DOMAIN}/"
 _ATTEMPTS = 5
+T = TypeVar("T")
 
 
 class _Conflict(Exception):
@@ -103,50 +105,28 @@ def plan_cleanup(obj: Mapping[str, Any]) -> Cleanup:
     )
 
 
-def _request(api: kubeclient.Client, what: str, method: str, path: str, **kw: Any) -> Any:
+def _request(call: Callable[[], T]) -> T:
     """One request; a 409 is _Conflict, any other failure the client's GpuguardError naming what was tried."""
     try:
-        return api.request(method, path, what=what, **kw)
+        return call()
     except ConflictError as exc:
         raise _Conflict(str(exc)) from exc
 
 
-def node_names(api: kubeclient.Client, *, timeout: float = 10.0) -> Iterator[str]:
-    """Every node's name, a page of 500 at a time."""
-    query = {"limit": "500"}
-    while True:
-        page = _request(api, "list nodes", "GET", "/api/v1/nodes", query=query, timeout=timeout)
-        for item in page.get("items") or []:
-            yield str(item["metadata"]["name"])
-        token = (page.get("metadata") or {}).get("continue")
-        if not token:
-            return
-        query = {"limit": "500", "continue": token}
-
-
 def clean_node(api: kubeclient.Client, name: str, *, dry_run: bool = False, timeout: float = 10.0) -> Cleanup:
     """Take gpuguard's marks off one node (or, dry_run, only say which); the plan that was applied."""
-    path = f"/api/v1/nodes/{name}"
 
     def once() -> Cleanup:
-        plan = plan_cleanup(_request(api, f"read node {name}", "GET", path, timeout=timeout))
+        plan = plan_cleanup(_request(lambda: nodes.read(api, name, timeout=timeout)))
         if dry_run or plan.empty:
             return plan
         body = plan.patch()
         if body is not None:
-            merge = "application/merge-patch+json"
-            _request(api, f"patch node {name}", "PATCH", path, body=body, content_type=merge, timeout=timeout)
+            _request(lambda: nodes.patch(api, name, body, timeout=timeout))
         gone = [CONDITION_TYPE] * plan.condition + [DEGRADED_CONDITION_TYPE] * plan.degraded_condition
         if gone:
-            _request(
-                api,
-                f"patch node {name} status",
-                "PATCH",
-                path + "/status",
-                body={"status": {"conditions": [{"type": t, "$patch": "delete"} for t in gone]}},
-                content_type="application/strategic-merge-patch+json",
-                timeout=timeout,
-            )
+            deleted = [{"type": t, "$patch": "delete"} for t in gone]
+            _request(lambda: nodes.patch_status(api, name, deleted, timeout=timeout))
         return plan
 
     retrying = tenacity.Retrying(

@@ -22,7 +22,6 @@ from typing import Any, Protocol
 
 import structlog
 
-from gpuguard.core import validation
 from gpuguard.core.errors import (
     ConfigError,
     ConflictError,
@@ -36,7 +35,7 @@ from gpuguard.core.metrics import Metrics, counted
 from gpuguard.core.model import PodDevices, Verdict
 from gpuguard.eviction.plan import NOT_LISTED, NOT_QUARANTINED, Decision, Faulty, Pod, held, mig_slices, plan
 from gpuguard.kube import client as kubeclient
-from gpuguard.kube import pods
+from gpuguard.kube import events, pods
 
 log = structlog.get_logger(__name__)
 
@@ -50,7 +49,6 @@ UNSUPPORTED_RETRY = 300.0
 RESCAN_S = 60.0
 # Why a pod is kept that the plan cannot know: the eviction Role does not cover its namespace (a 403).
 NOT_PERMITTED = "namespace-not-permitted"
-EVENT_NAMESPACE = "default"  # the node's Events, where the quarantine's are (kubectl describe node)
 
 
 class Kubelet(Protocol):
@@ -117,7 +115,7 @@ class Evictor:
         self._unheld = 0  # rounds in a row that kept a pod because the quarantine was not on yet
         self._unsupported = False  # the kubelet answered UNIMPLEMENTED
         self._forbidden: dict[tuple[str, str], str] = {}  # pods the token may not read: the refusal
-        self._thread: threading.Thread | None = None
+        self._thread = threading.Thread(target=self._run, name="gpuguard-evictor", daemon=True)
         self.rounds = 0
 
     def observe(self, verdict: Verdict) -> None:
@@ -128,13 +126,13 @@ class Evictor:
             self._wake.set()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="gpuguard-evictor", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 2.0) -> None:
+        """Ends the thread at its next wake-up: now, unless a round is under way."""
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
+        if self._thread.is_alive():
             self._thread.join(timeout)
 
     def _run(self) -> None:
@@ -364,32 +362,24 @@ class Evictor:
         """The Event on the pod (in its namespace) and on the node; one that cannot be written is logged."""
         subjects: list[tuple[str, dict[str, str]]] = []
         if pod is not None:
-            subject = {"apiVersion": "v1", "kind": "Pod", "namespace": pod.namespace, "name": pod.name}
-            subjects.append((pod.namespace, {**subject, "uid": pod.uid}))
-        subjects.append((EVENT_NAMESPACE, {"apiVersion": "v1", "kind": "Node", "name": self._s.node}))
-        stamp = self._now().strftime("%Y-%m-%dT%H:%M:%SZ")
+            subjects.append((pod.namespace, events.pod_ref(pod.namespace, pod.name, pod.uid)))
+        subjects.append((events.NODE_NAMESPACE, events.node_ref(self._s.node)))
+        now = self._now()
         for namespace, subject in subjects:
-            body = {
-                "apiVersion": "v1",
-                "kind": "Event",
-                "metadata": {"generateName": f"{subject['name']}.gpuguard-", "namespace": namespace},
-                "involvedObject": subject,
-                "type": kind,
-                "reason": reason,
-                "message": validation.clean_text(message, max_bytes=validation.MAX_EVENT_MESSAGE_BYTES),
-                "source": {"component": "gpuguard", "host": self._s.node},
-                "reportingComponent": "gpuguard",
-                "reportingInstance": self._s.node,
-                "firstTimestamp": stamp,
-                "lastTimestamp": stamp,
-                "count": 1,
-            }
+            body = events.body(
+                subject,
+                namespace=namespace,
+                type=kind,
+                reason=reason,
+                message=message,
+                host=self._s.node,
+                now=now,
+            )
             try:
                 with counted(self._metrics, "create"):
-                    self._api().request(
-                        "POST",
-                        kubeclient.path_of("api/v1/namespaces", namespace, "events"),
-                        body=body,
+                    events.post(
+                        self._api(),
+                        body,
                         timeout=self._s.timeout,
                         what=f"create event {reason} about {subject['kind']} {subject['name']}",
                     )

@@ -82,6 +82,13 @@ def credentials(kubeconfig: str | None) -> Credentials:
     return from_kubeconfig(paths[0] if paths else str(Path.home() / ".kube" / "config"))
 
 
+def named(kubeconfig: str | None) -> bool:
+    """Whether a cluster is named: a kubeconfig given, or in-cluster ($KUBECONFIG and ~/.kube/config are not
+    looked at). A dry run reads the real cluster only then: a laptop demo must not wait on a default
+    kubeconfig's dead server."""
+    return bool(kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST"))
+
+
 def in_cluster(sa_dir: str = SA_DIR) -> Credentials:
     host = os.environ.get("KUBERNETES_SERVICE_HOST", "")
     port = os.environ.get("KUBERNETES_SERVICE_PORT", "")

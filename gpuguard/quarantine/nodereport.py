@@ -3,7 +3,7 @@ only when it changes), the Event of each change (best effort) and one log line p
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime
 
 import structlog
@@ -80,13 +80,10 @@ class NodeReport:
         if condition is None:
             self._condition_keys = frozenset(f.key for f in verdict.faults)
             return
-        try:
-            updated = self._writer.set_condition(node, condition)
-        except NodeUpdateError as exc:
-            log.warning("node.condition_failed", node=node.name, error=str(exc))
+        if (error := self._write(node, condition)) is not None:
+            log.warning("node.condition_failed", node=node.name, error=error)
             return
         self._condition_keys = frozenset(f.key for f in verdict.faults)
-        self._set_node(updated)
         log.info("node.condition", node=node.name, status=condition["status"], reason=condition["reason"])
 
     def degraded_condition(self, node: NodeView, verdict: Verdict, *, clean_streak: int) -> None:
@@ -103,14 +100,20 @@ class NodeReport:
         if condition is None:
             self._degraded_keys = keys
             return
-        try:
-            updated = self._writer.set_condition(node, condition)
-        except NodeUpdateError as exc:
-            log.warning("node.degraded_condition_failed", node=node.name, error=str(exc))
+        if (error := self._write(node, condition)) is not None:
+            log.warning("node.degraded_condition_failed", node=node.name, error=error)
             return
         self._degraded_keys = keys
-        self._set_node(updated)
         log.info("node.degraded_condition", node=node.name, status=condition["status"])
+
+    def _write(self, node: NodeView, condition: Mapping[str, str]) -> str | None:
+        """Write one condition, best effort: the node as the API server then has it goes to the reconciler;
+        the error where it failed (the caller's keys stay unrecorded: planned again next time)."""
+        try:
+            self._set_node(self._writer.set_condition(node, condition))
+        except NodeUpdateError as exc:
+            return str(exc)
+        return None
 
     def event(self, node: NodeView, event: EventSpec) -> None:
         # Best effort: the taint is what protects the scale-out; a lost Event must not block it.

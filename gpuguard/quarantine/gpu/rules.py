@@ -36,7 +36,6 @@ from gpuguard.quarantine.record import (
     reason_text,
 )
 
-API = "/apis/resource.k8s.io/v1"
 # Labels on every rule gpuguard writes: which node's (what `gpuguard status`, the budget and the admission
 # policy select by), and who manages it.
 LABEL_NODE = f"{DOMAIN}/node"

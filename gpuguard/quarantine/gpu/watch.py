@@ -18,21 +18,17 @@ from typing import Any
 
 import structlog
 
-from gpuguard.core.errors import NodeUpdateError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube.listwatch import ListWatch
-from gpuguard.quarantine.gpu.rules import (
-    LABEL_MANAGED_BY,
-    LABEL_NODE,
-    LIST_PAGE,
-    MANAGED_BY,
-    DeviceRule,
-    trim_rule,
-)
+from gpuguard.quarantine.gpu.rules import LIST_PAGE, DeviceRule, trim_rule
+from gpuguard.quarantine.gpu.writers import EVERY_NODE
 
 log = structlog.get_logger(__name__)
 
-SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_NODE}"
+_BROKEN = (
+    "lost the watch of the DeviceTaintRules; reconnecting. Meanwhile a GPU fault lists the rules for the "
+    "budget itself: no quarantine is delayed"
+)
 
 
 class WatchedRules:
@@ -53,7 +49,12 @@ class WatchedRules:
         self._fallback = fallback
         self._path = path
         self._watched = ListWatch(
-            api, selector=SELECTOR, what="device taint rules", timeout=timeout, keep=trim_rule, page=LIST_PAGE
+            api,
+            selector=EVERY_NODE,
+            what="device taint rules",
+            timeout=timeout,
+            keep=trim_rule,
+            page=LIST_PAGE,
         )
         # Each item converted once: an event replaces an item whole.
         self._rules: dict[str, tuple[dict[str, Any], DeviceRule]] = {}
@@ -96,20 +97,13 @@ class WatchedRules:
 
     def _loop(self) -> None:
         # Gated by `found`: no GPUs of this node in the slices yet, or no version serving the rules, is
-        # nothing to watch (no request, no wake-up of ours) until a read finds them (or stop()).
+        # nothing to watch (no request, no wake-up of ours) until a read finds them (or stop()). While the
+        # watch is broken the source's lists answer (ListWatch.run).
+        node = self._node
         self._watched.run(
-            self._path, stop=self._stop, watching=self._watching, broken=self._broken, gate=self._found
-        )
-
-    def _watching(self) -> None:
-        log.info("device.watching", node=self._node, rules=self._watched.count())
-
-    def _broken(self, exc: NodeUpdateError) -> None:
-        # The source's lists until the watch is back (ListWatch.run).
-        log.warning(
-            "device.watch_broken",
-            node=self._node,
-            error=str(exc),
-            note="lost the watch of the DeviceTaintRules; reconnecting. Meanwhile a GPU fault lists the "
-            "rules for the budget itself: no quarantine is delayed",
+            self._path,
+            stop=self._stop,
+            gate=self._found,
+            watching=lambda: log.info("device.watching", node=node, rules=self._watched.count()),
+            broken=lambda exc: log.warning("device.watch_broken", node=node, error=str(exc), note=_BROKEN),
         )

@@ -6,10 +6,9 @@ the API server, through `gpuguard.kube.client`, which raises gpuguard's errors i
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -17,9 +16,9 @@ from gpuguard.core.config import NodeSettings
 from gpuguard.core.errors import GpuguardError, PermanentApiError
 from gpuguard.core.metrics import Metrics, counted
 from gpuguard.kube import client as kubeclient
+from gpuguard.kube import devicerules, kubeconfig
 from gpuguard.quarantine.gpu.degraded import is_degraded_rule
 from gpuguard.quarantine.gpu.rules import (
-    API,
     LABEL_MANAGED_BY,
     LABEL_NODE,
     LIST_PAGE,
@@ -30,11 +29,10 @@ from gpuguard.quarantine.gpu.rules import (
 from gpuguard.quarantine.record import ANN_REASON, ANN_SINCE
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
-_SLICES = f"{API}/resourceslices"
-# DeviceTaintRules are resource.k8s.io/v1 from Kubernetes 1.37; 1.36 serves them as v1beta2 (beta, off by
-# default: --runtime-config and the DRADeviceTaintRules gate). The first list finds which one is served.
-_RULE_VERSIONS = ("v1", "v1beta2")
+EVERY_NODE = f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_NODE}"
+"""The label selector of gpuguard's rules of every node (what the budget reads; `gpu.watch` watches it)."""
 RULES_API_UNKNOWN = "unknown"
 """`api_version` before the first list of rules."""
 RULES_API_NONE = "none"
@@ -64,7 +62,7 @@ class KubeDeviceSource:
         self._driver = driver
         self._timeout = timeout
         self._metrics = metrics
-        self._rule_version = _RULE_VERSIONS[0]
+        self._rule_version = devicerules.VERSIONS[0]
         self._version_known = False
         self._api_version = RULES_API_UNKNOWN
 
@@ -83,24 +81,16 @@ class KubeDeviceSource:
     def rules_path(self) -> str | None:
         """The rules' collection path once a list found the version served; None before, or where none is
         (gpu.watch.WatchedRules watches it)."""
-        return self._rules_path if self._version_known else None
-
-    @property
-    def _rules_path(self) -> str:
-        return f"/apis/resource.k8s.io/{self._rule_version}/devicetaintrules"
+        return devicerules.rules_path(self._rule_version) if self._version_known else None
 
     def slices(self) -> list[dict[str, Any]] | None:
-        query = {"fieldSelector": f"spec.nodeName={self._node},spec.driver={self._driver}"}
-        try:
-            with self._counted("list"):
-                doc = self._api.request(
-                    "GET", _SLICES, query=query, timeout=self._timeout, what="list resource slices"
-                )
-        except PermanentApiError as exc:
-            if exc.status == 404:
-                return None  # no resource.k8s.io/v1 here (Kubernetes < 1.34, or DRA off): no slices
-            raise
-        return list(doc.get("items") or [])
+        """None where no resource.k8s.io/v1 is served (Kubernetes < 1.34, or DRA off): no slices."""
+        return self._unless_absent(
+            "list",
+            lambda: devicerules.slices(
+                self._api, node=self._node, driver=self._driver, timeout=self._timeout
+            ),
+        )
 
     def rules(self) -> list[DeviceRule]:
         return self._list(f"{LABEL_NODE}={self._node},{LABEL_MANAGED_BY}={MANAGED_BY}")
@@ -108,25 +98,26 @@ class KubeDeviceSource:
     def all_rules(self, *, whole: bool = False) -> list[DeviceRule]:
         """Every node's gpuguard rules, kept as far as the budget reads them; `whole`: all of each (for
         `gpuguard status`, which shows their records)."""
-        return self._list(f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_NODE}", trim=not whole)
+        return self._list(EVERY_NODE, trim=not whole)
 
     def _list(self, selector: str, *, trim: bool = False) -> list[DeviceRule]:
         """`trim`: every node's rules, in pages, each kept only as far as the budget reads it
         (`rules.trim_rule`)."""
-        versions = (self._rule_version,) if self._version_known else _RULE_VERSIONS
+        versions = (self._rule_version,) if self._version_known else devicerules.VERSIONS
         for version in versions:
             self._rule_version = version
-            query = {"labelSelector": selector, **({"limit": str(LIST_PAGE)} if trim else {})}
             found: list[DeviceRule] = []
+            after: str | None = None
             try:
                 while True:
                     with self._counted("list"):
-                        doc = self._api.request(
-                            "GET",
-                            self._rules_path,
-                            query=query,
+                        doc = devicerules.list_page(
+                            self._api,
+                            version,
+                            selector=selector,
+                            limit=LIST_PAGE if trim else None,
+                            after=after,
                             timeout=self._timeout,
-                            what="list device taint rules",
                         )
                     found += [
                         DeviceRule.from_api(trim_rule(d) if trim else d) for d in doc.get("items") or []
@@ -134,17 +125,17 @@ class KubeDeviceSource:
                     token = (doc.get("metadata") or {}).get("continue")
                     if not trim or not token:
                         break
-                    query = {**query, "continue": str(token)}
+                    after = str(token)
             except PermanentApiError as exc:
                 if exc.status == 404:
                     continue  # not served in this version
                 raise
             self._version_known = True
-            self._found(f"resource.k8s.io/{version}")
+            self._found(devicerules.api_version(version))
             return found
         # Served in no version: a create answers 404, and the node taint stands in (device.rule_rejected).
         # The next list (the next read) asks both versions again: a cluster may turn the API on meanwhile.
-        self._rule_version = _RULE_VERSIONS[0]
+        self._rule_version = devicerules.VERSIONS[0]
         self._found(RULES_API_NONE)
         return []
 
@@ -155,7 +146,7 @@ class KubeDeviceSource:
         self._api_version = api_version
         if not self._announce:
             return
-        tried = [f"resource.k8s.io/{v}" for v in _RULE_VERSIONS]
+        tried = [devicerules.api_version(v) for v in devicerules.VERSIONS]
         if api_version == RULES_API_NONE:
             log.warning(
                 "device.rules_api",
@@ -174,63 +165,44 @@ class KubeDeviceSource:
         )
 
     def create(self, body: Mapping[str, Any]) -> DeviceRule:
-        name = body["metadata"]["name"]
-        body = {**body, "apiVersion": f"resource.k8s.io/{self._rule_version}"}
         with self._counted("create"):
-            doc = self._api.request(
-                "POST",
-                self._rules_path,
-                body=body,
-                timeout=self._timeout,
-                what=f"create device taint rule {name}",
-            )
+            doc = devicerules.create(self._api, self._rule_version, body, timeout=self._timeout)
         return DeviceRule.from_api(doc)
 
     def get(self, name: str) -> DeviceRule | None:
+        doc = self._unless_absent(
+            "get", lambda: devicerules.get(self._api, self._rule_version, name, timeout=self._timeout)
+        )
+        return DeviceRule.from_api(doc) if doc is not None else None
+
+    def patch(self, rule: DeviceRule, body: Mapping[str, Any]) -> DeviceRule:
+        with self._counted("patch"):
+            doc = devicerules.patch(self._api, self._rule_version, rule.name, body, timeout=self._timeout)
+        return DeviceRule.from_api(doc)
+
+    def delete(self, rule: DeviceRule) -> None:
+        """A rule already gone (404) is what recovery wanted."""
+        self._unless_absent(
+            "delete",
+            lambda: devicerules.delete(
+                self._api,
+                self._rule_version,
+                rule.name,
+                uid=rule.uid,
+                resource_version=rule.resource_version,
+                timeout=self._timeout,
+            ),
+        )
+
+    def _unless_absent(self, verb: str, call: Callable[[], T]) -> T | None:
+        """`call()`, one request counted with its answer; None where the API server has none (404)."""
         try:
-            with self._counted("get"):
-                doc = self._api.request(
-                    "GET",
-                    kubeclient.path_of(self._rules_path[1:], name),
-                    timeout=self._timeout,
-                    what=f"read rule {name}",
-                )
+            with self._counted(verb):
+                return call()
         except PermanentApiError as exc:
             if exc.status == 404:
                 return None
             raise
-        return DeviceRule.from_api(doc)
-
-    def patch(self, rule: DeviceRule, body: Mapping[str, Any]) -> DeviceRule:
-        with self._counted("patch"):
-            doc = self._api.request(
-                "PATCH",
-                kubeclient.path_of(self._rules_path[1:], rule.name),
-                body=body,
-                content_type="application/merge-patch+json",
-                timeout=self._timeout,
-                what=f"patch device taint rule {rule.name}",
-            )
-        return DeviceRule.from_api(doc)
-
-    def delete(self, rule: DeviceRule) -> None:
-        body = {
-            "apiVersion": "v1",
-            "kind": "DeleteOptions",
-            "preconditions": {"uid": rule.uid, "resourceVersion": rule.resource_version},
-        }
-        try:
-            with self._counted("delete"):
-                self._api.request(
-                    "DELETE",
-                    kubeclient.path_of(self._rules_path[1:], rule.name),
-                    body=body,
-                    timeout=self._timeout,
-                    what=f"delete device taint rule {rule.name}",
-                )
-        except PermanentApiError as exc:
-            if exc.status != 404:  # already gone: what recovery wanted
-                raise
 
     def _counted(self, verb: str) -> AbstractContextManager[None]:
         return counted(self._metrics, verb)
@@ -316,30 +288,29 @@ def make_device_source(
     settings: NodeSettings, connect: Callable[[], kubeclient.Client], metrics: Metrics | None = None
 ) -> KubeDeviceSource | DryRunDeviceSource:
     """The source the settings ask for: the API server (through the agent's one client, `connect()`, the
-    node writer's), or a dry run (the real slices where a cluster is named, as `writers.make_writer` reads the
-    real node)."""
-    if not settings.dry_run:
-        assert settings.name is not None  # validated
-        return KubeDeviceSource(
-            settings.name,
-            api=connect(),
-            driver=settings.dra_driver,
-            timeout=settings.api_timeout,
-            metrics=metrics,
-            announce=True,
-        )
+    node writer's), or a dry run."""
+    if settings.dry_run:
+        return _dry_run(settings, connect)
+    assert settings.name is not None  # validated
+    driver, timeout = settings.dra_driver, settings.api_timeout
+    return KubeDeviceSource(
+        settings.name, api=connect(), driver=driver, timeout=timeout, metrics=metrics, announce=True
+    )
+
+
+def _dry_run(settings: NodeSettings, connect: Callable[[], kubeclient.Client]) -> DryRunDeviceSource:
+    """A dry run reads the real slices where a cluster is named, as `node.writers.make_writer` reads the
+    real node."""
     real = None
-    if settings.name and (settings.kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST")):
+    if settings.name and kubeconfig.named(settings.kubeconfig):
         try:
-            real = KubeDeviceSource(
-                settings.name,
-                api=connect(),
-                driver=settings.dra_driver,
-                timeout=3.0,
-                announce=True,
-            )
+            api = connect()
         except GpuguardError as exc:
             log.warning("device.dry_run_without_cluster", error=str(exc))
+        else:
+            real = KubeDeviceSource(
+                settings.name, api=api, driver=settings.dra_driver, timeout=3.0, announce=True
+            )
     return DryRunDeviceSource(real)
 
 

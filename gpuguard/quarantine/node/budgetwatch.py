@@ -29,6 +29,7 @@ import structlog
 from gpuguard.core.config import NodeSettings, QuarantineLimit
 from gpuguard.core.errors import NodeUpdateError, TransientApiError
 from gpuguard.kube import client as kubeclient
+from gpuguard.kube import nodes
 from gpuguard.kube.listwatch import ListWatch
 from gpuguard.quarantine.apistate import ApiState
 from gpuguard.quarantine.budget import Budget
@@ -38,9 +39,6 @@ from gpuguard.quarantine.node.writers import DryRunNodeWriter, KubeNodeWriter
 
 log = structlog.get_logger(__name__)
 
-_METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
-_METADATA = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
-_NODES = "/api/v1/nodes"
 # The GPU-node count: refreshed once an hour (x 0.8-1.2, so agents started together drift apart), or one
 # second per GPU node when the fleet is larger (see the module's docstring). A fleet changes size by
 # autoscaling: a limit computed from a count up to an hour old is off by the nodes that joined or left since,
@@ -84,7 +82,7 @@ class WatchedBudget:
             api,
             selector=self._selector,
             what="quarantined nodes",
-            accept=(_METADATA_LIST, _METADATA),
+            accept=nodes.METADATA_ONLY,
             timeout=timeout,
             changed=self._validate,
         )
@@ -160,7 +158,11 @@ class WatchedBudget:
 
     def _watch_loop(self) -> None:
         self._watched.run(
-            lambda: _NODES, stop=self._stop, watching=self._watching, broken=self._broken, failed=self._failed
+            lambda: nodes.COLLECTION,
+            stop=self._stop,
+            watching=self._watching,
+            broken=self._broken,
+            failed=self._failed,
         )
 
     def _failed(self, exc: NodeUpdateError) -> None:
@@ -211,15 +213,10 @@ class WatchedBudget:
                 delay = random.uniform(30, 60)  # noqa: S311
 
     def _count(self) -> int:
-        doc = self._api.request(
-            "GET",
-            "/api/v1/nodes",
-            query={"labelSelector": self._gpu_nodes} if self._gpu_nodes else None,
-            accept=_METADATA_LIST,
-            timeout=self._timeout,
-            what="count GPU nodes",
+        items = nodes.select(
+            self._api, self._gpu_nodes, what="count GPU nodes", metadata_only=True, timeout=self._timeout
         )
-        names = {str(i["metadata"]["name"]) for i in doc.get("items") or []}
+        names = {str(i["metadata"]["name"]) for i in items}
         return len(names) if self._node in names else len(names) + 1
 
     def _counted(self, total: int) -> None:

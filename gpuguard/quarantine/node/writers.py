@@ -6,7 +6,6 @@ budget in memory); a dry run has no fleet (every quarantine is full)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -21,6 +20,7 @@ from gpuguard.core.config import GPU_NODE_SELECTOR, NodeSettings, QuarantineLimi
 from gpuguard.core.errors import ConfigError, GpuguardError, PermanentApiError
 from gpuguard.core.metrics import Metrics, counted
 from gpuguard.kube import client as kubeclient
+from gpuguard.kube import events, kubeconfig, nodes
 from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.node.budget import OtherNodes, count_budget
 from gpuguard.quarantine.node.degraded import LABEL_DEGRADED, DegradedRecord, degraded_taint
@@ -30,17 +30,14 @@ from gpuguard.quarantine.node.view import (
     EventSpec,
     NodeChange,
     NodeView,
+    Taint,
     apply_change,
 )
 from gpuguard.quarantine.record import ANN_REASON, ANN_SINCE
 
 log = structlog.get_logger(__name__)
 
-_METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 DRY_RUN_NODE = "dry-run"
-# Where the agent's Events about its node go: "default", like the kubelet's node Events. The only namespace
-# whose Events the agent may create (a Role there, deploy/daemonset.yaml).
-EVENT_NAMESPACE = "default"
 
 
 class NodeWriter(Protocol):
@@ -113,7 +110,7 @@ class KubeNodeWriter:
         *,
         api: kubeclient.Client,
         timeout: float = 10.0,
-        event_namespace: str = EVENT_NAMESPACE,
+        event_namespace: str = events.NODE_NAMESPACE,
         metrics: Metrics | None = None,
         gpu_node_selector: str = GPU_NODE_SELECTOR,
         others: OtherNodes | None = None,
@@ -121,7 +118,6 @@ class KubeNodeWriter:
         self._name = name
         self._gpu_nodes = gpu_node_selector
         self._api = api
-        self._path = kubeclient.path_of("api/v1/nodes", name)
         self._timeout = timeout
         self._event_namespace = event_namespace
         self._metrics = metrics
@@ -143,12 +139,8 @@ class KubeNodeWriter:
         # time); the reservation lasts until the next write or the next read.
         self._write_reserved = False
         with self._counted("get"):
-            doc = self._api.request(
-                "GET",
-                self._path,
-                timeout=self._timeout,
-                what=f"read node {self._name}",
-                tokens=2.0 if reserve_write else 1.0,
+            doc = nodes.read(
+                self._api, self._name, timeout=self._timeout, tokens=2.0 if reserve_write else 1.0
             )
         self._write_reserved = reserve_write
         return NodeView.from_api(doc)
@@ -161,37 +153,22 @@ class KubeNodeWriter:
     def patch(self, node: NodeView, change: NodeChange) -> NodeView:
         body = _checked_patch(node, change)
         with self._counted("patch"):
-            doc = self._api.request(
-                "PATCH",
-                self._path,
-                body=body,
-                content_type="application/merge-patch+json",
-                timeout=self._timeout,
-                what=f"patch node {self._name}",
-                tokens=self._write_tokens(),
-            )
+            doc = nodes.patch(self._api, self._name, body, timeout=self._timeout, tokens=self._write_tokens())
         return NodeView.from_api(doc)
 
     def record_event(self, node: NodeView, event: EventSpec) -> None:
-        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        body = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"name": f"{node.name}.{time.time_ns():x}", "namespace": self._event_namespace},
-            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": node.uid},
-            "type": event.type,
-            "reason": event.reason,
-            "message": validation.clean_text(event.message, max_bytes=validation.MAX_EVENT_MESSAGE_BYTES),
-            "source": {"component": "gpuguard", "host": node.name},
-            "reportingComponent": "gpuguard",
-            "reportingInstance": node.name,
-            "firstTimestamp": stamp,
-            "lastTimestamp": stamp,
-            "count": 1,
-        }
-        path = kubeclient.path_of("api/v1/namespaces", self._event_namespace, "events")
+        body = events.body(
+            events.node_ref(node.name, node.uid),
+            namespace=self._event_namespace,
+            name=f"{node.name}.{time.time_ns():x}",
+            type=event.type,
+            reason=event.reason,
+            message=event.message,
+            host=node.name,
+            now=datetime.now(UTC),
+        )
         with self._counted("create"):
-            self._api.request("POST", path, body=body, timeout=self._timeout, what="create event")
+            events.post(self._api, body, timeout=self._timeout)
 
     def budget(self, spec: QuarantineLimit, *, exclude: str) -> Budget | None:
         """One list (`budgetwatch.WatchedBudget`'s fallback while its watch is not synced): for a count, the
@@ -217,27 +194,13 @@ class KubeNodeWriter:
     def _list_metadata(self, what: str, selector: str) -> list[dict[str, Any]]:
         """Nodes by label selector, metadata only (PartialObjectMetadataList: no specs, no statuses)."""
         with self._counted("list"):
-            doc = self._api.request(
-                "GET",
-                "/api/v1/nodes",
-                query={"labelSelector": selector} if selector else None,  # "": every node
-                accept=_METADATA_ONLY,
-                timeout=self._timeout,
-                what=what,
-            )
-        return doc["items"] or []  # an empty metadata list comes as "items": null
+            return nodes.select(self._api, selector, what=what, metadata_only=True, timeout=self._timeout)
 
     def set_condition(self, node: NodeView, condition: Mapping[str, str]) -> NodeView:
         _checked_condition(node, condition)
         with self._counted("patch"):
-            doc = self._api.request(
-                "PATCH",
-                self._path + "/status",
-                body={"status": {"conditions": [dict(condition)]}},
-                content_type="application/strategic-merge-patch+json",  # conditions merge by type
-                timeout=self._timeout,
-                what=f"patch node {self._name} status",
-                tokens=self._write_tokens(),
+            doc = nodes.patch_status(
+                self._api, self._name, [dict(condition)], timeout=self._timeout, tokens=self._write_tokens()
             )
         return NodeView.from_api(doc)
 
@@ -279,9 +242,8 @@ def make_writer(
         )
     name = settings.name or DRY_RUN_NODE
     initial = NodeView(name=name, resource_version="1", boot_id="dry-run")
-    # A dry run on a live cluster starts from the real node, so it shows the real decisions. Only when a
-    # cluster is named (flag or in-cluster): a laptop demo must not wait on a kubeconfig's dead server.
-    if settings.name and (settings.kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST")):
+    # A dry run on a live cluster starts from the real node, so it shows the real decisions.
+    if settings.name and kubeconfig.named(settings.kubeconfig):
         try:
             real = KubeNodeWriter(settings.name, api=connect(), timeout=3.0)
             initial = real.read()
@@ -292,33 +254,23 @@ def make_writer(
 
 def quarantined_nodes(api: kubeclient.Client, *, timeout: float = 10.0) -> list[dict[str, Any]]:
     """For `gpuguard status`: every node gpuguard has quarantined (fully or deferred), one list request."""
-    doc = api.request(
-        "GET",
-        "/api/v1/nodes",
-        query={"labelSelector": LABEL_QUARANTINED},
-        timeout=timeout,
-        what="list quarantined nodes",
-    )
     rows = []
-    for item in doc["items"] or []:
+    for item in nodes.select(api, LABEL_QUARANTINED, what="list quarantined nodes", timeout=timeout):
         n = NodeView.from_api(item)
         taint = n.our_taint
+        # "overridden": the taint was removed by hand and the agent has not caught up yet.
+        state = "deferred" if n.deferred else "quarantined" if taint is not None else "overridden"
         rows.append(
-            {
-                "node": n.name,
-                # "overridden": the taint was removed by hand and the agent has not caught up yet.
-                "state": "deferred" if n.deferred else "quarantined" if taint is not None else "overridden",
-                "reason": taint.value if taint else None,
-                "effect": taint.effect if taint else None,
-                "since": n.annotations.get(ANN_SINCE),
-                "faults": sorted(n.recorded_faults),
-                "detail": n.annotations.get(ANN_REASON),
-                "cordoned_by_gpuguard": n.cordoned_by_us and n.unschedulable,
-                "unschedulable": n.unschedulable,
-                "degraded": sorted(DegradedRecord.read(n.annotations).keys),
-                # GPUs held for repair as repeat offenders: UUID -> fault episodes.
-                "repeat_offenders": n.repeat_offenders,
-            }
+            _status_row(
+                n,
+                state,
+                taint,
+                since=n.annotations.get(ANN_SINCE),
+                faults=sorted(n.recorded_faults),
+                detail=n.annotations.get(ANN_REASON),
+                cordoned_by_gpuguard=n.cordoned_by_us and n.unschedulable,
+                degraded=sorted(DegradedRecord.read(n.annotations).keys),
+            )
         )
     return sorted(rows, key=lambda r: str(r["node"]))
 
@@ -326,33 +278,38 @@ def quarantined_nodes(api: kubeclient.Client, *, timeout: float = 10.0) -> list[
 def degraded_nodes(api: kubeclient.Client, *, skip: set[str], timeout: float = 10.0) -> list[dict[str, Any]]:
     """For `gpuguard status`: the nodes gpuguard marks degraded (label gpuguard.io/degraded) that are not
     quarantined too (`skip`: those already listed), one list request. Rows as `quarantined_nodes`'s."""
-    doc = api.request(
-        "GET",
-        "/api/v1/nodes",
-        query={"labelSelector": LABEL_DEGRADED},
-        timeout=timeout,
-        what="list degraded nodes",
-    )
     rows = []
-    for item in doc["items"] or []:
+    for item in nodes.select(api, LABEL_DEGRADED, what="list degraded nodes", timeout=timeout):
         n = NodeView.from_api(item)
         record = DegradedRecord.read(n.annotations)
-        if n.name in skip or not record.present:
-            continue
-        taint = degraded_taint(n)
-        rows.append(
-            {
-                "node": n.name,
-                "state": "degraded",
-                "reason": taint.value if taint else None,
-                "effect": taint.effect if taint else None,
-                "since": None,
-                "faults": [],
-                "detail": None,
-                "cordoned_by_gpuguard": False,
-                "unschedulable": n.unschedulable,
-                "degraded": sorted(record.keys),
-                "repeat_offenders": n.repeat_offenders,
-            }
-        )
+        if n.name not in skip and record.present:
+            rows.append(_status_row(n, "degraded", degraded_taint(n), degraded=sorted(record.keys)))
     return sorted(rows, key=lambda r: str(r["node"]))
+
+
+def _status_row(
+    n: NodeView,
+    state: str,
+    taint: Taint | None,
+    *,
+    degraded: list[str],
+    since: str | None = None,
+    faults: list[str] | None = None,
+    detail: str | None = None,
+    cordoned_by_gpuguard: bool = False,
+) -> dict[str, Any]:
+    """One node's row of `gpuguard status` (`gpu.writers.quarantined_gpus` gives its GPUs' rows)."""
+    return {
+        "node": n.name,
+        "state": state,
+        "reason": taint.value if taint else None,
+        "effect": taint.effect if taint else None,
+        "since": since,
+        "faults": faults or [],
+        "detail": detail,
+        "cordoned_by_gpuguard": cordoned_by_gpuguard,
+        "unschedulable": n.unschedulable,
+        "degraded": degraded,
+        # GPUs held for repair as repeat offenders: UUID -> fault episodes.
+        "repeat_offenders": n.repeat_offenders,
+    }
