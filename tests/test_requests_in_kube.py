@@ -19,12 +19,6 @@ PACKAGE = ROOT / "gpuguard"
 # argument has none).
 _API_PATH = re.compile(r"(?:^|/)(?:api/v1|apis/)")
 
-# Modules of other owners that still build a request themselves, each with what replaces it. A module leaves
-# this list when it no longer does (the last test checks that every one still does).
-NOT_YET = {
-    "runtime/gpucount.py": "reads a node by path; kube.nodes.read is the same request",
-}
-
 
 def _docstrings(tree: ast.Module) -> set[int]:
     """The ids of the string constants that are docstrings (a module's, a class's, a function's)."""
@@ -65,8 +59,6 @@ def _name(path: Path) -> str:
 
 @pytest.mark.parametrize("path", _outside_kube(), ids=_name)
 def test_no_module_outside_kube_builds_a_request_to_the_api_server(path: Path) -> None:
-    if _name(path) in NOT_YET:
-        pytest.skip(NOT_YET[_name(path)])
     assert list(requests_built(path.read_text())) == []
 
 
@@ -91,8 +83,3 @@ def test_the_kube_modules_do_build_the_requests() -> None:
     """The scan is not blind: the request builders it sends everything to are found by it."""
     for name in ("nodes.py", "devicerules.py", "events.py", "pods.py"):
         assert list(requests_built((PACKAGE / "kube" / name).read_text())), name
-
-
-@pytest.mark.parametrize("name", sorted(NOT_YET))
-def test_every_module_not_yet_moved_still_builds_a_request(name: str) -> None:
-    assert list(requests_built((PACKAGE / name).read_text())), f"{name} no longer does: take it off NOT_YET"

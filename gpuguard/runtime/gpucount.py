@@ -26,6 +26,7 @@ from gpuguard.core import validation
 from gpuguard.core.config import GPU_COUNT_LABEL
 from gpuguard.core.errors import GpuguardError
 from gpuguard.kube import client as kubeclient
+from gpuguard.kube import nodes
 
 log = structlog.get_logger(__name__)
 
@@ -66,12 +67,7 @@ def node_labels(
     both come from it); None, with the line `check.node_unread`, when the API does not answer."""
     try:
         client = api if api is not None else kubeclient.load(kubeconfig)
-        obj = client.request(
-            "GET",
-            kubeclient.path_of("api/v1/nodes", node),
-            timeout=READ_TIMEOUT_S,
-            what=f"read node {node}",
-        )
+        obj = nodes.read(client, node, timeout=READ_TIMEOUT_S)
     except GpuguardError as exc:
         log.warning(
             "check.node_unread",
