@@ -281,3 +281,39 @@ def test_at_interval_60_a_power_brake_storm_degrades_the_gpu_through_a_widened_w
         step(agent, r, clock, 1.0 + 60 * i)
         seen.append([f.reason for f in agent.status().verdict.degraded])
     assert seen == [[]] * 5 + [["clock-power-brake"]] * 3
+
+
+@pytest.mark.parametrize(("flap_window", "most"), [(600.0, 3), (0.0, 20)])
+def test_a_flapping_nvlink_link_keeps_the_node_degraded_and_costs_one_write_not_one_per_flip(
+    flap_window: float, most: int
+) -> None:
+    """An NVLink link down for one second, up for one, over and over, with --recover-after 1: the degraded
+    level holds its marks while the signal flaps, as the fault level does: marked, cleared, marked again
+    (the second episode) and then held, the GPUDegraded condition written as often (each flip cost a patch,
+    an Event and a condition write). With --flap-window 0 it follows every flip."""
+    events = "\n".join(
+        f"  - {{at: {2 * k + 1}.0, gpu: 0, nvlink_down: [3]}}\n"
+        f"  - {{at: {2 * k + 2}.0, gpu: 0, nvlink_down: []}}"
+        for k in range(10)
+    )
+    clock = Clock(1000.0)
+    backend = MockBackend(parse_scenario(f"gpus: 1\nevents:\n{events}\n"), clock=clock, start_timer=False)
+    backend.open(lambda: None)
+    writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))
+    r = NodeReconciler(writer, NodeSettings(name="gpu-1", recover_after=1))
+    agent = Agent(
+        backend=backend,
+        reconciler=r,
+        policy=PolicySettings(),
+        interval=1.0,
+        node_name="gpu-1",
+        clock=clock,
+        flap_window=flap_window,
+    )
+    for t in range(0, 22):
+        step(agent, r, clock, float(t))
+    marked = [c for c in writer.patches if c.action in ("degrade", "degrade-clear")]
+    assert 1 <= len(marked) <= most, [c.action for c in marked]
+    assert len(writer.conditions) <= most + 1, writer.conditions  # + the GPUHealthy condition
+    if flap_window:
+        assert writer.node.degraded_condition == "True"

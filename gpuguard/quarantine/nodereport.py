@@ -98,7 +98,11 @@ class NodeReport:
         )
         keys = degraded_keys(verdict.degraded)
         if condition is None:
-            self._degraded_keys = keys
+            # The condition says the last signals written until it is rewritten: a clean check that does not
+            # clear it yet (the recovery window, a flap held) leaves them, so the same signals back cost
+            # nothing.
+            if keys:
+                self._degraded_keys = keys
             return
         if (error := self._write(node, condition)) is not None:
             log.warning("node.degraded_condition_failed", node=node.name, error=error)

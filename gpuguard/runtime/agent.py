@@ -21,6 +21,7 @@ from gpuguard.core.signalconfig import SignalConfig
 from gpuguard.core.signaltable import SignalTable
 from gpuguard.core.xids import CATALOG
 from gpuguard.judge.cadence import fitted
+from gpuguard.judge.flaps import Flaps, flapping, held, observe_verdict
 from gpuguard.judge.policy import evaluate
 from gpuguard.judge.streaks import Runs, advance, streaks
 from gpuguard.nvml.base import Backend, wait_for
@@ -89,9 +90,7 @@ class Agent:
         self._library_seen = False
         # Set when the loop stopped because libnvidia-ml.so.1 never became loadable (the CLI exits 3).
         self.no_library = False
-        self._episodes: list[float] = []
-        self._last_unhealthy = -float("inf")
-        self._was_healthy = True
+        self._flaps = Flaps()
         self._restored: Verdict | None = None
         self._clock = clock
         self._wall = wall
@@ -174,12 +173,15 @@ class Agent:
             listed = {uuid for _, uuid, _ in verdict.known if uuid}  # a UUID NVML no longer lists is dropped
             self._baselines.save(verdict.signal_memory, listed)
         now = self._clock()
-        flapping = self._flapping(verdict, now)
+        self._flaps = observe_verdict(self._flaps, verdict, now, self._flap_window)
         self._verdict = verdict
         self._last_check = now
         self._last_check_wall = self._wall()
         self.checks += 1
-        self._reconciler.submit(Judgement(verdict, streaks(self._runs, judged_at, self._interval), flapping))
+        counted = held(streaks(self._runs, judged_at, self._interval), self._flaps, now, self._flap_window)
+        self._reconciler.submit(
+            Judgement(verdict, counted, flapping(self._flaps.faults, now, self._flap_window))
+        )
         if self._on_verdict is not None:
             self._on_verdict(verdict)
         if self._metrics is not None:
@@ -277,18 +279,6 @@ class Agent:
         if self._clock() - self._started >= self._library_wait:
             self.no_library = True
             self.stop()
-
-    def _flapping(self, verdict: Verdict, now: float) -> bool:
-        """Faults that came back within --flap-window: hold the quarantine until the GPUs stay healthy for
-        a whole window, so an alternating GPU costs one write per episode, not one per flip."""
-        if not verdict.healthy:
-            if self._was_healthy:
-                self._episodes.append(now)
-            self._last_unhealthy = now
-        self._was_healthy = verdict.healthy
-        if self._episodes and now - self._episodes[0] > self._flap_window:
-            self._episodes = [t for t in self._episodes if now - t <= self._flap_window]
-        return len(self._episodes) >= 2 and now - self._last_unhealthy < self._flap_window
 
     def _safe_check(self) -> None:
         try:
