@@ -19,6 +19,7 @@ import structlog
 from gpuguard.core.config import NodeSettings
 from gpuguard.core.errors import NodeUpdateError
 from gpuguard.quarantine.budget import VERIFY_SETTLE, Budget
+from gpuguard.quarantine.gpu.lines import rule_log
 from gpuguard.quarantine.gpu.order import rules_past_limit, rules_share
 from gpuguard.quarantine.gpu.plan import step_back
 from gpuguard.quarantine.gpu.rules import NONE_EFFECT, DeviceRule
@@ -139,15 +140,8 @@ class RuleBudget:
             return None  # a conflict: the rules are read again, the settle re-check looks again
         self._fresh.discard(updated.name)
         self._budget_at = self._clock()  # the next room re-check waits --budget-recheck
-        log.warning(
-            "device.rule_yielded",
-            node=node.name,
-            rule=rule.name,
-            device=rule.device,
-            uuid=rule.uuid,
-            ahead=float(ahead),
-            limit=limit,
-            note="effect None until there is room",
+        rule_log(node.name, rule).warning(
+            "device.rule_yielded", ahead=float(ahead), limit=limit, note="effect None until there is room"
         )
         return updated
 

@@ -23,6 +23,7 @@ from gpuguard.quarantine.gpu.degraded import (
     own_degraded,
     plan_rules,
 )
+from gpuguard.quarantine.gpu.lines import rule_log
 from gpuguard.quarantine.gpu.rules import DeviceRule, DeviceSource
 from gpuguard.quarantine.gpu.slices import SliceDevice
 from gpuguard.quarantine.record import NodeRef, rfc3339
@@ -126,14 +127,8 @@ class DegradedRules:
             self._held.add(dev.uuid)
             return
         self._rules[dev.uuid] = rule
-        log.warning(
-            "device.degraded",
-            node=node.name,
-            rule=rule.name,
-            device=dev.device,
-            uuid=dev.uuid,
-            reasons=sorted({f.reason for f in degraded}),
-            dry_run=self._dry_run,
+        rule_log(node.name, rule, dev).warning(
+            "device.degraded", reasons=sorted({f.reason for f in degraded}), dry_run=self._dry_run
         )
         if rule.faults and degraded_update(rule, degraded) is not None:
             self._update(node, rule, degraded)  # adopted after a restart, for other signals

@@ -21,6 +21,7 @@ from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.gpu import plan as gpu_plan
 from gpuguard.quarantine.gpu.budget import RuleBudget
 from gpuguard.quarantine.gpu.degradedrules import DegradedRules
+from gpuguard.quarantine.gpu.lines import rule_log
 from gpuguard.quarantine.gpu.memory import Remembered, RuleMemoryStore
 from gpuguard.quarantine.gpu.rules import (
     NONE_EFFECT,
@@ -269,14 +270,9 @@ class DeviceQuarantine:
         self._memory.holds(updated)
         if "spec" in body:
             self._budgets.blocking(updated)
-        log.warning(
-            "device.rule_updated",
-            node=node.name,
-            rule=rule.name,
-            device=rule.device,
-            uuid=dev.uuid,
-            escalated="spec" in body,
-            dry_run=self._settings.dry_run,
+        # The rule was found by its GPU's UUID: rule.uuid is dev.uuid.
+        rule_log(node.name, rule).warning(
+            "device.rule_updated", escalated="spec" in body, dry_run=self._settings.dry_run
         )
 
     def _write(self, node: NodeRef, rule: DeviceRule, call: Callable[[], T]) -> T | None:
@@ -338,12 +334,8 @@ class DeviceQuarantine:
         if not deferred:
             self._budgets.blocking(rule)
         first = faults[0]
-        log.warning(
+        rule_log(node.name, rule, dev).warning(
             "device.tainted_soft" if deferred else "device.tainted",
-            node=node.name,
-            rule=rule.name,
-            device=dev.device,
-            uuid=dev.uuid,
             gpu=first.gpu_index,
             reason=first.reason,
             detail=first.message,
@@ -364,14 +356,7 @@ class DeviceQuarantine:
         if not self._write(node, rule, lambda: _deleted(self._source, rule)):
             return
         self._rules.pop(rule.name, None)
-        log.info(
-            "device.recovered",
-            node=node.name,
-            rule=rule.name,
-            device=rule.device,
-            uuid=rule.uuid,
-            dry_run=s.dry_run,
-        )
+        rule_log(node.name, rule).info("device.recovered", dry_run=s.dry_run)
 
     def _publish(self) -> None:
         self.quarantined = gpu_plan.quarantined(self._rules.values())
