@@ -96,6 +96,27 @@ class FaultRecord:
         return self.from_earlier_boot(boot_id)
 
 
+class Recorded:
+    """What carries a fault record in its annotations, a Node as read (`node.view.NodeView`) or a GPU's rule
+    (`gpu.rules.DeviceRule`): the record, read from them."""
+
+    annotations: Mapping[str, str]
+
+    @property
+    def record(self) -> FaultRecord:
+        return FaultRecord.read(self.annotations)
+
+
+def new_record(faults: Iterable[Fault], *, since: str, boot_id: str | None = None) -> dict[str, str]:
+    """The record a new DeviceTaintRule starts with: its faults' keys and text, since when, and the boot they
+    were seen in (`boot_id`: a fault rule's, which a reboot can end; a degraded rule records none)."""
+    faults = tuple(faults)
+    record = {ANN_FAULTS: join_keys(fault_keys(faults)), ANN_REASON: reason_text(faults), ANN_SINCE: since}
+    if boot_id is not None:
+        record[ANN_BOOT_ID] = boot_id
+    return record
+
+
 def fault_keys(faults: Iterable[Fault]) -> frozenset[str]:
     return frozenset(validation.fault_key(f.key) for f in faults)
 

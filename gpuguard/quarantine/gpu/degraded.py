@@ -20,21 +20,19 @@ from gpuguard.core.model import Fault, Verdict
 from gpuguard.quarantine.gpu.rules import (
     ANN_NODE_GPUS,
     ANN_UUID,
-    LABEL_MANAGED_BY,
-    LABEL_NODE,
-    MANAGED_BY,
     NONE_EFFECT,
     DeviceRule,
+    rule_document,
 )
 from gpuguard.quarantine.gpu.slices import SliceDevice
 from gpuguard.quarantine.record import (
     ANN_FAULTS,
     ANN_REASON,
-    ANN_SINCE,
     DEGRADED_TAINT_KEY,
     NodeRef,
     fault_keys,
     join_keys,
+    new_record,
     reason_text,
 )
 
@@ -60,12 +58,7 @@ def own_degraded(rule: DeviceRule, node: str) -> bool:
     """Provably gpuguard's degraded rule for one device of `node`: pool and labels that node's, managed by
     gpuguard, one device of a driver, the degraded key with effect None and the name gpuguard gives it."""
     return (
-        bool(node)
-        and rule.pool == node
-        and rule.labels.get(LABEL_NODE) == node
-        and rule.labels.get(LABEL_MANAGED_BY) == MANAGED_BY
-        and bool(rule.driver)
-        and bool(rule.device)
+        rule.managed_for(node)
         and rule.key == DEGRADED_TAINT_KEY
         and rule.effect == NONE_EFFECT
         and rule.name == degraded_rule_name(node, rule.device)
@@ -86,28 +79,17 @@ def degraded_rule_body(
 ) -> dict[str, Any]:
     """The effect-None rule for one degraded GPU: its device only, the signals' keys and text as the fault
     rules record theirs."""
-    name = degraded_rule_name(node.name, dev.device)
-    if name is None:
-        raise ConfigError(f"device {dev.device!r} of node {node.name}: no valid rule name")
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "DeviceTaintRule",
-        "metadata": {
-            "name": name,
-            "labels": {LABEL_NODE: node.name, LABEL_MANAGED_BY: MANAGED_BY},
-            "annotations": {
-                ANN_FAULTS: join_keys(fault_keys(degraded)),
-                ANN_REASON: reason_text(degraded),
-                ANN_SINCE: since,
-                ANN_UUID: validation.clean_text(dev.uuid, max_bytes=128),
-                ANN_NODE_GPUS: str(max(node_gpus, 1)),
-            },
+    return rule_document(
+        degraded_rule_name(node.name, dev.device),
+        node.name,
+        dev,
+        annotations={
+            **new_record(degraded, since=since),
+            ANN_UUID: validation.clean_text(dev.uuid, max_bytes=128),
+            ANN_NODE_GPUS: str(max(node_gpus, 1)),
         },
-        "spec": {
-            "deviceSelector": {"driver": dev.driver, "pool": dev.pool, "device": dev.device},
-            "taint": {"key": DEGRADED_TAINT_KEY, "value": taint_value(degraded), "effect": NONE_EFFECT},
-        },
-    }
+        taint={"key": DEGRADED_TAINT_KEY, "value": taint_value(degraded), "effect": NONE_EFFECT},
+    )
 
 
 def degraded_update(rule: DeviceRule, degraded: tuple[Fault, ...]) -> dict[str, Any] | None:

@@ -23,17 +23,14 @@ from gpuguard.core.model import Fault
 from gpuguard.judge.policy import primary
 from gpuguard.quarantine.gpu.slices import SliceDevice
 from gpuguard.quarantine.record import (
-    ANN_BOOT_ID,
     ANN_DEFERRED,
-    ANN_FAULTS,
     ANN_REASON,
     ANN_SINCE,
     DOMAIN,
     TAINT_KEY,
-    FaultRecord,
     NodeRef,
-    join_keys,
-    reason_text,
+    Recorded,
+    new_record,
 )
 
 # Labels on every rule gpuguard writes: which node's (what `gpuguard status`, the budget and the admission
@@ -79,8 +76,9 @@ def earlier_rule_name(node: str, device: str) -> str:
 
 
 @dataclass(frozen=True)
-class DeviceRule:
-    """A DeviceTaintRule of gpuguard's as read (metadata and the parts gpuguard owns)."""
+class DeviceRule(Recorded):
+    """A DeviceTaintRule of gpuguard's as read (metadata and the parts gpuguard owns); its `record` is the
+    node taint's."""
 
     name: str
     pool: str
@@ -117,10 +115,18 @@ class DeviceRule:
         )
 
     def own(self, node: str) -> bool:
-        """Provably gpuguard's rule for one device of `node`: pool and gpuguard.io/node label both that node,
-        managed by gpuguard, a driver and one device selected, gpuguard's taint key, and the name gpuguard
-        gives that (node, device) (or gave it before the dotted names). Anything else under gpuguard's
-        labels was written by someone else: it is neither adopted, released nor counted."""
+        """Provably gpuguard's rule for one device of `node`: `managed_for` that node, gpuguard's taint key,
+        and the name gpuguard gives that (node, device) (or gave it before the dotted names). Anything else
+        under gpuguard's labels was written by someone else: it is neither adopted, released nor counted."""
+        return (
+            self.managed_for(node)
+            and self.key == TAINT_KEY
+            and self.name in (rule_name(node, self.device), earlier_rule_name(node, self.device))
+        )
+
+    def managed_for(self, node: str) -> bool:
+        """What every rule gpuguard writes for one device of `node` is, whichever its key: pool and
+        gpuguard.io/node label both that node, managed by gpuguard, a driver and one device selected."""
         return (
             bool(node)
             and self.pool == node
@@ -128,8 +134,6 @@ class DeviceRule:
             and self.labels.get(LABEL_MANAGED_BY) == MANAGED_BY
             and bool(self.driver)
             and bool(self.device)
-            and self.key == TAINT_KEY
-            and self.name in (rule_name(node, self.device), earlier_rule_name(node, self.device))
         )
 
     def selects(self, dev: SliceDevice) -> bool:
@@ -139,11 +143,6 @@ class DeviceRule:
     @property
     def uuid(self) -> str:
         return self.annotations.get(ANN_UUID, "")
-
-    @property
-    def record(self) -> FaultRecord:
-        """The rule's fault record (its annotations), as the node taint's."""
-        return FaultRecord.read(self.annotations)
 
     @property
     def faults(self) -> frozenset[str]:
@@ -222,29 +221,44 @@ def rule_body(
     most severe fault as value, and the node taint's record (faults, reason, since, boot-id)."""
     faults = tuple(faults)
     annotations = {
-        ANN_FAULTS: join_keys({validation.fault_key(f.key) for f in faults}),
-        ANN_REASON: reason_text(faults),
-        ANN_SINCE: since,
-        ANN_BOOT_ID: node.boot_id,
+        **new_record(faults, since=since, boot_id=node.boot_id),
         ANN_UUID: validation.clean_text(dev.uuid, max_bytes=128),
         ANN_NODE_GPUS: str(node_gpus),
     }
     if deferred:
         annotations[ANN_DEFERRED] = "budget spent"
-    name = rule_name(node.name, dev.device)
+    return rule_document(
+        rule_name(node.name, dev.device),
+        node.name,
+        dev,
+        annotations=annotations,
+        taint={"key": TAINT_KEY, "value": taint_value(faults), "effect": effect},
+    )
+
+
+def rule_document(
+    name: str | None,
+    node: str,
+    dev: SliceDevice,
+    *,
+    annotations: Mapping[str, str],
+    taint: Mapping[str, str],
+) -> dict[str, Any]:
+    """A DeviceTaintRule gpuguard writes, of either kind: `name` (ConfigError when None: no valid name),
+    under the node's and gpuguard's labels, selecting `dev` alone, with `taint`."""
     if name is None:
-        raise ConfigError(f"device {dev.device!r} of node {node.name}: no valid rule name")
+        raise ConfigError(f"device {dev.device!r} of node {node}: no valid rule name")
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "DeviceTaintRule",
         "metadata": {
             "name": name,
-            "labels": {LABEL_NODE: node.name, LABEL_MANAGED_BY: MANAGED_BY},
-            "annotations": annotations,
+            "labels": {LABEL_NODE: node, LABEL_MANAGED_BY: MANAGED_BY},
+            "annotations": dict(annotations),
         },
         "spec": {
             "deviceSelector": {"driver": dev.driver, "pool": dev.pool, "device": dev.device},
-            "taint": {"key": TAINT_KEY, "value": taint_value(faults), "effect": effect},
+            "taint": dict(taint),
         },
     }
 

@@ -16,7 +16,7 @@ from gpuguard.quarantine.record import (
     ANN_SINCE,
     DOMAIN,
     TAINT_KEY,
-    FaultRecord,
+    Recorded,
 )
 
 ANN_CORDONED = f"{DOMAIN}/cordoned"
@@ -65,8 +65,9 @@ class Taint:
 
 
 @dataclass(frozen=True)
-class NodeView:
-    """The part of a Node that gpuguard reads and owns, at one resourceVersion."""
+class NodeView(Recorded):
+    """The part of a Node that gpuguard reads and owns, at one resourceVersion; `record`: gpuguard's fault
+    record on it."""
 
     name: str
     resource_version: str = ""
@@ -114,11 +115,6 @@ class NodeView:
     def unhealthy_taint(self) -> Taint | None:
         """A taint with gpuguard's key, whoever placed it."""
         return next((t for t in self.taints if t.key == TAINT_KEY), None)
-
-    @property
-    def record(self) -> FaultRecord:
-        """gpuguard's fault record on the node (its annotations)."""
-        return FaultRecord.read(self.annotations)
 
     @property
     def recorded_faults(self) -> frozenset[str]:
