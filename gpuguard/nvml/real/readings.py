@@ -47,16 +47,7 @@ def unresponsive(d: Device, hang: Hang, watch: tuple[bool, str]) -> GpuReading:
 def last_reading(d: Device, watch: tuple[bool, str]) -> GpuReading:
     """The last pass's reading of this GPU (none yet: nothing known), with the watch state of now."""
     if d.last_reading is None:
-        return GpuReading(
-            index=d.index,
-            uuid=d.uuid,
-            name=d.name,
-            pci_bus_id=d.pci_bus_id,
-            ecc_supported=d.ecc_supported,
-            ecc_uncorrected=None,
-            xid_watched=watch[0],
-            xid_watch_note=watch[1],
-        )
+        return _unread(d, *watch)
     reading = d.last_reading[1]
     if (reading.xid_watched, reading.xid_watch_note) == watch:
         return reading
@@ -199,14 +190,8 @@ def _reading(d: Device, watched: bool, watch_note: str, values: _Values) -> GpuR
     if last is not None and last[0] == key:
         return last[1]
     ecc, remap_failure, remap_pending, action, errors, unreadable, retired, signals = values
-    reading = GpuReading(
-        index=d.index,
-        uuid=d.uuid,
-        name=d.name,
-        pci_bus_id=d.pci_bus_id,
-        ecc_supported=d.ecc_supported,
-        xid_watched=watched,
-        xid_watch_note=watch_note,
+    reading = replace(
+        _unread(d, watched, watch_note),
         ecc_uncorrected=ecc,
         remap_failure=remap_failure,
         remap_pending=remap_pending,
@@ -220,6 +205,21 @@ def _reading(d: Device, watched: bool, watch_note: str, values: _Values) -> GpuR
     )
     d.last_reading = (key, reading)
     return reading
+
+
+def _unread(d: Device, watched: bool, watch_note: str) -> GpuReading:
+    """The GPU as described when first seen, with its watch state, and nothing read (ECC unknown): a reading
+    is this with the values of a pass."""
+    return GpuReading(
+        index=d.index,
+        uuid=d.uuid,
+        name=d.name,
+        pci_bus_id=d.pci_bus_id,
+        ecc_supported=d.ecc_supported,
+        ecc_uncorrected=None,
+        xid_watched=watched,
+        xid_watch_note=watch_note,
+    )
 
 
 def _retired_pages(d: Device, p: Pass) -> tuple[int, bool]:
