@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
@@ -141,6 +141,14 @@ class Connection:
             return self._client
 
 
+class Background(Protocol):
+    """A thread of its own beside the agent's loop: a watch of the fleet, the evictor."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 @dataclass
 class Parts:
     """What `watch` runs, built from one Config by `build` (tests and the bench build it the same way)."""
@@ -156,6 +164,11 @@ class Parts:
     rules_watch: WatchedRules | None
     delay: float
     evictor: Evictor | None = None
+
+    @property
+    def background(self) -> list[Background]:
+        """What runs beside the agent's loop, in the order started: the fleet's watches, then the evictor."""
+        return [b for b in (self.fleet, self.rules_watch, self.evictor) if b is not None]
 
     def status(self) -> AgentStatus:
         """The agent's status plus what the device source found (which DeviceTaintRule API is served)."""
@@ -327,7 +340,7 @@ def watch(cfg: Config) -> bool:
 
     logs.configure(cfg.log_format)
     parts = build(cfg, registry=REGISTRY)
-    agent, fleet, rules_watch = parts.agent, parts.fleet, parts.rules_watch
+    agent = parts.agent
     try:
         server = HealthServer(parts.status, host=cfg.server.host, port=cfg.server.port, registry=REGISTRY)
     except OSError as exc:
@@ -343,12 +356,10 @@ def watch(cfg: Config) -> bool:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGINT, _stop)
-    if fleet is not None:
-        fleet.start()
-    if rules_watch is not None:
-        rules_watch.start()
+    background = parts.background
+    for b in background:
+        b.start()
     if parts.evictor is not None:
-        parts.evictor.start()
         log.info("eviction.on", node=cfg.node.name, grace_period_s=cfg.node.evict_grace_period)
     # Everything made so far lives as long as the process: out of the collector's sight, so that a full
     # collection in a fault's path walks only what came after, not the tens of thousands of objects of the
@@ -358,12 +369,8 @@ def watch(cfg: Config) -> bool:
     try:
         agent.run(run_for=cfg.run_for)
     finally:
-        if fleet is not None:
-            fleet.stop()
-        if rules_watch is not None:
-            rules_watch.stop()
-        if parts.evictor is not None:
-            parts.evictor.stop()
+        for b in background:
+            b.stop()
         server.stop()
     return agent.no_library
 
