@@ -25,9 +25,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import structlog
+from structlog.typing import FilteringBoundLogger
 
 log = structlog.get_logger(__name__)
 
@@ -104,6 +105,11 @@ class Pass:
         if self.uuid is not None:
             return ("gpu", self.uuid)
         return NODE if self.index is None else ("index", str(self.index))
+
+
+def _hang_log(hang: Hang) -> FilteringBoundLogger:
+    """The lines about one hung call (it hung, it returned) name the call and its GPU's index and UUID."""
+    return cast(FilteringBoundLogger, log.bind(call=hang.call, gpu=hang.index, uuid=hang.uuid))
 
 
 _LOOK = object()  # put on a reading thread's queue: a plan was set, look at it
@@ -257,11 +263,8 @@ class Runner:
         return self._reader
 
     def _hung(self, hang: Hang) -> Hang:
-        log.warning(
+        _hang_log(hang).warning(
             "nvml.call_hung",
-            call=hang.call,
-            gpu=hang.index,
-            uuid=hang.uuid,
             deadline_s=hang.limit,
             stuck_threads=len(self.hangs()),
             action="reported as unresponsive; skipped until it returns",
@@ -340,10 +343,4 @@ class Runner:
         if result is not None and not isinstance(result, BaseException):
             self._discarded(result)
         if hang is not None:
-            log.info(
-                "nvml.call_returned",
-                call=hang.call,
-                gpu=hang.index,
-                uuid=hang.uuid,
-                after_s=round(self._clock() - hang.since, 3),
-            )
+            _hang_log(hang).info("nvml.call_returned", after_s=round(self._clock() - hang.since, 3))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -286,13 +286,7 @@ class QuarantineBudget:
             self._call = (budget,)
             self.checked = now
         if budget is not None and not budget.has_room and change.action == "taint":
-            log.warning(
-                "node.quarantine_deferred",
-                node=node.name,
-                quarantined=budget.quarantined,
-                limit=budget.limit,
-                gpu_nodes=budget.gpu_nodes,
-            )
+            log.warning("node.quarantine_deferred", node=node.name, **asdict(budget))
         return limit(change, node, verdict, budget, self._settings)
 
     def written(self, node: NodeView, change: NodeChange) -> bool:
