@@ -181,18 +181,16 @@ def test_build_exports_symbols_and_soname(lib_dir: Path) -> None:
 # --------------------------------------------------------------------------
 
 
-def test_basic_queries(lib_dir: Path, state: Path) -> None:
-    write(
-        state,
+# One case a row: the state file, the script run against it, and every RESULT it prints (each section's
+# table is run by test_the_fake_answers_as_its_state_file_says, below the last).
+INIT = [
+    pytest.param(
         """\
         # two GPUs
         driver 535.161.08   # trailing comment
         gpu 1
         gpu 0 uuid=GPU-0a name="NVIDIA H200"
         """,
-    )
-    res = nvml(
-        lib_dir,
         """
         nv.nvmlInit()
         gpus = []
@@ -212,58 +210,52 @@ def test_basic_queries(lib_dir: Path, state: Path) -> None:
             init_v2=nv.nvmlLib.nvmlInit_v2(), init_flags=nv.nvmlLib.nvmlInitWithFlags(0))
         nv.nvmlShutdown()
         """,
-        state,
-    )
-    assert res["driver"] == "535.161.08"
-    assert res["gpus"] == [
         {
-            "uuid": "GPU-0a",
-            "name": "NVIDIA H200",
-            "index": 0,
-            "by_uuid": 0,
-            "busId": "00000000:3B:00.0",
-            "busIdLegacy": "0000:3B:00.0",
-            "domain": 0,
-            "bus": 0x3B,
-            "device": 0,
-            "pciDeviceId": 0x233010DE,
+            "driver": "535.161.08",
+            "gpus": [
+                {
+                    "uuid": "GPU-0a",
+                    "name": "NVIDIA H200",
+                    "index": 0,
+                    "by_uuid": 0,
+                    "busId": "00000000:3B:00.0",
+                    "busIdLegacy": "0000:3B:00.0",
+                    "domain": 0,
+                    "bus": 0x3B,
+                    "device": 0,
+                    "pciDeviceId": 0x233010DE,
+                },
+                {
+                    "uuid": "GPU-00000000-fake-0000-0000-000000000001",
+                    "name": "NVIDIA Fake GPU",
+                    "index": 1,
+                    "by_uuid": 1,
+                    "busId": "00000000:3C:00.0",
+                    "busIdLegacy": "0000:3C:00.0",
+                    "domain": 0,
+                    "bus": 0x3C,
+                    "device": 0,
+                    "pciDeviceId": 0x233010DE,
+                },
+            ],
+            "unknown_uuid": "NVMLError_NotFound",
+            "init_v2": 0,
+            "init_flags": 0,
         },
-        {
-            "uuid": "GPU-00000000-fake-0000-0000-000000000001",
-            "name": "NVIDIA Fake GPU",
-            "index": 1,
-            "by_uuid": 1,
-            "busId": "00000000:3C:00.0",
-            "busIdLegacy": "0000:3C:00.0",
-            "domain": 0,
-            "bus": 0x3C,
-            "device": 0,
-            "pciDeviceId": 0x233010DE,
-        },
-    ]
-    assert res["unknown_uuid"] == "NVMLError_NotFound"
-    assert res["init_v2"] == 0
-    assert res["init_flags"] == 0
-
-
-def test_defaults_with_empty_file(lib_dir: Path, state: Path) -> None:
-    state.write_text("")
-    res = nvml(
-        lib_dir,
+        id="the driver, each GPU's UUID, name, index and PCI info, and NotFound for an unknown UUID",
+    ),
+    pytest.param(
+        "",
         """
         nv.nvmlInit()
         out(driver=nv.nvmlSystemGetDriverVersion(), count=nv.nvmlDeviceGetCount(),
             handle0=err(nv.nvmlDeviceGetHandleByIndex, 0))
         """,
-        state,
-    )
-    assert res == {"driver": "550.54.15", "count": 0, "handle0": "NVMLError_InvalidArgument"}
-
-
-def test_refcount_and_uninitialized(lib_dir: Path, state: Path) -> None:
-    write(state, "gpu 0\n")
-    res = nvml(
-        lib_dir,
+        {"driver": "550.54.15", "count": 0, "handle0": "NVMLError_InvalidArgument"},
+        id="an empty file has the default driver and no GPU",
+    ),
+    pytest.param(
+        "gpu 0\n",
         """
         nv._LoadNvmlLibrary()  # library loaded but nvmlInit not called yet
         before = err(nv.nvmlDeviceGetCount)
@@ -279,16 +271,29 @@ def test_refcount_and_uninitialized(lib_dir: Path, state: Path) -> None:
         out(before=before, still=still, after=after, extra=extra, evset=evset,
             again=nv.nvmlDeviceGetCount())
         """,
-        state,
-    )
-    assert res == {
-        "before": "NVMLError_Uninitialized",
-        "still": 1,
-        "after": "NVMLError_Uninitialized",
-        "extra": "NVMLError_Uninitialized",
-        "evset": "NVMLError_Uninitialized",
-        "again": 1,
-    }
+        {
+            "before": "NVMLError_Uninitialized",
+            "still": 1,
+            "after": "NVMLError_Uninitialized",
+            "extra": "NVMLError_Uninitialized",
+            "evset": "NVMLError_Uninitialized",
+            "again": 1,
+        },
+        id="init is counted: calls fail Uninitialized before the first and after the last shutdown",
+    ),
+    pytest.param(
+        "init_error DRIVER_NOT_LOADED\ngpu 0\n",
+        """
+        try:
+            nv.nvmlInit()
+            out(raised=None)
+        except nv.NVMLError_DriverNotLoaded as e:
+            out(raised=type(e).__name__, text=str(e))
+        """,
+        {"raised": "NVMLError_DriverNotLoaded", "text": "Driver Not Loaded"},
+        id="init_error DRIVER_NOT_LOADED makes nvmlInit raise DriverNotLoaded",
+    ),
+]
 
 
 def test_invalid_arguments_and_buffer_sizes(lib_dir: Path, state: Path) -> None:
@@ -382,22 +387,6 @@ def test_error_strings_and_every_init_error_name(lib_dir: Path, state: Path) -> 
     assert res["count"] == 1
 
 
-def test_init_error_driver_not_loaded(lib_dir: Path, state: Path) -> None:
-    write(state, "init_error DRIVER_NOT_LOADED\ngpu 0\n")
-    res = nvml(
-        lib_dir,
-        """
-        try:
-            nv.nvmlInit()
-            out(raised=None)
-        except nv.NVMLError_DriverNotLoaded as e:
-            out(raised=type(e).__name__, text=str(e))
-        """,
-        state,
-    )
-    assert res == {"raised": "NVMLError_DriverNotLoaded", "text": "Driver Not Loaded"}
-
-
 @pytest.mark.parametrize("missing", ["env", "file"])
 def test_no_state_file(lib_dir: Path, state: Path, missing: str) -> None:
     proc = run_nvml(
@@ -478,10 +467,10 @@ def test_malformed_edit_after_init_keeps_last_good_state(lib_dir: Path, state: P
 # --------------------------------------------------------------------------
 
 
-def test_ecc_counts(lib_dir: Path, state: Path) -> None:
-    write(state, "gpu 0\ngpu 1 ecc=2\n")
-    res = nvml(
-        lib_dir,
+# Cases as INIT's, run by test_the_fake_answers_as_its_state_file_says.
+HEALTH = [
+    pytest.param(
+        "gpu 0\ngpu 1 ecc=2\n",
         """
         nv.nvmlInit()
         rows = []
@@ -498,15 +487,11 @@ def test_ecc_counts(lib_dir: Path, state: Path) -> None:
             ])
         out(rows=rows)
         """,
-        state,
-    )
-    assert res["rows"] == [[[1, 1], 0, 0, 0], [[1, 1], 2, 2, 0]]
-
-
-def test_ecc_not_supported(lib_dir: Path, state: Path) -> None:
-    write(state, "gpu 0 ecc_supported=0 ecc=4\n")
-    res = nvml(
-        lib_dir,
+        {"rows": [[[1, 1], 0, 0, 0], [[1, 1], 2, 2, 0]]},
+        id="ECC mode and counts are the volatile and aggregate uncorrected ones written",
+    ),
+    pytest.param(
+        "gpu 0 ecc_supported=0 ecc=4\n",
         """
         nv.nvmlInit()
         h = nv.nvmlDeviceGetHandleByIndex(0)
@@ -524,43 +509,32 @@ def test_ecc_not_supported(lib_dir: Path, state: Path) -> None:
                              nv.nvmlEventTypeDoubleBitEccError, s),
             register_xid=err(nv.nvmlDeviceRegisterEvents, h, XID, s))
         """,
-        state,
-    )
-    assert res == {
-        "mode": "NVMLError_NotSupported",
-        "total": "NVMLError_NotSupported",
-        "remapped": [0, 0, 0, 0],
-        "supported": 0x8 | 0x4 | 0x10 | 0x8000,
-        "register_dbe": "NVMLError_NotSupported",
-        "register_xid": None,
-    }
-
-
-def test_remapped_rows(lib_dir: Path, state: Path) -> None:
-    write(
-        state,
+        {
+            "mode": "NVMLError_NotSupported",
+            "total": "NVMLError_NotSupported",
+            "remapped": [0, 0, 0, 0],
+            "supported": 0x8 | 0x4 | 0x10 | 0x8000,
+            "register_dbe": "NVMLError_NotSupported",
+            "register_xid": None,
+        },
+        id="a GPU without ECC answers NotSupported to every ECC query",
+    ),
+    pytest.param(
         """\
         gpu 0
         gpu 1 remap_pending=1 remap_failure=1 remap_corr=3 remap_unc=1
         gpu 2 remap_pending=1
         """,
-    )
-    res = nvml(
-        lib_dir,
         """
         nv.nvmlInit()
         out(rows=[list(nv.nvmlDeviceGetRemappedRows(nv.nvmlDeviceGetHandleByIndex(i)))
                   for i in range(3)])
         """,
-        state,
-    )
-    assert res["rows"] == [[0, 0, 0, 0], [3, 1, 1, 1], [0, 0, 1, 0]]
-
-
-def test_lost_gpu(lib_dir: Path, state: Path) -> None:
-    write(state, "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\n")
-    res = nvml(
-        lib_dir,
+        {"rows": [[0, 0, 0, 0], [3, 1, 1, 1], [0, 0, 1, 0]]},
+        id="remapped rows answer the counts, pending and failure written",
+    ),
+    pytest.param(
+        "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\n",
         """
         nv.nvmlInit()
         h1 = nv.nvmlDeviceGetHandleByIndex(1)
@@ -587,21 +561,17 @@ def test_lost_gpu(lib_dir: Path, state: Path) -> None:
             count=nv.nvmlDeviceGetCount(),
             healthy=nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetHandleByIndex(0)))
         """,
-        state,
-    )
-    assert res == {
-        "uuid": "NVMLError_GpuIsLost",
-        "others": ["NVMLError_GpuIsLost"] * 9,
-        "index": 1,
-        "count": 2,
-        "healthy": "GPU-0a",
-    }
-
-
-def test_device_error_is_transient(lib_dir: Path, state: Path) -> None:
-    write(state, "gpu 0 ecc=1 error=TIMEOUT\n")
-    res = nvml(
-        lib_dir,
+        {
+            "uuid": "NVMLError_GpuIsLost",
+            "others": ["NVMLError_GpuIsLost"] * 9,
+            "index": 1,
+            "count": 2,
+            "healthy": "GPU-0a",
+        },
+        id="a lost GPU answers GpuIsLost to every call, the others answer",
+    ),
+    pytest.param(
+        "gpu 0 ecc=1 error=TIMEOUT\n",
         """
         nv.nvmlInit()
         h = nv.nvmlDeviceGetHandleByIndex(0)
@@ -616,17 +586,18 @@ def test_device_error_is_transient(lib_dir: Path, state: Path) -> None:
         write_state("gpu 0 ecc=1\\n")
         out(failing=failing, recovered=nv.nvmlDeviceGetTotalEccErrors(h, 1, 0))
         """,
-        state,
-    )
-    assert res == {
-        "failing": {
-            "ecc": "NVMLError_Timeout",
-            "uuid": "NVMLError_Timeout",
-            "remapped": "NVMLError_Timeout",
-            "index": 0,
+        {
+            "failing": {
+                "ecc": "NVMLError_Timeout",
+                "uuid": "NVMLError_Timeout",
+                "remapped": "NVMLError_Timeout",
+                "index": 0,
+            },
+            "recovered": 1,
         },
-        "recovered": 1,
-    }
+        id="a GPU's error line fails its calls while it stands, and they answer once it is gone",
+    ),
+]
 
 
 @pytest.mark.parametrize("mode", ["rewrite", "rename"])
@@ -732,11 +703,11 @@ def test_xid_wait_timeout_and_wakeup(lib_dir: Path, state: Path, mode: str) -> N
     assert res["end"] == "NVMLError_Timeout"
 
 
-def test_events_that_happened_before_a_registration_are_not_delivered(lib_dir: Path, state: Path) -> None:
-    """nvml.h, nvmlDeviceRegisterEvents: "All events that occurred before this call are not recorded"."""
-    write(state, "gpu 0\nxid 0 13\nxid 0 31\n")
-    res = nvml(
-        lib_dir,
+# Cases as INIT's, run by test_the_fake_answers_as_its_state_file_says.
+EVENTS = [
+    # nvml.h, nvmlDeviceRegisterEvents: "All events that occurred before this call are not recorded".
+    pytest.param(
+        "gpu 0\nxid 0 13\nxid 0 31\n",
         """
         nv.nvmlInit()
         h = nv.nvmlDeviceGetHandleByIndex(0)
@@ -769,22 +740,18 @@ def test_events_that_happened_before_a_registration_are_not_delivered(lib_dir: P
         out(first=first, a_end=a_end, b_old=b_old, both=both, replay=replay,
             after_truncate=after_truncate)
         """,
-        state,
-    )
-    assert res == {
-        "first": "NVMLError_Timeout",
-        "a_end": [77, "NVMLError_Timeout"],
-        "b_old": "NVMLError_Timeout",
-        "both": [43, 43],
-        "replay": "NVMLError_Timeout",
-        "after_truncate": [4, "NVMLError_Timeout"],
-    }
-
-
-def test_wait_v1_fills_only_the_old_struct(lib_dir: Path, state: Path) -> None:
-    write(state, "gpu 0\n")
-    res = nvml(
-        lib_dir,
+        {
+            "first": "NVMLError_Timeout",
+            "a_end": [77, "NVMLError_Timeout"],
+            "b_old": "NVMLError_Timeout",
+            "both": [43, 43],
+            "replay": "NVMLError_Timeout",
+            "after_truncate": [4, "NVMLError_Timeout"],
+        },
+        id="events that happened before a registration are not delivered",
+    ),
+    pytest.param(
+        "gpu 0\n",
         """
         nv.nvmlInit()
         s = nv.nvmlEventSetCreate()
@@ -797,16 +764,58 @@ def test_wait_v1_fills_only_the_old_struct(lib_dir: Path, state: Path) -> None:
             data=int.from_bytes(raw[16:24], sys.byteorder), tail=list(raw[24:]),
             v2_size=ctypes.sizeof(nv.c_nvmlEventData_t), pci_size=ctypes.sizeof(nv.nvmlPciInfo_t))
         """,
-        state,
-    )
-    assert res == {
-        "rc": 0,
-        "type": 8,
-        "data": 62,
-        "tail": [0xAB] * 8,
-        "v2_size": 32,
-        "pci_size": 68,
-    }
+        {
+            "rc": 0,
+            "type": 8,
+            "data": 62,
+            "tail": [0xAB] * 8,
+            "v2_size": 32,
+            "pci_size": 68,
+        },
+        id="the v1 wait fills only the old struct",
+    ),
+    # More uncorrected ECC errors (ecc= goes up) is one nvmlEventTypeDoubleBitEccError event (eventData 0)
+    # to each set registered for it on that GPU before it happened; none where ECC is off or unsupported,
+    # none when the count goes down.
+    pytest.param(
+        "gpu 0\ngpu 1\ngpu 2 ecc_enabled=0\n",
+        """
+        DBE = nv.nvmlEventTypeDoubleBitEccError
+        nv.nvmlInit()
+        h = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(3)]
+        supported = [nv.nvmlDeviceGetSupportedEventTypes(x) & DBE for x in h]
+        xid_only = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(h[0], XID, xid_only)
+        s = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(h[0], XID | DBE, s)
+        nv.nvmlDeviceRegisterEvents(h[1], DBE, s)
+        write_state("gpu 0 ecc=2\\ngpu 1\\ngpu 2 ecc_enabled=0\\n")
+        d = nv.nvmlEventSetWait_v2(s, 1000)
+        first = [d.eventType, d.eventData, nv.nvmlDeviceGetIndex(d.device), d.gpuInstanceId]
+        then = err(nv.nvmlEventSetWait_v2, s, 50)
+        late = nv.nvmlEventSetCreate()  # registered after the error: not delivered to it
+        nv.nvmlDeviceRegisterEvents(h[0], DBE, late)
+        late_got = err(nv.nvmlEventSetWait_v2, late, 50)
+        write_state("gpu 0 ecc=0\\ngpu 1 ecc=1\\ngpu 2 ecc_enabled=0 ecc=5\\n")  # down, up, ECC off
+        d = nv.nvmlEventSetWait_v2(s, 1000)
+        second = [d.eventType, nv.nvmlDeviceGetIndex(d.device)]
+        out(supported=supported, first=first, then=then, late=late_got, second=second,
+            rest=err(nv.nvmlEventSetWait_v2, s, 50), xid_only=err(nv.nvmlEventSetWait_v2, xid_only, 50),
+            register_off=err(nv.nvmlDeviceRegisterEvents, h[2], DBE, s))
+        """,
+        {
+            "supported": [2, 2, 0],
+            "first": [2, 0, 0, 0xFFFFFFFF],
+            "then": "NVMLError_Timeout",
+            "late": "NVMLError_Timeout",
+            "second": [2, 1],
+            "rest": "NVMLError_Timeout",
+            "xid_only": "NVMLError_Timeout",
+            "register_off": "NVMLError_NotSupported",
+        },
+        id="an uncorrected ECC error is a double-bit ECC event for sets registered before",
+    ),
+]
 
 
 def test_a_free_or_shutdown_under_a_waiter_does_not_wake_it_or_crash(lib_dir: Path, state: Path) -> None:
@@ -897,53 +906,6 @@ def test_a_signal_ends_a_wait_with_timeout_as_nvml_h_documents(lib_dir: Path, st
     assert res["next"] == 48
 
 
-def test_an_uncorrected_ecc_error_is_a_double_bit_ecc_event_for_sets_registered_before(
-    lib_dir: Path, state: Path
-) -> None:
-    """More uncorrected ECC errors (ecc= goes up) is one nvmlEventTypeDoubleBitEccError event (eventData 0)
-    to each set registered for it on that GPU before it happened; none where ECC is off or unsupported,
-    none when the count goes down."""
-    write(state, "gpu 0\ngpu 1\ngpu 2 ecc_enabled=0\n")
-    res = nvml(
-        lib_dir,
-        """
-        DBE = nv.nvmlEventTypeDoubleBitEccError
-        nv.nvmlInit()
-        h = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(3)]
-        supported = [nv.nvmlDeviceGetSupportedEventTypes(x) & DBE for x in h]
-        xid_only = nv.nvmlEventSetCreate()
-        nv.nvmlDeviceRegisterEvents(h[0], XID, xid_only)
-        s = nv.nvmlEventSetCreate()
-        nv.nvmlDeviceRegisterEvents(h[0], XID | DBE, s)
-        nv.nvmlDeviceRegisterEvents(h[1], DBE, s)
-        write_state("gpu 0 ecc=2\\ngpu 1\\ngpu 2 ecc_enabled=0\\n")
-        d = nv.nvmlEventSetWait_v2(s, 1000)
-        first = [d.eventType, d.eventData, nv.nvmlDeviceGetIndex(d.device), d.gpuInstanceId]
-        then = err(nv.nvmlEventSetWait_v2, s, 50)
-        late = nv.nvmlEventSetCreate()  # registered after the error: not delivered to it
-        nv.nvmlDeviceRegisterEvents(h[0], DBE, late)
-        late_got = err(nv.nvmlEventSetWait_v2, late, 50)
-        write_state("gpu 0 ecc=0\\ngpu 1 ecc=1\\ngpu 2 ecc_enabled=0 ecc=5\\n")  # down, up, ECC off
-        d = nv.nvmlEventSetWait_v2(s, 1000)
-        second = [d.eventType, nv.nvmlDeviceGetIndex(d.device)]
-        out(supported=supported, first=first, then=then, late=late_got, second=second,
-            rest=err(nv.nvmlEventSetWait_v2, s, 50), xid_only=err(nv.nvmlEventSetWait_v2, xid_only, 50),
-            register_off=err(nv.nvmlDeviceRegisterEvents, h[2], DBE, s))
-        """,
-        state,
-    )
-    assert res == {
-        "supported": [2, 2, 0],
-        "first": [2, 0, 0, 0xFFFFFFFF],
-        "then": "NVMLError_Timeout",
-        "late": "NVMLError_Timeout",
-        "second": [2, 1],
-        "rest": "NVMLError_Timeout",
-        "xid_only": "NVMLError_Timeout",
-        "register_off": "NVMLError_NotSupported",
-    }
-
-
 def test_queries_run_while_another_thread_waits(lib_dir: Path, state: Path) -> None:
     write(state, "gpu 0 ecc=0\ngpu 1\n")
     res = nvml(
@@ -988,9 +950,9 @@ def test_queries_run_while_another_thread_waits(lib_dir: Path, state: Path) -> N
 # --------------------------------------------------------------------------
 
 
-def test_fail_lines_inject_an_error_into_one_call_for_a_count_of_calls(lib_dir: Path, state: Path) -> None:
-    write(
-        state,
+# Cases as INIT's, run by test_the_fake_answers_as_its_state_file_says.
+DOCUMENTED = [
+    pytest.param(
         """\
         gpu 0
         gpu 1
@@ -1001,9 +963,6 @@ def test_fail_lines_inject_an_error_into_one_call_for_a_count_of_calls(lib_dir: 
         fail nvmlEventSetCreate MEMORY count=1
         fail nvmlDeviceGetFieldValues RESET_REQUIRED gpu=0
         """,
-    )
-    res = nvml(
-        lib_dir,
         """
         nv.nvmlInit()
         h1 = nv.nvmlDeviceGetHandleByIndex(1)
@@ -1019,24 +978,20 @@ def test_fail_lines_inject_an_error_into_one_call_for_a_count_of_calls(lib_dir: 
         again = err(nv.nvmlDeviceGetUUID, h1)
         out(uuid=uuid, handle=handle, driver=driver, count=count, create=create, fields=fields, again=again)
         """,
-        state,
-    )
-    assert res == {
-        "uuid": ["NVMLError_Unknown", "NVMLError_Unknown", None],
-        "handle": ["NVMLError_NoPermission", None],
-        "driver": ["NVMLError_Unknown", None],
-        "count": ["NVMLError_Timeout", None],
-        "create": ["NVMLError_Memory", None],
-        "fields": ["NVMLError_ResetRequired", None],
-        "again": None,
-    }
-
-
-def test_a_registration_that_fails_unknown_leaves_the_set_unusable(lib_dir: Path, state: Path) -> None:
-    """nvml.h: after NVML_ERROR_UNKNOWN from nvmlDeviceRegisterEvents the set is undefined, free it."""
-    write(state, "gpu 0\nfail nvmlDeviceRegisterEvents UNKNOWN count=1\n")
-    res = nvml(
-        lib_dir,
+        {
+            "uuid": ["NVMLError_Unknown", "NVMLError_Unknown", None],
+            "handle": ["NVMLError_NoPermission", None],
+            "driver": ["NVMLError_Unknown", None],
+            "count": ["NVMLError_Timeout", None],
+            "create": ["NVMLError_Memory", None],
+            "fields": ["NVMLError_ResetRequired", None],
+            "again": None,
+        },
+        id="fail lines inject an error into one call for a count of calls",
+    ),
+    # nvml.h: after NVML_ERROR_UNKNOWN from nvmlDeviceRegisterEvents the set is undefined, free it.
+    pytest.param(
+        "gpu 0\nfail nvmlDeviceRegisterEvents UNKNOWN count=1\n",
         """
         nv.nvmlInit()
         h = nv.nvmlDeviceGetHandleByIndex(0)
@@ -1050,15 +1005,146 @@ def test_a_registration_that_fails_unknown_leaves_the_set_unusable(lib_dir: Path
             bad_wait=err(nv.nvmlEventSetWait_v2, bad, 100),
             good_wait=nv.nvmlEventSetWait_v2(good, 1000).eventData)
         """,
-        state,
-    )
-    assert res == {
-        "first": "NVMLError_Unknown",
-        "retry_same": None,
-        "fresh": None,
-        "bad_wait": "NVMLError_Unknown",
-        "good_wait": 79,
-    }
+        {
+            "first": "NVMLError_Unknown",
+            "retry_same": None,
+            "fresh": None,
+            "bad_wait": "NVMLError_Unknown",
+            "good_wait": 79,
+        },
+        id="a registration that fails Unknown leaves the set unusable",
+    ),
+    pytest.param(
+        "gpu 0 ecc=1\ngpu 1\nhang nvmlDeviceGetTotalEccErrors gpu=0\n",
+        """
+        import signal
+        signal.signal(signal.SIGUSR2, lambda *a: None)
+        nv.nvmlInit()
+        h0, h1 = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
+        got = []
+        t = threading.Thread(target=lambda: got.append(nv.nvmlDeviceGetTotalEccErrors(h0, 1, 0)), daemon=True)
+        t.start()
+        time.sleep(0.3)
+        signal.pthread_kill(t.ident, signal.SIGUSR2)  # a signal does not end a hung call
+        time.sleep(0.1)
+        hung = t.is_alive()
+        others = [nv.nvmlDeviceGetTotalEccErrors(h1, 1, 0), nv.nvmlDeviceGetUUID(h0), nv.nvmlDeviceGetCount()]
+        write_state("gpu 0 ecc=2\\ngpu 1\\n")
+        t.join(2)
+        out(hung=hung, others=others, returned=not t.is_alive(), got=got)
+        """,
+        {
+            "hung": True,
+            "others": [0, "GPU-00000000-fake-0000-0000-000000000000", 2],
+            "returned": True,
+            "got": [2],
+        },
+        id="a hang line blocks that call on that GPU until it is removed",
+    ),
+    pytest.param(
+        "gpu 0\n",
+        """
+        nv.nvmlInit()
+        s = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(nv.nvmlDeviceGetHandleByIndex(0), XID, s)
+        got = []
+        t = threading.Thread(target=lambda: got.append(err(nv.nvmlEventSetWait_v2, s, 200)), daemon=True)
+        t.start()
+        time.sleep(0.05)
+        write_state("hang nvmlEventSetWait\\n", "append")
+        time.sleep(0.6)
+        hung = t.is_alive()
+        write_state("gpu 0\\nxid 0 79\\n")
+        t.join(2)
+        out(hung=hung, returned=not t.is_alive(), got=got)
+        """,
+        {"hung": True, "returned": True, "got": [None]},
+        id="a hang line stops a wait that already blocks from returning",
+    ),
+    pytest.param(
+        "gpu 0 retired_supported=1 retired_sbe=2 retired_dbe=1 retired_pending=1\ngpu 1\n",
+        """
+        nv.nvmlInit()
+        h0, h1 = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
+        out(sbe=len(nv.nvmlDeviceGetRetiredPages(h0, 0)), dbe=len(nv.nvmlDeviceGetRetiredPages(h0, 1)),
+            pending=nv.nvmlDeviceGetRetiredPagesPendingStatus(h0),
+            other=[err(nv.nvmlDeviceGetRetiredPages, h1, 0),
+                   err(nv.nvmlDeviceGetRetiredPagesPendingStatus, h1)],
+            bad_cause=err(nv.nvmlDeviceGetRetiredPages, h0, 2))
+        """,
+        {
+            "sbe": 2,
+            "dbe": 1,
+            "pending": 1,
+            "other": ["NVMLError_NotSupported", "NVMLError_NotSupported"],
+            "bad_cause": "NVMLError_InvalidArgument",
+        },
+        id="retired pages answer where supported and not otherwise",
+    ),
+    pytest.param(
+        "gpu 0 ecc_enabled=0 ecc=3 remap_supported=0\n",
+        """
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        out(mode=list(nv.nvmlDeviceGetEccMode(h)), total=err(nv.nvmlDeviceGetTotalEccErrors, h, 1, 0),
+            remap=err(nv.nvmlDeviceGetRemappedRows, h), ecc_events=nv.nvmlDeviceGetSupportedEventTypes(h) & 3)
+        """,
+        {
+            "mode": [0, 0],
+            "total": "NVMLError_NotSupported",
+            "remap": "NVMLError_NotSupported",
+            "ecc_events": 0,
+        },
+        id="ECC supported but disabled, and no row remapping",
+    ),
+    pytest.param(
+        "gpu 0\ngpu 1 recovery_supported=0\n",
+        """
+        nv.nvmlInit()
+        h0, h1 = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
+        def field(h):
+            v = nv.nvmlDeviceGetFieldValues(h, [nv.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])[0]
+            return [v.fieldId, v.nvmlReturn, v.valueType, v.value.uiVal if v.nvmlReturn == 0 else None]
+        s = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(h0, XID | 0x8000, s)
+        before = field(h0)
+        write_state("gpu 0 recovery_action=1\\ngpu 1 recovery_supported=0\\n")
+        d = nv.nvmlEventSetWait_v2(s, 1000)
+        event = [d.eventType, d.eventData, nv.nvmlDeviceGetIndex(d.device)]
+        out(before=before, after=field(h0), event=event, unsupported=field(h1),
+            register_unsupported=err(nv.nvmlDeviceRegisterEvents, h1, 0x8000, s))
+        """,
+        {
+            "before": [230, 0, 1, 0],
+            "after": [230, 0, 1, 1],
+            "event": [0x8000, 0, 0],
+            "unsupported": [230, 3, 1, None],
+            "register_unsupported": "NVMLError_NotSupported",
+        },
+        id="the recovery action field and its event",
+    ),
+    pytest.param(
+        "gpu 0\n",
+        """
+        nv.nvmlInit()
+        s = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(nv.nvmlDeviceGetHandleByIndex(0), XID, s)
+        write_state("xid 0 13 gi=2 ci=0\\n", "append")
+        d = nv.nvmlEventSetWait_v2(s, 1000)
+        out(ev=[d.eventData, d.gpuInstanceId, d.computeInstanceId])
+        """,
+        {"ev": [13, 2, 0]},
+        id="MIG Xids carry the GPU and compute instance",
+    ),
+]
+
+
+@pytest.mark.parametrize(("gpus", "script", "expected"), [*INIT, *HEALTH, *EVENTS, *DOCUMENTED])
+def test_the_fake_answers_as_its_state_file_says(
+    lib_dir: Path, state: Path, gpus: str, script: str, expected: dict[str, Any]
+) -> None:
+    write(state, gpus)
+    assert nvml(lib_dir, script, state) == expected
 
 
 @pytest.mark.parametrize("error", ["GPU_IS_LOST", "UNKNOWN"])
@@ -1083,157 +1169,11 @@ def test_a_wait_can_be_made_to_fail_while_it_blocks(lib_dir: Path, state: Path, 
     assert res["took"] < 1.0 and res["then"] == "NVMLError_Timeout"
 
 
-def test_a_hang_line_blocks_that_call_on_that_gpu_until_it_is_removed(lib_dir: Path, state: Path) -> None:
-    write(state, "gpu 0 ecc=1\ngpu 1\nhang nvmlDeviceGetTotalEccErrors gpu=0\n")
-    res = nvml(
-        lib_dir,
-        """
-        import signal
-        signal.signal(signal.SIGUSR2, lambda *a: None)
-        nv.nvmlInit()
-        h0, h1 = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
-        got = []
-        t = threading.Thread(target=lambda: got.append(nv.nvmlDeviceGetTotalEccErrors(h0, 1, 0)), daemon=True)
-        t.start()
-        time.sleep(0.3)
-        signal.pthread_kill(t.ident, signal.SIGUSR2)  # a signal does not end a hung call
-        time.sleep(0.1)
-        hung = t.is_alive()
-        others = [nv.nvmlDeviceGetTotalEccErrors(h1, 1, 0), nv.nvmlDeviceGetUUID(h0), nv.nvmlDeviceGetCount()]
-        write_state("gpu 0 ecc=2\\ngpu 1\\n")
-        t.join(2)
-        out(hung=hung, others=others, returned=not t.is_alive(), got=got)
-        """,
-        state,
-    )
-    assert res == {
-        "hung": True,
-        "others": [0, "GPU-00000000-fake-0000-0000-000000000000", 2],
-        "returned": True,
-        "got": [2],
-    }
-
-
-def test_a_hang_line_stops_a_wait_that_already_blocks_from_returning(lib_dir: Path, state: Path) -> None:
-    write(state, "gpu 0\n")
-    res = nvml(
-        lib_dir,
-        """
-        nv.nvmlInit()
-        s = nv.nvmlEventSetCreate()
-        nv.nvmlDeviceRegisterEvents(nv.nvmlDeviceGetHandleByIndex(0), XID, s)
-        got = []
-        t = threading.Thread(target=lambda: got.append(err(nv.nvmlEventSetWait_v2, s, 200)), daemon=True)
-        t.start()
-        time.sleep(0.05)
-        write_state("hang nvmlEventSetWait\\n", "append")
-        time.sleep(0.6)
-        hung = t.is_alive()
-        write_state("gpu 0\\nxid 0 79\\n")
-        t.join(2)
-        out(hung=hung, returned=not t.is_alive(), got=got)
-        """,
-        state,
-    )
-    assert res == {"hung": True, "returned": True, "got": [None]}
-
-
 def test_a_malformed_hang_line_is_refused(lib_dir: Path, state: Path) -> None:
     write(state, "gpu 0\nhang nvmlDeviceGetFoo\n")
     proc = run_nvml(lib_dir, "out(init=err(nv.nvmlInit))", state)
     assert results(proc) == {"init": "NVMLError_Unknown"}
     assert "expected: hang <NVML function> [gpu=<n>]" in proc.stderr
-
-
-def test_retired_pages_answer_where_supported_and_not_otherwise(lib_dir: Path, state: Path) -> None:
-    write(state, "gpu 0 retired_supported=1 retired_sbe=2 retired_dbe=1 retired_pending=1\ngpu 1\n")
-    res = nvml(
-        lib_dir,
-        """
-        nv.nvmlInit()
-        h0, h1 = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
-        out(sbe=len(nv.nvmlDeviceGetRetiredPages(h0, 0)), dbe=len(nv.nvmlDeviceGetRetiredPages(h0, 1)),
-            pending=nv.nvmlDeviceGetRetiredPagesPendingStatus(h0),
-            other=[err(nv.nvmlDeviceGetRetiredPages, h1, 0),
-                   err(nv.nvmlDeviceGetRetiredPagesPendingStatus, h1)],
-            bad_cause=err(nv.nvmlDeviceGetRetiredPages, h0, 2))
-        """,
-        state,
-    )
-    assert res == {
-        "sbe": 2,
-        "dbe": 1,
-        "pending": 1,
-        "other": ["NVMLError_NotSupported", "NVMLError_NotSupported"],
-        "bad_cause": "NVMLError_InvalidArgument",
-    }
-
-
-def test_ecc_supported_but_disabled_and_no_row_remapping(lib_dir: Path, state: Path) -> None:
-    write(state, "gpu 0 ecc_enabled=0 ecc=3 remap_supported=0\n")
-    res = nvml(
-        lib_dir,
-        """
-        nv.nvmlInit()
-        h = nv.nvmlDeviceGetHandleByIndex(0)
-        out(mode=list(nv.nvmlDeviceGetEccMode(h)), total=err(nv.nvmlDeviceGetTotalEccErrors, h, 1, 0),
-            remap=err(nv.nvmlDeviceGetRemappedRows, h), ecc_events=nv.nvmlDeviceGetSupportedEventTypes(h) & 3)
-        """,
-        state,
-    )
-    assert res == {
-        "mode": [0, 0],
-        "total": "NVMLError_NotSupported",
-        "remap": "NVMLError_NotSupported",
-        "ecc_events": 0,
-    }
-
-
-def test_the_recovery_action_field_and_its_event(lib_dir: Path, state: Path) -> None:
-    write(state, "gpu 0\ngpu 1 recovery_supported=0\n")
-    res = nvml(
-        lib_dir,
-        """
-        nv.nvmlInit()
-        h0, h1 = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
-        def field(h):
-            v = nv.nvmlDeviceGetFieldValues(h, [nv.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])[0]
-            return [v.fieldId, v.nvmlReturn, v.valueType, v.value.uiVal if v.nvmlReturn == 0 else None]
-        s = nv.nvmlEventSetCreate()
-        nv.nvmlDeviceRegisterEvents(h0, XID | 0x8000, s)
-        before = field(h0)
-        write_state("gpu 0 recovery_action=1\\ngpu 1 recovery_supported=0\\n")
-        d = nv.nvmlEventSetWait_v2(s, 1000)
-        event = [d.eventType, d.eventData, nv.nvmlDeviceGetIndex(d.device)]
-        out(before=before, after=field(h0), event=event, unsupported=field(h1),
-            register_unsupported=err(nv.nvmlDeviceRegisterEvents, h1, 0x8000, s))
-        """,
-        state,
-    )
-    assert res == {
-        "before": [230, 0, 1, 0],
-        "after": [230, 0, 1, 1],
-        "event": [0x8000, 0, 0],
-        "unsupported": [230, 3, 1, None],
-        "register_unsupported": "NVMLError_NotSupported",
-    }
-
-
-def test_mig_xids_carry_the_gpu_and_compute_instance(lib_dir: Path, state: Path) -> None:
-    write(state, "gpu 0\n")
-    res = nvml(
-        lib_dir,
-        """
-        nv.nvmlInit()
-        s = nv.nvmlEventSetCreate()
-        nv.nvmlDeviceRegisterEvents(nv.nvmlDeviceGetHandleByIndex(0), XID, s)
-        write_state("xid 0 13 gi=2 ci=0\\n", "append")
-        d = nv.nvmlEventSetWait_v2(s, 1000)
-        out(ev=[d.eventData, d.gpuInstanceId, d.computeInstanceId])
-        """,
-        state,
-    )
-    assert res == {"ev": [13, 2, 0]}
 
 
 @pytest.mark.parametrize(
