@@ -15,7 +15,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from gpuguard.core.model import SignalMemory
+from gpuguard.store import retry
 from gpuguard.store.baselines import FILE_NAME, MAX_BYTES, MAX_GPUS, BaselineStore, baselines
+from harness.clock import Clock
 from harness.synctrace import trace_syncs
 from tests.test_nvml_backend import ROOT, env
 
@@ -128,14 +130,21 @@ def test_a_file_of_another_backend_is_not_loaded(tmp_path: Path) -> None:
     assert [e["event"] for e in logs] == ["baselines.other_backend_discarded"]
 
 
-def test_an_unwritable_directory_is_a_warning_and_memory_only(tmp_path: Path) -> None:
+def test_a_failed_write_is_retried_with_backoff_and_the_baselines_are_kept_when_the_disk_recovers(
+    tmp_path: Path,
+) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    store = BaselineStore(blocker / "state")  # a directory under a file: never creatable
+    clock = Clock()
+    store = BaselineStore(blocker / "state", clock=clock)  # a directory under a file: writes fail
     with capture_logs() as logs:
         store.save(MEMORY, BOTH)
-        store.save(SignalMemory(first_width=(("GPU-a", 8),)), BOTH)  # disabled: no second warning
-    assert [e["event"] for e in logs] == ["baselines.unavailable"]
+        blocker.unlink()
+        store.save(MEMORY, BOTH)  # the same memory object, within the backoff: not tried
+        clock.t += retry.FIRST_S
+        store.save(MEMORY, BOTH)  # the same memory object, now due: written
+    assert [e["event"] for e in logs] == ["baselines.unavailable", "baselines.resumed", "baselines.saved"]
+    assert BaselineStore(blocker / "state").load() == baselines(MEMORY, BOTH)
 
 
 # -- an agent restart through the real pynvml and the fake library -------------------------------------------

@@ -14,14 +14,15 @@ Written only when a baseline changes (in practice once, at the first check), dur
 rename, fsync of the directory. The write happens once per GPU life, off the fault's path, so unlike
 state.json's it pays for fsync: the file outlives the boot. Read once at start, validated field by field and
 bounded; a corrupt or foreign file is moved aside with a log line, and the agent starts without baselines
-(as before this file existed), never a crash. An unwritable directory: a warning, memory only.
+(as before this file existed), never a crash. A failed write: one warning, memory only until a write tried
+again with backoff (store.retry) succeeds.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from gpuguard.core import files
 from gpuguard.core.errors import ConfigError
 from gpuguard.core.model import SignalMemory
 from gpuguard.store import atomic
+from gpuguard.store.retry import WriteRetry
 
 log = structlog.get_logger(__name__)
 
@@ -59,12 +61,20 @@ class BaselineStore:
     """The baselines' file in `directory`. `backend`: whose GPUs the file holds; a file of another backend
     (a mock demo on the same host) is not loaded."""
 
-    def __init__(self, directory: str | Path, *, backend: str = "nvml") -> None:
+    def __init__(
+        self, directory: str | Path, *, backend: str = "nvml", clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._dir = Path(directory)
         self._backend = backend
         self._saved = SignalMemory()
         self._seen: tuple[SignalMemory, frozenset[str]] | None = None
-        self._disabled = False
+        self._retry = WriteRetry(
+            log,
+            "baselines",
+            directory=str(self._dir),
+            note="baselines kept in memory until a write succeeds: a restarted agent now takes new ones",
+            clock=clock,
+        )
 
     @property
     def path(self) -> Path:
@@ -94,26 +104,22 @@ class BaselineStore:
     def save(self, memory: SignalMemory, present: Collection[str]) -> None:
         """Write the baselines of the GPUs NVML lists (`present`) if they changed. Never raises. Nothing
         listed (NVML not up): nothing written, so a failed start drops no GPU's baseline."""
-        if self._disabled or not present:
+        if not present or not self._retry.due():
             return
         key = (memory, frozenset(present))
         if self._seen is not None and self._seen[0] is memory and self._seen[1] == key[1]:
             return  # the same memory object as at the last check: nothing new
-        self._seen = key
         kept = baselines(memory, key[1])
         if kept == self._saved:
+            self._seen = key
             return
         try:
             atomic.write_atomically(self.path, _dump(kept, self._backend), durable=True)
         except OSError as exc:
-            self._disabled = True
-            log.warning(
-                "baselines.unavailable",
-                directory=str(self._dir),
-                error=str(exc),
-                note="signal baselines kept in memory only: a restarted agent takes new ones",
-            )
+            self._retry.failed(exc)  # _seen not set: the same memory is written again when the retry is due
             return
+        self._retry.succeeded()
+        self._seen = key
         self._saved = kept
         log.info("baselines.saved", path=str(self.path), gpus=_count(kept))
 

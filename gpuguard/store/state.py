@@ -10,7 +10,8 @@ gpuguard made and the ones an operator deleted, so that a rule deleted by hand i
 fault after the agent restarts (the API server keeps no trace of a deleted rule).
 
 Written atomically (temp file, rename), versioned, and tolerant: a corrupt or foreign file is logged and moved
-aside; an unwritable directory gives a warning and gpuguard runs on without durability.
+aside; a failed write (a full disk, a read-only remount) gives one warning and is tried again with backoff
+(store.retry) until one succeeds, then one line says durability resumed.
 
 No fsync, on purpose: it cost milliseconds in the fault's path (before the taint) and protects nothing here.
 A written file is in the kernel's page cache the moment write() returns, and the rename swaps old for new
@@ -26,7 +27,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from gpuguard.core import files
 from gpuguard.core.errors import ConfigError
 from gpuguard.core.model import Fault
 from gpuguard.store import atomic
+from gpuguard.store.retry import WriteRetry
 
 log = structlog.get_logger(__name__)
 
@@ -72,12 +74,28 @@ class StateStore:
     a file of this boot from one of an earlier boot. `backend`: the backend whose faults the file holds; a
     file written by another backend (a mock demo on the same host) is never restored."""
 
-    def __init__(self, directory: str | Path | None, *, boot_id: str, backend: str = "nvml") -> None:
+    def __init__(
+        self,
+        directory: str | Path | None,
+        *,
+        boot_id: str,
+        backend: str = "nvml",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._dir = Path(directory) if directory else None
         self._boot_id = boot_id
         self._backend = backend
-        self._last: tuple[Fault, ...] | None = None
+        # What the file should hold (the latest saves) and what it holds (None: not written by this process).
+        self._faults: tuple[Fault, ...] = ()
         self._rules = RuleMemory()
+        self._written: tuple[tuple[Fault, ...], RuleMemory] | None = None
+        self._retry = WriteRetry(
+            log,
+            "state",
+            directory=str(self._dir),
+            note="fault state kept in memory until a write succeeds",
+            clock=clock,
+        )
         self._restored: tuple[Fault, ...] = ()
         self._loaded = False
         # The agent's thread saves faults, the reconciler's thread the rules: one file, written whole.
@@ -113,12 +131,12 @@ class StateStore:
     def save_rules(self, rules: RuleMemory) -> None:
         """Write the file if the rules' memory changed. Never raises."""
         with self._lock:
-            if self._disabled or rules == self._rules:
+            if self._disabled:
                 return
             if not self._loaded:
                 self.load_rules()  # keep the file's faults
-            if self._write(self._last or (), rules):
-                self._rules = rules
+            self._rules = rules
+            self._flush()
 
     def _load(self) -> tuple[Fault, ...]:
         path = self.path
@@ -146,21 +164,28 @@ class StateStore:
                 faults=len(faults),
             )
             return ()
-        self._last = faults
+        self._faults = faults
         self._rules = _parse_rules(doc.get("device_rules"), path)
+        self._written = (faults, self._rules)
         if faults:
             log.warning("state.restored", path=str(path), faults=[f.key for f in faults])
         return faults
 
     def save(self, faults: tuple[Fault, ...]) -> None:
-        """Write the file if the faults changed since the last write. Never raises."""
+        """Write the file if the faults changed since the last write, or a failed write is due again. Never
+        raises."""
         with self._lock:
-            if self._disabled or faults == self._last:
+            if self._disabled:
                 return
             if not self._loaded:
                 self.load_rules()  # keep the file's rules
-            if self._write(faults, self._rules):
-                self._last = faults
+            self._faults = faults
+            self._flush()
+
+    def _flush(self) -> None:
+        want = (self._faults, self._rules)
+        if want != self._written and self._retry.due() and self._write(*want):
+            self._written = want
 
     def _write(self, faults: tuple[Fault, ...], rules: RuleMemory) -> bool:
         assert self._dir is not None
@@ -189,14 +214,9 @@ class StateStore:
             # No fsync (see the module's docstring): it runs in a fault's path before the taint.
             atomic.write_atomically(self._dir / FILE_NAME, data, durable=False, temp_stem="state")
         except OSError as exc:
-            self._disabled = True
-            log.warning(
-                "state.unavailable",
-                directory=str(self._dir),
-                error=str(exc),
-                note="running without durable fault state",
-            )
+            self._retry.failed(exc)
             return False
+        self._retry.succeeded()
         return True
 
 
