@@ -402,3 +402,25 @@ def test_readings_follow_the_uuid_when_a_gpu_falls_off_mid_run(
         assert all(uuid == "GPU-2" for _, uuid, ecc in gpus if ecc == 5), passes
         assert "GPU-2" in [uuid for _, uuid, _ in gpus], passes
     assert passes[-1] == [[0, "GPU-0", 0], [1, "GPU-2", 5], [2, "GPU-3", 0]], passes
+
+
+def test_an_xid_queued_behind_a_hung_event_call_is_judged_when_the_call_returns(
+    fakenvml: Path, tmp_path: Path
+) -> None:
+    """The event thread hangs reading GPU 0's UUID for its Xid; an Xid 79 on GPU 1 arrives meanwhile, in that
+    thread's event set only (NVML delivers an event to the sets registered before it). The thread is given up
+    and the path rebuilt on a new set; when the call returns, the old set is drained before it is freed, so
+    GPU 1's Xid 79 is judged within a second."""
+    s = state_file(tmp_path, TWO)
+    with agent(fakenvml, s, "--nvml-call-timeout", "0.5", "--interval", "30") as p:
+        s.write_text(TWO + "hang nvmlDeviceGetUUID gpu=0\nxid 0 31\n")
+        time.sleep(0.3)  # the event thread is in GPU 0's UUID read now
+        s.write_text(TWO + "hang nvmlDeviceGetUUID gpu=0\nxid 0 31\nxid 1 79\n")
+        deadline = time.monotonic() + 15
+        while not p.events("nvml.event_path_rebuilt") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p.events("nvml.event_path_rebuilt"), p.lines[-20:]
+        time.sleep(0.5)  # the new set is registered
+        s.write_text(TWO + "xid 0 31\nxid 1 79\n")  # the call returns
+        doc, took, _ = watch_until(p, lambda d: "xid-79" in reasons_of(d, "GPU-0b"), 3)
+        assert "xid-79" in reasons_of(doc, "GPU-0b") and took < 1.0, (took, doc)
