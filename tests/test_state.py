@@ -16,7 +16,15 @@ from structlog.testing import capture_logs
 from gpuguard.core.config import Config
 from gpuguard.core.model import Fault
 from gpuguard.store import retry
-from gpuguard.store.state import FILE_NAME, MAX_BYTES, MAX_RULES, RuleMemory, StateStore, read_boot_id
+from gpuguard.store.state import (
+    FILE_NAME,
+    MAX_BYTES,
+    MAX_FAULTS,
+    MAX_RULES,
+    RuleMemory,
+    StateStore,
+    read_boot_id,
+)
 from harness.clock import Clock
 
 XID = Fault("xid-79", "GPU has fallen off the bus (GPU 1, GPU-b)", uuid="GPU-b", gpu_index=1)
@@ -504,3 +512,33 @@ def test_a_state_path_that_is_not_a_regular_file_is_moved_aside_without_blocking
         assert StateStore(tmp_path, boot_id="b").load() == ()
     assert logs[0]["event"] == "state.corrupt" and "not a regular file" in logs[0]["error"]
     assert not path.exists()
+
+
+def test_more_faults_than_the_reader_accepts_are_written_within_its_limit_and_a_fatal_fault_is_kept(
+    tmp_path: Path,
+) -> None:
+    """An Xid 79 first (the oldest), then more faults a reading clears than the file may hold: the file
+    written loads at the next start (never moved aside), the Xid 79 in it, the oldest others left out."""
+    others = tuple(
+        Fault("gpu-unreadable", f"d{i}", uuid=f"GPU-{i:04d}", gpu_index=i) for i in range(MAX_FAULTS + 50)
+    )
+    with capture_logs() as logs:
+        StateStore(tmp_path, boot_id="b").save((XID, *others))
+    restored = StateStore(tmp_path, boot_id="b").load()
+    assert len(restored) == MAX_FAULTS and restored[0] == XID
+    assert restored[1:] == others[-(MAX_FAULTS - 1) :]
+    assert [e["event"] for e in logs] == ["state.faults_not_kept"]
+    assert [p.name for p in tmp_path.iterdir()] == [FILE_NAME]
+
+
+def test_texts_longer_than_the_reader_keeps_are_cut_by_the_writer_and_rules_past_its_limits_left_out(
+    tmp_path: Path,
+) -> None:
+    long = Fault("xid-79", "x" * 2000, uuid="GPU-b", gpu_index=1)
+    rules = RuleMemory(known={"r" * 600: ("GPU-b", frozenset({"xid-79/GPU-b"})), **RULES.known})
+    s = StateStore(tmp_path, boot_id="b")
+    s.save((long,))
+    s.save_rules(rules)
+    again = StateStore(tmp_path, boot_id="b")
+    assert again.load() == (Fault("xid-79", "x" * 512, uuid="GPU-b", gpu_index=1),)
+    assert again.load_rules().known == RULES.known

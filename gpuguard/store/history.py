@@ -28,7 +28,7 @@ import structlog
 
 from gpuguard.core import files
 from gpuguard.core.errors import ConfigError
-from gpuguard.store import atomic
+from gpuguard.store import atomic, limits
 from gpuguard.store.retry import WriteRetry
 
 log = structlog.get_logger(__name__)
@@ -36,14 +36,13 @@ log = structlog.get_logger(__name__)
 KIND = "gpuguard-history"
 VERSION = 1
 FILE_NAME = "history.json"
-MAX_BYTES = files.MIB
-MAX_EPISODES = 32
-MAX_RELEASES = 8
-MAX_GPUS = 64
-MAX_REASONS = 3
-# Reasons, boot IDs and names are short (a boot ID is 36 characters); a GPU UUID, MIG's included, is <= 96.
-MAX_TEXT = 64
-MAX_UUID = 128
+MAX_BYTES = limits.HISTORY_MAX_BYTES
+MAX_EPISODES = limits.HISTORY_MAX_EPISODES
+MAX_RELEASES = limits.HISTORY_MAX_RELEASES
+MAX_GPUS = limits.HISTORY_MAX_GPUS
+MAX_REASONS = limits.HISTORY_MAX_REASONS
+MAX_TEXT = limits.HISTORY_MAX_TEXT
+MAX_UUID = limits.HISTORY_MAX_UUID
 # How an episode ended: the node rebooted, a GPU reset the driver asked for cleared it, a counter went back
 # (an ECC count after a driver reload), or an operator released the GPU (`gpuguard release`).
 ENDINGS = frozenset({"reboot", "reset", "counter-reset", "operator"})

@@ -37,7 +37,7 @@ import structlog
 from gpuguard.core import files
 from gpuguard.core.errors import ConfigError
 from gpuguard.core.model import Fault
-from gpuguard.store import atomic
+from gpuguard.store import atomic, limits
 from gpuguard.store.retry import WriteRetry
 
 log = structlog.get_logger(__name__)
@@ -45,10 +45,9 @@ log = structlog.get_logger(__name__)
 VERSION = 1
 KIND = "gpuguard-state"
 FILE_NAME = "state.json"
-MAX_BYTES = 1 << 20
-# At most this many rules remembered, and faults restored: a node has at most a few dozen GPUs.
-MAX_RULES = 1024
-MAX_FAULTS = 1024
+MAX_BYTES = limits.STATE_MAX_BYTES
+MAX_RULES = limits.STATE_MAX_RULES
+MAX_FAULTS = limits.STATE_MAX_FAULTS
 
 
 @dataclass(frozen=True)
@@ -188,7 +187,27 @@ class StateStore:
             self._written = want
 
     def _write(self, faults: tuple[Fault, ...], rules: RuleMemory) -> bool:
+        """Write within the reader's limits (store.limits): past them the least severe faults go first."""
         assert self._dir is not None
+        kept = limits.kept_faults(faults)
+        if len(kept) < len(faults):
+            log.warning(
+                "state.faults_not_kept", kept=len(kept), dropped=len(faults) - len(kept), limit=MAX_FAULTS
+            )
+        data = self._dump(kept, _within(rules))
+        if len(data) > MAX_BYTES:  # only a rules memory far past any node's: the faults are what matters
+            log.warning("state.rules_not_kept", bytes=len(data), limit=MAX_BYTES)
+            data = self._dump(kept, RuleMemory())
+        try:
+            # No fsync (see the module's docstring): it runs in a fault's path before the taint.
+            atomic.write_atomically(self._dir / FILE_NAME, data, durable=False, temp_stem="state")
+        except OSError as exc:
+            self._retry.failed(exc)
+            return False
+        self._retry.succeeded()
+        return True
+
+    def _dump(self, faults: tuple[Fault, ...], rules: RuleMemory) -> bytes:
         doc = {
             "kind": KIND,
             "version": VERSION,
@@ -209,15 +228,18 @@ class StateStore:
                 ],
             },
         }
-        data = json.dumps(doc, separators=(",", ":")).encode()
-        try:
-            # No fsync (see the module's docstring): it runs in a fault's path before the taint.
-            atomic.write_atomically(self._dir / FILE_NAME, data, durable=False, temp_stem="state")
-        except OSError as exc:
-            self._retry.failed(exc)
-            return False
-        self._retry.succeeded()
-        return True
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _within(rules: RuleMemory) -> RuleMemory:
+    """The rules memory the reader accepts: entries with texts or key lists past its limits left out."""
+
+    def ok(*texts: str, keys: frozenset[str]) -> bool:
+        return len(keys) <= MAX_RULES and all(len(t) <= limits.STATE_MAX_TEXT for t in (*texts, *keys))
+
+    known = [(n, (u, k)) for n, (u, k) in sorted(rules.known.items()) if ok(n, u, keys=k)]
+    overridden = [(u, k) for u, k in sorted(rules.overridden.items()) if ok(u, keys=k)]
+    return RuleMemory(known=dict(known[:MAX_RULES]), overridden=dict(overridden[:MAX_RULES]))
 
 
 def _parse(doc: Any) -> tuple[Fault, ...]:
@@ -241,7 +263,8 @@ def _parse(doc: Any) -> tuple[Fault, ...]:
             raise TypeError("fault uuid must be a string")
         if index is not None and (not isinstance(index, int) or isinstance(index, bool)):
             raise TypeError("fault gpu_index must be an integer")
-        faults.append(Fault(reason=f["reason"][:64], detail=f["detail"][:512], uuid=uuid, gpu_index=index))
+        reason, detail = f["reason"][: limits.STATE_MAX_REASON], f["detail"][: limits.STATE_MAX_DETAIL]
+        faults.append(Fault(reason=reason, detail=detail, uuid=uuid, gpu_index=index))
     return tuple(faults)
 
 
@@ -266,8 +289,8 @@ def _bounded(items: Any) -> list[Any]:
 
 
 def _text(value: Any) -> str:
-    if not isinstance(value, str) or len(value) > 512:
-        raise TypeError("expected a string of at most 512 characters")
+    if not isinstance(value, str) or len(value) > limits.STATE_MAX_TEXT:
+        raise TypeError(f"expected a string of at most {limits.STATE_MAX_TEXT} characters")
     return value
 
 
