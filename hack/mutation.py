@@ -92,8 +92,6 @@ JUDGED: dict[str, str] = {
         "equivalent: any negative index puts the node's faults first"
     ),
     "gpuguard/store/state.py StateStore._write: return False -> return None": _FALSY,
-    "gpuguard/store/state.py StateStore._write: False -> True": "equivalent: after a failed write the store "
-    "is disabled, so the faults it then takes for written are never compared or written again",
     "gpuguard/store/state.py StateStore._replace: True -> False #2": "equivalent: mkdir runs only after the "
     "open found no directory; exist_ok matters only if another process makes it in between",
     "gpuguard/core/validation.py <module>: 1024 -> 1025 #3": (

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from gpuguard.store import retry
 from gpuguard.store.history import (
     FILE_NAME,
     MAX_BYTES,
@@ -30,6 +31,7 @@ from gpuguard.store.history import (
     bounded,
     serialize,
 )
+from harness.clock import Clock
 
 EPISODE = Episode(reasons=("xid-79",), first_seen=1000.0, boot_id="boot-a", ended="reboot", ended_at=1100.0)
 
@@ -88,14 +90,23 @@ def test_a_file_larger_than_the_limit_is_moved_aside(tmp_path: Path) -> None:
     assert any(p.name.startswith(f"{FILE_NAME}.bad-") for p in tmp_path.iterdir())
 
 
-def test_an_unwritable_directory_is_a_warning_and_the_agent_runs_on(tmp_path: Path) -> None:
+def test_a_failed_write_is_retried_with_backoff_and_durability_resumes_when_the_disk_does(
+    tmp_path: Path,
+) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    store = HistoryStore(blocker / "sub")  # a directory under a regular file can never be made
+    clock = Clock()
+    store = HistoryStore(blocker / "sub", clock=clock)  # a directory under a regular file: writes fail
+    held = {"GPU-a": GpuHistory(episodes=(EPISODE,))}
     with capture_logs() as logs:
-        assert store.save({"GPU-a": GpuHistory(episodes=(EPISODE,))}) is False
+        assert store.save(held) is False
         assert store.save({"GPU-a": GpuHistory()}) is False
-    assert [e["event"] for e in logs] == ["history.unavailable"]  # once
+        blocker.unlink()
+        assert store.save(held) is False  # within the backoff
+        clock.t += retry.FIRST_S
+        assert store.save(held) is True
+    assert [e["event"] for e in logs] == ["history.unavailable", "history.resumed"]  # once each
+    assert HistoryStore(blocker / "sub").load() == held
 
 
 def test_the_history_is_bounded_per_gpu_and_in_gpus_and_the_held_gpus_are_kept_last() -> None:

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from harness.agentproc import WatchProcess, healthz_status
 from tests.test_nvml_backend import ROOT, check, env, state_file
 
@@ -353,3 +355,72 @@ def test_a_uuid_read_that_hangs_at_start_is_unresponsive_never_missing(
     finally:
         assert p.stop() == 0
         assert not p.tracebacks()
+
+
+FALLS_OFF = """
+import json, sys, time
+from pathlib import Path
+from gpuguard.nvml.real import NvmlBackend
+s = Path(sys.argv[1])
+three = "gpu 0 uuid=GPU-0\\ngpu 1 uuid=GPU-2 ecc=5\\ngpu 2 uuid=GPU-3\\n"
+b = NvmlBackend(deadline=0.5)
+b.open(lambda: None)
+b.snapshot()
+s.write_text(three + sys.argv[2] + "\\n")  # GPU 1 is gone: GPU-2 is index 1 now
+seen = []
+for i in range(6):
+    seen.append([(g.index, g.uuid, g.ecc_uncorrected) for g in b.snapshot().gpus])
+    if i == 1:
+        s.write_text(three)  # the call returns
+    time.sleep(0.3)
+b.close()
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize(
+    "rule", ["", "hang nvmlDeviceGetUUID gpu=1", "fail nvmlDeviceGetUUID UNKNOWN gpu=1 count=1"]
+)
+def test_readings_follow_the_uuid_when_a_gpu_falls_off_mid_run(
+    fakenvml: Path, tmp_path: Path, rule: str
+) -> None:
+    """4 GPUs, GPU 1 falls off and the driver counts 3: GPU-2's reading (ECC 5) is GPU-2's in every pass,
+    also while the UUID at its new index hangs or fails once; never absent (gpu-missing is sticky)."""
+    s = state_file(tmp_path, "".join(f"gpu {i} uuid=GPU-{i}\n" for i in range(4)))
+    r = subprocess.run(
+        [sys.executable, "-c", FALLS_OFF, str(s), rule],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env(fakenvml, s),
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    passes = json.loads(r.stdout.strip().splitlines()[-1])
+    for gpus in passes:
+        assert all(uuid == "GPU-2" for _, uuid, ecc in gpus if ecc == 5), passes
+        assert "GPU-2" in [uuid for _, uuid, _ in gpus], passes
+    assert passes[-1] == [[0, "GPU-0", 0], [1, "GPU-2", 5], [2, "GPU-3", 0]], passes
+
+
+def test_an_xid_queued_behind_a_hung_event_call_is_judged_when_the_call_returns(
+    fakenvml: Path, tmp_path: Path
+) -> None:
+    """The event thread hangs reading GPU 0's UUID for its Xid; an Xid 79 on GPU 1 arrives meanwhile, in that
+    thread's event set only (NVML delivers an event to the sets registered before it). The thread is given up
+    and the path rebuilt on a new set; when the call returns, the old set is drained before it is freed, so
+    GPU 1's Xid 79 is judged within a second."""
+    s = state_file(tmp_path, TWO)
+    with agent(fakenvml, s, "--nvml-call-timeout", "0.5", "--interval", "30") as p:
+        s.write_text(TWO + "hang nvmlDeviceGetUUID gpu=0\nxid 0 31\n")
+        time.sleep(0.3)  # the event thread is in GPU 0's UUID read now
+        s.write_text(TWO + "hang nvmlDeviceGetUUID gpu=0\nxid 0 31\nxid 1 79\n")
+        deadline = time.monotonic() + 15
+        while not p.events("nvml.event_path_rebuilt") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p.events("nvml.event_path_rebuilt"), p.lines[-20:]
+        time.sleep(0.5)  # the new set is registered
+        s.write_text(TWO + "xid 0 31\nxid 1 79\n")  # the call returns
+        doc, took, _ = watch_until(p, lambda d: "xid-79" in reasons_of(d, "GPU-0b"), 3)
+        assert "xid-79" in reasons_of(doc, "GPU-0b") and took < 1.0, (took, doc)

@@ -10,11 +10,22 @@ import stat
 from pathlib import Path
 
 import pytest
+import structlog
 from structlog.testing import capture_logs
 
 from gpuguard.core.config import Config
 from gpuguard.core.model import Fault
-from gpuguard.store.state import FILE_NAME, MAX_BYTES, MAX_RULES, RuleMemory, StateStore, read_boot_id
+from gpuguard.store import retry
+from gpuguard.store.state import (
+    FILE_NAME,
+    MAX_BYTES,
+    MAX_FAULTS,
+    MAX_RULES,
+    RuleMemory,
+    StateStore,
+    read_boot_id,
+)
+from harness.clock import Clock
 
 XID = Fault("xid-79", "GPU has fallen off the bus (GPU 1, GPU-b)", uuid="GPU-b", gpu_index=1)
 LOST = Fault("gpu-lost", "GPU is lost (GPU 0, GPU-a)", uuid="GPU-a", gpu_index=0)
@@ -184,17 +195,37 @@ def test_a_state_file_of_an_older_gpuguard_without_rules_loads(tmp_path: Path) -
     assert store.load() == (XID,) and store.load_rules() == RuleMemory()
 
 
-def test_after_a_failed_write_the_store_is_disabled_and_never_tries_again(tmp_path: Path) -> None:
+def test_a_failed_write_is_retried_with_backoff_and_a_fault_saved_after_the_disk_recovers_survives_a_restart(
+    tmp_path: Path,
+) -> None:
     blocker = tmp_path / "file"
-    blocker.write_text("x")
-    s = StateStore(blocker / "sub", boot_id="b")
+    blocker.write_text("x")  # a directory under a regular file: every write fails, as on a full disk
+    clock = Clock()
+    s = StateStore(blocker / "sub", boot_id="b", clock=clock)
     with capture_logs() as logs:
         s.save((XID,))
-        blocker.unlink()  # the directory could be made now: the store does not try again
-        s.save((XID, LOST))
+        blocker.unlink()  # the disk recovers
+        s.save((XID, LOST))  # within the backoff: not tried yet
+        assert not (blocker / "sub" / FILE_NAME).exists()
+        clock.t += retry.FIRST_S
+        s.save((XID, LOST))  # the same faults, now due: written
         s.save_rules(RULES)
-    assert not blocker.exists()
-    assert [e["event"] for e in logs] == ["state.unavailable"]
+    assert [e["event"] for e in logs] == ["state.unavailable", "state.resumed"]
+    again = StateStore(blocker / "sub", boot_id="b")
+    assert again.load() == (XID, LOST) and again.load_rules() == RULES
+
+
+def test_the_backoff_doubles_per_failure_up_to_its_limit(tmp_path: Path) -> None:
+    clock = Clock()
+    r = retry.WriteRetry(structlog.get_logger(), "state", directory="d", note="", clock=clock)
+    waits = []
+    for _ in range(9):
+        r.failed(OSError(28, "No space left on device"))
+        start = clock.t
+        while not r.due():
+            clock.t += 1
+        waits.append(clock.t - start)
+    assert waits == [5, 10, 20, 40, 80, 160, 300, 300, 300]
 
 
 @pytest.mark.parametrize(
@@ -481,3 +512,33 @@ def test_a_state_path_that_is_not_a_regular_file_is_moved_aside_without_blocking
         assert StateStore(tmp_path, boot_id="b").load() == ()
     assert logs[0]["event"] == "state.corrupt" and "not a regular file" in logs[0]["error"]
     assert not path.exists()
+
+
+def test_more_faults_than_the_reader_accepts_are_written_within_its_limit_and_a_fatal_fault_is_kept(
+    tmp_path: Path,
+) -> None:
+    """An Xid 79 first (the oldest), then more faults a reading clears than the file may hold: the file
+    written loads at the next start (never moved aside), the Xid 79 in it, the oldest others left out."""
+    others = tuple(
+        Fault("gpu-unreadable", f"d{i}", uuid=f"GPU-{i:04d}", gpu_index=i) for i in range(MAX_FAULTS + 50)
+    )
+    with capture_logs() as logs:
+        StateStore(tmp_path, boot_id="b").save((XID, *others))
+    restored = StateStore(tmp_path, boot_id="b").load()
+    assert len(restored) == MAX_FAULTS and restored[0] == XID
+    assert restored[1:] == others[-(MAX_FAULTS - 1) :]
+    assert [e["event"] for e in logs] == ["state.faults_not_kept"]
+    assert [p.name for p in tmp_path.iterdir()] == [FILE_NAME]
+
+
+def test_texts_longer_than_the_reader_keeps_are_cut_by_the_writer_and_rules_past_its_limits_left_out(
+    tmp_path: Path,
+) -> None:
+    long = Fault("xid-79", "x" * 2000, uuid="GPU-b", gpu_index=1)
+    rules = RuleMemory(known={"r" * 600: ("GPU-b", frozenset({"xid-79/GPU-b"})), **RULES.known})
+    s = StateStore(tmp_path, boot_id="b")
+    s.save((long,))
+    s.save_rules(rules)
+    again = StateStore(tmp_path, boot_id="b")
+    assert again.load() == (Fault("xid-79", "x" * 512, uuid="GPU-b", gpu_index=1),)
+    assert again.load_rules().known == RULES.known

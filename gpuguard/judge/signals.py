@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gpuguard.core.hardware import nvlink_links_ok, pcie_gen_ok, pcie_width_ok
 from gpuguard.core.model import (
     GPU_MISSING,
     Fault,
@@ -184,8 +185,7 @@ def _gpu(
 
 
 Rule = Callable[["GpuReading", Signal, "_Memory", float], str]
-# The table's judged signals with their rules and sources, and the longest clock window, per table object:
-# made once per table (the settings hold one), not once per GPU and check.
+# The table's judged signals (rules, sources) and longest clock window: once per table, not per GPU and check.
 _PLANS: dict[int, tuple[SignalTable, tuple[tuple[Signal, Rule, str], ...], float]] = {}
 
 
@@ -251,7 +251,7 @@ def _fabric_degraded(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
 
 def _nvlink_down(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
     active = g.signals.nvlink_active
-    if active is None:
+    if active is None or (active and not nvlink_links_ok(active)):  # a link NVML cannot name: no reading
         return ""
     first = mem.links.get(g.uuid)
     if first is None or not active <= first:
@@ -307,7 +307,7 @@ def _pcie_replays(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
 
 def _pcie_width(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
     width = g.signals.pcie_width
-    if not width:  # None, or 0 (down or unknown): no reading, never a baseline (the file refuses x0)
+    if not width or not pcie_width_ok(width):  # None, 0, 0xFFFFFFFF...: no reading, never a baseline
         return ""
     first = mem.width.get(g.uuid)
     if first is None or width > first:
@@ -327,7 +327,7 @@ def _pcie_width_max(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
 
 def _pcie_gen(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
     gen = g.signals.pcie_gen
-    if not gen:  # None, or 0: no reading, as a width of 0
+    if not gen or not pcie_gen_ok(gen):  # None, 0, or none a link can have: no reading, as a width of 0
         return ""
     first = mem.gen.setdefault(g.uuid, gen)
     if gen >= first - s.threshold:

@@ -14,14 +14,16 @@ Written only when a baseline changes (in practice once, at the first check), dur
 rename, fsync of the directory. The write happens once per GPU life, off the fault's path, so unlike
 state.json's it pays for fsync: the file outlives the boot. Read once at start, validated field by field and
 bounded; a corrupt or foreign file is moved aside with a log line, and the agent starts without baselines
-(as before this file existed), never a crash. An unwritable directory: a warning, memory only.
+(as before this file existed), never a crash; a bad entry (a reading no link can have, gpuguard.core.hardware)
+is dropped alone, and the writer never writes one. A failed write: one warning, memory only until a write
+tried again with backoff (store.retry) succeeds.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -29,29 +31,34 @@ import structlog
 
 from gpuguard.core import files
 from gpuguard.core.errors import ConfigError
+from gpuguard.core.hardware import NVLINK_MAX_LINKS, nvlink_links_ok, pcie_gen_ok, pcie_width_ok
 from gpuguard.core.model import SignalMemory
-from gpuguard.store import atomic
+from gpuguard.store import atomic, limits
+from gpuguard.store.retry import WriteRetry
 
 log = structlog.get_logger(__name__)
 
 KIND = "gpuguard-signal-baselines"
 VERSION = 1
 FILE_NAME = "signal-baselines.json"
-MAX_BYTES = 256 * files.KIB
-# A node has at most a few dozen GPUs; nvml.h's NVML_NVLINK_MAX_LINKS is 18 (headroom for later parts).
-MAX_GPUS = 256
-MAX_LINK = 63
-MAX_UUID = 96
-MAX_WIDTH = 64
-MAX_GEN = 32
+MAX_BYTES = limits.BASELINES_MAX_BYTES
+MAX_GPUS = limits.BASELINES_MAX_GPUS
+MAX_UUID = limits.BASELINES_MAX_UUID
 
 
 def baselines(memory: SignalMemory, present: Collection[str]) -> SignalMemory:
-    """Pure: the baselines in `memory` (not its windows) of the GPUs in `present`, in UUID order."""
+    """Pure: the baselines in `memory` (not its windows) of the GPUs in `present`, in UUID order; a UUID
+    or a reading the file's reader would drop is left out (gpuguard.core.hardware: what a link can report)."""
+
+    kept = {u for u in sorted(present)[:MAX_GPUS] if 0 < len(u) <= MAX_UUID}
+
+    def keep(u: str) -> bool:
+        return u in kept
+
     return SignalMemory(
-        first_links=tuple(sorted((u, v) for u, v in memory.first_links if u in present)),
-        first_width=tuple(sorted((u, v) for u, v in memory.first_width if u in present)),
-        first_gen=tuple(sorted((u, v) for u, v in memory.first_gen if u in present)),
+        first_links=tuple(sorted((u, v) for u, v in memory.first_links if keep(u) and nvlink_links_ok(v))),
+        first_width=tuple(sorted((u, v) for u, v in memory.first_width if keep(u) and pcie_width_ok(v))),
+        first_gen=tuple(sorted((u, v) for u, v in memory.first_gen if keep(u) and pcie_gen_ok(v))),
     )
 
 
@@ -59,12 +66,20 @@ class BaselineStore:
     """The baselines' file in `directory`. `backend`: whose GPUs the file holds; a file of another backend
     (a mock demo on the same host) is not loaded."""
 
-    def __init__(self, directory: str | Path, *, backend: str = "nvml") -> None:
+    def __init__(
+        self, directory: str | Path, *, backend: str = "nvml", clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._dir = Path(directory)
         self._backend = backend
         self._saved = SignalMemory()
         self._seen: tuple[SignalMemory, frozenset[str]] | None = None
-        self._disabled = False
+        self._retry = WriteRetry(
+            log,
+            "baselines",
+            directory=str(self._dir),
+            note="baselines kept in memory until a write succeeds: a restarted agent now takes new ones",
+            clock=clock,
+        )
 
     @property
     def path(self) -> Path:
@@ -94,26 +109,22 @@ class BaselineStore:
     def save(self, memory: SignalMemory, present: Collection[str]) -> None:
         """Write the baselines of the GPUs NVML lists (`present`) if they changed. Never raises. Nothing
         listed (NVML not up): nothing written, so a failed start drops no GPU's baseline."""
-        if self._disabled or not present:
+        if not present or not self._retry.due():
             return
         key = (memory, frozenset(present))
         if self._seen is not None and self._seen[0] is memory and self._seen[1] == key[1]:
             return  # the same memory object as at the last check: nothing new
-        self._seen = key
         kept = baselines(memory, key[1])
         if kept == self._saved:
+            self._seen = key
             return
         try:
             atomic.write_atomically(self.path, _dump(kept, self._backend), durable=True)
         except OSError as exc:
-            self._disabled = True
-            log.warning(
-                "baselines.unavailable",
-                directory=str(self._dir),
-                error=str(exc),
-                note="signal baselines kept in memory only: a restarted agent takes new ones",
-            )
+            self._retry.failed(exc)  # _seen not set: the same memory is written again when the retry is due
             return
+        self._retry.succeeded()
+        self._seen = key
         self._saved = kept
         log.info("baselines.saved", path=str(self.path), gpus=_count(kept))
 
@@ -157,23 +168,28 @@ def _parse(doc: Any) -> SignalMemory:
     links: dict[str, frozenset[int]] = {}
     width: dict[str, int] = {}
     gen: dict[str, int] = {}
+    dropped: list[str] = []
     seen: set[str] = set()
     for g in gpus:
-        if not isinstance(g, dict):
-            raise TypeError("each GPU must be an object")
-        uuid = g["uuid"]
+        # A bad entry is dropped alone (logged): the other GPUs' baselines stay.
+        uuid = g.get("uuid") if isinstance(g, dict) else None
         if not isinstance(uuid, str) or not 0 < len(uuid) <= MAX_UUID or uuid in seen:
-            raise ValueError(f"uuid must be a unique string of 1 to {MAX_UUID} characters")
+            dropped.append(f"a GPU entry without a unique UUID of 1 to {MAX_UUID} characters")
+            continue
         seen.add(uuid)
-        if g.get("links") is not None:
-            raw = g["links"]
-            if not isinstance(raw, list) or not raw or len(raw) > MAX_LINK + 1:
-                raise TypeError("links must be a non-empty list of link numbers")
-            links[uuid] = frozenset(_int(v, 0, MAX_LINK, "link") for v in raw)
-        if g.get("width") is not None:
-            width[uuid] = _int(g["width"], 1, MAX_WIDTH, "width")
-        if g.get("gen") is not None:
-            gen[uuid] = _int(g["gen"], 1, MAX_GEN, "gen")
+        raw = {name: g.get(name) for name in ("links", "width", "gen")}
+        found_links, found_width, found_gen = _links(raw["links"]), _width(raw["width"]), _gen(raw["gen"])
+        for name, found in (("links", found_links), ("width", found_width), ("gen", found_gen)):
+            if raw[name] is not None and found is None:
+                dropped.append(f"{uuid} {name} {str(raw[name])[:40]}")
+        if found_links is not None:
+            links[uuid] = found_links
+        if found_width is not None:
+            width[uuid] = found_width
+        if found_gen is not None:
+            gen[uuid] = found_gen
+    if dropped:
+        log.warning("baselines.entries_dropped", entries=dropped[:20], count=len(dropped))
     return SignalMemory(
         first_links=tuple(sorted(links.items())),
         first_width=tuple(sorted(width.items())),
@@ -181,10 +197,26 @@ def _parse(doc: Any) -> SignalMemory:
     )
 
 
-def _int(value: Any, low: int, high: int, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise ValueError(f"{what} must be an integer from {low} to {high}")
-    return value
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _links(value: Any) -> frozenset[int] | None:
+    if value is None or not isinstance(value, list) or len(value) > NVLINK_MAX_LINKS:
+        return None
+    links = [_int(v) for v in value]
+    numbers = frozenset(v for v in links if v is not None)
+    return numbers if None not in links and nvlink_links_ok(numbers) else None
+
+
+def _width(value: Any) -> int | None:
+    width = _int(value)
+    return width if width is not None and pcie_width_ok(width) else None
+
+
+def _gen(value: Any) -> int | None:
+    gen = _int(value)
+    return gen if gen is not None and pcie_gen_ok(gen) else None
 
 
 def _move_aside(path: Path, why: str) -> None:

@@ -11,13 +11,15 @@ releases per GPU (the oldest dropped), MAX_GPUS GPUs (those with the oldest acti
 last), MAX_REASONS reasons per episode, strings of at most MAX_TEXT characters (a UUID MAX_UUID), and a file
 of at most MAX_BYTES (the largest history the bounds allow is about 800 KB: tests/test_history.py computes
 it). A corrupt or foreign file is moved aside (`history.json.bad-<time>`) with a log line: the agent runs on
-with an empty history, never crashes.
+with an empty history, never crashes. A failed write (a full disk) is tried again with backoff (store.retry)
+at the next save, so durability resumes when the disk does.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping
+import time
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,21 +28,21 @@ import structlog
 
 from gpuguard.core import files
 from gpuguard.core.errors import ConfigError
-from gpuguard.store import atomic
+from gpuguard.store import atomic, limits
+from gpuguard.store.retry import WriteRetry
 
 log = structlog.get_logger(__name__)
 
 KIND = "gpuguard-history"
 VERSION = 1
 FILE_NAME = "history.json"
-MAX_BYTES = files.MIB
-MAX_EPISODES = 32
-MAX_RELEASES = 8
-MAX_GPUS = 64
-MAX_REASONS = 3
-# Reasons, boot IDs and names are short (a boot ID is 36 characters); a GPU UUID, MIG's included, is <= 96.
-MAX_TEXT = 64
-MAX_UUID = 128
+MAX_BYTES = limits.HISTORY_MAX_BYTES
+MAX_EPISODES = limits.HISTORY_MAX_EPISODES
+MAX_RELEASES = limits.HISTORY_MAX_RELEASES
+MAX_GPUS = limits.HISTORY_MAX_GPUS
+MAX_REASONS = limits.HISTORY_MAX_REASONS
+MAX_TEXT = limits.HISTORY_MAX_TEXT
+MAX_UUID = limits.HISTORY_MAX_UUID
 # How an episode ended: the node rebooted, a GPU reset the driver asked for cleared it, a counter went back
 # (an ECC count after a driver reload), or an operator released the GPU (`gpuguard release`).
 ENDINGS = frozenset({"reboot", "reset", "counter-reset", "operator"})
@@ -137,9 +139,16 @@ def _cut(h: GpuHistory) -> GpuHistory:
 class HistoryStore:
     """The history file in `directory` (None: none kept, the history lives only as long as the process)."""
 
-    def __init__(self, directory: str | Path | None) -> None:
+    def __init__(self, directory: str | Path | None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._dir = Path(directory) if directory else None
         self._disabled = self._dir is None
+        self._retry = WriteRetry(
+            log,
+            "history",
+            directory=str(self._dir),
+            note="history kept in memory until a write succeeds: a reboot now forgets repeat offenders",
+            clock=clock,
+        )
 
     @property
     def path(self) -> Path | None:
@@ -164,9 +173,9 @@ class HistoryStore:
         return history
 
     def save(self, history: History) -> bool:
-        """Write the whole history durably. False (and a warning, once) where it cannot be written: the
-        agent runs on, its history then lives only in memory. Never raises."""
-        if self._disabled:
+        """Write the whole history durably. False where it is not written (no directory, a failed write, or
+        one failed before and its backoff has not passed): the caller saves it again later. Never raises."""
+        if self._disabled or not self._retry.due():
             return False
         data = json.dumps(serialize(history), separators=(",", ":")).encode()
         try:
@@ -174,14 +183,9 @@ class HistoryStore:
                 raise OSError(f"{len(data)} bytes, more than the {MAX_BYTES} allowed")
             self._replace(data)
         except OSError as exc:
-            self._disabled = True
-            log.warning(
-                "history.unavailable",
-                directory=str(self._dir),
-                error=str(exc),
-                note="running without a durable GPU history: a reboot forgets repeat offenders",
-            )
+            self._retry.failed(exc)
             return False
+        self._retry.succeeded()
         return True
 
     def _replace(self, data: bytes) -> None:

@@ -10,7 +10,8 @@ gpuguard made and the ones an operator deleted, so that a rule deleted by hand i
 fault after the agent restarts (the API server keeps no trace of a deleted rule).
 
 Written atomically (temp file, rename), versioned, and tolerant: a corrupt or foreign file is logged and moved
-aside; an unwritable directory gives a warning and gpuguard runs on without durability.
+aside; a failed write (a full disk, a read-only remount) gives one warning and is tried again with backoff
+(store.retry) until one succeeds, then one line says durability resumed.
 
 No fsync, on purpose: it cost milliseconds in the fault's path (before the taint) and protects nothing here.
 A written file is in the kernel's page cache the moment write() returns, and the rename swaps old for new
@@ -26,7 +27,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,17 +37,17 @@ import structlog
 from gpuguard.core import files
 from gpuguard.core.errors import ConfigError
 from gpuguard.core.model import Fault
-from gpuguard.store import atomic
+from gpuguard.store import atomic, limits
+from gpuguard.store.retry import WriteRetry
 
 log = structlog.get_logger(__name__)
 
 VERSION = 1
 KIND = "gpuguard-state"
 FILE_NAME = "state.json"
-MAX_BYTES = 1 << 20
-# At most this many rules remembered, and faults restored: a node has at most a few dozen GPUs.
-MAX_RULES = 1024
-MAX_FAULTS = 1024
+MAX_BYTES = limits.STATE_MAX_BYTES
+MAX_RULES = limits.STATE_MAX_RULES
+MAX_FAULTS = limits.STATE_MAX_FAULTS
 
 
 @dataclass(frozen=True)
@@ -72,12 +73,28 @@ class StateStore:
     a file of this boot from one of an earlier boot. `backend`: the backend whose faults the file holds; a
     file written by another backend (a mock demo on the same host) is never restored."""
 
-    def __init__(self, directory: str | Path | None, *, boot_id: str, backend: str = "nvml") -> None:
+    def __init__(
+        self,
+        directory: str | Path | None,
+        *,
+        boot_id: str,
+        backend: str = "nvml",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._dir = Path(directory) if directory else None
         self._boot_id = boot_id
         self._backend = backend
-        self._last: tuple[Fault, ...] | None = None
+        # What the file should hold (the latest saves) and what it holds (None: not written by this process).
+        self._faults: tuple[Fault, ...] = ()
         self._rules = RuleMemory()
+        self._written: tuple[tuple[Fault, ...], RuleMemory] | None = None
+        self._retry = WriteRetry(
+            log,
+            "state",
+            directory=str(self._dir),
+            note="fault state kept in memory until a write succeeds",
+            clock=clock,
+        )
         self._restored: tuple[Fault, ...] = ()
         self._loaded = False
         # The agent's thread saves faults, the reconciler's thread the rules: one file, written whole.
@@ -113,12 +130,12 @@ class StateStore:
     def save_rules(self, rules: RuleMemory) -> None:
         """Write the file if the rules' memory changed. Never raises."""
         with self._lock:
-            if self._disabled or rules == self._rules:
+            if self._disabled:
                 return
             if not self._loaded:
                 self.load_rules()  # keep the file's faults
-            if self._write(self._last or (), rules):
-                self._rules = rules
+            self._rules = rules
+            self._flush()
 
     def _load(self) -> tuple[Fault, ...]:
         path = self.path
@@ -146,24 +163,51 @@ class StateStore:
                 faults=len(faults),
             )
             return ()
-        self._last = faults
+        self._faults = faults
         self._rules = _parse_rules(doc.get("device_rules"), path)
+        self._written = (faults, self._rules)
         if faults:
             log.warning("state.restored", path=str(path), faults=[f.key for f in faults])
         return faults
 
     def save(self, faults: tuple[Fault, ...]) -> None:
-        """Write the file if the faults changed since the last write. Never raises."""
+        """Write the file if the faults changed since the last write, or a failed write is due again. Never
+        raises."""
         with self._lock:
-            if self._disabled or faults == self._last:
+            if self._disabled:
                 return
             if not self._loaded:
                 self.load_rules()  # keep the file's rules
-            if self._write(faults, self._rules):
-                self._last = faults
+            self._faults = faults
+            self._flush()
+
+    def _flush(self) -> None:
+        want = (self._faults, self._rules)
+        if want != self._written and self._retry.due() and self._write(*want):
+            self._written = want
 
     def _write(self, faults: tuple[Fault, ...], rules: RuleMemory) -> bool:
+        """Write within the reader's limits (store.limits): past them the least severe faults go first."""
         assert self._dir is not None
+        kept = limits.kept_faults(faults)
+        if len(kept) < len(faults):
+            log.warning(
+                "state.faults_not_kept", kept=len(kept), dropped=len(faults) - len(kept), limit=MAX_FAULTS
+            )
+        data = self._dump(kept, _within(rules))
+        if len(data) > MAX_BYTES:  # only a rules memory far past any node's: the faults are what matters
+            log.warning("state.rules_not_kept", bytes=len(data), limit=MAX_BYTES)
+            data = self._dump(kept, RuleMemory())
+        try:
+            # No fsync (see the module's docstring): it runs in a fault's path before the taint.
+            atomic.write_atomically(self._dir / FILE_NAME, data, durable=False, temp_stem="state")
+        except OSError as exc:
+            self._retry.failed(exc)
+            return False
+        self._retry.succeeded()
+        return True
+
+    def _dump(self, faults: tuple[Fault, ...], rules: RuleMemory) -> bytes:
         doc = {
             "kind": KIND,
             "version": VERSION,
@@ -184,20 +228,18 @@ class StateStore:
                 ],
             },
         }
-        data = json.dumps(doc, separators=(",", ":")).encode()
-        try:
-            # No fsync (see the module's docstring): it runs in a fault's path before the taint.
-            atomic.write_atomically(self._dir / FILE_NAME, data, durable=False, temp_stem="state")
-        except OSError as exc:
-            self._disabled = True
-            log.warning(
-                "state.unavailable",
-                directory=str(self._dir),
-                error=str(exc),
-                note="running without durable fault state",
-            )
-            return False
-        return True
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _within(rules: RuleMemory) -> RuleMemory:
+    """The rules memory the reader accepts: entries with texts or key lists past its limits left out."""
+
+    def ok(*texts: str, keys: frozenset[str]) -> bool:
+        return len(keys) <= MAX_RULES and all(len(t) <= limits.STATE_MAX_TEXT for t in (*texts, *keys))
+
+    known = [(n, (u, k)) for n, (u, k) in sorted(rules.known.items()) if ok(n, u, keys=k)]
+    overridden = [(u, k) for u, k in sorted(rules.overridden.items()) if ok(u, keys=k)]
+    return RuleMemory(known=dict(known[:MAX_RULES]), overridden=dict(overridden[:MAX_RULES]))
 
 
 def _parse(doc: Any) -> tuple[Fault, ...]:
@@ -221,7 +263,8 @@ def _parse(doc: Any) -> tuple[Fault, ...]:
             raise TypeError("fault uuid must be a string")
         if index is not None and (not isinstance(index, int) or isinstance(index, bool)):
             raise TypeError("fault gpu_index must be an integer")
-        faults.append(Fault(reason=f["reason"][:64], detail=f["detail"][:512], uuid=uuid, gpu_index=index))
+        reason, detail = f["reason"][: limits.STATE_MAX_REASON], f["detail"][: limits.STATE_MAX_DETAIL]
+        faults.append(Fault(reason=reason, detail=detail, uuid=uuid, gpu_index=index))
     return tuple(faults)
 
 
@@ -246,8 +289,8 @@ def _bounded(items: Any) -> list[Any]:
 
 
 def _text(value: Any) -> str:
-    if not isinstance(value, str) or len(value) > 512:
-        raise TypeError("expected a string of at most 512 characters")
+    if not isinstance(value, str) or len(value) > limits.STATE_MAX_TEXT:
+        raise TypeError(f"expected a string of at most {limits.STATE_MAX_TEXT} characters")
     return value
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import pynvml
@@ -19,7 +18,7 @@ import structlog
 
 from gpuguard.core.model import Snapshot
 from gpuguard.nvml.base import Wakeup, wait_for
-from gpuguard.nvml.real.common import XID_RECOVERY_ACTION, Device, error_name, handle_key, is_lost, text
+from gpuguard.nvml.real.common import XID_RECOVERY_ACTION, Device, error_name, handle_key, text
 from gpuguard.nvml.real.deadline import (
     CALL_DEADLINE_S,
     INIT_DEADLINE_S,
@@ -30,8 +29,9 @@ from gpuguard.nvml.real.deadline import (
     Runner,
 )
 from gpuguard.nvml.real.events import EventPath
+from gpuguard.nvml.real.inventory import UNPLACED, enumerate_gpus
 from gpuguard.nvml.real.pcibus import PCI_ROOT, PciBus
-from gpuguard.nvml.real.readings import describe, last_reading, read, unresponsive
+from gpuguard.nvml.real.readings import last_reading, read, unresponsive
 
 log = structlog.get_logger(__name__)
 
@@ -324,62 +324,25 @@ class NvmlBackend:
             return self._by_uuid.get(uuid) if uuid else self._by_handle.get(handle_key(handle))
 
     def _enumerate(self, count: int, p: Pass) -> None:
-        by_index = {d.index: d for d in self._devices}
-        devices: list[Device] = []
-        unidentified: list[tuple[int, str]] = []
-        for i in range(count):
-            before = by_index.get(i)
-            hang = self._runner.hung(("index", str(i)))
-            if hang is not None:
-                # A call on this index has not returned: not asked again until it does. A GPU known there
-                # stays (never gpu-missing for a hang); one never identified is reported as unresponsive.
-                if before is not None:
-                    devices.append(before)
-                else:
-                    unidentified.append((i, f"{hang.call}:UNRESPONSIVE"))
-                continue
-            try:
-                p.at("nvmlDeviceGetHandleByIndex", index=i)
-                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            except pynvml.NVMLError as exc:
-                # The real driver answers GPU_IS_LOST here for a GPU that fell off the bus: a GPU we knew
-                # stays (lost is a fault, not an absence); one we never identified is reported as such.
-                if before is not None and is_lost(exc):
-                    devices.append(
-                        replace(before, lost_at_enumeration=True, registered=0, watch_note="gpu lost")
-                    )
-                elif before is not None:
-                    # One failed handle query on a GPU we know is not an absence: read again next pass.
-                    devices.append(replace(before, enumeration_error=f"handle:{error_name(exc)}"))
-                else:
-                    log.warning("nvml.handle_failed", gpu=i, error=error_name(exc))
-                    unidentified.append((i, f"handle:{error_name(exc)}"))
-                continue
-            try:
-                p.at("nvmlDeviceGetUUID", index=i)
-                uuid = text(pynvml.nvmlDeviceGetUUID(handle))
-            except pynvml.NVMLError as exc:
-                if before is not None and handle_key(before.handle) == handle_key(handle):
-                    # The same device as before (same handle): keep its identity, read it again next pass.
-                    lost = is_lost(exc)
-                    devices.append(
-                        replace(before, lost_at_enumeration=lost, enumeration_error=f"uuid:{error_name(exc)}")
-                    )
-                else:
-                    log.warning("nvml.uuid_failed", gpu=i, error=error_name(exc))
-                    unidentified.append((i, f"uuid:{error_name(exc)}"))
-                continue
-            known = self._by_uuid.get(uuid)
-            if known is not None and handle_key(known.handle) == handle_key(handle):
-                devices.append(replace(known, index=i, lost_at_enumeration=False, enumeration_error=None))
-            else:
-                devices.append(describe(i, handle, uuid, p))
+        devices, unidentified, settled = enumerate_gpus(
+            count,
+            p,
+            known=self._devices,
+            changed=count != self._count,
+            hung=lambda i: self._runner.hung(("index", str(i))),
+        )
         for i, error in unidentified:
             if (i, error) not in self._unidentified:
                 log.warning("nvml.gpu_unidentified", gpu=i, error=error, xid_watched=False)
         with self._lock:
-            self._count = count
+            # Not settled (the count changed, an index not identified): the next pass enumerates again.
+            self._count = count if settled else -1
             self._devices = devices
             self._unidentified = unidentified
             self._by_uuid = {d.uuid: d for d in devices}
-            self._by_handle = {handle_key(d.handle): d for d in devices if d.handle is not None}
+            # An event's handle names the GPU identified at it, never one kept unread after the count changed.
+            self._by_handle = {
+                handle_key(d.handle): d
+                for d in sorted(devices, key=lambda d: not d.enumeration_error)
+                if d.handle is not None and d.enumeration_error != UNPLACED
+            }

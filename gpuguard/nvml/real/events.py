@@ -9,7 +9,9 @@ stuck call, and the path is rebuilt on a new thread. A watchdog (nvml.real.watch
 and the retries' due times and wakes the agent for them: neither waits for `--interval`.
 
 stop_thread() ends a wait with WAKE_SIGNAL (nvml.h: TIMEOUT when "interrupt arrived"); nvmlEventSetFree and
-nvmlShutdown never wake a waiter here, nor are they called while one may still wait on the set."""
+nvmlShutdown never wake a waiter here, nor are they called while one may still wait on the set. A thread that
+stops drains its set first (nvml.real.xidevents): an event queued there is in no newer set; a thread given up
+(hung in a call) drains and frees its set itself when the call returns, and wakes the agent to judge it."""
 
 from __future__ import annotations
 
@@ -29,7 +31,6 @@ from gpuguard.nvml.real.common import (
     EVENT_DOUBLE_BIT_ECC,
     EVENT_RECOVERY_ACTION,
     EVENT_XID,
-    NO_INSTANCE,
     WAKE_SIGNAL,
     Device,
     backoff,
@@ -38,10 +39,10 @@ from gpuguard.nvml.real.common import (
     handle_key,
     install_wake_signal,
     not_supported,
-    text,
 )
 from gpuguard.nvml.real.deadline import Pass
 from gpuguard.nvml.real.watchdog import Watchdog
+from gpuguard.nvml.real.xidevents import Attribute, drain, xid_of
 
 log = structlog.get_logger(__name__)
 
@@ -52,9 +53,6 @@ SHORT_WAIT_MS = 1000
 STOP_TIMEOUT_S = SHORT_WAIT_MS / 1000 + 1
 # A wait that blocked at least this long before it failed counts as a good one (the backoff starts over).
 GOOD_WAIT_S = 1.0
-
-Attribute = Callable[[str | None, Any], Device | None]
-"""The GPU an event names, by its UUID (None: not readable) or else its handle; None when not known."""
 
 
 class EventPath:
@@ -81,6 +79,7 @@ class EventPath:
         self._event_set: Any = None
         self._thread: threading.Thread | None = None
         self._thread_stop = threading.Event()
+        self._thread_orphaned = threading.Event()  # set: the thread frees its own set when it ends
         self._rebuild = threading.Event()
         self._rebuild_reason = ""
         self._wait_ok = threading.Event()
@@ -275,7 +274,7 @@ class EventPath:
             # Stuck in the driver: no signal ends it. Given up (it ends at its next return), never waited for.
             self._thread_stop.set()
             self._abandoned, self._thread, self._stuck = self._thread, None, ""
-            self.abandon_set()
+            self.abandon_set()  # drained and freed by that thread when its call returns
         elif self.stop_thread():
             self.free_set()
         else:
@@ -291,13 +290,13 @@ class EventPath:
             d.registered, d.watch_note = 0, reason
 
     def _start_thread(self) -> None:
-        self._thread_stop = threading.Event()
+        self._thread_stop, self._thread_orphaned = threading.Event(), threading.Event()
         self._wait_ok.clear()
         self._beat = self._clock()
         self.watchdog.poke()  # a heartbeat to watch from now
         self._thread = threading.Thread(
             target=self._event_loop,
-            args=(self._event_set, self._thread_stop),
+            args=(self._event_set, self._thread_stop, self._thread_orphaned),
             name="gpuguard-nvml-xid",
             daemon=True,
         )
@@ -325,7 +324,9 @@ class EventPath:
         return True
 
     def abandon_set(self) -> None:
-        """Forget a set a thread may still wait on: freeing it under a waiter is not defined by nvml.h."""
+        """Forget a set a thread may still wait on (freeing it under a waiter is not defined by nvml.h): that
+        thread drains and frees it when it ends."""
+        self._thread_orphaned.set()
         self._event_set = None
 
     def free_set(self) -> None:
@@ -336,7 +337,15 @@ class EventPath:
                 log.debug("nvml.event_set_free_failed", error=error_name(exc))
             self._event_set = None
 
-    def _event_loop(self, event_set: Any, stop: threading.Event) -> None:
+    def _event_loop(self, event_set: Any, stop: threading.Event, orphaned: threading.Event) -> None:
+        self._wait_on(event_set, stop)
+        if stop.is_set() and drain(event_set, self._on_xid):
+            self.wakeup()  # events delivered to this set only (before the next set was registered): judge now
+        if orphaned.is_set():
+            with contextlib.suppress(pynvml.NVMLError):
+                pynvml.nvmlEventSetFree(event_set)  # given up: nobody else frees it
+
+    def _wait_on(self, event_set: Any, stop: threading.Event) -> None:
         while not stop.is_set():
             began = time.monotonic()
             self._beat = self._clock()
@@ -360,8 +369,11 @@ class EventPath:
                 self._rebuild.set()
                 self.wakeup()
                 return
-            if stop.is_set():
-                return  # given up meanwhile (stuck): the new thread's set has the events now
+            if stop.is_set():  # given up meanwhile: this event is in this set only (no heartbeat of ours now)
+                if int(data.eventType) & EVENT_XID:
+                    self._on_xid(data)
+                self.wakeup()
+                return
             self._alive_again()
             self._wait_ok.set()
             if int(data.eventType) & EVENT_XID:
@@ -377,24 +389,6 @@ class EventPath:
             self.wakeup()
 
     def _on_xid(self, data: Any) -> None:
-        """Attribute the Xid by the device's UUID (as NVIDIA's device plugin does), the handle as fallback."""
-        uuid: str | None = None
-        if handle_key(data.device) not in self._hung():  # a GPU whose calls hang: by its handle
-            try:
-                uuid = text(pynvml.nvmlDeviceGetUUID(data.device))
-            except pynvml.NVMLError as exc:
-                log.debug("nvml.xid_uuid_failed", error=error_name(exc))
-        gi = getattr(data, "gpuInstanceId", NO_INSTANCE)
-        ci = getattr(data, "computeInstanceId", NO_INSTANCE)
-        d = self._attribute(uuid, data.device)
-        x = XidEvent(
-            gpu_index=d.index if d else None,
-            uuid=d.uuid if d else uuid,
-            code=int(data.eventData),
-            gpu_instance=None if gi == NO_INSTANCE else int(gi),
-            compute_instance=None if ci == NO_INSTANCE else int(ci),
-        )
+        x = xid_of(data, hung=self._hung(), attribute=self._attribute)
         with self._lock:
             self._pending.append(x)
-        if d is None:
-            log.warning("nvml.xid_unattributed", xid=x.code, uuid=uuid)

@@ -108,8 +108,9 @@ class RepeatOffenders:
 
     def flush(self) -> None:
         """Write the history if it changed (after the reconcile's node writes). Never raises."""
-        if self._history is not self._saved and self._history != self._saved:
-            self._store.save(self._history)
+        changed = self._history is not self._saved and self._history != self._saved
+        if changed and not self._store.save(self._history) and self._store.path is not None:
+            return  # not written (a full disk): saved again at a later flush, after the store's backoff
         self._saved = self._history
 
     def _release(self, node: NodeView, now: float) -> None:
