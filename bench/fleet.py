@@ -300,8 +300,10 @@ class Worker:
         (its start-up delay; a fault ends the delay at once), and its first count is scheduled."""
         import random
 
+        from gpuguard.core.model import Judgement, Streaks
+
         r = self.reconcilers[name]
-        r.submit(verdict, streak)
+        r.submit(Judgement(verdict, Streaks(healthy=streak)))
         now = time.monotonic()
         if name not in self._started:
             self._started.add(name)
