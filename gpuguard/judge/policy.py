@@ -123,7 +123,7 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
         sticky, prev, new_xid_keys=new_xid_keys, actions=actions
     )
 
-    signals = judge(snapshot, previous=prev, table=settings.signals)
+    signals = judge(snapshot, previous=prev, table=settings.signals, interval=settings.interval)
     now, interval = snapshot.taken_at, settings.interval
     unreadable = failing_since(
         (g.uuid for g in snapshot.gpus if g.unreadable), dict(prev.unreadable_since), now
