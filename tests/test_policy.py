@@ -564,9 +564,32 @@ def test_an_xid_on_a_key_that_is_already_sticky_is_not_new_evidence_for_a_reset(
 
 def test_a_reset_clears_an_xid_that_was_pending_when_the_reset_came_at_the_next_check() -> None:
     v = run(act(0, X79), act(4), act(0))
-    assert v[0].reset_pending == frozenset({"xid-79/GPU-0"})
-    assert v[1].reset_clearable == frozenset({"xid-79/GPU-0"}) and v[1].reset_pending == frozenset()
+    assert v[0].reset_pending == (("xid-79/GPU-0", 0.0),)
+    assert v[1].reset_clearable == frozenset({"xid-79/GPU-0"}) and v[1].reset_pending == ()
     assert reasons(v[-1]) == [] and v[-1].reset_cleared == frozenset({"xid-79/GPU-0"})
+
+
+def test_an_xid_with_none_asked_waits_for_the_next_poll_not_the_next_event_check_to_be_tied_to_a_reset() -> (
+    None
+):
+    """Xid 79 while the action reads NONE; two ignored Xid 13s wake checks 0.1 s and 0.2 s later (NONE still:
+    the driver has not raised the action yet), it asks for a reset at 0.5 s, reads NONE again after: the
+    reset cleared it, as it would have with polls alone (the Xid, then the reset at the poll 3 s later)."""
+    x13 = XidEvent(1, "GPU-1", 13)
+    checks = [
+        (0.0, act(0, X79)),
+        (0.1, act(0, x13)),
+        (0.2, act(0, x13)),
+        (0.5, act(1)),
+        (3.0, act(1)),
+        (6.0, act(0)),
+    ]
+    v: list[Verdict] = []
+    for at, s in checks:
+        v.append(evaluate(replace(s, taken_at=at), previous=v[-1] if v else None, settings=DEFAULT))
+    assert reasons(v[-1]) == [] and v[-1].reset_cleared == frozenset({"xid-79/GPU-0"})
+    # Polls alone: NONE at the Xid and at the next poll, so the reset after it is not this Xid's.
+    assert reasons(run(act(0, X79), act(0), act(1), act(0))[-1]) == ["xid-79"]
 
 
 def test_a_gpu_missing_in_the_middle_of_the_inventory_keeps_its_place_and_is_not_counted_twice() -> None:

@@ -255,10 +255,11 @@ class Verdict:
     # Faults that stay until the process ends (an Xid, a lost GPU): the driver does not repeat them.
     sticky: tuple[Fault, ...] = field(default=())
     # The recovery-action rule (docs/design.md): Xid fault keys recorded while the driver asked for a GPU
-    # reset (they clear when the action reads NONE again), keys recorded while it read NONE (attached if the
-    # next check reads a reset), and keys a reset has cleared in this process (the node's evidence).
+    # reset (they clear when the action reads NONE again), keys recorded while it read NONE, with when
+    # (attached if a reset is read up to the next poll, one --interval later), and keys a reset has cleared
+    # in this process (the node's evidence).
     reset_clearable: frozenset[str] = frozenset()
-    reset_pending: frozenset[str] = frozenset()
+    reset_pending: tuple[tuple[str, float], ...] = ()
     reset_cleared: frozenset[str] = frozenset()
     # Since when (the first failing check's taken_at) each GPU (by UUID) has been unreadable, each
     # unidentified index unidentified, and a node-wide query (Snapshot.node_error) failing: judge.unanswered.

@@ -120,7 +120,12 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
                 ),
             )
     sticky, clearable, pending, cleared = apply_recovery_rule(
-        sticky, prev, new_xid_keys=new_xid_keys, actions=actions
+        sticky,
+        prev,
+        new_xid_keys=new_xid_keys,
+        actions=actions,
+        now=snapshot.taken_at,
+        interval=settings.interval,
     )
 
     signals = judge(snapshot, previous=prev, table=settings.signals, interval=settings.interval)
