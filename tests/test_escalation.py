@@ -103,6 +103,8 @@ def test_the_third_episode_within_the_window_holds_the_gpu_and_the_window_never_
     for boot, t in (("a", NOW), ("b", NOW + DAY), ("c", NOW + 2 * DAY)):
         h = step(h, {"GPU-a": ("xid-79",)}, boot=boot, now=t)
         h, new = escalate(h, Limits(), t)
+        assert new == {}  # not yet: every GPU may still show it at once (the node's, then)
+        h, new = escalate(h, Limits(), t + Limits().at_once_s)
     assert new == {"GPU-a": 3}
     assert held(h) == {"GPU-a": 3}
     later = NOW + 60 * DAY
@@ -114,7 +116,7 @@ def test_a_release_lifts_the_hold_records_who_and_starts_the_count_afresh() -> N
     h: dict[str, GpuHistory] = {}
     for boot, t in (("a", NOW), ("b", NOW + 1), ("c", NOW + 2)):
         h = step(h, {"GPU-a": ("xid-79",)}, boot=boot, now=t)
-    h, _ = escalate(h, Limits(), NOW + 2)
+    h, _ = escalate(h, Limits(), NOW + 2 + Limits().at_once_s)
     h, released = release(h, "GPU-b", by="bob", at=NOW + 3)
     assert released == [] and held(h) == {"GPU-a": 3}  # another GPU named: nothing released
     h, released = release(h, ALL, by="alice", at=NOW + 3)

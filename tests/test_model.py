@@ -69,5 +69,5 @@ def test_the_verdict_a_first_check_starts_from_knows_no_gpu_and_counts_no_streak
     """`evaluate(previous=None)` judges against `Verdict()`: any count here would be a check already made."""
     v = Verdict()
     assert (v.known, v.expected_gpus, v.sticky) == ((), None, ())
-    assert (v.reset_clearable, v.reset_pending, v.reset_cleared) == (frozenset(), frozenset(), frozenset())
-    assert (v.unreadable_streaks, v.unidentified_streaks, v.node_error_streak) == ((), (), 0)
+    assert (v.reset_clearable, v.reset_pending, v.reset_cleared) == (frozenset(), (), frozenset())
+    assert (v.unreadable_since, v.unidentified_since, v.node_error_since) == ((), (), None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -327,7 +328,8 @@ def test_a_gpu_that_answers_unknown_to_every_query_is_unreadable_after_three_che
         wait_for(port, watched_and_healthy(2))
         s.write_text("gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b error=UNKNOWN\n")
         doc = wait_for(port, lambda d: not d["healthy"], 3)
-        assert doc["gpus"][1]["reasons"][0].startswith("gpu-unreadable: every NVML query failed for 3 checks")
+        shown = r"gpu-unreadable: every NVML query failed for \d+\.\d s, [34] checks at --interval 0.2 "
+        assert re.match(shown, doc["gpus"][1]["reasons"][0])
         s.write_text("gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\n")
         wait_for(port, lambda d: d["healthy"], 3)  # it answers again: the reading clears it
 

@@ -307,10 +307,12 @@ def test_evaluate_is_pure_the_same_inputs_give_the_same_verdict() -> None:
 # -- NVIDIA's recovery action and the reset evidence rule (docs/design.md) ----------------------------------
 
 
-def run(*snapshots: Snapshot) -> list[Verdict]:
+def run(*snapshots: Snapshot, settings: PolicySettings = DEFAULT) -> list[Verdict]:
+    """The snapshots judged one after another, as polls at --interval (taken_at 0, 3, 6, ...)."""
     out: list[Verdict] = []
-    for s in snapshots:
-        out.append(evaluate(s, previous=out[-1] if out else None, settings=DEFAULT))
+    for i, s in enumerate(snapshots):
+        at = replace(s, taken_at=i * settings.interval)
+        out.append(evaluate(at, previous=out[-1] if out else None, settings=settings))
     return out
 
 
@@ -518,15 +520,12 @@ def test_an_unidentified_gpu_with_another_error_is_unreadable_only_after_the_bou
     None
 ):
     s = Snapshot(gpus=(gpu(0),), unidentified=((1, "uuid:UNKNOWN"),))
-    settings = replace(DEFAULT, unreadable_after=2)
-    first = evaluate(s, previous=None, settings=settings)
-    second = evaluate(s, previous=first, settings=settings)
-    third = evaluate(s, previous=second, settings=settings)
+    first, second, third = run(s, s, s, settings=replace(DEFAULT, unreadable_after=2))
     assert [f.reason for f in first.node_faults] == []
     assert [(f.reason, f.gpu_index) for f in second.node_faults] == [("gpu-unreadable", 1)]
-    assert "for 2 checks in a row (uuid:UNKNOWN)" in second.node_faults[0].detail
+    assert "for 3.0 s, 2 checks at --interval 3 (uuid:UNKNOWN)" in second.node_faults[0].detail
     assert [f.reason for f in third.node_faults] == ["gpu-unreadable"]
-    assert dict(third.unidentified_streaks) == {1: 3}
+    assert dict(third.unidentified_since) == {1: 0.0}
 
 
 @pytest.mark.parametrize(
@@ -565,9 +564,32 @@ def test_an_xid_on_a_key_that_is_already_sticky_is_not_new_evidence_for_a_reset(
 
 def test_a_reset_clears_an_xid_that_was_pending_when_the_reset_came_at_the_next_check() -> None:
     v = run(act(0, X79), act(4), act(0))
-    assert v[0].reset_pending == frozenset({"xid-79/GPU-0"})
-    assert v[1].reset_clearable == frozenset({"xid-79/GPU-0"}) and v[1].reset_pending == frozenset()
+    assert v[0].reset_pending == (("xid-79/GPU-0", 0.0),)
+    assert v[1].reset_clearable == frozenset({"xid-79/GPU-0"}) and v[1].reset_pending == ()
     assert reasons(v[-1]) == [] and v[-1].reset_cleared == frozenset({"xid-79/GPU-0"})
+
+
+def test_an_xid_with_none_asked_waits_for_the_next_poll_not_the_next_event_check_to_be_tied_to_a_reset() -> (
+    None
+):
+    """Xid 79 while the action reads NONE; two ignored Xid 13s wake checks 0.1 s and 0.2 s later (NONE still:
+    the driver has not raised the action yet), it asks for a reset at 0.5 s, reads NONE again after: the
+    reset cleared it, as it would have with polls alone (the Xid, then the reset at the poll 3 s later)."""
+    x13 = XidEvent(1, "GPU-1", 13)
+    checks = [
+        (0.0, act(0, X79)),
+        (0.1, act(0, x13)),
+        (0.2, act(0, x13)),
+        (0.5, act(1)),
+        (3.0, act(1)),
+        (6.0, act(0)),
+    ]
+    v: list[Verdict] = []
+    for at, s in checks:
+        v.append(evaluate(replace(s, taken_at=at), previous=v[-1] if v else None, settings=DEFAULT))
+    assert reasons(v[-1]) == [] and v[-1].reset_cleared == frozenset({"xid-79/GPU-0"})
+    # Polls alone: NONE at the Xid and at the next poll, so the reset after it is not this Xid's.
+    assert reasons(run(act(0, X79), act(0), act(1), act(0))[-1]) == ["xid-79"]
 
 
 def test_a_gpu_missing_in_the_middle_of_the_inventory_keeps_its_place_and_is_not_counted_twice() -> None:
@@ -635,11 +657,8 @@ def test_a_gpu_keeps_the_name_it_had_when_a_later_reading_has_none() -> None:
 
 def test_the_unreadable_streak_starts_over_after_a_check_that_read_the_gpu() -> None:
     bad = gpu(0, unreadable=True, ecc_uncorrected=None)
-    settings = replace(DEFAULT, unreadable_after=2)
-    v: list[Verdict] = []
-    for s in (snap(bad), snap(gpu(0)), snap(bad), snap(bad)):
-        v.append(evaluate(s, previous=v[-1] if v else None, settings=settings))
-    assert [x.unreadable_streaks for x in v] == [(("GPU-0", 1),), (), (("GPU-0", 1),), (("GPU-0", 2),)]
+    v = run(snap(bad), snap(gpu(0)), snap(bad), snap(bad), settings=replace(DEFAULT, unreadable_after=2))
+    assert [x.unreadable_since for x in v] == [(("GPU-0", 0.0),), (), (("GPU-0", 6.0),), (("GPU-0", 6.0),)]
     assert [reasons(x) for x in v] == [[], [], [], ["gpu-unreadable"]]
 
 
@@ -652,7 +671,7 @@ def test_an_unreadable_gpus_fault_names_the_errors_or_says_no_answer(
 ) -> None:
     bad = gpu(0, unreadable=True, ecc_uncorrected=None, transient_errors=errors)
     (fault,) = evaluate(snap(bad), previous=None, settings=replace(DEFAULT, unreadable_after=1)).faults
-    assert fault.detail == f"every NVML query failed for 1 checks in a row {shown} (GPU 0, GPU-0)"
+    assert fault.detail == f"every NVML query failed in this check {shown} (GPU 0, GPU-0)"
 
 
 def test_a_lost_gpu_is_neither_reset_required_nor_unreadable_nor_an_ecc_fault() -> None:
@@ -787,13 +806,11 @@ def test_nvml_unresponsive_with_no_gpu_read_yet_is_that_fault_not_also_gpu_missi
 def test_a_node_wide_query_that_fails_is_nvml_init_only_after_the_bounded_number_of_checks_in_a_row() -> None:
     settings = replace(DEFAULT, unreadable_after=2)
     failing = Snapshot(gpus=(gpu(0),), node_error="nvmlDeviceGetCount:UNKNOWN")
-    v: list[Verdict] = []
-    for s in (failing, failing, snap(gpu(0)), failing):
-        v.append(evaluate(s, previous=v[-1] if v else None, settings=settings))
-    assert [x.node_error_streak for x in v] == [1, 2, 0, 1]
+    v = run(failing, failing, snap(gpu(0)), failing, settings=settings)
+    assert [x.node_error_since for x in v] == [0.0, 0.0, None, 9.0]
     assert [[f.detail for f in x.node_faults] for x in v] == [
         [],
-        ["nvmlDeviceGetCount failed for 2 checks in a row (UNKNOWN)"],
+        ["nvmlDeviceGetCount failed for 3.0 s, 2 checks at --interval 3 (UNKNOWN)"],
         [],
         [],
     ]

@@ -538,6 +538,7 @@ def test_every_line_an_api_incident_logs_is_explained_in_operations_md() -> None
     code = set()
     for path in [*(ROOT / "gpuguard" / "quarantine").rglob("*.py"), ROOT / "gpuguard" / "store" / "state.py"]:
         code |= set(re.findall(r'log\.\w+\(\s*"([a-z_]+\.[a-z_]+)"', path.read_text()))
+        code |= set(re.findall(r'(?:unavailable|resumed)="([a-z_]+\.[a-z_]+)"', path.read_text()))
         code |= set(re.findall(r'"(node\.(?:read|write)_rejected)"', path.read_text()))
     doc = (ROOT / "docs" / "operations.md").read_text()
     section = doc.split("## When the API server refuses or does not answer", 1)[1].split("\n## ", 1)[0]

@@ -100,6 +100,9 @@ def test_a_gpu_whose_xid_returns_after_two_reboots_is_held_and_not_released_by_t
         node.reboot(boot)
         assert node.writer.node.our_taint is None  # released by the reboot, as always
         node.check(XID, 0)
+    assert node.held == {} and node.agent.repeat is not None and node.agent.repeat.settling
+    node.now += Limits().at_once_s  # the third episode counts once no other GPU joined it at once
+    node.check(XID, 0)
     assert node.held == {"GPU-0": 3}
     assert node.taint_value == "repeat-offender"
     n = node.writer.node

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gpuguard.core.config import PolicySettings
 from gpuguard.core.model import GpuReading, SignalReadings, Snapshot, Verdict
 from gpuguard.core.signaltable import SIGNALS
@@ -15,7 +17,8 @@ def storm(settings: PolicySettings, interval: float, checks: int) -> list[bool]:
     out = []
     for i in range(checks):
         g = GpuReading(index=0, uuid="GPU-0", signals=SignalReadings(clock_events=0x80))
-        v = evaluate(Snapshot(gpus=(g,), taken_at=i * interval), previous=v, settings=settings)
+        at = Snapshot(gpus=(g,), taken_at=i * interval)
+        v = evaluate(at, previous=v, settings=replace(settings, interval=interval))
         out.append(any(f.reason == "clock-power-brake" for f in v.degraded))
     return out
 
@@ -39,3 +42,29 @@ def test_a_window_that_holds_enough_checks_and_an_ignored_signal_are_left_as_the
     table, widened = fitted(off, 120)
     assert "clock-hw-thermal" not in widened and table["clock-hw-thermal"].window_s == 300
     assert widened["clock-hw-slowdown"] == 720
+
+
+def test_a_sub_interval_hw_slowdown_read_by_seven_event_checks_counts_once_and_degrades_nothing() -> None:
+    """Xids wake 7 checks within 0.6 s while the HW slowdown bit is set for that moment: polling at
+    --interval 3 would have read it once at most, so it counts once, not "7 checks within 300 s"."""
+    v: Verdict | None = None
+    for i in range(7):
+        g = GpuReading(index=0, uuid="GPU-0", signals=SignalReadings(clock_events=0x08))
+        v = evaluate(Snapshot(gpus=(g,), taken_at=0.1 * i), previous=v, settings=PolicySettings())
+        assert v.degraded == (), i
+    assert v is not None and len(v.signal_memory.clock_samples[0][1]) == 1
+
+
+def test_event_checks_between_polls_add_no_sighting_to_a_storm_polling_sees() -> None:
+    """A power brake read at every poll and at three Xid-driven checks after each: the polls' count."""
+    v: Verdict | None = None
+    seen = []
+    for poll in range(8):
+        for extra in (0.0, 0.2, 0.9, 2.5):
+            g = GpuReading(index=0, uuid="GPU-0", signals=SignalReadings(clock_events=0x80))
+            v = evaluate(
+                Snapshot(gpus=(g,), taken_at=poll * 3 + extra), previous=v, settings=PolicySettings()
+            )
+        seen.append(v is not None and any(f.reason == "clock-power-brake" for f in v.degraded))
+    assert seen == [False] * 5 + [True] * 3  # more than 5 sightings within 300 s: the sixth poll's
+    assert v is not None and "in 8 checks at --interval 3 within 300 s" in v.degraded[0].detail

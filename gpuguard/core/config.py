@@ -38,9 +38,14 @@ class PolicySettings:
     allow_no_gpu: bool = False
     """Treat an NVML init failure as "no GPUs here" instead of a fault (mixed pools, laptops)."""
     unreadable_after: int = 3
-    """Checks in a row in which every query on a GPU fails (or NVML cannot identify it) before that is a
-    fault: one failed pass is a transient NVML error, three (9 s at --interval 3) a GPU that does not
-    answer. `check` uses 1: a preflight has one pass. RESET_REQUIRED and GPU_IS_LOST are faults at once."""
+    """How long every query on a GPU must fail (or NVML fail to identify it, or a node-wide query fail)
+    before that is a fault, in checks at `interval` (judge.unanswered): one failed pass is a transient NVML
+    error, three (from the first failed check to the third at --interval 3, 6 s, however many checks Xids
+    woke meanwhile) a GPU that does not answer. `check` uses 1: a preflight has one pass. RESET_REQUIRED and
+    GPU_IS_LOST are faults at once."""
+    interval: float = 3.0
+    """The agent's --interval (the agent sets it from its own): what "N checks" means in seconds. Checks
+    come early and often (every Xid wakes one), so no judgement counts them."""
     signals: SignalTable = SIGNALS
     """The health signals with their levels, thresholds and windows (gpuguard/core/data/signals.json), as
     --signals-config changed them for this node (gpuguard.core.signalconfig)."""

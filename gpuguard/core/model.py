@@ -20,7 +20,7 @@ ROW_REMAP = "row-remap"
 NVML_INIT = "nvml-init"
 # NVML answers NVML_ERROR_RESET_REQUIRED for the GPU.
 RESET_REQUIRED = "reset-required"
-# Every query on a GPU failed for several checks in a row, or NVML counts a GPU it cannot identify.
+# Every query on a GPU failed for a few checks at --interval, or NVML counts a GPU it cannot identify.
 GPU_UNREADABLE = "gpu-unreadable"
 # An NVML call on the GPU, or a node-wide one, has not returned within its deadline (nvml.real.deadline).
 GPU_UNRESPONSIVE = "gpu-unresponsive"
@@ -255,16 +255,17 @@ class Verdict:
     # Faults that stay until the process ends (an Xid, a lost GPU): the driver does not repeat them.
     sticky: tuple[Fault, ...] = field(default=())
     # The recovery-action rule (docs/design.md): Xid fault keys recorded while the driver asked for a GPU
-    # reset (they clear when the action reads NONE again), keys recorded while it read NONE (attached if the
-    # next check reads a reset), and keys a reset has cleared in this process (the node's evidence).
+    # reset (they clear when the action reads NONE again), keys recorded while it read NONE, with when
+    # (attached if a reset is read up to the next poll, one --interval later), and keys a reset has cleared
+    # in this process (the node's evidence).
     reset_clearable: frozenset[str] = frozenset()
-    reset_pending: frozenset[str] = frozenset()
+    reset_pending: tuple[tuple[str, float], ...] = ()
     reset_cleared: frozenset[str] = frozenset()
-    # Consecutive checks each GPU (by UUID) was unreadable, and each unidentified index went unidentified.
-    unreadable_streaks: tuple[tuple[str, int], ...] = ()
-    unidentified_streaks: tuple[tuple[int, int], ...] = ()
-    # Consecutive checks a node-wide query failed (Snapshot.node_error).
-    node_error_streak: int = 0
+    # Since when (the first failing check's taken_at) each GPU (by UUID) has been unreadable, each
+    # unidentified index unidentified, and a node-wide query (Snapshot.node_error) failing: judge.unanswered.
+    unreadable_since: tuple[tuple[str, float], ...] = ()
+    unidentified_since: tuple[tuple[int, float], ...] = ()
+    node_error_since: float | None = None
     # Node-wide `degraded` signals, as GpuVerdict.degraded for one GPU.
     node_degraded: tuple[Fault, ...] = ()
     # What the signals' judge remembers between checks (first good readings, counter samples, events).
@@ -283,6 +284,13 @@ class Verdict:
     @property
     def healthy(self) -> bool:
         return not self.faults
+
+    @property
+    def pending(self) -> bool:
+        """Whether time alone can change the next judgement (a failure lasting, a window, a grace): the agent
+        then judges again although nothing read differently."""
+        failing = self.unreadable_since or self.unidentified_since or self.node_error_since is not None
+        return bool(failing) or self.signal_memory.pending
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,8 @@ from gpuguard.judge.recovery import (
     unresponsive_rule,
 )
 from gpuguard.judge.signals import judge
+from gpuguard.judge.streaks import checks
+from gpuguard.judge.unanswered import failing_since, how_long
 
 __all__ = ["cleared_without_reboot", "evaluate", "primary", "severity"]
 
@@ -118,12 +120,19 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
                 ),
             )
     sticky, clearable, pending, cleared = apply_recovery_rule(
-        sticky, prev, new_xid_keys=new_xid_keys, actions=actions
+        sticky,
+        prev,
+        new_xid_keys=new_xid_keys,
+        actions=actions,
+        now=snapshot.taken_at,
+        interval=settings.interval,
     )
 
-    signals = judge(snapshot, previous=prev, table=settings.signals)
-    streaks = dict(prev.unreadable_streaks)
-    unreadable = {g.uuid: (streaks.get(g.uuid, 0) + 1 if g.unreadable else 0) for g in snapshot.gpus}
+    signals = judge(snapshot, previous=prev, table=settings.signals, interval=settings.interval)
+    now, interval = snapshot.taken_at, settings.interval
+    unreadable = failing_since(
+        (g.uuid for g in snapshot.gpus if g.unreadable), dict(prev.unreadable_since), now
+    )
 
     verdicts: list[GpuVerdict] = []
     for index, uuid, name in known:
@@ -145,7 +154,7 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
         ecc = _ecc_fault(reading, settings.ecc_threshold, prev_by_uuid.get(uuid))
         if ecc is not None:
             faults.append(ecc)
-        faults.extend(_reading_faults(reading, actions[uuid], unreadable[uuid], settings.unreadable_after))
+        faults.extend(_reading_faults(reading, actions[uuid], unreadable.get(uuid), settings, now))
         faults.extend(signals.gpu_faults.get(uuid, ()))
         verdicts.append(
             GpuVerdict(
@@ -166,8 +175,7 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
 
     # Sticky faults not tied to an enumerated GPU (an Xid NVML could not attribute) belong to the node.
     node_faults = tuple(f for f in sticky if f.uuid not in known_uuids) + signals.node_faults
-    prev_unidentified = dict(prev.unidentified_streaks)
-    unidentified = {i: prev_unidentified.get(i, 0) + 1 for i, _ in snapshot.unidentified}
+    unidentified = failing_since((i for i, _ in snapshot.unidentified), dict(prev.unidentified_since), now)
     for index, error in snapshot.unidentified:
         if error.endswith(":UNRESPONSIVE"):
             continue  # gpu-unresponsive (recovery.unresponsive_rule), not also unreadable
@@ -180,21 +188,19 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
             node_faults += (f,) if all(n.key != f.key for n in node_faults) else ()
             if reason == GPU_LOST:
                 _add_sticky(sticky, f)
-        elif unidentified[index] >= settings.unreadable_after and all(
+        elif checks(unidentified[index], now, interval) >= settings.unreadable_after and all(
             f.reason != GPU_UNREADABLE for f in node_faults
         ):
-            node_faults += (
-                Fault(
-                    GPU_UNREADABLE,
-                    f"NVML counts GPU {index} but cannot identify it for {unidentified[index]} checks "
-                    f"in a row ({error})",
-                    gpu_index=index,
-                ),
-            )
-    node_streak = prev.node_error_streak + 1 if snapshot.node_error else 0
-    if snapshot.node_error and node_streak >= settings.unreadable_after:
-        call, _, error = snapshot.node_error.partition(":")
-        node_faults += (Fault(NVML_INIT, f"{call} failed for {node_streak} checks in a row ({error})"),)
+            lasted = how_long(unidentified[index], now, interval)
+            detail = f"NVML counts GPU {index} but cannot identify it {lasted} ({error})"
+            node_faults += (Fault(GPU_UNREADABLE, detail, gpu_index=index),)
+    node_since = None
+    if snapshot.node_error:
+        node_since = now if prev.node_error_since is None else prev.node_error_since
+        if checks(node_since, now, interval) >= settings.unreadable_after:
+            call, _, error = snapshot.node_error.partition(":")
+            lasted = how_long(node_since, now, interval)
+            node_faults += (Fault(NVML_INIT, f"{call} failed {lasted} ({error})"),)
     missing_known = sum(1 for _, u, _ in known if u not in by_uuid)
     shortfall = (expected or 0) - seen - missing_known
     if shortfall > 0:
@@ -227,9 +233,9 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
         reset_clearable=clearable,
         reset_pending=pending,
         reset_cleared=cleared,
-        unreadable_streaks=tuple((u, n) for u, n in unreadable.items() if n),
-        unidentified_streaks=tuple(unidentified.items()),
-        node_error_streak=node_streak,
+        unreadable_since=tuple(unreadable.items()),
+        unidentified_since=tuple(unidentified.items()),
+        node_error_since=node_since,
         node_degraded=signals.node_degraded,
         signal_memory=signals.memory,
     )
@@ -240,7 +246,9 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
 _NO_GPU_HERE = frozenset({"LIBRARY_NOT_FOUND", "DRIVER_NOT_LOADED"})
 
 
-def _reading_faults(g: GpuReading, action: int | None, unreadable_checks: int, limit: int) -> list[Fault]:
+def _reading_faults(
+    g: GpuReading, action: int | None, unreadable_since: float | None, settings: PolicySettings, now: float
+) -> list[Fault]:
     """Faults that follow the reading (not sticky): a recovery action, RESET_REQUIRED, an unreadable GPU."""
     where = f"(GPU {g.index}, {g.uuid})"
     faults = []
@@ -260,12 +268,17 @@ def _reading_faults(g: GpuReading, action: int | None, unreadable_checks: int, l
                 RESET_REQUIRED, f"NVML answers RESET_REQUIRED: the GPU must be reset {where}", g.uuid, g.index
             )
         )
-    elif not g.lost and unreadable_checks >= limit:
+    elif (
+        not g.lost
+        and unreadable_since is not None
+        and checks(unreadable_since, now, settings.interval) >= settings.unreadable_after
+    ):
         errors = ", ".join(sorted(set(g.transient_errors))) or "no answer"
+        lasted = how_long(unreadable_since, now, settings.interval)
         faults.append(
             Fault(
                 GPU_UNREADABLE,
-                f"every NVML query failed for {unreadable_checks} checks in a row ({errors}) {where}",
+                f"every NVML query failed {lasted} ({errors}) {where}",
                 uuid=g.uuid,
                 gpu_index=g.index,
             )

@@ -26,6 +26,7 @@ from gpuguard.core.model import (
     XidEvent,
 )
 from gpuguard.core.signaltable import SIGNALS
+from gpuguard.judge.streaks import checks
 
 # Recovery actions that end in a reset of the GPU: Xids recorded while the driver asks for one clear when
 # the action reads NONE again.
@@ -64,25 +65,32 @@ def apply_recovery_rule(
     *,
     new_xid_keys: list[str],
     actions: dict[str, int | None],
-) -> tuple[list[Fault], frozenset[str], frozenset[str], frozenset[str]]:
+    now: float,
+    interval: float,
+) -> tuple[list[Fault], frozenset[str], tuple[tuple[str, float], ...], frozenset[str]]:
     """An Xid recorded while the driver asks for a GPU reset clears when the action reads NONE again.
 
-    "While" includes the next check: the driver raises the action right after the Xid, and its event wakes
-    the agent a moment later. Where the field is not supported (action None) nothing changes: the Xid needs a
-    reboot, as before. An action that escalates to anything but a reset detaches the Xid for good.
+    "While" includes the next poll: the driver raises the action right after the Xid, and its event wakes
+    the agent a moment later. An Xid recorded while the action reads NONE stays pending (since when) up to
+    and including the first check one --interval after it, the poll that would have come next: checks that
+    other Xids wake meanwhile never use that chance up. Where the field is not supported (action None)
+    nothing changes: the Xid needs a reboot, as before. An action that escalates to anything but a reset
+    detaches the Xid for good.
     """
     uuid_of = {f.key: f.uuid for f in sticky}
-    clearable, pending = set(prev.reset_clearable), set()
+    clearable, pending = set(prev.reset_clearable), {}
     cleared = set(prev.reset_cleared) - set(new_xid_keys)  # recorded again: needs its own evidence
-    for key in prev.reset_pending:
+    for key, since in prev.reset_pending:
         if actions.get(uuid_of.get(key) or "") in _RESET_ACTIONS:
             clearable.add(key)
+        elif key in uuid_of and checks(since, now, interval) < 2:
+            pending[key] = since  # the next poll has not come yet
     for key in new_xid_keys:
         action = actions.get(uuid_of.get(key) or "")
         if action in _RESET_ACTIONS:
             clearable.add(key)
         elif action == 0:
-            pending.add(key)
+            pending[key] = now
     for key in list(clearable):
         action = actions.get(uuid_of.get(key) or "")
         if key not in uuid_of:
@@ -93,7 +101,8 @@ def apply_recovery_rule(
         elif action is not None and action not in _RESET_ACTIONS:
             clearable.discard(key)
     sticky = [f for f in sticky if f.key not in cleared]
-    return sticky, frozenset(clearable), frozenset(pending), frozenset(cleared)
+    kept = tuple((k, t) for k, t in pending.items() if k not in clearable)
+    return sticky, frozenset(clearable), kept, frozenset(cleared)
 
 
 def unresponsive_rule(sticky: list[Fault], snapshot: Snapshot) -> list[Fault]:

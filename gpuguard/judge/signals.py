@@ -24,6 +24,7 @@ from gpuguard.core.model import (
     Verdict,
 )
 from gpuguard.core.signaltable import DEGRADED, FAULT, IGNORE, Signal, SignalTable
+from gpuguard.judge.cadence import Samples, sighted
 
 # nvml.h NVML_GPU_FABRIC_STATE_*.
 FABRIC_STATES = {1: "NOT_STARTED", 2: "IN_PROGRESS", 3: "COMPLETED"}
@@ -64,8 +65,6 @@ SOURCES = {
 
 _ALL_SOURCES = frozenset(SOURCES.values())
 
-Samples = tuple[tuple[float, int], ...]
-
 
 @dataclass(frozen=True)
 class SignalOutcome:
@@ -87,6 +86,7 @@ class _Memory:
     clocks: dict[str, Samples]
     fabric_since: dict[str, float]
     booted_at: float | None = None  # the snapshot's, not remembered
+    interval: float = 0.0  # the policy's --interval, not remembered
     known: frozenset[str] = frozenset()  # the GPUs the previous verdict judged, not remembered
 
     @classmethod
@@ -118,10 +118,10 @@ class _Memory:
         return previous if m == previous else m  # a steady node keeps one object
 
 
-def judge(snapshot: Snapshot, *, previous: Verdict, table: SignalTable) -> SignalOutcome:
+def judge(snapshot: Snapshot, *, previous: Verdict, table: SignalTable, interval: float) -> SignalOutcome:
     """Judge every signal of every GPU the snapshot read, and the PCI bus against NVML."""
     mem = _Memory.of(previous.signal_memory)
-    mem.booted_at = snapshot.booted_at
+    mem.booted_at, mem.interval = snapshot.booted_at, interval
     prev_by_uuid = {g.uuid: g for g in previous.gpus}
     mem.known = frozenset(prev_by_uuid)
     faults: dict[str, tuple[Fault, ...]] = {}
@@ -342,16 +342,16 @@ def _clock(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
     seen = sum(1 for t, m in mem.clocks.get(g.uuid, ()) if m & bit and t > now - s.window_s)
     if seen <= s.threshold:
         return ""
-    return f"{what} in {seen} checks within {s.window_s:.0f} s (limit {s.threshold:g})"
+    at = f"--interval {mem.interval:g}"
+    return f"{what} in {seen} checks at {at} within {s.window_s:.0f} s (limit {s.threshold:g})"
 
 
 def _clock_sample(g: GpuReading, mem: _Memory, now: float, keep_s: float) -> None:
-    """One sample per check in which a HW clock event is read (the three clock signals count from it),
-    kept for the longest of their windows."""
+    """One sample per sighting of a HW clock event (cadence.sighted), kept for the longest clock window."""
     samples = mem.clocks.get(g.uuid, ())
     mask = g.signals.clock_events
     if mask is not None and mask & _CLOCK_MASK:
-        samples += ((now, mask),)
+        samples = sighted(samples, now, mask, mem.interval)
     if samples and samples[0][0] <= now - keep_s:
         samples = tuple(x for x in samples if x[0] > now - keep_s)
     if samples:

@@ -132,8 +132,10 @@ class NodeReconciler:
 
         One that cannot change any decision (same faults, streaks past --recover-after, the node cached and
         not deferred) does not wake the writer thread: an idle agent costs next to nothing."""
-        settling = (self.budget is not None and self.budget.settling) or (
-            self.devices is not None and self.devices.settling
+        settling = (
+            (self.budget is not None and self.budget.settling)
+            or (self.devices is not None and self.devices.settling)
+            or (self.repeat is not None and self.repeat.settling)  # an episode waits to count
         )
 
         def quiet() -> bool:

@@ -74,7 +74,8 @@ class Agent:
         self._log_node = node_name or DRY_RUN_NODE  # the name the node's own lines use, also in a dry run
         self._widened: dict[str, float] = {}
         table = self._fit(policy.signals)
-        self._policy = policy if table is policy.signals else replace(policy, signals=table)
+        # The policy measures durations in checks at the agent's own --interval.
+        self._policy = replace(policy, signals=table, interval=interval)
         self._dry_run = dry_run
         self._metrics = metrics
         self._state = state
@@ -227,9 +228,9 @@ class Agent:
         skips the evaluation at every poll (a fifth of an idle check's CPU, docs/performance.md)."""
         last = self._last_evaluation
         policy = self._policy  # read once: the node's labels may change it from the reconciler's thread
-        # A health signal counted over a window is judged again as time passes, readings unchanged; a
-        # table the node's labels changed judges again too.
-        timed = basis is not None and basis.signal_memory.pending
+        # A failure lasting or a health signal counted over a window is judged again as time passes, readings
+        # unchanged; a table the node's labels changed judges again too.
+        timed = basis is not None and basis.pending
         if last is not None and not timed and last[3] is policy:
             if snapshot is last[0] and basis is last[1]:
                 return last[2]  # the backend's very snapshot again (nothing read differently): no compare

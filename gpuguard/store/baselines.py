@@ -75,7 +75,8 @@ class BaselineStore:
         self._seen: tuple[SignalMemory, frozenset[str]] | None = None
         self._retry = WriteRetry(
             log,
-            "baselines",
+            unavailable="baselines.unavailable",
+            resumed="baselines.resumed",
             directory=str(self._dir),
             note="baselines kept in memory until a write succeeds: a restarted agent now takes new ones",
             clock=clock,

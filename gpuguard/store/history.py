@@ -57,6 +57,8 @@ class Episode:
     boot_id: str = ""
     ended: str | None = None
     ended_at: float | None = None
+    # Reasons every GPU of the node showed at once (quarantine.repeat.escalation): the node's, not counted.
+    shared: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,8 @@ class HistoryStore:
         self._disabled = self._dir is None
         self._retry = WriteRetry(
             log,
-            "history",
+            unavailable="history.unavailable",
+            resumed="history.resumed",
             directory=str(self._dir),
             note="history kept in memory until a write succeeds: a reboot now forgets repeat offenders",
             clock=clock,
@@ -207,6 +210,7 @@ def serialize(history: History) -> dict[str, Any]:
                         "boot_id": e.boot_id,
                         "ended": e.ended,
                         "ended_at": e.ended_at,
+                        **({"shared": list(e.shared)} if e.shared else {}),
                     }
                     for e in h.episodes
                 ],
@@ -240,6 +244,7 @@ def _gpu(h: Any) -> GpuHistory:
             boot_id=_text(e["boot_id"]),
             ended=_ending(e["ended"]),
             ended_at=None if e["ended_at"] is None else _time(e["ended_at"]),
+            shared=tuple(_text(r) for r in _list(e.get("shared", []), MAX_REASONS)),
         )
         for e in _list(h["episodes"], MAX_EPISODES)
     )

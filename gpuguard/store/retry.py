@@ -20,20 +20,21 @@ MOST_S = 300.0
 
 
 class WriteRetry:
-    """`log` and `event`: the store's logger and event prefix (`state`, `history`, `baselines`): it logs
-    `<event>.unavailable` once when writes start failing and `<event>.resumed` once when one succeeds."""
+    """`log`: the store's logger; it logs the event `unavailable` once when writes start failing and
+    `resumed` once when one succeeds (each store names its own, e.g. `state.unavailable`, `state.resumed`)."""
 
     def __init__(
         self,
         log: Any,
-        event: str,
         *,
+        unavailable: str,
+        resumed: str,
         directory: str,
         note: str,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._log = log
-        self._event = event
+        self._unavailable, self._resumed = unavailable, resumed
         self._directory = directory
         self._note = note
         self._clock = clock
@@ -50,7 +51,7 @@ class WriteRetry:
         self._next = self._clock() + delay
         if self.failures == 1:
             self._log.warning(
-                f"{self._event}.unavailable",
+                self._unavailable,
                 directory=self._directory,
                 error=str(exc),
                 retry_in_s=delay,
@@ -59,5 +60,5 @@ class WriteRetry:
 
     def succeeded(self) -> None:
         if self.failures:
-            self._log.info(f"{self._event}.resumed", directory=self._directory, failed_writes=self.failures)
+            self._log.info(self._resumed, directory=self._directory, failed_writes=self.failures)
         self.failures = 0

@@ -90,7 +90,8 @@ class StateStore:
         self._written: tuple[tuple[Fault, ...], RuleMemory] | None = None
         self._retry = WriteRetry(
             log,
-            "state",
+            unavailable="state.unavailable",
+            resumed="state.resumed",
             directory=str(self._dir),
             note="fault state kept in memory until a write succeeds",
             clock=clock,

@@ -9,6 +9,11 @@ fatal Xid of NVIDIA's Xid catalog names the GPU that raised it (the catalog has 
 Xids such as 74 or 144-150 are the GPU's own link), and ecc, row-remap, gpu-lost, gpu-missing with a UUID,
 gpu-unreadable, gpu-unresponsive, reset-required and the driver's recovery actions are read from one GPU.
 
+The same holds for any reason every GPU of the node shows at once (within AT_ONCE_S seconds of each other,
+escalation.observe records it as the episode's `shared`): three outages in which every GPU answers UNKNOWN
+(gpu-unreadable on all 8) are the node's NVML or driver, not 8 repeat offenders. A node of one GPU has no
+such evidence: its faults count.
+
 An episode whose reasons are all non-counting is still recorded in the history (evidence for the operator);
 it is only left out of the count. An episode that gains a counting reason later (fabric-incomplete, then Xid
 79 in the same boot) counts.
@@ -48,9 +53,11 @@ def counts(reason: str, table: SignalTable = SIGNALS) -> bool:
     return True
 
 
-def counted(reasons: Iterable[str], table: SignalTable = SIGNALS) -> bool:
-    """Whether an episode with these reasons counts: at least one of them does."""
-    return any(counts(r, table) for r in reasons)
+def counted(reasons: Iterable[str], table: SignalTable = SIGNALS, *, shared: Iterable[str] = ()) -> bool:
+    """Whether an episode with these reasons counts: at least one of them does, and is not one every GPU of
+    the node showed at once (`shared`, escalation.observe): such a cause is the node's."""
+    node = set(shared)
+    return any(counts(r, table) and r not in node for r in reasons)
 
 
 def kept(reasons: Iterable[str], table: SignalTable = SIGNALS) -> tuple[str, ...]:

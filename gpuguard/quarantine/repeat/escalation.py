@@ -18,7 +18,7 @@ that Fabric Manager sets up, NVML itself) is recorded and not counted.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
@@ -29,16 +29,23 @@ from gpuguard.store.history import Episode, GpuHistory, History, Release
 
 DEFAULT_LIMIT = 3
 DEFAULT_WINDOW_S = 604800.0
+# "At once": every GPU of the node began showing a reason within this many seconds. A node-wide cause reaches
+# the GPUs within a pass or two (a failure lasts 3 checks at --interval before it is a fault, each GPU from
+# the pass that first read it), and independent faults of every GPU within 30 s are not the GPUs' own.
+AT_ONCE_S = 30.0
 # A release's "*": every held GPU of the node.
 ALL = "*"
 
 
 @dataclass(frozen=True)
 class Limits:
-    """`limit` episodes within `window_s` seconds make a repeat offender; `limit` 0: escalation off."""
+    """`limit` episodes within `window_s` seconds make a repeat offender; `limit` 0: escalation off. An
+    episode counts once `at_once_s` have passed since it opened: until then every GPU may yet show its
+    reason at once, which makes it the node's."""
 
     limit: int = DEFAULT_LIMIT
     window_s: float = DEFAULT_WINDOW_S
+    at_once_s: float = AT_ONCE_S
 
 
 def repeat_offenders(episodes: Mapping[str, Iterable[float]], limits: Limits, now: float) -> dict[str, int]:
@@ -75,12 +82,16 @@ def observe(
     boot_id: str,
     reset_cleared: frozenset[str],
     now: float,
+    gpus: Collection[str] = (),
+    at_once_s: float = AT_ONCE_S,
 ) -> dict[str, GpuHistory]:
     """The history after one verdict: `faults` (UUID -> reasons, `gpu_faults`) open episodes, or add reasons
     to the open one; a GPU healthy for `recover_after` checks (`streaks`, by UUID) ends its open episode, as a
     reboot (another boot than the episode's), a reset (`reset_cleared`: UUIDs a driver-asked reset cleared)
     or a counter reset. A fault in another boot than its open episode's ends that one (a reboot) and opens a
-    new one. After an operator's release in this boot, the faults it was released with open nothing."""
+    new one. After an operator's release in this boot, the faults it was released with open nothing. A reason
+    that every GPU of the node (`gpus`, two or more) shows now, each since at most `at_once_s` ago, is
+    recorded as the node's on each open episode (`shared`): it never counts."""
     out = dict(history)
     for uuid, reasons in faults.items():
         h = out.get(uuid, GpuHistory())
@@ -110,15 +121,50 @@ def observe(
         if not _same_boot(opened.boot_id, boot_id):
             how = "reboot"
         out[uuid] = _with_last(h, replace(opened, ended=how, ended_at=now))
-    return out
+    return _node_wide(history, out, faults, gpus, now=now, at_once_s=at_once_s)
+
+
+def _node_wide(
+    before: History,
+    after: dict[str, GpuHistory],
+    faults: Mapping[str, tuple[str, ...]],
+    gpus: Collection[str],
+    *,
+    now: float,
+    at_once_s: float,
+) -> dict[str, GpuHistory]:
+    """`after` with each reason every GPU shows at once recorded as `shared` on their open episodes."""
+    if len(gpus) < 2 or any(u not in faults for u in gpus):
+        return after
+    common = set.intersection(*(set(faults[u]) for u in gpus))
+
+    def recent(uuid: str, reason: str) -> bool:
+        e = after[uuid].open
+        if e is None or reason not in e.reasons:
+            return False
+        was = before.get(uuid, GpuHistory()).open
+        gained_now = was is None or was.first_seen != e.first_seen or reason not in was.reasons
+        return gained_now or now - e.first_seen <= at_once_s
+
+    for reason in sorted(common):
+        if not all(recent(u, reason) for u in gpus):
+            continue
+        for uuid in gpus:
+            e = after[uuid].open
+            if e is not None and reason not in e.shared:
+                after[uuid] = _with_last(after[uuid], replace(e, shared=(*e.shared, reason)))
+    return after
 
 
 def escalate(history: History, limits: Limits, now: float) -> tuple[dict[str, GpuHistory], dict[str, int]]:
     """The history with the new repeat offenders held (`escalated` set), and those new ones (UUID -> their
     episodes in the window). Only episodes after a GPU's last release count: a release starts it afresh; and
     only those with a reason of the GPU's own (`counting`)."""
+    settled = now - limits.at_once_s
     counted = {
-        uuid: [e.first_seen for e in _counted(h)] for uuid, h in history.items() if h.escalated is None
+        uuid: [e.first_seen for e in _counted(h) if e.first_seen <= settled]
+        for uuid, h in history.items()
+        if h.escalated is None
     }
     new = repeat_offenders(counted, limits, now)
     out = dict(history)
@@ -185,7 +231,17 @@ def _fault(uuid: str, h: GpuHistory, limits: Limits, index: int | None) -> Fault
 
 def _counted(h: GpuHistory) -> list[Episode]:
     """The episodes that count: after the GPU's last release, with a reason of the GPU's own."""
-    return [e for e in h.episodes if e.first_seen > h.last_release and counts_toward(e.reasons)]
+    return [
+        e for e in h.episodes if e.first_seen > h.last_release and counts_toward(e.reasons, shared=e.shared)
+    ]
+
+
+def settling(history: History, limits: Limits, now: float) -> bool:
+    """Whether an episode is still within `at_once_s` of opening (escalate counts it only after)."""
+    return any(
+        h.escalated is None and h.episodes and now - h.episodes[-1].first_seen <= limits.at_once_s
+        for h in history.values()
+    )
 
 
 def _with_last(h: GpuHistory, episode: Episode) -> GpuHistory:

@@ -44,12 +44,19 @@ class RepeatOffenders:
         self._history: dict[str, GpuHistory] = store.load()
         self._saved = self._history
         self._escalated_once = False
+        # An episode too new to count at the last apply (escalation.settling): escalate again once it is not.
+        self._settling = False
         # The release annotation's text last handled: removed by the next node write, handled once.
         self.handled_release: str | None = None
 
     @property
     def history(self) -> Mapping[str, GpuHistory]:
         return self._history
+
+    @property
+    def settling(self) -> bool:
+        """Whether an episode waits to count (the reconciler then applies again without a change)."""
+        return self._settling
 
     @property
     def held(self) -> dict[str, int]:
@@ -77,16 +84,19 @@ class RepeatOffenders:
             boot_id=node.boot_id,
             reset_cleared=cleared,
             now=now,
+            gpus=[g.uuid for g in verdict.gpus if g.uuid],
+            at_once_s=self._limits.at_once_s,
         )
         new: dict[str, int] = {}
         # Only a new episode (or the first verdict, a history read from the disk) can make a new repeat
         # offender: the count in the window only falls with time. Most reconciles change nothing here.
         changed = {u: h for u, h in history.items() if before.get(u) is not h}
-        if changed or not self._escalated_once:
+        recheck = self._settling
+        if changed or not self._escalated_once or recheck:
             self._log_episodes(node.name, before, history)
             if self._limits.limit > 0:
                 part, new = escalation.escalate(
-                    changed if self._escalated_once else history, self._limits, now
+                    changed if self._escalated_once and not recheck else history, self._limits, now
                 )
                 history = {**history, **part}
             history = bounded(history, changed=changed if self._escalated_once else None)
@@ -102,6 +112,7 @@ class RepeatOffenders:
                 note="held for repair: not released by reboots or resets until `gpuguard release`",
             )
         self._history = history
+        self._settling = self._limits.limit > 0 and escalation.settling(history, self._limits, now)
         if self._limits.limit <= 0:
             return verdict
         return escalation.held_faults(verdict, history, self._limits)
@@ -160,5 +171,5 @@ class RepeatOffenders:
                     node=node,
                     uuid=uuid,
                     reasons=list(new.reasons),
-                    counted=counting.counted(new.reasons),
+                    counted=counting.counted(new.reasons, shared=new.shared),
                 )
