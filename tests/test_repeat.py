@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -425,4 +426,42 @@ def test_a_release_that_names_no_held_gpu_is_logged_as_such_not_as_a_release(tmp
         release(node, gpu="GPU-9")
     events = [e for e in logs if e["event"].startswith("repeat.release")]
     assert [(e["event"], e["held"]) for e in events] == [("repeat.release_matched_none", ["GPU-0"])]
+    assert node.held == {"GPU-0": 3}
+
+
+@pytest.mark.parametrize("step_s", [-3600.0, 3600.0], ids=["an hour back", "an hour forward"])
+def test_a_wall_clock_stepped_an_hour_between_boots_changes_no_hold(tmp_path: Path, step_s: float) -> None:
+    """Three Xid 79 episodes in three boots twenty minutes apart, the host's clock set an hour back (or
+    forward) at the third boot: held all the same (stepped back, the earlier episodes were 'in the future'
+    and fell out of the window, so the GPU was never held)."""
+    node = Node(tmp_path)
+    node.check(XID, 0)
+    for boot in ("boot-1", "boot-2"):
+        node.reboot(boot, days=20 * 60 / DAY)
+        if boot == "boot-2":
+            node.now += step_s
+        node.check(XID, 0)
+    node.now += Limits().at_once_s
+    node.check(XID, 0)
+    assert node.held == {"GPU-0": 3}
+
+
+def test_a_release_then_a_wall_clock_stepped_back_an_hour_neither_holds_again_nor_hides_a_new_episode(
+    tmp_path: Path,
+) -> None:
+    """After a release, the host's clock set an hour back: the released episodes stay released (they were
+    stamped after the new 'now'), and the three episodes that come after the release hold the GPU again."""
+    node = held_node(tmp_path)
+    stamp = datetime.fromtimestamp(node.now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    release(node, at=stamp)
+    assert node.held == {}
+    node.now -= 3600
+    node.check(HEALTHY, SETTINGS.recover_after + 6)
+    assert node.held == {}
+    node.check(XID, 0)
+    for boot in ("boot-4", "boot-5"):
+        node.reboot(boot, days=10 * 60 / DAY)
+        node.check(XID, 0)
+    node.now += Limits().at_once_s
+    node.check(XID, 0)
     assert node.held == {"GPU-0": 3}

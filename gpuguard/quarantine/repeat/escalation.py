@@ -33,6 +33,8 @@ DEFAULT_WINDOW_S = 604800.0
 # the GPUs within a pass or two (a failure lasts 3 checks at --interval before it is a fault, each GPU from
 # the pass that first read it), and independent faults of every GPU within 30 s are not the GPUs' own.
 AT_ONCE_S = 30.0
+# How far after the history's latest time a clock stepped back behind it puts "now" (seconds).
+_AFTER = 0.001
 # A release's "*": every held GPU of the node.
 ALL = "*"
 
@@ -154,6 +156,29 @@ def _node_wide(
             if e is not None and reason not in e.shared:
                 after[uuid] = _with_last(after[uuid], replace(e, shared=(*e.shared, reason)))
     return after
+
+
+def lag(history: History, now: float) -> float:
+    """How far the wall clock `now` is behind the latest time the history holds (0: not behind), plus a
+    millisecond so that what comes now is ordered after it. The history outlives the process and the boot,
+    and the wall clock may be stepped back between (NTP, a host clock set at boot): an episode stamped "in
+    the future" would fall out of the window, and a new one could land before a release it comes after. The
+    caller adds the lag to the wall clock from then on, so the history's times only move forward and
+    durations still pass: a step back changes no hold and no release; a step forward ages the episodes by
+    the step (an hour in a 7-day window)."""
+    latest = max((t for h in history.values() for t in _times(h)), default=now)
+    return 0.0 if now >= latest else latest - now + _AFTER
+
+
+def _times(h: GpuHistory) -> Iterable[float]:
+    for e in h.episodes:
+        yield e.first_seen
+        if e.ended_at is not None:
+            yield e.ended_at
+    for r in h.releases:
+        yield r.at
+    if h.escalated is not None:
+        yield h.escalated
 
 
 def escalate(history: History, limits: Limits, now: float) -> tuple[dict[str, GpuHistory], dict[str, int]]:

@@ -41,6 +41,7 @@ class RepeatOffenders:
         self._limits = limits
         self._recover_after = recover_after
         self._wall = wall
+        self._behind = 0.0  # seconds the wall clock was found behind the history (a clock stepped back)
         self._history: dict[str, GpuHistory] = store.load()
         self._saved = self._history
         self._escalated_once = False
@@ -68,7 +69,7 @@ class RepeatOffenders:
     ) -> Verdict:
         """Record the verdict's episodes, handle a release on the node, hold the repeat offenders; the
         verdict the quarantines are planned for (the held GPUs' faults added)."""
-        now = self._wall()
+        now = self._now(node.name)
         self._release(node, now)
         faults = escalation.gpu_faults(verdict)
         known = set(self._history) | set(faults)
@@ -116,6 +117,21 @@ class RepeatOffenders:
         if self._limits.limit <= 0:
             return verdict
         return escalation.held_faults(verdict, history, self._limits)
+
+    def _now(self, node: str) -> float:
+        """The wall clock, moved forward by as much as it was ever found behind the history (a step back)."""
+        now = self._wall() + self._behind
+        lag = escalation.lag(self._history, now)
+        if lag:
+            self._behind += lag
+            log.warning(
+                "repeat.clock_behind",
+                node=node,
+                behind_s=round(lag, 3),
+                note="the wall clock is behind the GPU history's latest time (a clock stepped back): its "
+                "times are taken that much later, so no episode, hold or release is reordered",
+            )
+        return now + lag
 
     def flush(self) -> None:
         """Write the history if it changed (after the reconcile's node writes). Never raises."""
