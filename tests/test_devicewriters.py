@@ -222,8 +222,12 @@ def test_every_nodes_rules_are_read_in_pages_of_100_each_kept_as_far_as_the_budg
     assert all(q["limit"] == "100" for q in api.queries)
     assert len({r.name for r in rules}) == 250
     assert all(r.annotations == {"gpuguard.io/node-gpus": "8"} for r in rules)
-    # gpuguard status reads them whole, in one list.
+    # gpuguard status reads them whole, in pages too; and so does the node's own list (a stolen token makes
+    # as many of its own node's rules as it likes: each is bounded by the policy, their number is not).
     api.queries.clear()
     whole = source(api).all_rules(whole=True)
-    assert [q.get("limit") for q in api.queries] == [None]
+    assert [q.get("limit") for q in api.queries] == ["100", "100", "100"]
     assert whole[0].reason == "ecc: 1 error" and len(whole) == 250
+    api.queries.clear()
+    source(api).rules()
+    assert [q.get("limit") for q in api.queries] == ["100", "100", "100"]

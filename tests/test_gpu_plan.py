@@ -82,6 +82,15 @@ def test_a_rule_an_operator_deleted_is_made_again_only_for_a_new_fault() -> None
     assert not plan.suppressed(overridden, "GPU-2", (XID,))
 
 
+def test_a_held_gpus_rule_deleted_by_anyone_is_made_again() -> None:
+    """A repeat offender's rule is not an operator's override: only a release lifts a hold (a stolen token
+    deleted its own held GPU's rule, and the agent never made it again, not even after a restart)."""
+    held = Fault(REPEAT_OFFENDER, "3 fault episodes in 7 days", uuid="GPU-1", gpu_index=1)
+    overridden = {"GPU-1": frozenset({XID.key, held.key})}
+    assert not plan.suppressed(overridden, "GPU-1", (XID, held))
+    assert not plan.suppressed(overridden, "GPU-1", (held,))
+
+
 @pytest.mark.parametrize(
     ("streak", "flapping", "boot", "released"),
     [

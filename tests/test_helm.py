@@ -29,12 +29,13 @@ MANIFEST = ROOT / "deploy" / "daemonset.yaml"
 ADMISSION_POLICY = ROOT / "deploy" / "admission-policy.yaml"
 DEVICE_POLICY = ROOT / "deploy" / "admission-policy-devices.yaml"
 EVENT_POLICY = ROOT / "deploy" / "admission-policy-events.yaml"
+EVICTION_POLICY = ROOT / "deploy" / "admission-policy-evictions.yaml"
 EVENT_FLOWS = ROOT / "deploy" / "flowcontrol-events.yaml"
 # What the default render is, object for object: the README's deploy command.
 DEFAULT_FILES = (
     "daemonset.yaml",
     "flowcontrol-events.yaml",
-    *(p.name for p in (ADMISSION_POLICY, DEVICE_POLICY, EVENT_POLICY)),
+    *(p.name for p in (ADMISSION_POLICY, DEVICE_POLICY, EVENT_POLICY, EVICTION_POLICY)),
 )
 
 # The first run builds helm inside the test session: allow it more than pytest's default timeout.
@@ -137,6 +138,7 @@ POLICIES = {
     "own-node-only": ADMISSION_POLICY,
     "own-devices-only": DEVICE_POLICY,
     "own-events-only": EVENT_POLICY,
+    "evictions": EVICTION_POLICY,
 }
 
 
@@ -175,6 +177,25 @@ def test_the_admission_policies_follow_the_release_name_and_namespace(helm: Helm
         binding["spec"]["policyName"] = f"gpuguard-{suffix}"
         expected = {d["kind"]: d for d in _manifest(path)}
         assert [policy, binding] == [expected[kind] for kind in ADMISSION_KINDS], suffix
+
+
+def test_the_eviction_policy_allows_exactly_the_charts_grace_period(helm: Helm, default_render: Docs) -> None:
+    """The one grace period an operator configured (evict.gracePeriodSeconds) may be sent; by default none
+    (the pod's own), as deploy/admission-policy-evictions.yaml says."""
+
+    def allowed(docs: Docs) -> str:
+        policy = next(
+            d
+            for d in docs
+            if d["kind"] == ADMISSION_KINDS[0] and d["metadata"]["name"].endswith("-evictions")
+        )
+        variables = {v["name"]: v["expression"] for v in policy["spec"].get("variables", [])}
+        return str(variables["allowedGrace"])
+
+    assert allowed(default_render) == "[]"
+    evicting = ("--set", "evict.mode=gpu-pods", "--set", "evict.namespaces={ml}")
+    assert allowed(helm.render(*evicting, "--set", "evict.gracePeriodSeconds=30")) == "[30]"
+    assert allowed(helm.render(*evicting)) == "[]"
 
 
 def test_the_chart_passes_helm_lint_strict_without_the_admission_policies(helm: Helm) -> None:

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 import pytest
 
 from gpuguard.core.config import NodeSettings, PolicySettings, QuarantineLimit
-from gpuguard.core.model import Fault, GpuReading, Snapshot, Verdict, XidEvent
+from gpuguard.core.model import REPEAT_OFFENDER, Fault, GpuReading, Snapshot, Verdict, XidEvent
 from gpuguard.judge.policy import evaluate
 from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.node.budget import limit, plan_yield, quarantine_rank
@@ -448,6 +448,19 @@ def test_nothing_to_yield_on_a_node_that_is_not_fully_quarantined_by_us() -> Non
 
 def rebooted(n: NodeView, boot_id: str = "boot-b") -> NodeView:
     return NodeView(**{**n.__dict__, "boot_id": boot_id})
+
+
+def test_a_repeat_offenders_taint_removed_by_hand_is_put_back() -> None:
+    """A GPU held as a repeat offender is released only by gpuguard.io/release (which an agent's token cannot
+    write): a stolen token removed the taint, and the agent took that for an operator's override."""
+    held = Fault(REPEAT_OFFENDER, "3 fault episodes in 7 days", uuid="GPU-0", gpu_index=0)
+    v = replace(verdict(ecc=3), node_faults=(held,))  # as escalation.held_faults adds a held GPU's fault
+    n = tainted(v)
+    by_hand = NodeView(**{**n.__dict__, "taints": ()})
+    change = decide(by_hand, v)
+    assert change is not None and change.taints is not None
+    assert [t.key for t in change.taints] == [TAINT_KEY]
+    assert LABEL_QUARANTINED in apply_change(by_hand, change).labels
 
 
 def test_the_same_fault_after_a_reboot_is_a_new_fault_even_after_an_override() -> None:

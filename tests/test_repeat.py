@@ -25,6 +25,7 @@ from gpuguard.quarantine.node.view import (
     ANN_REPAIR_PLACED,
     ANN_REPEAT_OFFENDERS,
     LABEL_NEEDS_REPAIR,
+    LABEL_QUARANTINED,
     NodeView,
 )
 from gpuguard.quarantine.reconciler import NodeReconciler
@@ -313,30 +314,27 @@ def test_on_a_dra_node_the_held_gpus_rule_says_repeat_offender_and_stays_across_
     assert json.loads(writer.node.annotations[ANN_REPEAT_OFFENDERS]) == {uuids[3]: 3}
 
 
-def test_a_taint_removed_by_hand_from_a_held_node_is_an_override_for_this_boot_only(tmp_path: Path) -> None:
-    """An operator who takes the taint off a held node overrides the hold until the node reboots, as any
-    taint removed by hand is overridden for the faults it recorded; the hold itself is the GPU history's and
-    only `gpuguard release` ends it, so the next boot holds the GPU again. Decided, not an accident: a
-    repaired GPU comes with a release, and a hold that a stray `kubectl taint ... -` ended for good would
-    put a GPU that faulted three times back into service with no record of who decided it."""
+def test_a_taint_removed_from_a_held_node_is_put_back(tmp_path: Path) -> None:
+    """A held node's taint taken off (by a stolen agent token, which the policy lets remove its own node's
+    gpuguard.io/ taints, or by a stray `kubectl taint ... -`) is no override: only `gpuguard release` ends a
+    hold, so the next check puts the taint back, with the needs-repair label still there. Before, the agent
+    took it for an operator's override and left the GPU in service for the rest of the boot."""
     node = held_node(tmp_path)
     (ours,) = [t for t in node.writer.node.taints if t.key == "gpuguard.io/gpu-unhealthy"]
     node.writer.edit(taints=tuple(t for t in node.writer.node.taints if t != ours))
     node.agent._node = None  # the agent's next re-read (--node-resync) sees it
     for streak in range(SETTINGS.recover_after + 5):
         node.check(HEALTHY, SETTINGS.recover_after + 5 + streak)
-    assert node.writer.node.our_taint is None  # not put back in this boot
-    assert node.held == {"GPU-0": 3}  # still held: the history says so
+    assert node.taint_value == "repeat-offender"  # put back in this boot
+    assert node.held == {"GPU-0": 3}
     assert node.writer.node.labels[LABEL_NEEDS_REPAIR] == "true"
-    assert HistoryStore(tmp_path).load()["GPU-0"].escalated is not None
-    node.reboot("boot-4")
-    assert node.taint_value == "repeat-offender"  # held again by the next boot
-    assert node.writer.node.labels[LABEL_NEEDS_REPAIR] == "true"
+    assert node.writer.node.labels[LABEL_QUARANTINED] == "true"
 
 
-def test_a_held_gpus_rule_deleted_by_hand_is_an_override_for_this_boot_only(tmp_path: Path) -> None:
-    """The same on a DRA node: the rule memory that makes a deleted rule an override is the boot's
-    (state.StateStore), the hold is the history's."""
+def test_a_held_gpus_deleted_rule_is_made_again_also_after_a_restart(tmp_path: Path) -> None:
+    """The same on a DRA node: a stolen token deleted its own held GPU's rule; the agent recorded an
+    operator's override (state.StateStore) and never made it again, not even after a restart. The hold is
+    the history's, and only a release ends it."""
     node_name = "gpu-node-1"
     uuids = [gpu_uuid(node_name, i) for i in range(8)]
     gpus = tuple(GpuReading(index=i, uuid=u) for i, u in enumerate(uuids))
@@ -373,17 +371,11 @@ def test_a_held_gpus_rule_deleted_by_hand_is_an_override_for_this_boot_only(tmp_
     assert source.store[name]["spec"]["taint"]["value"] == "repeat-offender"
     source.operator_delete(name)
     checks(r)
-    r = agent()  # an agent restart in the same boot remembers the override
-    checks(r)
-    assert source.store == {}
-    overridden = StateStore(tmp_path / "state", boot_id="boot-3").load_rules().overridden
-    assert set(overridden) == {uuids[3]}
-    assert r.repeat is not None and r.repeat.held == {uuids[3]: 3}
-    writer.edit(boot_id="boot-4")
-    r = agent()
+    r = agent()  # a restart in the same boot reads the rules again: the deleted one is made again
     checks(r)
     (rule,) = source.store.values()
-    assert rule["spec"]["taint"]["value"] == "repeat-offender"  # held again by the next boot
+    assert rule["spec"]["taint"]["value"] == "repeat-offender"
+    assert r.repeat is not None and r.repeat.held == {uuids[3]: 3}
 
 
 def test_a_fabric_that_never_completes_over_three_boots_holds_no_gpu(tmp_path: Path) -> None:

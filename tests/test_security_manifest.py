@@ -294,6 +294,7 @@ def test_the_policy_documents_the_kubernetes_versions_it_needs() -> None:
 
 DEVICE_POLICY = ROOT / "deploy" / "admission-policy-devices.yaml"
 EVENT_POLICY = ROOT / "deploy" / "admission-policy-events.yaml"
+EVICTION_POLICY = ROOT / "deploy" / "admission-policy-evictions.yaml"
 EVENT_FLOWS = ROOT / "deploy" / "flowcontrol-events.yaml"
 
 
@@ -318,11 +319,12 @@ def test_the_readmes_deploy_command_applies_every_policy_and_the_events_priority
         "deploy/admission-policy.yaml",
         f"deploy/{DEVICE_POLICY.name}",
         f"deploy/{EVENT_POLICY.name}",
+        f"deploy/{EVICTION_POLICY.name}",
     }
     assert applied == wanted | {"deploy/daemonset.yaml", f"deploy/{EVENT_FLOWS.name}"}
 
 
-@pytest.mark.parametrize("path", [DEVICE_POLICY, EVENT_POLICY], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [DEVICE_POLICY, EVENT_POLICY, EVICTION_POLICY], ids=lambda p: p.name)
 def test_the_other_policies_guard_the_service_account_fail_closed_and_name_every_refusal(path: Path) -> None:
     namespace, name = _service_account()
     spec = _one(path, "ValidatingAdmissionPolicy")["spec"]

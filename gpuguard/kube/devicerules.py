@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuguard.kube import client as kubeclient
+from gpuguard.kube.listwatch import lean
 
 GROUP = "resource.k8s.io"
 VERSIONS = ("v1", "v1beta2")
@@ -52,8 +53,9 @@ def list_page(
     after: str | None = None,
     timeout: float = 10.0,
 ) -> dict[str, Any]:
-    """One page of the rules of a label selector, as the API server sends it: its metadata.continue, where
-    `limit` left more, is the next page's `after`. None `limit`: one page holds them all."""
+    """One page of the rules of a label selector, as the API server sends it but for each rule's
+    managedFields (`listwatch.lean`): its metadata.continue, where `limit` left more, is the next page's
+    `after`. None `limit`: one page holds them all."""
     query = {"labelSelector": selector}
     if limit is not None:
         query["limit"] = str(limit)
@@ -62,6 +64,8 @@ def list_page(
     doc: dict[str, Any] = api.request(
         "GET", rules_path(version), query=query, timeout=timeout, what="list device taint rules"
     )
+    for item in doc.get("items") or []:
+        lean(item)
     return doc
 
 

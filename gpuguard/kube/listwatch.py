@@ -99,7 +99,7 @@ class ListWatch:
                 what=f"list {self._what}",
             )
             for i in doc.get("items") or []:
-                items[str(i["metadata"]["name"])] = self._keep(i)
+                items[str(i["metadata"]["name"])] = self._keep(lean(i))
             meta = doc.get("metadata") or {}
             rv = rv or str(meta["resourceVersion"])  # every page of one list is at the first page's version
             if self._page is None or not meta.get("continue"):
@@ -152,7 +152,7 @@ class ListWatch:
                 if kind == "DELETED":
                     self._items.pop(name, None)
                 else:
-                    self._items[name] = self._keep(obj)
+                    self._items[name] = self._keep(lean(obj))
                 self._generation += 1
             self._changed()
             if stop.is_set():
@@ -215,3 +215,13 @@ class ListWatch:
 
 def _nothing() -> None:
     pass
+
+
+def lean(item: dict[str, Any]) -> dict[str, Any]:
+    """The item without metadata.managedFields, which no reader of gpuguard's needs: dropped as each item
+    arrives, before it is kept, so what others write there (the policies bound a token's writes; an
+    administrator's are not) never stays in an agent's memory (docs/security.md)."""
+    meta = item.get("metadata")
+    if isinstance(meta, dict):
+        meta.pop("managedFields", None)
+    return item

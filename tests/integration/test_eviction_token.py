@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import kubernetes
@@ -64,15 +65,15 @@ def running(admin: Admin, namespace: str, name: str) -> None:
     )
 
 
-def pod(admin: Admin, namespace: str, node: str) -> str:
-    """A pod bound to `node` (no kubelet runs it: it stays Pending, which eviction does not care about)."""
+def pod(admin: Admin, namespace: str, node: str, *, grace: int | None = None) -> str:
+    """A pod bound to `node` (no kubelet runs it: it stays Pending, which eviction does not care about);
+    `grace`: its terminationGracePeriodSeconds."""
     name = f"victim-{time.monotonic_ns() % 10**9}"
+    spec: dict[str, Any] = {"nodeName": node, "containers": [{"name": "c", "image": "registry.example/x:1"}]}
+    if grace is not None:
+        spec["terminationGracePeriodSeconds"] = grace
     admin.core.create_namespaced_pod(
-        namespace,
-        {
-            "metadata": {"name": name, "labels": {"app": name}},
-            "spec": {"nodeName": node, "containers": [{"name": "c", "image": "registry.example/x:1"}]},
-        },
+        namespace, {"metadata": {"name": name, "labels": {"app": name}}, "spec": spec}
     )
     return name
 
@@ -185,3 +186,42 @@ def test_a_stolen_token_posts_pod_events_only_with_the_evictions_reasons_as_its_
     other_ns["involvedObject"]["namespace"] = OTHER  # about a pod of another namespace: the API's own 422
     assert status(post(LISTED, other_ns)) == 422
     assert status(post(OTHER, pod_event(here, OTHER, victim))) == 403  # RBAC: no Events outside the listed
+
+
+EVICTION_POLICY = "gpuguard-evictions"
+
+
+def test_a_stolen_token_cannot_shorten_an_evicted_pods_grace_period(admin: Admin, control_plane: Any) -> None:
+    """The attack: an Eviction with deleteOptions.gracePeriodSeconds 0 deleted a pod whose own grace period
+    is 300 s at once. Refused, whatever the number; the agent's own Eviction (no grace period: the pod's
+    own) passes, and the pod is given its 300 s."""
+    setup_namespaces(admin)
+    here = new_node(admin)
+    core = agent(admin, control_plane, here)
+    victim = pod(admin, LISTED, here)
+    for seconds in (0, 1, 300, 3600):
+        body = {**eviction(victim, LISTED), "deleteOptions": {"gracePeriodSeconds": seconds}}
+        text = refused_by(EVICTION_POLICY, partial(core.create_namespaced_pod_eviction, victim, LISTED, body))
+        assert text == (
+            "gpuguard evicts a pod with its own terminationGracePeriodSeconds; refused eviction of pod "
+            f"{LISTED}/{victim} with gracePeriodSeconds {seconds}"
+        )
+    assert admin.core.read_namespaced_pod(victim, LISTED).metadata.deletion_timestamp is None
+    slow = pod(admin, LISTED, here, grace=300)
+    running(admin, LISTED, slow)
+    core.create_namespaced_pod_eviction(slow, LISTED, eviction(slow, LISTED))
+    assert admin.core.read_namespaced_pod(slow, LISTED).metadata.deletion_grace_period_seconds == 300
+
+
+def test_a_stolen_token_posts_no_pod_event_where_it_may_not_evict(admin: Admin, control_plane: Any) -> None:
+    """The attack: a GPUPodEvicted Event about a pod in "default" (where the Role for node Events lets the
+    token write), with eviction off there. Refused in every namespace where the token may not evict; in the
+    eviction's namespace the agent's own Event still passes."""
+    setup_namespaces(admin)
+    here = new_node(admin)
+    core = agent(admin, control_plane, here)
+    body = pod_event(here, "default", "web-0")
+    text = refused_by(EVENT_POLICY, lambda: core.create_namespaced_event("default", body))
+    assert text.endswith("about Pod web-0"), text
+    victim = pod(admin, LISTED, here)
+    core.create_namespaced_event(LISTED, pod_event(here, LISTED, victim))

@@ -238,7 +238,7 @@ def test_the_operations_runbook_works_as_written(
     )
     assert pm["spec"]["jobLabel"] == "app.kubernetes.io/name"
     out = book.run("Which protections are installed")  # the chart's default: every one of them
-    for name in ("own-node-only", "own-devices-only", "own-events-only", "events"):
+    for name in ("own-node-only", "own-devices-only", "own-events-only", "evictions", "events"):
         assert f"gpuguard-{name} " in out, name
     # The check the page's prose gives for a refused write ("When the API server refuses ..."): the
     # chart's ClusterRole lets the agent's ServiceAccount patch nodes, and nothing lets it delete one.
@@ -585,7 +585,7 @@ def test_the_readmes_plain_manifest_deploy_starts_in_dry_run_and_enforces_with_t
 
     out = run(first)
     assert args() == ["watch", "--dry-run"]
-    for name in ("own-node-only", "own-devices-only", "own-events-only"):
+    for name in ("own-node-only", "own-devices-only", "own-events-only", "evictions"):
         assert f"validatingadmissionpolicybinding.admissionregistration.k8s.io/gpuguard-{name} created" in out
     assert "flowschema.flowcontrol.apiserver.k8s.io/gpuguard-events created" in out
     run(enforce)

@@ -249,3 +249,41 @@ def test_a_fabric_that_never_completes_over_four_boots_holds_no_gpu(
     gpus = json.loads((agent.state_dir / "history.json").read_text())["gpus"]
     for uuid in ("GPU-it-0", "GPU-it-1"):
         assert len(gpus[uuid]["episodes"]) == 4 and gpus[uuid]["escalated"] is None
+
+
+def test_a_stolen_token_that_removes_a_held_nodes_taint_does_not_free_the_gpu(
+    admin: Admin, start_agent: Any, control_plane: Any
+) -> None:
+    """The attack: the node's own agent token (the policy lets it remove its own gpuguard.io/ taints) took
+    the repeat-offender taint off; the agent recorded an operator's override and left the GPU in service. Now
+    only a release lifts a hold: the taint is back within a re-read, and after a restart of the agent."""
+    from tests.integration.test_admission import MERGE, agent_core
+
+    agent, node, state = start_agent(boot_id="boot-a", env=RESYNC)
+    state.write_text(XID)
+    eventually(lambda: admin.our_taint(node), 10, what="taint")
+    for boot in ("boot-b", "boot-c"):
+        agent = reboot(admin, start_agent, agent, node=node, state=state, boot=boot)
+        eventually(lambda: admin.our_taint(node) is None, 10, what=f"released by the reboot to {boot}")
+        state.write_text(XID)
+        eventually(lambda: admin.our_taint(node), 10, what=f"taint in {boot}")
+    eventually(lambda: (admin.our_taint(node) or {}).get("value") == "repeat-offender", 10, what="held")
+    core = agent_core(admin, control_plane, node)
+
+    def strip() -> None:
+        taints = admin.node(node)["spec"].get("taints") or []
+        kept = [t for t in taints if t["key"] != TAINT]
+        body = {"spec": {"taints": kept}, "metadata": {"labels": {"gpuguard.io/quarantined": None}}}
+        core.patch_node(node, body, **MERGE)  # the label only with the taint (the policy)
+
+    strip()
+    eventually(lambda: (admin.our_taint(node) or {}).get("value") == "repeat-offender", 10, what="put back")
+    assert not agent.events("node.taint_removed_by_operator")
+    agent.stop()
+    strip()
+    agent, _, _ = start_agent(node=node, state=state, host_boot_id="host-boot-1", env=RESYNC)
+    eventually(lambda: (admin.our_taint(node) or {}).get("value") == "repeat-offender", 10, what="restart")
+    assert labels(admin, node)["gpuguard.io/needs-repair"] == "true"
+
+
+TAINT = "gpuguard.io/gpu-unhealthy"

@@ -1,5 +1,6 @@
 """The per-GPU quarantine's decisions, pure, as `node.plan` is the node's: which faults go to a GPU's rule
-and which stay with the node (`split`), whether a rule an operator deleted is made again (`suppressed`), the
+and which stay with the node (`split`), whether a rule an operator deleted is made again (`suppressed`: a
+held repeat offender's always is), the
 change to a rule already held (`update`), when a rule is released (`released`), the step back of a rule past
 the budget (`step_back`) and what /healthz shows of the rules (`quarantined`). `quarantine.DeviceQuarantine`
 reads, asks the budget and writes what these decide; the fault record's rules are `record.FaultRecord`'s, the
@@ -73,7 +74,12 @@ def split(verdict: Verdict, devices: Mapping[str, SliceDevice], *, mode: str, he
 
 def suppressed(overridden: Mapping[str, frozenset[str]], uuid: str, faults: Iterable[Fault]) -> bool:
     """An operator deleted this GPU's rule for these very faults (`overridden`: UUID -> the faults its rule
-    recorded when it was found gone): it is not made again; a new fault on that GPU makes it again."""
+    recorded when it was found gone): it is not made again; a new fault on that GPU makes it again. Never
+    for a GPU held as a repeat offender: only a release (gpuguard.io/release, which an agent's token cannot
+    write) lifts a hold, so its rule, deleted by anyone, is made again."""
+    faults = tuple(faults)
+    if any(f.reason == REPEAT_OFFENDER for f in faults):
+        return False
     return overridden.get(uuid, frozenset()) >= fault_keys(faults)
 
 

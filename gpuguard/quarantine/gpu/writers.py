@@ -101,8 +101,8 @@ class KubeDeviceSource:
         return self._list(EVERY_NODE, trim=not whole)
 
     def _list(self, selector: str, *, trim: bool = False) -> list[DeviceRule]:
-        """`trim`: every node's rules, in pages, each kept only as far as the budget reads it
-        (`rules.trim_rule`)."""
+        """In pages of LIST_PAGE (a node's own rules too: the policy bounds each rule, not how many a stolen
+        token makes); `trim`: each kept only as far as the budget reads it (`rules.trim_rule`)."""
         versions = (self._rule_version,) if self._version_known else devicerules.VERSIONS
         for version in versions:
             self._rule_version = version
@@ -115,7 +115,7 @@ class KubeDeviceSource:
                             self._api,
                             version,
                             selector=selector,
-                            limit=LIST_PAGE if trim else None,
+                            limit=LIST_PAGE,
                             after=after,
                             timeout=self._timeout,
                         )
@@ -123,7 +123,7 @@ class KubeDeviceSource:
                         DeviceRule.from_api(trim_rule(d) if trim else d) for d in doc.get("items") or []
                     ]
                     token = (doc.get("metadata") or {}).get("continue")
-                    if not trim or not token:
+                    if not token:
                         break
                     after = str(token)
             except PermanentApiError as exc:

@@ -71,6 +71,10 @@ def plan(
         recorded = node.current_faults
         keys = fault_keys(faults)
         new = node.record.new(faults, boot_id=node.boot_id)
+        if ours is None and not new:
+            # A repeat offender's hold is lifted only by a release (gpuguard.io/release, which an agent's
+            # token cannot write), never by removing the taint: it is put back, not taken for an override.
+            new = [f for f in faults if f.reason == REPEAT_OFFENDER]
         if ours is None and new:
             return _quarantine(node, faults, new, recorded | keys, settings=settings, now=now)
         if ours is not None and node.deferred:
