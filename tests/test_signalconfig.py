@@ -53,7 +53,7 @@ def test_the_global_part_applies_everywhere_and_a_rule_only_where_every_label_ma
     ("text", "message"),
     [
         ("signals: [", "not valid YAML"),
-        ("- 1", "expected a mapping with 'signals' and/or 'nodes'"),
+        ("- 1", "expected a mapping with 'signals', 'expected' and/or 'nodes'"),
         ("signal: {}", "unknown key 'signal'"),
         ("signals: {nvlink-gone: {level: fault}}", "unknown signal 'nvlink-gone'"),
         (

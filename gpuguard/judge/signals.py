@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gpuguard.core.hardware import nvlink_links_ok, pcie_gen_ok, pcie_width_ok
+from gpuguard.core.hardware import pcie_gen_ok
 from gpuguard.core.model import (
     GPU_MISSING,
     Fault,
@@ -23,7 +23,8 @@ from gpuguard.core.model import (
     Snapshot,
     Verdict,
 )
-from gpuguard.core.signaltable import DEGRADED, FAULT, IGNORE, Signal, SignalTable
+from gpuguard.core.signaltable import DEGRADED, FAULT, IGNORE, Expected, Signal, SignalTable
+from gpuguard.judge import links
 from gpuguard.judge.cadence import Samples, sighted
 
 # nvml.h NVML_GPU_FABRIC_STATE_*.
@@ -88,6 +89,7 @@ class _Memory:
     booted_at: float | None = None  # the snapshot's, not remembered
     interval: float = 0.0  # the policy's --interval, not remembered
     known: frozenset[str] = frozenset()  # the GPUs the previous verdict judged, not remembered
+    products: dict[str, Expected] = field(default_factory=dict)  # the table's, by NVML device name
 
     @classmethod
     def of(cls, m: SignalMemory) -> _Memory:
@@ -124,6 +126,7 @@ def judge(snapshot: Snapshot, *, previous: Verdict, table: SignalTable, interval
     mem.booted_at, mem.interval = snapshot.booted_at, interval
     prev_by_uuid = {g.uuid: g for g in previous.gpus}
     mem.known = frozenset(prev_by_uuid)
+    mem.products = table.products
     faults: dict[str, tuple[Fault, ...]] = {}
     degraded: dict[str, tuple[Fault, ...]] = {}
     for g in snapshot.gpus:
@@ -250,24 +253,8 @@ def _fabric_degraded(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
 
 
 def _nvlink_down(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
-    active = g.signals.nvlink_active
-    if active is None or (active and not nvlink_links_ok(active)):  # a link NVML cannot name: no reading
-        return ""
-    first = mem.links.get(g.uuid)
-    if first is None or not active <= first:
-        # The first good reading, raised by a link active now that it lacked (a first reading taken while
-        # the fabric still trained the links, or with one down): a link active once is one the GPU has.
-        if active:
-            mem.links[g.uuid] = active | (first or frozenset())
-        if first is None:
-            return ""
-        first = mem.links[g.uuid]
-    down = sorted(first - active)
-    if len(down) <= s.threshold:
-        return ""
-    links = ", ".join(map(str, down))
-    word = "link" if len(down) == 1 else "links"
-    return f"NVLink {word} {links} inactive, of {len(first)} active at the best reading"
+    trained = g.signals.fabric_state in (None, FABRIC_COMPLETED)
+    return links.nvlink_down(g, s, mem.links, mem.products.get(g.name), trained=trained)
 
 
 def _counter(key: str, value: int | None, s: Signal, mem: _Memory, now: float) -> int | None:
@@ -306,16 +293,7 @@ def _pcie_replays(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
 
 
 def _pcie_width(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
-    width = g.signals.pcie_width
-    if not width or not pcie_width_ok(width):  # None, 0, 0xFFFFFFFF...: no reading, never a baseline
-        return ""
-    first = mem.width.get(g.uuid)
-    if first is None or width > first:
-        # The first reading, raised by a wider one: a first reading of a link already narrow is no baseline.
-        first = mem.width[g.uuid] = width
-    if width >= first - s.threshold:
-        return ""
-    return f"PCIe link width x{width}, x{first} at the best reading"
+    return links.pcie_width(g, s, mem.width, mem.products.get(g.name))
 
 
 def _pcie_width_max(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
