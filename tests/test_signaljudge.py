@@ -310,6 +310,40 @@ def test_a_fabric_incomplete_after_a_completed_reading_gets_its_grace_from_then_
     assert v is not None and "IN_PROGRESS 307 s after it was first read so" in v.faults[0].detail
 
 
+def test_a_fabric_in_progress_most_of_the_time_in_stints_shorter_than_the_grace_is_a_fault() -> None:
+    """A probe IN_PROGRESS 90% of the time, each stint 27 s and each COMPLETED 3 s: every COMPLETED read
+    restarted the grace, so it never faulted. The time incomplete now adds up across the flaps until the
+    fabric stays COMPLETED a whole grace (300 s): a fault once 300 s of it were incomplete."""
+    v = evaluate(
+        Snapshot(gpus=(reading({"fabric_state": 3}),), taken_at=5000, booted_at=0),
+        previous=None,
+        settings=DEFAULT,
+    )
+    seen = []  # at the last IN_PROGRESS read of each 30 s cycle
+    for k in range(14):
+        for t in range(0, 30, 3):
+            state = 3 if t == 27 else 2
+            snap = Snapshot(gpus=(reading({"fabric_state": state}),), taken_at=5003 + 30 * k + t, booted_at=0)
+            v = evaluate(snap, previous=v, settings=DEFAULT)
+            if t == 24:
+                seen.append(found(v, "fabric-incomplete"))
+    assert seen[:10] == [""] * 10 and seen[11:] == ["fault"] * 3
+    snap = Snapshot(gpus=(reading({"fabric_state": 2}),), taken_at=5003 + 30 * 14, booted_at=0)
+    v = evaluate(snap, previous=v, settings=DEFAULT)
+    assert "incomplete across flaps" in v.faults[0].detail
+
+
+def test_a_fabric_completed_for_a_whole_grace_starts_afresh() -> None:
+    v = None
+    for t, state in ((5000, 3), (5003, 2), (5200, 3), (5510, 3), (5513, 2), (5700, 2)):
+        v = evaluate(
+            Snapshot(gpus=(reading({"fabric_state": state}),), taken_at=t, booted_at=0),
+            previous=v,
+            settings=DEFAULT,
+        )
+    assert v is not None and found(v, "fabric-incomplete") == ""  # 187 s into a fresh grace
+
+
 def test_a_baseline_taken_while_degraded_is_raised_by_a_better_reading_so_a_later_drop_is_seen() -> None:
     """An agent that first reads a GPU while its link is narrow (a fresh install on a broken node) or while
     the fabric still trains its NVLinks must not take that as the GPU's good state for ever."""

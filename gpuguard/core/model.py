@@ -221,7 +221,9 @@ class GpuVerdict:
 class SignalMemory:
     """What gpuguard.judge.signals carries from one check to the next, per GPU UUID: the first good reading's
     active NVLinks and PCIe width, counter samples (time, total) and clock event samples (time, mask) over
-    the longest window, and when a fabric's grace started (the boot or its first incomplete reading)."""
+    the longest window, when a fabric's grace started (the boot or its first incomplete reading) and, per
+    GPU, its incomplete run (seconds incomplete so far, the last reading's time, since when it reads
+    COMPLETED: None while incomplete), kept across flaps until it stays COMPLETED a whole grace."""
 
     first_links: tuple[tuple[str, frozenset[int]], ...] = ()
     first_width: tuple[tuple[str, int], ...] = ()
@@ -229,12 +231,13 @@ class SignalMemory:
     counters: tuple[tuple[str, tuple[tuple[float, int], ...]], ...] = ()
     clock_samples: tuple[tuple[str, tuple[tuple[float, int], ...]], ...] = ()
     fabric_incomplete_since: tuple[tuple[str, float], ...] = ()
+    fabric_runs: tuple[tuple[str, tuple[float, float, float | None]], ...] = ()
 
     @property
     def pending(self) -> bool:
         """Whether time alone can change a judgement (a grace running, events or a counter's rise within a
         window): the agent then judges again although nothing read differently."""
-        return bool(self.fabric_incomplete_since or self.clock_samples) or any(
+        return bool(self.fabric_incomplete_since or self.fabric_runs or self.clock_samples) or any(
             len(samples) > 1 for _, samples in self.counters
         )
 

@@ -90,6 +90,7 @@ class _Memory:
     interval: float = 0.0  # the policy's --interval, not remembered
     known: frozenset[str] = frozenset()  # the GPUs the previous verdict judged, not remembered
     products: dict[str, Expected] = field(default_factory=dict)  # the table's, by NVML device name
+    fabric_runs: dict[str, tuple[float, float, float | None]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, m: SignalMemory) -> _Memory:
@@ -100,6 +101,7 @@ class _Memory:
             dict(m.counters),
             dict(m.clock_samples),
             dict(m.fabric_incomplete_since),
+            fabric_runs=dict(m.fabric_runs),
         )
 
     def keep(self, judged: set[str]) -> None:
@@ -107,6 +109,7 @@ class _Memory:
         self.counters = {k: v for k, v in self.counters.items() if k.rsplit("/", 1)[0] in judged}
         self.clocks = {u: v for u, v in self.clocks.items() if u in judged}
         self.fabric_since = {u: v for u, v in self.fabric_since.items() if u in judged}
+        self.fabric_runs = {u: v for u, v in self.fabric_runs.items() if u in judged}
 
     def frozen(self, previous: SignalMemory) -> SignalMemory:
         m = SignalMemory(
@@ -116,6 +119,7 @@ class _Memory:
             counters=tuple(self.counters.items()),
             clock_samples=tuple(self.clocks.items()),
             fabric_incomplete_since=tuple(self.fabric_since.items()),
+            fabric_runs=tuple(self.fabric_runs.items()),
         )
         return previous if m == previous else m  # a steady node keeps one object
 
@@ -214,24 +218,41 @@ def _last(prev: GpuVerdict | None, name: str) -> tuple[Fault, ...]:
 
 def _fabric_incomplete(g: GpuReading, s: Signal, mem: _Memory, now: float) -> str:
     state = g.signals.fabric_state
-    if state is None or state == FABRIC_COMPLETED or state not in FABRIC_STATES:
+    if state is None or state not in FABRIC_STATES:
         mem.fabric_since.pop(g.uuid, None)
+        mem.fabric_runs.pop(g.uuid, None)
         return ""
-    start = mem.fabric_since.get(g.uuid)
-    if start is None:
-        # The grace runs from the host's boot where it is known and the GPU is new to this judge (an agent
-        # started late, or `check`, need not wait another grace for a fabric down since boot), else from
-        # this first such reading: a GPU read before and now re-registering (after a GPU reset, a Fabric
-        # Manager restart) gets its whole grace, not a fault at once for the time since boot.
+    run, start = mem.fabric_runs.get(g.uuid), mem.fabric_since.get(g.uuid)
+    if state == FABRIC_COMPLETED:
+        if run is not None and start is not None:
+            # Held across a flap: the time incomplete so far is kept until the fabric stays COMPLETED for a
+            # whole grace (a probe IN_PROGRESS 90% of the time in stints shorter than the grace faults).
+            spent, last, ok_since = run
+            if ok_since is None:
+                spent, ok_since = spent + now - last, now
+            if now - ok_since < s.window_s:
+                mem.fabric_runs[g.uuid] = (spent, now, ok_since)
+                return ""
+        mem.fabric_since.pop(g.uuid, None)
+        mem.fabric_runs.pop(g.uuid, None)
+        return ""
+    if run is None or start is None:
+        # From the host's boot for a GPU new to this judge (a late agent, `check`: no second grace), else from
+        # this reading: a GPU re-registering (a GPU reset, a Fabric Manager restart) gets its whole grace.
         boot = mem.booted_at
         start = boot if boot is not None and boot < now and g.uuid not in mem.known else now
         mem.fabric_since[g.uuid] = start
-    booted = start == mem.booted_at
-    if now - start < s.window_s:
+        spent = now - start
+    else:
+        spent, last, ok_since = run
+        spent += now - last if ok_since is None else 0.0  # the time since the last reading, as it read
+    mem.fabric_runs[g.uuid] = (spent, now, None)
+    if spent < s.window_s:
         return ""
-    after = "the host booted" if booted else "it was first read so"
+    after = "the host booted" if start == mem.booted_at else "it was first read so"
+    flaps = "" if spent >= now - start - 1e-9 else f", {spent:.0f} s of it incomplete across flaps"
     return (
-        f"the GPU fabric probe is {FABRIC_STATES[state]} {now - start:.0f} s after {after} "
+        f"the GPU fabric probe is {FABRIC_STATES[state]} {now - start:.0f} s after {after}{flaps} "
         f"(grace {s.window_s:.0f} s): Fabric Manager has not registered the GPU, CUDA answers 'system not "
         "yet initialized'"
     )
