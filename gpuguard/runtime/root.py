@@ -378,10 +378,14 @@ def watch(cfg: Config) -> bool:
 def repeat_offenders(cfg: Config, *, durable: bool) -> RepeatOffenders:
     """The GPU history and its repeat offenders: in --state-dir where the fault state is kept
     there, else in memory only (a dry run, no state directory)."""
-    from gpuguard.quarantine.repeat.escalation import Limits  # noqa: PLC0415
+    from gpuguard.quarantine.repeat.escalation import AT_ONCE_CHECKS, Limits  # noqa: PLC0415
     from gpuguard.quarantine.repeat.offenders import RepeatOffenders  # noqa: PLC0415
     from gpuguard.store.history import HistoryStore  # noqa: PLC0415
 
     store = HistoryStore(cfg.state_dir if durable else None)
-    limits = Limits(limit=cfg.node.repeat_limit, window_s=cfg.node.repeat_window)
+    limits = Limits(
+        limit=cfg.node.repeat_limit,
+        window_s=cfg.node.repeat_window,
+        at_once_s=AT_ONCE_CHECKS * cfg.interval,
+    )
     return RepeatOffenders(store, limits, recover_after=cfg.node.recover_after)

@@ -9,7 +9,7 @@ fatal Xid of NVIDIA's Xid catalog names the GPU that raised it (the catalog has 
 Xids such as 74 or 144-150 are the GPU's own link), and ecc, row-remap, gpu-lost, gpu-missing with a UUID,
 gpu-unreadable, gpu-unresponsive, reset-required and the driver's recovery actions are read from one GPU.
 
-The same holds for any reason every GPU of the node shows at once (within AT_ONCE_S seconds of each other,
+The same holds for any reason every GPU of the node shows at once (within Limits.at_once_s of each other,
 escalation.observe records it as the episode's `shared`): three outages in which every GPU answers UNKNOWN
 (gpu-unreadable on all 8) are the node's NVML or driver, not 8 repeat offenders. A node of one GPU has no
 such evidence: its faults count.

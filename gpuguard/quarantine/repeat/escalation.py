@@ -31,8 +31,11 @@ DEFAULT_LIMIT = 3
 DEFAULT_WINDOW_S = 604800.0
 # "At once": every GPU of the node began showing a reason within this many seconds. A node-wide cause reaches
 # the GPUs within a pass or two (a failure lasts 3 checks at --interval before it is a fault, each GPU from
-# the pass that first read it), and independent faults of every GPU within 30 s are not the GPUs' own.
+# the pass that first read it), and independent faults of every GPU within 30 s are not the GPUs' own. The
+# agent takes AT_ONCE_CHECKS passes at its --interval (12 s at the default 3 s): the time a node-wide cause
+# takes to reach every GPU scales with how often they are read.
 AT_ONCE_S = 30.0
+AT_ONCE_CHECKS = 4
 # How far after the history's latest time a clock stepped back behind it puts "now" (seconds).
 _AFTER = 0.001
 # A release's "*": every held GPU of the node.
