@@ -130,6 +130,11 @@ class NodeSettings:
     degraded_taint: bool = True
     """A degraded GPU (the second level) also puts a PreferNoSchedule taint gpuguard.io/gpu-degraded
     on its node, so the scheduler prefers other nodes; False: the condition, label and annotation only."""
+    accelerated_condition: bool = False
+    """Also mirror the quarantine into the node condition AcceleratedHardwareReady, in the EKS node monitoring
+    agent's reasons, which EKS node auto-repair and Karpenter's AWS repair act on (False for 10 minutes:
+    the node is replaced). Off: on other platforms nothing reads it, and where the EKS agent runs it owns
+    the condition (gpuguard then writes none; node/accelerated.py)."""
     dry_run: bool = False
     """Log the exact change instead of writing it."""
     kubeconfig: str | None = None
