@@ -21,7 +21,7 @@ import yaml
 
 from gpuguard.kube import client as kubeclient
 from gpuguard.quarantine import record
-from gpuguard.quarantine.node import degraded
+from gpuguard.quarantine.node import accelerated, degraded
 from gpuguard.quarantine.node import view as node
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,13 +240,16 @@ def test_what_the_policy_lets_through_is_exactly_what_the_agent_writes() -> None
     prefix = f"{record.DOMAIN}/"
     # The keys themselves, the same keys as managedFields names them ("f:" + key), and the Cluster
     # Autoscaler start-up prefix a gate key may use (remove only).
-    expected = {prefix, f"f:{prefix}", CLUSTER_AUTOSCALER_STARTUP_PREFIX}
+    # and the message prefix that tells gpuguard's AcceleratedHardwareReady from another writer's.
+    expected = {prefix, f"f:{prefix}", CLUSTER_AUTOSCALER_STARTUP_PREFIX, accelerated.MESSAGE_PREFIX}
     assert set(re.findall(r"startsWith\('([^']*)'\)", cel)) == expected
     written = [record.TAINT_KEY, node.UNVERIFIED_TAINT_KEY, node.LABEL_QUARANTINED, *node.OUR_ANNOTATIONS]
     written += [record.DEGRADED_TAINT_KEY, degraded.LABEL_DEGRADED, degraded.ANN_DEGRADED]
     assert all(key.startswith(prefix) for key in written), written
     conditions = {node.CONDITION_TYPE, node.DEGRADED_CONDITION_TYPE}
     assert set(re.findall(r"'(GPU\w+)'", cel)) == conditions
+    conditions.add(node.ACCELERATED_CONDITION_TYPE)
+    assert set(re.findall(r"'(\w*Ready)'", cel)) == {node.ACCELERATED_CONDITION_TYPE}
     assert set(re.findall(r'k:\{"type":"(\w+)"\}', cel)) == conditions
     # The fields that change on every write are never compared; everything else in metadata is, and
     # managedFields by rules of its own.

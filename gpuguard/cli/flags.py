@@ -139,6 +139,14 @@ FLAGS = _declare(
     ),
     Flag("--no-cordon", "Taint only; do not cordon.", (NodeSettings, "cordon"), is_flag=True, negate=True),
     Flag(
+        "--accelerated-hardware-condition",
+        "Also write the node condition AcceleratedHardwareReady (False while the node is quarantined, with "
+        "the EKS node monitoring agent's reasons) for EKS node auto-repair and Karpenter; never over one "
+        "another writer owns.",
+        (NodeSettings, "accelerated_condition"),
+        is_flag=True,
+    ),
+    Flag(
         "--no-degraded-taint",
         "A degraded GPU gets no PreferNoSchedule taint gpuguard.io/gpu-degraded on its node (the GPUDegraded "
         "condition, label and annotation stay).",

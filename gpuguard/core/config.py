@@ -130,6 +130,11 @@ class NodeSettings:
     degraded_taint: bool = True
     """A degraded GPU (the second level) also puts a PreferNoSchedule taint gpuguard.io/gpu-degraded
     on its node, so the scheduler prefers other nodes; False: the condition, label and annotation only."""
+    accelerated_condition: bool = False
+    """Also mirror the quarantine into the node condition AcceleratedHardwareReady, in the EKS node monitoring
+    agent's reasons, which EKS node auto-repair and Karpenter's AWS repair act on (False for 10 minutes:
+    the node is replaced). Off: on other platforms nothing reads it, and where the EKS agent runs it owns
+    the condition (gpuguard then writes none; node/accelerated.py)."""
     dry_run: bool = False
     """Log the exact change instead of writing it."""
     kubeconfig: str | None = None
@@ -215,8 +220,9 @@ class NodeSettings:
     """The kubelet's PodResources socket (the DaemonSet mounts its folder read-only when eviction is on)."""
     repeat_limit: int = 3
     """Fault episodes of one GPU within `repeat_window` that make it a repeat offender, held for repair
-    until an operator releases it (0: off). 3: GPUd asks for hardware inspection after more than 3 reboots
-    for the same Xid; NVSentinel escalates after 5 fatal Xids in 24 h or 5 remediations in 7 days."""
+    until an operator releases it (0: off). 3: GPUd asks for hardware inspection once an Xid comes back
+    after 2 reboots (its --xid-reboot-threshold, default 2); NVSentinel escalates after 5 fatal Xids in
+    24 h or 5 remediations in 7 days."""
     repeat_window: float = 604800.0
     """Seconds over which `repeat_limit` counts episodes: 7 days, NVSentinel's window for remediations. A
     GPU that faults once a week is never held."""

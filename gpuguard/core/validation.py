@@ -260,7 +260,9 @@ def _check_taint(taint: object) -> None:
 
 
 def check_condition(
-    condition: Mapping[str, Any], *, types: tuple[str, ...] = ("GPUHealthy", "GPUDegraded")
+    condition: Mapping[str, Any],
+    *,
+    types: tuple[str, ...] = ("GPUHealthy", "GPUDegraded", "AcceleratedHardwareReady"),
 ) -> Mapping[str, Any]:
     """A node condition gpuguard writes through nodes/status: returned unchanged, or ConfigError."""
     c = _mapping(condition, "condition")

@@ -13,6 +13,7 @@ from gpuguard.core.config import NodeSettings
 from gpuguard.core.errors import NodeUpdateError
 from gpuguard.core.model import Verdict
 from gpuguard.judge.policy import primary
+from gpuguard.quarantine.node.accelerated import owned_by_another, plan_accelerated_condition
 from gpuguard.quarantine.node.degraded import (
     DEGRADED_ACTIONS,
     degraded_keys,
@@ -61,6 +62,7 @@ class NodeReport:
         self._condition_keys: frozenset[str] | None = None
         self._override_logged: frozenset[str] = frozenset()
         self._degraded_keys: frozenset[str] | None = None
+        self._foreign_logged = False
 
     def condition(self, node: NodeView, verdict: Verdict, flapping: bool, *, device_tainted: int) -> None:
         """The GPUHealthy condition, written only when it changes (best effort, like Events). Flap damping
@@ -109,6 +111,36 @@ class NodeReport:
             return
         self._degraded_keys = keys
         log.info("node.degraded_condition", node=node.name, status=condition["status"])
+
+    def accelerated_condition(self, node: NodeView, verdict: Verdict, flapping: bool) -> None:
+        """AcceleratedHardwareReady (node/accelerated.py), when --accelerated-hardware-condition is on:
+        written only when it changes, best effort, held like GPUHealthy through a flap, and never over
+        another writer's (said once)."""
+        if not self._settings.accelerated_condition or (flapping and verdict.healthy):
+            return
+        if owned_by_another(node.accelerated_condition):
+            if not self._foreign_logged:
+                self._foreign_logged = True
+                current = node.accelerated_condition or {}
+                log.warning(
+                    "node.accelerated_condition_foreign", node=node.name, reason=current.get("reason")
+                )
+            return
+        self._foreign_logged = False
+        condition = plan_accelerated_condition(
+            node.accelerated_condition, verdict, quarantined=node.fully_quarantined, now=self._now()
+        )
+        if condition is None:
+            return
+        if (error := self._write(node, condition)) is not None:
+            log.warning("node.accelerated_condition_failed", node=node.name, error=error)
+            return
+        log.info(
+            "node.accelerated_condition",
+            node=node.name,
+            status=condition["status"],
+            reason=condition["reason"],
+        )
 
     def _write(self, node: NodeView, condition: Mapping[str, str]) -> str | None:
         """Write one condition, best effort: the node as the API server then has it goes to the reconciler;

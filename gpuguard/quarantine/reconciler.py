@@ -354,6 +354,9 @@ class NodeReconciler:
         if self._node is not None:  # the GPUHealthy write answers with the node: its resourceVersion
             node = self._node
         self._report.degraded_condition(node, verdict, clean_streak=degraded_streak)
+        if self._node is not None:
+            node = self._node
+        self._report.accelerated_condition(node, verdict, flapping)
 
     def _unwritten(self) -> tuple[str, ...]:
         """The faults of the latest verdict that are not on the node as last read: what a refusal leaves off

@@ -31,6 +31,8 @@ UNVERIFIED_TAINT_KEY = f"{DOMAIN}/unverified"
 CONDITION_TYPE = "GPUHealthy"
 # The second level's condition (node/degraded.py), read here with the first.
 DEGRADED_CONDITION_TYPE = "GPUDegraded"
+# The repairers' condition (node/accelerated.py, --accelerated-hardware-condition): gpuguard's or another's.
+ACCELERATED_CONDITION_TYPE = "AcceleratedHardwareReady"
 # A GPU of the node is held as a repeat offender (quarantine.repair): the label an operator or a node-repair
 # controller selects on, whether gpuguard placed it, and the held GPUs (JSON, UUID -> fault episodes).
 LABEL_NEEDS_REPAIR = f"{DOMAIN}/needs-repair"
@@ -83,6 +85,9 @@ class NodeView(Recorded):
     gpu_condition_message: str | None = None
     # status.conditions[type=GPUDegraded].status, None if absent.
     degraded_condition: str | None = None
+    # status.conditions[type=AcceleratedHardwareReady] (status, reason, message, lastTransitionTime), None
+    # if absent: whose it is is in its message (node/accelerated.py).
+    accelerated_condition: Mapping[str, str] | None = None
 
     @classmethod
     def from_api(cls, obj: Mapping[str, Any]) -> NodeView:
@@ -101,6 +106,7 @@ class NodeView(Recorded):
             gpu_condition=_condition(obj, CONDITION_TYPE),
             gpu_condition_message=_condition(obj, CONDITION_TYPE, "message"),
             degraded_condition=_condition(obj, DEGRADED_CONDITION_TYPE),
+            accelerated_condition=_whole_condition(obj, ACCELERATED_CONDITION_TYPE),
         )
 
     @property
@@ -244,6 +250,15 @@ def apply_change(node: NodeView, change: NodeChange, *, resource_version: str | 
 def _condition(obj: Mapping[str, Any], kind: str, field: str = "status") -> str | None:
     conditions = (obj.get("status") or {}).get("conditions") or ()
     return next((str(c.get(field)) for c in conditions if c.get("type") == kind), None)
+
+
+def _whole_condition(obj: Mapping[str, Any], kind: str) -> dict[str, str] | None:
+    conditions = (obj.get("status") or {}).get("conditions") or ()
+    found = next((c for c in conditions if c.get("type") == kind), None)
+    if found is None:
+        return None
+    fields = ("status", "reason", "message", "lastTransitionTime")
+    return {k: str(found[k]) for k in fields if found.get(k) is not None}
 
 
 def _merge(current: Mapping[str, str], patch: Mapping[str, str | None]) -> dict[str, str]:

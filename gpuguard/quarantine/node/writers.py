@@ -25,6 +25,7 @@ from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.node.budget import OtherNodes, count_budget
 from gpuguard.quarantine.node.degraded import LABEL_DEGRADED, DegradedRecord, degraded_taint
 from gpuguard.quarantine.node.view import (
+    ACCELERATED_CONDITION_TYPE,
     DEGRADED_CONDITION_TYPE,
     LABEL_QUARANTINED,
     EventSpec,
@@ -93,6 +94,8 @@ class DryRunNodeWriter:
         log.info("node.dry_run_condition", node=node.name, condition=dict(condition))
         if condition["type"] == DEGRADED_CONDITION_TYPE:
             self._node = replace(self._node, degraded_condition=condition["status"])
+        elif condition["type"] == ACCELERATED_CONDITION_TYPE:
+            self._node = replace(self._node, accelerated_condition=dict(condition))
         else:
             self._node = replace(
                 self._node, gpu_condition=condition["status"], gpu_condition_message=condition["message"]

@@ -10,10 +10,10 @@ new episode, as the fault record says). A repeat offender is a GPU with at least
 first-seen times fall within `window` seconds (and after its last release). It is held for repair: its
 quarantine carries the fault `repeat-offender` until an operator releases it, across reboots and resets,
 whatever the window says later. `limit` 0 turns escalation off. Defaults (3 in 7 days): GPUd asks for
-inspection after more than 3 reboots for the same Xid; NVSentinel escalates after 5 fatal Xids in 24 h or 5
-remediations in 7 days. A GPU that faults once per week never reaches 3 within 7 days. Only episodes
-with a reason that is the GPU's own count (`counting`): one whose reasons are all the node's (the fabric
-that Fabric Manager sets up, NVML itself) is recorded and not counted.
+inspection once an Xid comes back after 2 reboots (its --xid-reboot-threshold, default 2); NVSentinel
+escalates after 5 fatal Xids in 24 h or 5 remediations in 7 days. A GPU that faults once per week never
+reaches 3 within 7 days. Only episodes with a reason that is the GPU's own count (`counting`): one whose
+reasons are all the node's (the fabric that Fabric Manager sets up, NVML itself) is recorded and not counted.
 """
 
 from __future__ import annotations
