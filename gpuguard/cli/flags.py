@@ -34,6 +34,11 @@ def _or_none(text: str | None) -> str | None:
     return text or None
 
 
+def _off_or_path(text: str | None) -> str | None:
+    text = (text or "").strip()
+    return None if text in ("", "off") else text
+
+
 def _listen_text(server: ServerSettings) -> str:
     return f"{server.host}:{server.port}"
 
@@ -51,6 +56,13 @@ FLAGS = _declare(
         type=click.Choice(["nvml", "mock"]),
     ),
     Flag("--scenario", "Mock scenario file (YAML). Default: the embedded demo.", (Config, "scenario")),
+    Flag(
+        "--kernel-log",
+        "Read Xids and SXids from the kernel log too: /dev/kmsg (or a file in its record format), replayed "
+        "from the boot's start at start; 'off': NVML's events only.",
+        (Config, "kernel_log"),
+        parse=_off_or_path,
+    ),
     Flag(
         "--ecc-threshold",
         "Volatile uncorrected ECC errors tolerated per GPU.",

@@ -255,6 +255,9 @@ class Config:
     nvml_call_timeout: float = 5.0
     """Seconds one NVML call may take before its GPU (or the node) is reported unresponsive
     (gpuguard.nvml.real.deadline says why 5)."""
+    kernel_log: str | None = None
+    """The kernel log read as a second source of Xids (/dev/kmsg; a stand-in file in tests, the demo); None:
+    off, the default, since reading it takes a hostPath device and a privilege (docs/security.md)."""
     log_format: str = "auto"
     expected_gpus_label: str = GPU_COUNT_LABEL
     """`check` only: the node label holding the node's GPU count ("": the node is never read)."""
@@ -296,6 +299,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("--nvml-load-timeout must be between 0 and 3600 seconds")
     if not 0 < cfg.nvml_call_timeout <= 60:  # NaN fails this too
         raise ConfigError("--nvml-call-timeout must be between 0 and 60 seconds")
+    if cfg.kernel_log is not None and not cfg.kernel_log.startswith("/"):
+        raise ConfigError(f"--kernel-log must be an absolute path or off, not {cfg.kernel_log!r}")
     if cfg.log_format not in ("auto", "json", "console"):
         raise ConfigError("--log-format must be json or console")
     if cfg.expected_gpus_label and not _LABEL_KEY_ONLY.match(cfg.expected_gpus_label):

@@ -120,6 +120,12 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
             registry=registry,
         )
+        self.kernel_log_skipped = Counter(
+            "gpuguard_kernel_log_records_skipped_total",
+            "Kernel-log records not judged: malformed, oversized, or lost (overwritten before being read).",
+            ["why"],
+            registry=registry,
+        )
         self.api_requests = Counter(
             "gpuguard_api_requests_total",
             "Kubernetes API requests made.",

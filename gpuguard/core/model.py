@@ -11,6 +11,27 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
 
+# The Xid types live in their own module (the kernel log added a second source); the model names them.
+from gpuguard.core.xidevent import (
+    SXID_PREFIX,
+    XID_SOURCE_KERNEL,
+    XID_SOURCE_NVML,
+    KernelLine,
+    XidEvent,
+    sxid_reason,
+    xid_reason,
+)
+
+__all__ = [
+    "SXID_PREFIX",
+    "XID_SOURCE_KERNEL",
+    "XID_SOURCE_NVML",
+    "KernelLine",
+    "XidEvent",
+    "sxid_reason",
+    "xid_reason",
+]
+
 # Taint values (and the first word of every reason string) are label values: these are the fixed ones,
 # Xid faults are "xid-<code>".
 ECC = "ecc"
@@ -47,10 +68,6 @@ RECOVERY_PREFIX = "recovery-"
 def plural(count: int, noun: str) -> str:
     """`1 GPU`, `2 GPUs`: a count with its noun as an operator reads it in a log line or a condition."""
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
-
-
-def xid_reason(code: int) -> str:
-    return f"xid-{code}"
 
 
 def recovery_reason(action: int) -> str:
@@ -125,19 +142,6 @@ class GpuReading:
 
 
 @dataclass(frozen=True)
-class XidEvent:
-    """One critical Xid, delivered once by the driver (never replayed to a restarted process)."""
-
-    gpu_index: int | None
-    """None, like uuid, when NVML could not say which GPU (the fault then belongs to the node)."""
-    uuid: str | None
-    code: int
-    # MIG: the GPU / compute instance the Xid is attributed to (None: not MIG, NVML's 0xFFFFFFFF).
-    gpu_instance: int | None = None
-    compute_instance: int | None = None
-
-
-@dataclass(frozen=True)
 class Snapshot:
     """One pass over the node's GPUs: the readings plus the Xids delivered since the previous pass."""
 
@@ -159,6 +163,9 @@ class Snapshot:
     node_error: str | None = None
     # NVIDIA display/3D controllers on the PCI bus (sysfs) that NVML does not list: their PCI addresses.
     bus_only: tuple[str, ...] = ()
+    # The last kernel-log sequence number read into this snapshot, judged or found a duplicate (None: none):
+    # kept per boot in the state file so that a restart's replay does not judge it again.
+    kernel_seq: int | None = field(default=None, compare=False)
     # When the pass was judged, in seconds: the time base of the signals' windows. The agent stamps its own
     # monotonic clock on every snapshot it judges; the mock stamps its scenario time. Not compared: the same
     # readings at another time are the same snapshot.

@@ -29,12 +29,9 @@ from gpuguard.core.model import (
     GpuVerdict,
     Snapshot,
     Verdict,
-    XidEvent,
     plural,
     recovery_reason,
-    xid_reason,
 )
-from gpuguard.core.xids import CATALOG
 from gpuguard.judge.recovery import (
     apply_recovery_rule,
     cleared_without_reboot,
@@ -45,12 +42,9 @@ from gpuguard.judge.recovery import (
 from gpuguard.judge.signals import judge
 from gpuguard.judge.streaks import checks
 from gpuguard.judge.unanswered import failing_since, how_long
+from gpuguard.judge.xidfaults import xid_fault
 
 __all__ = ["cleared_without_reboot", "evaluate", "primary", "severity"]
-
-
-def describe_xid(code: int) -> str:
-    return CATALOG.describe(code)
 
 
 def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySettings) -> Verdict:
@@ -62,6 +56,10 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
         node_faults: tuple[Fault, ...] = ()
         if not settings.allow_no_gpu or snapshot.init_error not in _NO_GPU_HERE:
             node_faults = (Fault(NVML_INIT, f"NVML initialization failed: {snapshot.init_error}"),)
+        # Xids still come from the kernel log while NVML is down: judged alike, sticky.
+        fatal_down, _ = split_xids(snapshot.xids, settings.ignored_xids, set())
+        for x in fatal_down:
+            _add_sticky(sticky, xid_fault(x))
         # The node's sticky faults (an unattributed Xid, a hung call) stay reported while NVML is down.
         known_now = {u for _, u, _ in prev.known}
         node_faults += tuple(f for f in sticky if f.uuid not in known_now)
@@ -101,7 +99,7 @@ def evaluate(snapshot: Snapshot, *, previous: Verdict | None, settings: PolicySe
 
     new_xid_keys: list[str] = []
     for x in fatal:
-        f = Fault(xid_reason(x.code), _xid_detail(x), uuid=x.uuid, gpu_index=x.gpu_index)
+        f = xid_fault(x)
         if all(s.key != f.key for s in sticky):
             new_xid_keys.append(f.key)
         _add_sticky(sticky, f)
@@ -289,15 +287,6 @@ def _reading_faults(
 def _pcie_link(g: GpuReading) -> tuple[int, int] | None:
     gen, width = g.signals.pcie_gen, g.signals.pcie_width
     return (gen, width) if gen is not None and width is not None else None
-
-
-def _xid_detail(x: XidEvent) -> str:
-    parts = [f"GPU {x.gpu_index}, {x.uuid}" if x.uuid is not None else "GPU not identified by NVML"]
-    if x.gpu_instance is not None:
-        parts.append(f"MIG GPU instance {x.gpu_instance}")
-    if x.compute_instance is not None:
-        parts.append(f"compute instance {x.compute_instance}")
-    return f"{describe_xid(x.code)} ({', '.join(parts)})"
 
 
 # Lower sorts first: the primary reason (the taint value) is the most severe fault.

@@ -149,6 +149,8 @@ def split_xids(
     action) stays a fault on a GPU whose recovery field cannot be read: it is the only word of the action."""
 
     def fatal_(x: XidEvent) -> bool:
+        if x.sxid:  # an NVSwitch's: its own severity, not the Xid catalog's (a "Non-fatal" one is an event)
+            return x.kernel is None or x.kernel.severity != "Non-fatal"
         blind_154 = x.code == XID_RECOVERY_ACTION and (x.uuid is None or x.uuid in blind)
         return x.code not in ignored or blind_154
 

@@ -169,7 +169,8 @@ class Agent:
         if self._ignored_logged:
             self._flush_ignored(self._clock())
         if self._state is not None:
-            self._state.save(verdict.sticky)  # before the write: a crash now must not lose the fault
+            # Before the write: a crash now must not lose the fault, nor judge a kernel-log Xid twice.
+            self._state.save(verdict.sticky, kernel_seq=snapshot.kernel_seq)
         if self._baselines is not None:
             listed = {uuid for _, uuid, _ in verdict.known if uuid}  # a UUID NVML no longer lists is dropped
             self._baselines.save(verdict.signal_memory, listed)

@@ -218,6 +218,11 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         state = StateStore(cfg.state_dir, boot_id=read_boot_id(cfg.boot_id_file), backend=cfg.backend)
         # The signals' first-good baselines beside it (not in a dry run: it writes nothing on the host).
         baselines = BaselineStore(cfg.state_dir, backend=cfg.backend)
+    if cfg.kernel_log:  # a second source of Xids on a thread of its own (docs/design.md, "The kernel log")
+        from gpuguard.nvml.kmsg.merge import kernel_log_backend  # noqa: PLC0415
+
+        judged = state.kernel_seq if state is not None else lambda: None
+        backend = kernel_log_backend(backend, cfg.kernel_log, metrics=metrics, judged=judged)
     devices = device_source = rules_watch = None
     if cfg.node.quarantine != "node":
         node_name = cfg.node.name or ""

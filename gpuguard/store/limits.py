@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gpuguard.core import files
-from gpuguard.core.model import GPU_LOST, GPU_MISSING, ROW_REMAP, Fault
+from gpuguard.core.model import GPU_LOST, GPU_MISSING, ROW_REMAP, SXID_PREFIX, Fault
 
 # state.json: the faults only a reboot clears and the per-GPU quarantine's rules memory. A node has at most a
 # few dozen GPUs; 1,024 faults of the longest texts below are about 0.8 MB, under the file's 1 MiB.
@@ -40,7 +40,7 @@ _FATAL = frozenset({GPU_LOST, GPU_MISSING, ROW_REMAP})
 
 def fatal(fault: Fault) -> bool:
     """Whether only a reboot clears the fault (the faults the state file exists for)."""
-    return fault.reason in _FATAL or fault.reason.startswith("xid-")
+    return fault.reason in _FATAL or fault.reason.startswith(("xid-", SXID_PREFIX))
 
 
 def kept_faults(faults: Sequence[Fault]) -> tuple[Fault, ...]:

@@ -87,7 +87,9 @@ class StateStore:
         # What the file should hold (the latest saves) and what it holds (None: not written by this process).
         self._faults: tuple[Fault, ...] = ()
         self._rules = RuleMemory()
-        self._written: tuple[tuple[Fault, ...], RuleMemory] | None = None
+        # The last kernel-log record judged in this boot (--kernel-log): a restart's replay starts after it.
+        self._kernel_seq: int | None = None
+        self._written: tuple[tuple[Fault, ...], RuleMemory, int | None] | None = None
         self._retry = WriteRetry(
             log,
             unavailable="state.unavailable",
@@ -121,6 +123,12 @@ class StateStore:
                 self._loaded = True
                 self._restored = self._load()
             return self._restored
+
+    def kernel_seq(self) -> int | None:
+        """The sequence number of the last kernel-log record judged in this boot (None: none, or no file)."""
+        with self._lock:
+            self.load()
+            return self._kernel_seq
 
     def load_rules(self) -> RuleMemory:
         """The per-GPU quarantine's memory recorded in this boot (empty after a reboot or on any problem)."""
@@ -166,28 +174,32 @@ class StateStore:
             return ()
         self._faults = faults
         self._rules = _parse_rules(doc.get("device_rules"), path)
-        self._written = (faults, self._rules)
+        seq = doc.get("kernel_seq")
+        self._kernel_seq = seq if type(seq) is int and seq >= 0 else None
+        self._written = (faults, self._rules, self._kernel_seq)
         if faults:
             log.warning("state.restored", path=str(path), faults=[f.key for f in faults])
         return faults
 
-    def save(self, faults: tuple[Fault, ...]) -> None:
-        """Write the file if the faults changed since the last write, or a failed write is due again. Never
-        raises."""
+    def save(self, faults: tuple[Fault, ...], *, kernel_seq: int | None = None) -> None:
+        """Write the file if the faults (or the last kernel-log record judged) changed since the last write,
+        or a failed write is due again. Never raises."""
         with self._lock:
             if self._disabled:
                 return
             if not self._loaded:
                 self.load_rules()  # keep the file's rules
             self._faults = faults
+            if kernel_seq is not None and (self._kernel_seq is None or kernel_seq > self._kernel_seq):
+                self._kernel_seq = kernel_seq
             self._flush()
 
     def _flush(self) -> None:
-        want = (self._faults, self._rules)
+        want = (self._faults, self._rules, self._kernel_seq)
         if want != self._written and self._retry.due() and self._write(*want):
             self._written = want
 
-    def _write(self, faults: tuple[Fault, ...], rules: RuleMemory) -> bool:
+    def _write(self, faults: tuple[Fault, ...], rules: RuleMemory, kernel_seq: int | None) -> bool:
         """Write within the reader's limits (store.limits): past them the least severe faults go first."""
         assert self._dir is not None
         kept = limits.kept_faults(faults)
@@ -195,10 +207,10 @@ class StateStore:
             log.warning(
                 "state.faults_not_kept", kept=len(kept), dropped=len(faults) - len(kept), limit=MAX_FAULTS
             )
-        data = self._dump(kept, _within(rules))
+        data = self._dump(kept, _within(rules), kernel_seq)
         if len(data) > MAX_BYTES:  # only a rules memory far past any node's: the faults are what matters
             log.warning("state.rules_not_kept", bytes=len(data), limit=MAX_BYTES)
-            data = self._dump(kept, RuleMemory())
+            data = self._dump(kept, RuleMemory(), kernel_seq)
         try:
             # No fsync (see the module's docstring): it runs in a fault's path before the taint.
             atomic.write_atomically(self._dir / FILE_NAME, data, durable=False, temp_stem="state")
@@ -208,12 +220,13 @@ class StateStore:
         self._retry.succeeded()
         return True
 
-    def _dump(self, faults: tuple[Fault, ...], rules: RuleMemory) -> bytes:
+    def _dump(self, faults: tuple[Fault, ...], rules: RuleMemory, kernel_seq: int | None) -> bytes:
         doc = {
             "kind": KIND,
             "version": VERSION,
             "boot_id": self._boot_id,
             "backend": self._backend,
+            "kernel_seq": kernel_seq,
             "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "faults": [
                 {"reason": f.reason, "detail": f.detail, "uuid": f.uuid, "gpu_index": f.gpu_index}

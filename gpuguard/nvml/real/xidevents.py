@@ -6,6 +6,7 @@ the path rebuilt on a new set) may hold events no other set has: they are draine
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,7 @@ def xid_of(data: Any, *, hung: set[int], attribute: Attribute) -> XidEvent:
         code=int(data.eventData),
         gpu_instance=None if gi == NO_INSTANCE else int(gi),
         compute_instance=None if ci == NO_INSTANCE else int(ci),
+        at=time.monotonic(),  # when it arrived: how the kernel log's report of it is matched
     )
     if d is None:
         log.warning("nvml.xid_unattributed", xid=x.code, uuid=uuid)
