@@ -167,7 +167,7 @@ def test_an_xid_on_gpu_3_evicts_only_its_pod_a_pdb_holds_it_back_until_it_allows
     state.write_text(GPUS)
     args = (
         *("--evict", "gpu-pods", "--pod-resources-socket", sock, "--max-quarantined", "100%"),
-        *("--quarantine", "node", "--evict-grace-period", "1"),
+        *("--quarantine", "node"),
     )
     with FakeKubelet(
         sock, pods=[gpu_pod(WORKLOADS, n, f"GPU-it-{i}") for i, n in enumerate(names)]
