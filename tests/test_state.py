@@ -217,14 +217,7 @@ def test_a_failed_write_is_retried_with_backoff_and_a_fault_saved_after_the_disk
 
 def test_the_backoff_doubles_per_failure_up_to_its_limit(tmp_path: Path) -> None:
     clock = Clock()
-    r = retry.WriteRetry(
-        structlog.get_logger(),
-        unavailable="state.unavailable",
-        resumed="state.resumed",
-        directory="d",
-        note="",
-        clock=clock,
-    )
+    r = retry.WriteRetry(structlog.get_logger(), "state", directory="d", clock=clock)
     waits = []
     for _ in range(9):
         r.failed(OSError(28, "No space left on device"))

@@ -73,14 +73,7 @@ class BaselineStore:
         self._backend = backend
         self._saved = SignalMemory()
         self._seen: tuple[SignalMemory, frozenset[str]] | None = None
-        self._retry = WriteRetry(
-            log,
-            unavailable="baselines.unavailable",
-            resumed="baselines.resumed",
-            directory=str(self._dir),
-            note="baselines kept in memory until a write succeeds: a restarted agent now takes new ones",
-            clock=clock,
-        )
+        self._retry = WriteRetry(log, "baselines", directory=str(self._dir), clock=clock)
 
     @property
     def path(self) -> Path:

@@ -144,14 +144,7 @@ class HistoryStore:
     def __init__(self, directory: str | Path | None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._dir = Path(directory) if directory else None
         self._disabled = self._dir is None
-        self._retry = WriteRetry(
-            log,
-            unavailable="history.unavailable",
-            resumed="history.resumed",
-            directory=str(self._dir),
-            note="history kept in memory until a write succeeds: a reboot now forgets repeat offenders",
-            clock=clock,
-        )
+        self._retry = WriteRetry(log, "history", directory=str(self._dir), clock=clock)
 
     @property
     def path(self) -> Path | None:

@@ -19,24 +19,33 @@ FIRST_S = 5.0
 MOST_S = 300.0
 
 
+# Each kept file's lines: the event when its writes start failing, the event when one succeeds again, and
+# what the failure costs meanwhile (the note of the first line).
+KEPT = {
+    "state": ("state.unavailable", "state.resumed", "fault state kept in memory until a write succeeds"),
+    "history": (
+        "history.unavailable",
+        "history.resumed",
+        "history kept in memory until a write succeeds: a reboot now forgets repeat offenders",
+    ),
+    "baselines": (
+        "baselines.unavailable",
+        "baselines.resumed",
+        "baselines kept in memory until a write succeeds: a restarted agent now takes new ones",
+    ),
+}
+
+
 class WriteRetry:
-    """`log`: the store's logger; it logs the event `unavailable` once when writes start failing and
-    `resumed` once when one succeeds (each store names its own, e.g. `state.unavailable`, `state.resumed`)."""
+    """`log`: the store's logger, `kept` the file's name in KEPT: it logs KEPT's `unavailable` event once
+    when writes start failing and its `resumed` event once when one succeeds."""
 
     def __init__(
-        self,
-        log: Any,
-        *,
-        unavailable: str,
-        resumed: str,
-        directory: str,
-        note: str,
-        clock: Callable[[], float] = time.monotonic,
+        self, log: Any, kept: str, *, directory: str, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._log = log
-        self._unavailable, self._resumed = unavailable, resumed
+        self._unavailable, self._resumed, self._note = KEPT[kept]
         self._directory = directory
-        self._note = note
         self._clock = clock
         self.failures = 0
         self._next = 0.0

@@ -90,14 +90,7 @@ class StateStore:
         # The last kernel-log record judged in this boot (--kernel-log): a restart's replay starts after it.
         self._kernel_seq: int | None = None
         self._written: tuple[tuple[Fault, ...], RuleMemory, int | None] | None = None
-        self._retry = WriteRetry(
-            log,
-            unavailable="state.unavailable",
-            resumed="state.resumed",
-            directory=str(self._dir),
-            note="fault state kept in memory until a write succeeds",
-            clock=clock,
-        )
+        self._retry = WriteRetry(log, "state", directory=str(self._dir), clock=clock)
         self._restored: tuple[Fault, ...] = ()
         self._loaded = False
         # The agent's thread saves faults, the reconciler's thread the rules: one file, written whole.

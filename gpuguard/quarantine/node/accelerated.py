@@ -18,22 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import datetime
 
-from gpuguard.core.model import (
-    ECC,
-    GPU_LOST,
-    GPU_MISSING,
-    GPU_UNREADABLE,
-    GPU_UNRESPONSIVE,
-    NVML_INIT,
-    NVML_UNRESPONSIVE,
-    RECOVERY_PREFIX,
-    REPEAT_OFFENDER,
-    RESET_REQUIRED,
-    RETIRED_PAGES,
-    ROW_REMAP,
-    Verdict,
-    plural,
-)
+from gpuguard.core import model
+from gpuguard.core.model import Verdict, plural
 from gpuguard.judge.policy import primary
 from gpuguard.quarantine.node.view import ACCELERATED_CONDITION_TYPE
 from gpuguard.quarantine.record import reason_text, rfc3339
@@ -43,17 +29,17 @@ READY_REASON = "NvidiaAcceleratedHardwareIsReady"
 MESSAGE_PREFIX = "gpuguard: "
 # gpuguard's fault reasons -> the condition's reason. Xids are `NvidiaXID<code>Error` (the agent's own).
 REASONS = {
-    ECC: "NvidiaDoubleBitError",
-    GPU_MISSING: "NvidiaDeviceCountMismatch",
-    GPU_LOST: "NvidiaDeviceLost",
-    ROW_REMAP: "NvidiaRemappingRowsFailed",
-    RETIRED_PAGES: "NvidiaPageRetirement",
-    RESET_REQUIRED: "NvidiaResetRequired",
-    NVML_INIT: "NvidiaNVMLError",
-    NVML_UNRESPONSIVE: "NvidiaNVMLUnresponsive",
-    GPU_UNRESPONSIVE: "NvidiaGPUUnresponsive",
-    GPU_UNREADABLE: "NvidiaGPUUnreadable",
-    REPEAT_OFFENDER: "NvidiaRepeatOffender",
+    model.ECC: "NvidiaDoubleBitError",
+    model.GPU_MISSING: "NvidiaDeviceCountMismatch",
+    model.GPU_LOST: "NvidiaDeviceLost",
+    model.ROW_REMAP: "NvidiaRemappingRowsFailed",
+    model.RETIRED_PAGES: "NvidiaPageRetirement",
+    model.RESET_REQUIRED: "NvidiaResetRequired",
+    model.NVML_INIT: "NvidiaNVMLError",
+    model.NVML_UNRESPONSIVE: "NvidiaNVMLUnresponsive",
+    model.GPU_UNRESPONSIVE: "NvidiaGPUUnresponsive",
+    model.GPU_UNREADABLE: "NvidiaGPUUnreadable",
+    model.REPEAT_OFFENDER: "NvidiaRepeatOffender",
     "fabric-incomplete": "NvidiaFabricError",
     "fabric-status": "NvidiaFabricError",
     "fabric-degraded": "NvidiaFabricError",
@@ -69,7 +55,7 @@ def condition_reason(fault_reason: str) -> str:
         return REASONS[fault_reason]
     if fault_reason.startswith("xid-") and fault_reason[4:].isdigit():
         return f"NvidiaXID{int(fault_reason[4:])}Error"
-    words = fault_reason.removeprefix(RECOVERY_PREFIX)
+    words = fault_reason.removeprefix(model.RECOVERY_PREFIX)
     prefix = "NvidiaRecovery" if words != fault_reason else "Nvidia"
     return prefix + "".join(w[:1].upper() + w[1:] for w in words.split("-") if w.isalnum())
 
