@@ -125,3 +125,22 @@ def test_uninstalls_one_rule_is_written_the_same_in_the_readme_and_operations_md
 
     for doc in ("README.md", "docs/operations.md"):
         assert RULE in " ".join((ROOT / doc).read_text().split()), doc
+
+
+def test_check_says_how_many_gpus_of_how_many_are_unhealthy() -> None:
+    r = run("check", "--backend", "mock", "--at", "6")
+    assert r.returncode == 1
+    assert r.stdout.splitlines()[-1] == "UNHEALTHY: 2 of 8 GPUs unhealthy"
+
+
+def test_the_demo_ends_with_one_line_saying_what_it_would_have_done() -> None:
+    r = run(
+        "watch", "--dry-run", "--backend", "mock", "--interval", "0.5", "--run-for", "6.5",
+        "--listen", "127.0.0.1:0", "--log-format", "json",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    import json
+
+    last = json.loads(r.stderr.splitlines()[-1])
+    assert last["event"] == "agent.dry_run_summary"
+    assert last["summary"] == "would taint and cordon node dry-run (2 of 8 GPUs unhealthy); wrote nothing"

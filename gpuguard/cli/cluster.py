@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from datetime import UTC, datetime
 from typing import Any
 
@@ -167,13 +168,23 @@ def _warn_while_agents_run(api: Any) -> None:
 
 
 def _client(command: str, kubeconfig: str | None) -> Any:
-    """The API client of `status` and `uninstall`; a kubeconfig that cannot work is a usage error (exit 2)."""
+    """The API client of `status`, `release` and `uninstall`; a kubeconfig that cannot work is a usage error
+    (exit 2). A kubeconfig that turns TLS verification off is said once, not by a urllib3 warning per
+    request (six for one `status`)."""
     from gpuguard.kube import client as kubeclient  # noqa: PLC0415
 
     try:
-        return kubeclient.load(kubeconfig)
+        api = kubeclient.load(kubeconfig)
     except GpuguardError as exc:
         raise ConfigError(f"{command}: {exc}") from None
+    if api.creds.insecure and api.creds.server.startswith("https://"):
+        warnings.filterwarnings("ignore", message="Unverified HTTPS request")
+        click.echo(
+            f"gpuguard: warning: {command}: the API server's certificate is not verified "
+            "(insecure-skip-tls-verify in the kubeconfig)",
+            err=True,
+        )
+    return api
 
 
 def _api_failed(command: str, api: Any, exc: GpuguardError) -> int:

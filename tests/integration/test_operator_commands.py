@@ -10,7 +10,10 @@ import json
 import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from harness.kube import ROOT, Admin
 from tests.integration.fixtures import admin, unique  # noqa: F401
@@ -137,3 +140,26 @@ def test_uninstall_keeps_an_operators_gpu_unhealthy_taint_warns_while_the_daemon
     assert rma in admin.node(ops)["spec"]["taints"]
     assert admin.node(ops)["metadata"]["labels"]["gpuguard.io/needs-repair"] == "true"
     assert all(t["key"] != rma["key"] for t in admin.node(ours)["spec"].get("taints") or [])
+
+
+def test_a_kubeconfig_that_skips_tls_verification_is_one_warning_line_not_one_per_request(
+    control_plane: Any, tmp_path: Path
+) -> None:
+    doc = yaml.safe_load(control_plane.kubeconfig_path.read_text())
+    for entry in doc["clusters"]:
+        entry["cluster"].pop("certificate-authority-data", None)
+        entry["cluster"]["insecure-skip-tls-verify"] = True
+    path = tmp_path / "insecure"
+    path.write_text(yaml.safe_dump(doc))
+    r = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "gpuguard"), "status", "--kubeconfig", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == (
+        "gpuguard: warning: status: the API server's certificate is not verified "
+        "(insecure-skip-tls-verify in the kubeconfig)\n"
+    )
