@@ -39,6 +39,7 @@ EXERCISED_ELSEWHERE = {
     "kubectl auth can-i patch nodes --as system:serviceaccount:gpuguard:gpuguard": (
         "test_the_operations_runbook_works_as_written"
     ),
+    "gpuguard release": "test_operator_commands.py::test_a_pending_release_is_not_overwritten_without_force",
     "gpuguard release --node NODE --gpu UUID --by YOU": (
         "test_repeat_offenders.py::test_an_xid_that_returns_after_two_reboots_holds_the_gpu_until_an_operator_releases_it"
     ),
