@@ -88,10 +88,13 @@ image:
 	hack/image/build.sh
 
 # A control plane on 127.0.0.1 for manual use; prints the admin kubeconfig path (.kube-test/kubeconfig).
-# KUBE_UP_WITH=all also starts kube-scheduler, kube-controller-manager and kwok; all,karpenter also Karpenter.
+# kube-controller-manager always (without its namespace controller `kubectl delete namespace`, and so
+# README's `kubectl delete -f deploy/...`, never ends: the namespace stays Terminating);
+# KUBE_UP_WITH=all also starts kube-scheduler and kwok; all,karpenter also Karpenter.
 KUBE_UP_WITH ?=
-kube-up: install testenv $(if $(KUBE_UP_WITH),kwok) $(if $(findstring karpenter,$(KUBE_UP_WITH)),karpenter)
-	$(BIN)/python -m harness.controlplane up --with "$(KUBE_UP_WITH)"
+KUBE_UP_KWOK := $(or $(findstring all,$(KUBE_UP_WITH)),$(findstring kwok,$(KUBE_UP_WITH)))
+kube-up: install testenv $(if $(KUBE_UP_KWOK),kwok) $(if $(findstring karpenter,$(KUBE_UP_WITH)),karpenter)
+	$(BIN)/python -m harness.controlplane up --with "controller-manager,$(KUBE_UP_WITH)"
 
 kube-down: install
 	$(BIN)/python -m harness.controlplane down

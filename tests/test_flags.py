@@ -16,16 +16,19 @@ CLI_PACKAGE = Path(__file__).resolve().parents[1] / "gpuguard" / "cli"
 # Defaults a command may write itself: "unset" (None), a switch that is off, an empty list, and the output
 # format of `check` and `status`, which is no setting.
 LITERAL_DEFAULTS = (None, False, "", "table")
+# A command's own option that shares a declared flag's name: `release --node` names the node to release.
+OWN_OPTIONS = {("release", "node")}
 
 
 def test_every_flag_of_a_command_is_a_declared_flag_with_its_declared_default_and_variable() -> None:
     for command in cli.commands.values():
         for param in command.params:
-            if param.name not in FLAGS or not param.envvar:
-                continue  # -o, --at, uninstall's own --node/--all/--dry-run: not settings, no variable
+            if param.name not in FLAGS or (command.name, param.name) in OWN_OPTIONS:
+                continue  # -o, --at, uninstall's own --node/--all: not settings
             flag = FLAGS[param.name]
             assert param.default == flag.click_default, (command.name, flag.name)
-            assert param.envvar == flag.env or param.envvar[0] == flag.env, (command.name, flag.name)
+            envvar = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or [])
+            assert envvar[0] == flag.env, (command.name, flag.name)
 
 
 @pytest.mark.parametrize("name", sorted(n for n, f in FLAGS.items() if f.default is FROM_FIELD))
@@ -48,11 +51,13 @@ def test_the_settings_built_from_no_flags_are_the_dataclass_defaults() -> None:
 
 def test_the_commands_take_the_declared_flags_in_the_declared_order() -> None:
     def declared(command: str) -> list[str]:
-        return [p.name or "" for p in cli.commands[command].params if p.name in FLAGS and p.envvar]
+        params = cli.commands[command].params
+        return [p.name or "" for p in params if p.name in FLAGS and (command, p.name) not in OWN_OPTIONS]
 
     assert declared("watch") == list(WATCH_FLAGS)
     assert declared("check") == [*GPU_FLAGS, "node", "kubeconfig", "expected_gpus_label"]
-    assert declared("status") == declared("uninstall") == ["kubeconfig"]
+    assert declared("status") == declared("release") == ["kubeconfig"]
+    assert declared("uninstall") == ["kubeconfig", "dry_run"]  # its own --dry-run, the same variable
 
 
 def test_no_default_is_written_in_the_cli_package_but_none_off_empty_and_the_output_format() -> None:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -67,3 +69,13 @@ def test_make_run_says_what_it_is_doing_before_the_silent_install_and_before_the
     assert any(line.startswith("echo ") and "installing gpuguard" in line for line in lines[:pip]), lines
     demo = next(i for i, line in enumerate(lines) if "gpuguard watch --dry-run" in line)
     assert lines[demo - 1].startswith("echo ") and "demo" in lines[demo - 1], lines
+
+
+def test_plain_kube_up_runs_the_controller_manager_so_a_namespace_can_be_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = make_n(tmp_path, "kube-up")
+    assert 'harness.controlplane up --with "controller-manager,"' in out
+    assert "hack/kwok/build.sh" not in out  # kwok only when asked for
+    monkeypatch.setenv("KUBE_UP_WITH", "all")
+    assert "hack/kwok/build.sh" in make_n(tmp_path, "kube-up")

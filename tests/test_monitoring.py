@@ -193,6 +193,8 @@ def _default_kinds(helm: Helm) -> set[str]:
 # -- runbooks ------------------------------------------------------------------------------------------------
 
 OPERATIONS = ROOT / "docs" / "operations.md"
+# The chart's home: the absolute base of every runbook_url unless runbookBaseURL names another.
+HOME = yaml.safe_load((ROOT / "deploy" / "helm" / "gpuguard" / "Chart.yaml").read_text())["home"]
 
 
 def _runbook(alert: str) -> str:
@@ -207,7 +209,7 @@ def _runbook(alert: str) -> str:
 def test_every_alert_has_a_runbook_url_to_its_own_heading_in_operations_md() -> None:
     for rule in rules():
         alert = rule["alert"]
-        assert rule["annotations"].get("runbook_url") == f"docs/operations.md#{alert.lower()}", alert
+        assert rule["annotations"].get("runbook_url") == f"{HOME}/docs/operations.md#{alert.lower()}", alert
         assert len(_runbook(alert).split()) > 20, f"{alert}'s runbook says next to nothing"
 
 
@@ -223,7 +225,7 @@ def test_the_budget_alerts_say_how_to_raise_the_budget_and_their_runbook_shows_i
     assert "budget.maxQuarantined" in _runbook("GpuguardGPUQuarantineBudgetSpent")
 
 
-def test_a_runbook_base_url_goes_in_front_of_every_runbook_url(helm: Helm) -> None:
+def test_every_runbook_url_is_absolute_the_charts_home_or_the_runbook_base_url(helm: Helm) -> None:
     base = "https://docs.example.com/gpuguard/"
     docs = helm.render(
         "--set", "monitoring.prometheusRule.enabled=true",
@@ -232,6 +234,11 @@ def test_a_runbook_base_url_goes_in_front_of_every_runbook_url(helm: Helm) -> No
     rule = next(d for d in docs if d["kind"] == "PrometheusRule")
     urls = [r["annotations"]["runbook_url"] for g in rule["spec"]["groups"] for r in g["rules"]]
     assert urls == [f"{base}docs/operations.md#{r['alert'].lower()}" for r in rules()]
+    default = next(d for d in helm.render("--set", "monitoring.prometheusRule.enabled=true")
+                   if d["kind"] == "PrometheusRule")  # fmt: skip
+    for group in default["spec"]["groups"]:
+        for r in group["rules"]:  # absolute: a link in Alertmanager
+            assert r["annotations"]["runbook_url"] == f"{HOME}/docs/operations.md#{r['alert'].lower()}"
     bad = helm.run("template", "gpuguard", str(ROOT / "deploy" / "helm" / "gpuguard"), "--set",
                    "monitoring.prometheusRule.runbookBaseURL=not a url")  # fmt: skip
     assert bad.returncode != 0 and "runbookBaseURL" in bad.stderr

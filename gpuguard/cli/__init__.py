@@ -24,6 +24,9 @@ from gpuguard.cli.commands import (
     version,
     watch,
 )
+from gpuguard.cli.flag import from_environment
+
+from_environment(cli)
 
 __all__ = [
     "DEFAULT_LISTEN",

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from datetime import UTC, datetime
 from typing import Any
 
 import click
 
-from gpuguard.cli.commands import EXIT_API, EXIT_OK, cli
+from gpuguard.cli.commands import EXIT_API, EXIT_OK, EXIT_UNHEALTHY, cli
+from gpuguard.cli.flag import Finite
 from gpuguard.cli.flags import FLAGS
 from gpuguard.core import validation
+from gpuguard.core.config import RELEASE_WAIT
 from gpuguard.core.errors import ConfigError, GpuguardError, NodeUpdateError, TransientApiError
 
 
@@ -46,14 +49,30 @@ def status(kubeconfig: str | None, output: str) -> int:
 @click.option("--node", required=True, help="The node whose held GPUs to release.")
 @click.option("--gpu", default=None, help="The GPU's UUID (default: every held GPU of the node, '*').")
 @click.option("--by", default=None, help="Who releases it, as the history records it (default: $USER).")
-def release(kubeconfig: str | None, node: str, gpu: str | None, by: str | None) -> int:
-    """Release a GPU held as a repeat offender, after its repair: writes the annotation gpuguard.io/release
-    on the node; the node's agent checks it, records who released it and when in the GPU's history, lifts
-    the hold (and only gpuguard's marks) and removes the annotation at its next re-read. The agents' own
-    tokens may not write it (deploy/admission-policy.yaml). Exit 0; 2 a usage error; 4 the API server is
-    unreachable or refused the request."""
+@click.option("--force", is_flag=True, default=False, help="Replace a release its agent has not handled yet.")
+@click.option("--wait", is_flag=True, default=False, help="Wait until the agent has lifted the hold.")
+@click.option(
+    "--timeout", type=Finite(minimum=0), default=RELEASE_WAIT, show_default=True, help="Seconds --wait waits."
+)
+def release(
+    *,
+    kubeconfig: str | None,
+    node: str,
+    gpu: str | None,
+    by: str | None,
+    force: bool,
+    wait: bool,
+    timeout: float,
+) -> int:
+    """Release a GPU held as a repeat offender, after its repair: reads the node, then writes the annotation
+    gpuguard.io/release on it; the node's agent checks it, records who released it and when in the GPU's
+    history, lifts the hold (and only gpuguard's marks) and removes the annotation at its next re-read.
+    The agents' own tokens may not write it (deploy/admission-policy.yaml). Exit 0 written (with --wait:
+    lifted); 1 --wait saw no lift; 2 nothing held there, a release pending (--force replaces it) or a
+    usage error; 4 the API server is unreachable or refused the request."""
+    from gpuguard.cli import releasing  # noqa: PLC0415
     from gpuguard.kube import nodes  # noqa: PLC0415
-    from gpuguard.quarantine.repeat.release import ALL, ANN_RELEASE, annotation, parse  # noqa: PLC0415
+    from gpuguard.quarantine.repeat.release import ALL, annotation, parse  # noqa: PLC0415
 
     who = by if by is not None else os.environ.get("USER") or "unknown"
     gpu = gpu if gpu is not None else ALL
@@ -66,11 +85,19 @@ def release(kubeconfig: str | None, node: str, gpu: str | None, by: str | None) 
         raise ConfigError(f"release: {exc}") from None
     api = _client("release", kubeconfig)
     try:
-        nodes.patch(api, node, {"metadata": {"annotations": {ANN_RELEASE: text}}})
+        view = releasing.read(api, node)
+        why = releasing.refusal(view, gpu, force=force)
+        if why is not None:
+            raise ConfigError(why)
+        nodes.patch(api, node, releasing.body(view, text))
+        click.echo(f"{node}: release of {gpu} by {who} written; the agent lifts the hold at its next re-read")
+        if not wait:
+            return EXIT_OK
+        outcome = releasing.wait(api, node, gpu, text, timeout=timeout)
     except GpuguardError as exc:
         return _api_failed("release", api, exc)
-    click.echo(f"{node}: release of {gpu} by {who} written; the agent lifts the hold at its next re-read")
-    return EXIT_OK
+    click.echo(outcome.message, err=not outcome.done)
+    return EXIT_OK if outcome.done else EXIT_UNHEALTHY
 
 
 def _printable(value: Any) -> Any:
@@ -91,36 +118,73 @@ def _printable(value: Any) -> Any:
 @click.option("--all", "all_nodes", is_flag=True, default=False, help="Every node of the cluster.")
 @click.option("--dry-run", is_flag=True, default=False, help="Only say what would be removed.")
 def uninstall(kubeconfig: str | None, nodes: tuple[str, ...], all_nodes: bool, dry_run: bool) -> int:
-    """Remove every gpuguard.io/ taint, label and annotation, the GPUHealthy and GPUDegraded conditions and
-    the cordons gpuguard made, from the nodes named (--node) or all (--all), and gpuguard's DRA
-    DeviceTaintRules of those nodes. Run it after removing the DaemonSet."""
-    from gpuguard.cli.uninstall import clean_node, clean_rules  # noqa: PLC0415
+    """Remove what gpuguard placed: its gpuguard.io/ taints, labels and annotations, the GPUHealthy and
+    GPUDegraded conditions and the cordons gpuguard made, from the nodes named (--node) or all (--all), and
+    gpuguard's DRA DeviceTaintRules of those nodes; an operator's marks under gpuguard's keys stay (an
+    operator's gpu-unhealthy taint, needs-repair label or cordon). Run it after removing the DaemonSet (it
+    warns while one exists). Ends with a summary line."""
+    from gpuguard.cli.uninstall import clean_node, clean_rules, summary  # noqa: PLC0415
     from gpuguard.kube.nodes import names as node_names  # noqa: PLC0415
 
     if bool(nodes) == all_nodes:
         raise ConfigError("uninstall: name the nodes with --node NAME, or pass --all")
     api = _client("uninstall", kubeconfig)
     try:
+        _warn_while_agents_run(api)
         names = list(nodes) if nodes else list(node_names(api))
+        plans = []
         for name in names:
             plan = clean_node(api, name, dry_run=dry_run)
+            plans.append(plan)
             verb = "would remove" if dry_run and not plan.empty else "removed"
             click.echo(f"{name}: {verb if not plan.empty else 'clean:'} {plan.describe()}")
-        for rule in clean_rules(api, nodes or None, dry_run=dry_run):
+            if plan.kept:
+                click.echo(f"{name}: kept {', '.join(plan.kept)} (an operator's, not gpuguard's)")
+        rules = clean_rules(api, nodes or None, dry_run=dry_run)
+        for rule in rules:
             click.echo(f"{rule}: {'would delete' if dry_run else 'deleted'} device taint rule")
     except GpuguardError as exc:
         return _api_failed("uninstall", api, exc)
+    click.echo(summary(plans, rules, dry_run=dry_run))
     return EXIT_OK
 
 
+def _warn_while_agents_run(api: Any) -> None:
+    """A warning on stderr while gpuguard's DaemonSet exists: its agents put back what uninstall removes."""
+    from gpuguard.kube import daemonsets  # noqa: PLC0415
+
+    try:
+        running = daemonsets.names(api, "app.kubernetes.io/name=gpuguard")
+    except NodeUpdateError as exc:
+        why = f"HTTP {exc.status}" if exc.status else "no answer"
+        click.echo(f"gpuguard: warning: uninstall: could not list gpuguard's DaemonSets ({why})", err=True)
+        return
+    for name in running:
+        click.echo(
+            f"gpuguard: warning: uninstall: the DaemonSet {name} still exists: its agents put back what this "
+            "removes; remove it first (helm uninstall, or kubectl delete on deploy/daemonset.yaml)",
+            err=True,
+        )
+
+
 def _client(command: str, kubeconfig: str | None) -> Any:
-    """The API client of `status` and `uninstall`; a kubeconfig that cannot work is a usage error (exit 2)."""
+    """The API client of `status`, `release` and `uninstall`; a kubeconfig that cannot work is a usage error
+    (exit 2). A kubeconfig that turns TLS verification off is said once, not by a urllib3 warning per
+    request (six for one `status`)."""
     from gpuguard.kube import client as kubeclient  # noqa: PLC0415
 
     try:
-        return kubeclient.load(kubeconfig)
+        api = kubeclient.load(kubeconfig)
     except GpuguardError as exc:
         raise ConfigError(f"{command}: {exc}") from None
+    if api.creds.insecure and api.creds.server.startswith("https://"):
+        warnings.filterwarnings("ignore", message="Unverified HTTPS request")
+        click.echo(
+            f"gpuguard: warning: {command}: the API server's certificate is not verified "
+            "(insecure-skip-tls-verify in the kubeconfig)",
+            err=True,
+        )
+    return api
 
 
 def _api_failed(command: str, api: Any, exc: GpuguardError) -> int:

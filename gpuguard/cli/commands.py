@@ -10,6 +10,7 @@ import click
 
 from gpuguard import __version__
 from gpuguard.cli import settings
+from gpuguard.cli.flag import Finite
 from gpuguard.cli.flags import FLAGS, GPU_FLAGS, WATCH_FLAGS, options
 from gpuguard.core.errors import ConfigError
 
@@ -58,7 +59,7 @@ def watch(**kw: Any) -> int:
 @click.option(
     "--at",
     "at",
-    type=click.FloatRange(min=0),
+    type=Finite(minimum=0),
     default=None,
     help="Mock backend only: check the scenario as it stands this many seconds in (its events up to then, "
     "Xids included, have happened).",

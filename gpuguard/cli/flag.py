@@ -5,6 +5,7 @@ click option made from it. The declarations themselves: gpuguard.cli.flags."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -12,6 +13,42 @@ from typing import Any, TypeVar
 import click
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Finite(click.ParamType[float]):
+    """A float that is a number: NaN and infinity are refused here, once for every flag (a NaN compares false
+    with every bound, so a range check alone lets it through, as `check --at nan` showed)."""
+
+    name = "float"
+
+    def __init__(self, minimum: float | None = None) -> None:
+        self.minimum = minimum
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        if self.minimum is not None and number < self.minimum:
+            self.fail(f"{value!r} is below {self.minimum:g}", param, ctx)
+        return number
+
+
+FINITE = Finite()
+
+
+def from_environment(group: click.Group) -> None:
+    """Every option of every command of `group` also from GPUGUARD_<NAME> (README: every flag from the
+    environment), the declared flags' variables kept; a command's own options (`check --at`, `release
+    --wait`) get theirs here, so that no option is left out."""
+    for command in group.commands.values():
+        for param in command.params:
+            if not isinstance(param, click.Option) or not param.expose_value or param.envvar:
+                continue
+            param.envvar = f"GPUGUARD_{(param.name or '').upper()}"
+            param.show_envvar = True
 
 
 class _FromField:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import click
 
-from gpuguard.cli.flag import F, Flag
+from gpuguard.cli.flag import FINITE, F, Flag
 from gpuguard.core.config import (
     DEFAULT_IGNORED_XIDS,
     EVICT_MODES,
@@ -101,7 +101,7 @@ FLAGS = _declare(
         "--interval",
         "Seconds between polls (>= 0.05). Xids do not wait for it.",
         (Config, "interval"),
-        type=float,
+        type=FINITE,
     ),
     Flag(
         "--node",
@@ -214,7 +214,7 @@ FLAGS = _declare(
         "Seconds: a fault that returns within this window keeps the node quarantined until the GPUs "
         "stay healthy for a whole window.",
         (NodeSettings, "flap_window"),
-        type=float,
+        type=FINITE,
     ),
     Flag(
         "--repeat-limit",
@@ -227,7 +227,7 @@ FLAGS = _declare(
         "--repeat-window",
         "Seconds over which --repeat-limit counts a GPU's fault episodes (default 7 days).",
         (NodeSettings, "repeat_window"),
-        type=float,
+        type=FINITE,
     ),
     Flag(
         "--state-dir",
@@ -243,13 +243,13 @@ FLAGS = _declare(
         "Seconds: the first request to the API server waits a random 0..this, so agents that start at "
         "once across a fleet do not arrive together (0: none). A fault found meanwhile does not wait.",
         (NodeSettings, "startup_jitter"),
-        type=float,
+        type=FINITE,
     ),
     Flag(
         "--api-qps",
         "Client-side rate limit: API requests per second on average (0: none).",
         (NodeSettings, "api_qps"),
-        type=float,
+        type=FINITE,
     ),
     Flag(
         "--api-burst",
@@ -261,35 +261,35 @@ FLAGS = _declare(
         "--budget-recheck",
         "Seconds between budget lists while a quarantine is deferred.",
         (NodeSettings, "budget_recheck"),
-        type=float,
+        type=FINITE,
         hidden=True,
     ),
     Flag(
         "--budget-count-spread",
         "Seconds over which the first GPU-node count (a percentage budget) falls after start.",
         (NodeSettings, "budget_count_spread"),
-        type=float,
+        type=FINITE,
         hidden=True,
     ),
     Flag(
         "--slice-refresh",
         "Seconds: a GPU fault that finds no device re-reads the slices if the last read is older.",
         (NodeSettings, "slice_refresh"),
-        type=float,
+        type=FINITE,
         hidden=True,
     ),
     Flag(
         "--node-resync",
         "Seconds between re-reads of the node while gpuguard holds anything on it.",
         (NodeSettings, "node_resync"),
-        type=float,
+        type=FINITE,
         hidden=True,
     ),
     Flag(
         "--refusal-backoff",
         "Seconds a request the API server refused is not sent again (tests shorten it).",
         (NodeSettings, "refusal_backoff"),
-        type=float,
+        type=FINITE,
         hidden=True,
     ),
     Flag(
@@ -298,19 +298,19 @@ FLAGS = _declare(
         (Config, "boot_id_file"),
         hidden=True,
     ),
-    Flag("--run-for", "Stop after this many seconds (demos, tests).", (Config, "run_for"), type=float),
+    Flag("--run-for", "Stop after this many seconds (demos, tests).", (Config, "run_for"), type=FINITE),
     Flag(
         "--nvml-load-timeout",
         "Seconds to wait for a loadable libnvidia-ml.so.1 at start, then exit 3 so kubelet restarts "
         "the container (the container toolkit injects the library at container start).",
         (Config, "nvml_load_timeout"),
-        type=float,
+        type=FINITE,
     ),
     Flag(
         "--nvml-call-timeout",
         "Seconds one NVML call may take before its GPU (or the node) is reported unresponsive.",
         (Config, "nvml_call_timeout"),
-        type=float,
+        type=FINITE,
         hidden=True,
     ),
     Flag(

@@ -8,12 +8,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpuguard.core.model import REPEAT_OFFENDER, AgentStatus, Verdict, plural
-from gpuguard.runtime.health import health_body
+from gpuguard.runtime.health import health_body, unhealthy_count
 
 
 def verdict_table(verdict: Verdict) -> str:
     """The GPUs, with their faults (REASONS) and degraded signals (DEGRADED: the second level, shown, not a
-    fault); the node's own below; the last line says healthy or UNHEALTHY, and how many GPUs are degraded."""
+    fault); the node's own below; the last line says healthy or UNHEALTHY with how many GPUs of how many are
+    unhealthy, and how many are degraded."""
     rows: list[tuple[str, ...]] = [("GPU", "UUID", "NAME", "HEALTHY", "ECC", "DEGRADED", "REASONS")]
     for g in verdict.gpus:
         ecc = "n/a" if g.ecc_uncorrected is None else str(g.ecc_uncorrected)
@@ -26,7 +27,7 @@ def verdict_table(verdict: Verdict) -> str:
     lines += [f"node: {f.message}" for f in verdict.node_faults]
     lines += [f"node degraded: {f.message}" for f in verdict.node_degraded]
     lines += [f"GPU {g.index} degraded: {f.message}" for g in verdict.gpus for f in g.degraded]
-    last = "healthy" if verdict.healthy else "UNHEALTHY"
+    last = "healthy" if verdict.healthy else f"UNHEALTHY: {unhealthy_count(verdict)}"
     degraded_gpus = sum(1 for g in verdict.gpus if g.degraded)
     if verdict.degraded:
         last += f", {plural(degraded_gpus, 'GPU')} degraded" if degraded_gpus else ", the node degraded"

@@ -19,6 +19,11 @@ from gpuguard.core.errors import ConfigError
 def config(values: Mapping[str, Any], *, watch: bool) -> Config:
     """The Config of `watch` (watch=True) or `check` from their parsed flags; ConfigError names the flag,
     or the environment variable the value came from."""
+    kubeconfig = values.get("kubeconfig")
+    if kubeconfig and not os.path.isfile(kubeconfig):
+        # Named, so meant: not a warning and a check judged without the cluster (or an agent that
+        # starts and then fails at every request), but a usage error, as `status` makes it.
+        raise ConfigError(_named_by_source(f"--kubeconfig {kubeconfig}: no such file"))
     try:
         return _settings(_empty_env_values(values), watch=watch)
     except ConfigError as exc:

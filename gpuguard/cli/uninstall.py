@@ -1,13 +1,17 @@
 """`gpuguard uninstall`: take off the nodes everything gpuguard put there, for a clean uninstall.
 
-gpuguard's marks on a node: taints, labels and annotations under ``gpuguard.io/``, the ``GPUHealthy`` and
-``GPUDegraded`` node conditions, and the cordon when gpuguard made it (annotation
-``gpuguard.io/cordoned=true``; an operator's own cordon stays); and its DeviceTaintRules, which hold single
-GPUs out (the per-GPU quarantine) or show a degraded one. Removing the DaemonSet leaves all of them in
-place, on purpose: a node that was held out for a bad GPU stays held out until someone decides. Run this
-after the agents are gone (they would put the marks back). Writes are merge patches with the
-resourceVersion read (a 409 re-reads and plans again) and touch nothing else; the conditions go with a
-strategic-merge delete on nodes/status.
+It removes only what gpuguard placed (RULE, the sentence README and docs/operations.md print): its
+taints, labels and annotations under ``gpuguard.io/``, the ``GPUHealthy`` and ``GPUDegraded`` node
+conditions, the cordon it made, and its DeviceTaintRules, which hold single GPUs out (the per-GPU
+quarantine) or show a degraded one. A mark an operator placed with gpuguard's key stays, as the agent itself
+leaves it: a ``gpuguard.io/gpu-unhealthy`` taint on a node without gpuguard's record of it (the annotations
+``gpuguard.io/faults`` or ``gpuguard.io/since``), a ``gpuguard.io/needs-repair`` label without
+``gpuguard.io/needs-repair-placed``, a cordon without ``gpuguard.io/cordoned=true``.
+
+Removing the DaemonSet leaves all of them in place, on purpose: a node that was held out for a bad GPU stays
+held out until someone decides. Run this after the agents are gone (they would put the marks back). Writes are
+merge patches with the resourceVersion read (a 409 re-reads and plans again) and touch nothing else; the
+conditions go with a strategic-merge delete on nodes/status.
 """
 
 from __future__ import annotations
@@ -19,13 +23,26 @@ from typing import Any, TypeVar
 import tenacity
 
 from gpuguard.core.errors import ConflictError, GpuguardError
+from gpuguard.core.model import plural
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import nodes
 from gpuguard.quarantine.gpu.writers import KubeDeviceSource
-from gpuguard.quarantine.node.view import ANN_CORDONED, CONDITION_TYPE, DEGRADED_CONDITION_TYPE
-from gpuguard.quarantine.record import DOMAIN
+from gpuguard.quarantine.node.view import (
+    ANN_CORDONED,
+    ANN_REPAIR_PLACED,
+    CONDITION_TYPE,
+    DEGRADED_CONDITION_TYPE,
+    LABEL_NEEDS_REPAIR,
+)
+from gpuguard.quarantine.record import ANN_FAULTS, ANN_SINCE, DOMAIN, TAINT_KEY
 
 PREFIX = f"{DOMAIN}/"
+RULE = (
+    "gpuguard uninstall removes only what gpuguard placed: an operator's gpuguard.io/gpu-unhealthy taint "
+    "(on a node without gpuguard's annotations gpuguard.io/faults and gpuguard.io/since), an operator's "
+    "gpuguard.io/needs-repair label (without gpuguard.io/needs-repair-placed) and an operator's cordon "
+    "(without gpuguard.io/cordoned) stay"
+)
 _ATTEMPTS = 5
 T = TypeVar("T")
 
@@ -48,6 +65,8 @@ class Cleanup:
     kept_taints: tuple[Mapping[str, Any], ...] = ()
     # The second level's condition (a degraded GPU), removed like GPUHealthy.
     degraded_condition: bool = False
+    # An operator's marks under gpuguard's keys, left in place ("taint gpuguard.io/gpu-unhealthy=rma-123").
+    kept: tuple[str, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -91,17 +110,54 @@ def plan_cleanup(obj: Mapping[str, Any]) -> Cleanup:
     spec = obj.get("spec") or {}
     taints = list(spec.get("taints") or [])
     annotations = meta.get("annotations") or {}
+    labels = meta.get("labels") or {}
     conditions = (obj.get("status") or {}).get("conditions") or []
+    recorded = ANN_FAULTS in annotations or ANN_SINCE in annotations
+
+    def ours(taint: Mapping[str, Any]) -> bool:
+        key = str(taint.get("key", ""))
+        return key.startswith(PREFIX) and (key != TAINT_KEY or recorded)
+
+    operators_label = LABEL_NEEDS_REPAIR in labels and ANN_REPAIR_PLACED not in annotations
+    kept = [
+        f"taint {_taint_text(t)}" for t in taints if str(t.get("key", "")).startswith(PREFIX) and not ours(t)
+    ]
+    kept += [f"label {LABEL_NEEDS_REPAIR}"] * operators_label
     return Cleanup(
         node=str(meta.get("name", "")),
         resource_version=str(meta.get("resourceVersion", "")),
-        taints=tuple(sorted({str(t.get("key")) for t in taints if str(t.get("key", "")).startswith(PREFIX)})),
-        labels=tuple(sorted(k for k in meta.get("labels") or {} if k.startswith(PREFIX))),
+        taints=tuple(sorted({str(t.get("key")) for t in taints if ours(t)})),
+        labels=tuple(
+            sorted(
+                k
+                for k in labels
+                if k.startswith(PREFIX) and not (k == LABEL_NEEDS_REPAIR and operators_label)
+            )
+        ),
         annotations=tuple(sorted(k for k in annotations if k.startswith(PREFIX))),
         uncordon=bool(spec.get("unschedulable")) and annotations.get(ANN_CORDONED) == "true",
         condition=any(c.get("type") == CONDITION_TYPE for c in conditions),
-        kept_taints=tuple(t for t in taints if not str(t.get("key", "")).startswith(PREFIX)),
+        kept_taints=tuple(t for t in taints if not ours(t)),
         degraded_condition=any(c.get("type") == DEGRADED_CONDITION_TYPE for c in conditions),
+        kept=tuple(kept),
+    )
+
+
+def _taint_text(taint: Mapping[str, Any]) -> str:
+    value = taint.get("value")
+    return f"{taint.get('key')}{'=' + str(value) if value else ''}:{taint.get('effect')}"
+
+
+def summary(plans: list[Cleanup], rules: list[str], *, dry_run: bool) -> str:
+    """The last line: how many nodes had gpuguard's marks, how many rules went, what an operator keeps."""
+    marked = sum(1 for p in plans if not p.empty)
+    kept = plural(sum(len(p.kept) for p in plans), "operator's mark")
+    removed, deleted, left = (
+        ("would remove", "would delete", "would keep") if dry_run else ("removed", "deleted", "kept")
+    )
+    return (
+        f"uninstall{' (dry run)' if dry_run else ''}: {removed} gpuguard's marks from {marked} of "
+        f"{plural(len(plans), 'node')}, {deleted} {plural(len(rules), 'device taint rule')}, {left} {kept}"
     )
 
 

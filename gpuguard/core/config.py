@@ -63,6 +63,9 @@ GPU_NODE_SELECTOR = "nvidia.com/gpu.present=true"
 # The label NVIDIA GPU Feature Discovery sets to the node's GPU count: `check` expects that many where it can
 # read its node (gpuguard.runtime.gpucount says why this source).
 GPU_COUNT_LABEL = "nvidia.com/gpu.count"
+# `gpuguard release --wait`: seconds to wait for the agent to lift the hold. The agent re-reads a node it
+# holds anything on every --node-resync (30 s): four re-reads and a slow API server.
+RELEASE_WAIT = 120.0
 
 
 _LIMIT = re.compile(r"^(\d{1,6}|\d{1,3}(\.\d{1,3})?%)$")

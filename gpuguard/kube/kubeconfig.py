@@ -11,6 +11,7 @@ import atexit
 import base64
 import binascii
 import ipaddress
+import logging
 import os
 import shutil
 import ssl
@@ -127,7 +128,7 @@ def from_kubeconfig(path: str) -> Credentials:
     cluster = _named(doc, "clusters", "cluster", str(cluster_name), path)
     user = _named(doc, "users", "user", user_name, path) if user_name else {}
     if set(user) - _OWN_USER_KEYS or set(cluster) - _OWN_CLUSTER_KEYS:
-        return _via_kubernetes(path)
+        return _via_kubernetes(path, plugin=_plugin(user, Path(path).resolve().parent, path))
     base = Path(path).resolve().parent
     server = cluster.get("server")
     if not isinstance(server, str) or not server:
@@ -273,7 +274,38 @@ def _private_file(data: bytes) -> str:
     return name
 
 
-def _via_kubernetes(path: str | None) -> Credentials:
+def _plugin(user: Mapping[str, Any], base: Path, path: str) -> str | None:
+    """The user's exec login plugin (aws, gke-gcloud-auth-plugin, kubelogin), None if it has none; a plugin
+    that is not installed is a ConfigError naming it and the kubeconfig. The kubernetes loader would log
+    `ERROR:root:` and go on with no credentials: every request then fails as unreachable or anonymous."""
+    exec_ = user.get("exec")
+    if not isinstance(exec_, dict):
+        return None
+    command = exec_.get("command")
+    if not isinstance(command, str) or not command:
+        raise ConfigError(f"kubeconfig {path}: the user's exec plugin has no command")
+    # As client-go: a command with a path separator is relative to the kubeconfig's folder, else on PATH.
+    found = str(base / command) if os.sep in command and os.access(base / command, os.X_OK) else None
+    if found is None and shutil.which(command) is None:
+        raise ConfigError(
+            f"kubeconfig {path}: the exec login plugin {command!r} is not installed (not found on PATH); "
+            "install it (e.g. the cloud's CLI) or use a kubeconfig with a token or a client certificate"
+        )
+    return command
+
+
+class _Logged(logging.Handler):
+    """The kubernetes loader's `logging.error` lines (a failed exec plugin), kept instead of printed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _via_kubernetes(path: str | None, *, plugin: str | None = None) -> Credentials:
     """The kubernetes package's loader, for what gpuguard does not read itself. Heavy import: only here."""
     from kubernetes import client  # noqa: PLC0415
     from kubernetes import config as _config  # noqa: PLC0415
@@ -281,12 +313,21 @@ def _via_kubernetes(path: str | None) -> Credentials:
 
     loader: Any = _config  # untyped
     configuration: Any = client.Configuration()
+    where = f"kubeconfig {path or '$KUBECONFIG'}"
+    logged = _Logged()
+    root = logging.getLogger()
+    root.addHandler(logged)  # with a handler there, logging.error does not add its stderr one either
     try:
         loader.load_kube_config(config_file=path, client_configuration=configuration)
     except (ConfigException, OSError, TypeError, ValueError, AttributeError, KeyError, yaml.YAMLError) as exc:
-        raise ConfigError(f"kubeconfig {path or '$KUBECONFIG'}: {_one_line(exc)[:300]}") from None
+        raise ConfigError(f"{where}: {_one_line(exc)[:300]}") from None
     except RecursionError:
-        raise ConfigError(f"kubeconfig {path or '$KUBECONFIG'}: nested too deeply") from None
+        raise ConfigError(f"{where}: nested too deeply") from None
+    finally:
+        root.removeHandler(logged)
+    if logged.lines:  # the loader swallowed a failed login: no request must go out anonymous
+        name = f"the exec login plugin {plugin!r}" if plugin else "the login"
+        raise ConfigError(f"{where}: {name} failed: {_one_line(logged.lines[-1])[:300]}")
 
     def authorization() -> str | None:
         # The whole header value ("Bearer ..." or basic auth); refreshes an expired exec-plugin token first.

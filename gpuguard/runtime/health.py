@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from gpuguard.core.model import AgentStatus
+from gpuguard.core.model import AgentStatus, Verdict, plural
 
 
 def health_body(s: AgentStatus) -> dict[str, Any]:
@@ -66,3 +66,23 @@ def health_body(s: AgentStatus) -> dict[str, Any]:
 
 def _time(when: datetime | None) -> str | None:
     return when.astimezone(UTC).isoformat().replace("+00:00", "Z") if when else None
+
+
+def unhealthy_count(verdict: Verdict) -> str:
+    """How many GPUs are unhealthy, of how many ("2 of 8 GPUs unhealthy"), and the node's own faults."""
+    bad = sum(1 for g in verdict.gpus if not g.healthy)
+    text = f"{bad} of {plural(len(verdict.gpus), 'GPU')} unhealthy"
+    if verdict.node_faults:
+        text += f", the node: {', '.join(sorted({f.reason for f in verdict.node_faults}))}"
+    return text
+
+
+def dry_run_summary(s: AgentStatus) -> str:
+    """The last line of a dry run (the demo): what gpuguard would have done by the end; it wrote nothing."""
+    would = []
+    if s.tainted:
+        would.append(f"{'taint and cordon' if s.cordoned else 'taint'} node {s.node or 'dry-run'}")
+    if s.gpu_quarantines:
+        would.append(f"hold out {plural(len(s.gpu_quarantines), 'GPU')} with DeviceTaintRules")
+    gpus = unhealthy_count(s.verdict) if s.verdict is not None else "no check completed"
+    return f"would {' and '.join(would) or 'change nothing'} ({gpus}); wrote nothing"

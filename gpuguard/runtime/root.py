@@ -21,6 +21,7 @@ from gpuguard.core.errors import ConfigError
 from gpuguard.core.model import AgentStatus, Verdict
 from gpuguard.judge.policy import evaluate
 from gpuguard.nvml.base import Backend
+from gpuguard.runtime import health
 
 if TYPE_CHECKING:  # the watch's parts: imported where they are built, not by `check`
     from prometheus_client import CollectorRegistry
@@ -377,6 +378,8 @@ def watch(cfg: Config) -> bool:
         for b in background:
             b.stop()
         server.stop()
+    if cfg.node.dry_run:
+        log.info("agent.dry_run_summary", summary=health.dry_run_summary(parts.status()))
     return agent.no_library
 
 

@@ -39,6 +39,7 @@ EXERCISED_ELSEWHERE = {
     "kubectl auth can-i patch nodes --as system:serviceaccount:gpuguard:gpuguard": (
         "test_the_operations_runbook_works_as_written"
     ),
+    "gpuguard release": "test_operator_commands.py::test_a_pending_release_is_not_overwritten_without_force",
     "gpuguard release --node NODE --gpu UUID --by YOU": (
         "test_repeat_offenders.py::test_an_xid_that_returns_after_two_reboots_holds_the_gpu_until_an_operator_releases_it"
     ),
@@ -448,7 +449,12 @@ def test_uninstall_of_one_node_and_its_dry_run_do_what_the_page_says(
     marks = {
         "metadata": {
             "labels": {"gpuguard.io/quarantined": "true", "team": "ml"},
-            "annotations": {"gpuguard.io/cordoned": "true", "gpuguard.io/reason": "ecc: 2", "owner": "ops"},
+            "annotations": {
+                "gpuguard.io/cordoned": "true",
+                "gpuguard.io/reason": "ecc: 2",
+                "gpuguard.io/since": "2026-12-01T00:00:00Z",
+                "owner": "ops",
+            },
         },
         "spec": {
             "unschedulable": True,
@@ -481,11 +487,14 @@ def test_uninstall_of_one_node_and_its_dry_run_do_what_the_page_says(
 
     dry = gpuguard("--node", "n-1", "--dry-run")
     assert dry.returncode == 0, dry.stderr
-    assert dry.stdout.strip() == (
+    assert dry.stdout.splitlines() == [
         "n-1: would remove taint gpuguard.io/gpu-unhealthy, label gpuguard.io/quarantined, annotation "
-        "gpuguard.io/cordoned, annotation gpuguard.io/reason, the cordon gpuguard made, condition GPUHealthy"
-    )
-    assert len(gpuguard_marks(admin.node("n-1"))) == 5  # nothing written
+        "gpuguard.io/cordoned, annotation gpuguard.io/reason, annotation gpuguard.io/since, the cordon "
+        "gpuguard made, condition GPUHealthy",
+        "uninstall (dry run): would remove gpuguard's marks from 1 of 1 node, would delete 0 device taint "
+        "rules, would keep 0 operator's marks",
+    ]
+    assert len(gpuguard_marks(admin.node("n-1"))) == 6  # nothing written
 
     done = gpuguard("--node", "n-1")
     assert done.returncode == 0 and done.stdout.startswith("n-1: removed taint gpuguard.io/gpu-unhealthy"), (
@@ -495,10 +504,10 @@ def test_uninstall_of_one_node_and_its_dry_run_do_what_the_page_says(
     assert gpuguard_marks(n1) == [] and not n1["spec"].get("unschedulable")
     assert n1["spec"]["taints"] == [{"key": "team", "value": "ml", "effect": "NoSchedule"}]
     assert n1["metadata"]["labels"]["team"] == "ml" and n1["metadata"]["annotations"]["owner"] == "ops"
-    assert len(gpuguard_marks(admin.node("n-2"))) == 5  # only the node named
+    assert len(gpuguard_marks(admin.node("n-2"))) == 6  # only the node named
 
     again = gpuguard("--node", "n-1")
-    assert again.stdout.strip() == "n-1: clean: nothing of gpuguard's"
+    assert again.stdout.splitlines()[0] == "n-1: clean: nothing of gpuguard's"
 
     # An operator's own cordon (no gpuguard.io/cordoned) stays.
     admin.patch_node("n-2", {"metadata": {"annotations": {"gpuguard.io/cordoned": None}}})

@@ -1,0 +1,96 @@
+"""`gpuguard release`, read before it writes: the node's held GPUs (its annotation
+`gpuguard.io/repeat-offenders`, written by its agent) decide whether there is anything to release, a release
+the agent has not handled yet is not overwritten without --force, and --wait follows the node until the agent
+has handled it. The agent owns the GPU history; this only writes the request (gpuguard.quarantine.repeat)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gpuguard.core.errors import ConfigError, PermanentApiError
+from gpuguard.kube import client as kubeclient
+from gpuguard.kube import nodes
+from gpuguard.quarantine.node.view import NodeView
+from gpuguard.quarantine.repeat.release import ALL, ANN_RELEASE
+
+POLL_S = 2.0
+
+
+def read(api: kubeclient.Client, node: str) -> NodeView:
+    """The node as it is now; a node that does not exist is a usage error (a mistyped name)."""
+    try:
+        return NodeView.from_api(nodes.read(api, node))
+    except PermanentApiError as exc:
+        if exc.status == 404:
+            raise ConfigError(f"no node named {node}") from None
+        raise
+
+
+def refusal(view: NodeView, gpu: str, *, force: bool) -> str | None:
+    """Why this release must not be written (one line), or None. Pure."""
+    held = view.repeat_offenders
+    pending = view.annotations.get(ANN_RELEASE)
+    if pending is not None and not force:
+        return (
+            f"a release is already pending on {view.name} ({pending}), not yet handled by its agent; "
+            "--force replaces it"
+        )
+    listed = f" (held: {', '.join(sorted(held))})" if held else ""
+    if gpu == ALL and not held:
+        return f"nothing held on {view.name}: no GPU of it is a repeat offender"
+    if gpu != ALL and gpu not in held:
+        return f"nothing held on {gpu} of {view.name}{listed}"
+    return None
+
+
+def body(view: NodeView, text: str) -> dict[str, object]:
+    """The write: the annotation, on the node as it was read (a node that moved on answers 409)."""
+    return {"metadata": {"resourceVersion": view.resource_version, "annotations": {ANN_RELEASE: text}}}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a release ended, as --wait saw it: lifted, refused by the agent (its log says why), or not
+    handled within the timeout."""
+
+    done: bool
+    message: str
+
+
+def wait(
+    api: kubeclient.Client,
+    node: str,
+    gpu: str,
+    text: str,
+    *,
+    timeout: float,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Outcome:
+    """Follow the node until its agent has handled the release `text` (the annotation gone or replaced),
+    then whether the hold is lifted."""
+    deadline = clock() + timeout
+    while True:
+        view = NodeView.from_api(nodes.read(api, node))
+        if view.annotations.get(ANN_RELEASE) != text:
+            still = sorted(view.repeat_offenders) if gpu == ALL else [gpu] * (gpu in view.repeat_offenders)
+            if not still:
+                return Outcome(True, f"{node}: the agent lifted the hold on {_what(gpu)}")
+            return Outcome(
+                False,
+                f"{node}: the agent handled the release but still holds {', '.join(still)} "
+                "(its log says why: repeat.release_refused, repeat.release_matched_none)",
+            )
+        if clock() >= deadline:
+            return Outcome(
+                False,
+                f"{node}: the agent has not handled the release within {timeout:g} s (is gpuguard running "
+                "on the node? the release stays written and is handled when it is)",
+            )
+        sleep(min(POLL_S, max(0.0, deadline - clock())))
+
+
+def _what(gpu: str) -> str:
+    return "every held GPU" if gpu == ALL else gpu
