@@ -56,6 +56,22 @@ MODULES = (
     "gpuguard/quarantine/record.py",
     "gpuguard/quarantine/budget.py",
     "gpuguard/quarantine/gpu/plan.py",
+    "gpuguard/judge/recovery.py",
+    "gpuguard/judge/signals.py",
+    "gpuguard/judge/cadence.py",
+    "gpuguard/judge/streaks.py",
+    "gpuguard/judge/flaps.py",
+    "gpuguard/judge/unanswered.py",
+    "gpuguard/quarantine/repeat/escalation.py",
+    "gpuguard/quarantine/repeat/counting.py",
+    "gpuguard/quarantine/repeat/release.py",
+    "gpuguard/quarantine/repeat/marks.py",
+    "gpuguard/quarantine/gpu/degraded.py",
+    "gpuguard/quarantine/gpu/slices.py",
+    "gpuguard/quarantine/gpu/trust.py",
+    "gpuguard/quarantine/node/degraded.py",
+    "gpuguard/quarantine/handoff.py",
+    "gpuguard/eviction/plan.py",
 )
 # The unit tests that run in-process in milliseconds (no fake NVML library, no subprocess, no chart).
 TESTS = (
@@ -79,6 +95,18 @@ TESTS = (
     "tests/test_xidcatalog.py",
     "tests/test_fault_record.py",
     "tests/test_gpu_plan.py",
+    "tests/test_streaks.py",
+    "tests/test_flaps.py",
+    "tests/test_unanswered.py",
+    "tests/test_escalation.py",
+    "tests/test_counting.py",
+    "tests/test_repeat.py",
+    "tests/test_degraded_node.py",
+    "tests/test_degraded_devices.py",
+    "tests/test_eviction_plan.py",
+    "tests/test_signaljudge.py",
+    "tests/test_signalcadence.py",
+    "tests/test_mocksignals.py",
 )
 # Survivors judged equivalent (no test could tell them apart) or cosmetic, by mutant key, with why.
 _FALSY = "equivalent: the caller tests the answer for truth, and None is false like False"
@@ -545,7 +573,7 @@ def select(m: Mutant, lines: dict[str, list[str]], fast: set[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--root", type=Path, default=ROOT)
-    p.add_argument("--module", action="append", help="a module to mutate (default: the fourteen)")
+    p.add_argument("--module", action="append", help="a module to mutate (default: MODULES)")
     p.add_argument("--tests", action="append", help="a test file to run (default: the fast unit tests)")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from gpuguard.quarantine.node.view import (
 from gpuguard.quarantine.reconciler import NodeReconciler
 from gpuguard.quarantine.repeat.escalation import Limits
 from gpuguard.quarantine.repeat.offenders import RepeatOffenders
-from gpuguard.quarantine.repeat.release import ANN_RELEASE
+from gpuguard.quarantine.repeat.release import ANN_RELEASE, ReleaseRequest, annotation, parse
 from gpuguard.store.history import HistoryStore
 from gpuguard.store.state import StateStore
 from harness.clock import Clock
@@ -220,6 +220,58 @@ def test_a_release_the_agent_cannot_trust_is_refused_logged_and_removed(
     assert len(refused) == 1 and why in refused[0]["error"], logs
     assert node.held == {"GPU-0": 3} and node.taint_value == "repeat-offender"
     assert ANN_RELEASE not in node.writer.node.annotations  # refused once, not at every check
+
+
+def _padded(doc: dict[str, str], size: int) -> str:
+    """`doc` as JSON padded with spaces to exactly `size` bytes."""
+    text = json.dumps(doc)
+    return text[:-1] + " " * (size - len(text)) + "}"
+
+
+NOW = datetime(2027, 1, 25, 8, 0, 0, tzinfo=UTC).timestamp()
+AT = "2027-01-25T07:55:00Z"  # five minutes before NOW: the release an operator just wrote
+
+
+@pytest.mark.parametrize(
+    ("text", "accepted"),
+    [
+        (json.dumps({"gpu": "GPU-0", "by": "alice", "at": AT}), True),
+        (json.dumps({"gpu": "GPU-0", "by": "alice", "at": "2027-01-25T08:05:00Z"}), True),  # 300 s ahead
+        (json.dumps({"gpu": "GPU-0", "by": "alice", "at": "2027-01-25T08:05:01Z"}), False),  # 301 s ahead
+        (json.dumps({"gpu": "GPU-0", "by": "x" * 64, "at": AT}), True),
+        (json.dumps({"gpu": "GPU-0", "by": "x" * 65, "at": AT}), False),
+        (_padded({"gpu": "GPU-0", "by": "alice", "at": AT}, 512), True),
+        (_padded({"gpu": "GPU-0", "by": "alice", "at": AT}, 513), False),
+        (json.dumps({"gpu": "*", "by": "alice", "at": AT}), True),
+    ],
+    ids=[
+        "stamped 5 minutes ago",
+        "300 s ahead",
+        "301 s ahead",
+        "a 64-character name",
+        "a 65-character name",
+        "512 bytes",
+        "513 bytes",
+        "every held GPU",
+    ],
+)
+def test_a_release_is_accepted_up_to_5_minutes_ahead_64_characters_of_name_and_512_bytes(
+    text: str, accepted: bool
+) -> None:
+    if accepted:
+        request = parse(text, now=NOW)
+        assert request.by in ("alice", "x" * 64) and request.at <= NOW + 300
+    else:
+        with pytest.raises(ValueError):
+            parse(text, now=NOW)
+
+
+def test_the_annotation_gpuguard_release_writes_is_one_the_agent_accepts() -> None:
+    at = datetime(2027, 1, 25, 9, 55, 0, tzinfo=timezone(timedelta(hours=2)))  # the operator's local time
+    text = annotation("GPU-0", by="alice", at=at)
+    assert json.loads(text) == {"at": "2027-01-25T07:55:00Z", "by": "alice", "gpu": "GPU-0"}
+    assert text.index('"at"') < text.index('"by"') < text.index('"gpu"')  # sorted: one text for one release
+    assert parse(text, now=at.timestamp()) == ReleaseRequest(gpu="GPU-0", by="alice", at=at.timestamp())
 
 
 def test_an_escalation_past_the_budget_still_counts_as_a_quarantined_node(tmp_path: Path) -> None:
