@@ -107,6 +107,7 @@ TESTS = (
     "tests/test_signaljudge.py",
     "tests/test_signalcadence.py",
     "tests/test_mocksignals.py",
+    "tests/test_handoff.py",
 )
 # Survivors judged equivalent (no test could tell them apart) or cosmetic, by mutant key, with why.
 _FALSY = "equivalent: the caller tests the answer for truth, and None is false like False"
@@ -172,6 +173,12 @@ JUDGED: dict[str, str] = {
     "gpuguard/quarantine/node/budget.py QuarantineBudget.written: return False -> return None #2": _FALSY,
     "gpuguard/quarantine/node/budget.py QuarantineBudget._check_order: '' -> 'XXXX'": "unreachable: a fully "
     "quarantined node has gpuguard.io/since, written in the same patch as the taint",
+    "gpuguard/quarantine/handoff.py Handoff.submit: 0 -> 1": "equivalent: only the cache of the verdict's "
+    "fault keys; a frozenset is never the verdict, so the keys are computed afresh, the same",
+    "gpuguard/quarantine/handoff.py Handoff.wait_idle: left <= 0 -> left < 0": "equivalent: a wait of "
+    "exactly 0 s returns at once, and the next pass finds the deadline past",
+    "gpuguard/quarantine/handoff.py Handoff.hold_start: latest is None or first is None -> latest is None "
+    "and first is None": "equivalent: submit sets the first verdict's time and the latest verdict together",
 }
 
 _SWAP_CMP = {
