@@ -25,10 +25,13 @@ from gpuguard.quarantine.node.view import (
     ANN_REPAIR_PLACED,
     ANN_REPEAT_OFFENDERS,
     LABEL_NEEDS_REPAIR,
+    EventSpec,
+    NodeChange,
     NodeView,
 )
 from gpuguard.quarantine.reconciler import NodeReconciler
 from gpuguard.quarantine.repeat.escalation import Limits
+from gpuguard.quarantine.repeat.marks import marks, with_marks
 from gpuguard.quarantine.repeat.offenders import RepeatOffenders
 from gpuguard.quarantine.repeat.release import ANN_RELEASE, ReleaseRequest, annotation, parse
 from gpuguard.store.history import HistoryStore
@@ -517,3 +520,54 @@ def test_a_release_then_a_wall_clock_stepped_back_an_hour_neither_holds_again_no
     node.now += Limits().at_once_s
     node.check(XID, 0)
     assert node.held == {"GPU-0": 3}
+
+
+def test_the_repair_marks_list_at_most_16_held_gpus_compactly_by_uuid() -> None:
+    held = {f"GPU-{i:02}": 3 for i in range(17)}
+    change = marks(NodeView(name="gpu-1"), held, handled_release=None)
+    assert change is not None
+    listed = change.annotations[ANN_REPEAT_OFFENDERS]
+    assert listed == json.dumps({f"GPU-{i:02}": 3 for i in range(16)}).replace(", ", ",").replace(": ", ":")
+    assert listed.startswith('{"GPU-00":3,"GPU-01":3,')
+
+
+def test_the_repair_marks_warn_once_naming_each_newly_held_gpu() -> None:
+    node = NodeView(name="gpu-1", annotations={ANN_REPEAT_OFFENDERS: '{"GPU-0":3}'})
+    change = marks(node, {"GPU-0": 3, "GPU-1": 4, "GPU-2": 3}, handled_release=None)
+    assert change is not None and change.event is not None
+    assert (change.event.type, change.event.reason) == ("Warning", "GPURepeatOffender")
+    assert "GPU-1 (4 fault episodes), GPU-2 (3 fault episodes);" in change.event.message
+    assert "GPU-0" not in change.event.message
+
+
+def test_marks_already_in_line_need_no_write() -> None:
+    node = NodeView(
+        name="gpu-1",
+        annotations={ANN_REPEAT_OFFENDERS: '{"GPU-0":3}', ANN_REPAIR_PLACED: "true"},
+        labels={LABEL_NEEDS_REPAIR: "true"},
+    )
+    assert marks(node, {"GPU-0": 3}, handled_release=None) is None
+    assert marks(NodeView(name="gpu-1"), {}, handled_release=None) is None
+
+
+def test_only_the_release_the_agent_handled_is_removed_never_a_newer_one() -> None:
+    handled = '{"gpu": "*", "by": "alice", "at": "2027-01-24T08:00:00Z"}'
+    newer = '{"gpu": "*", "by": "bob", "at": "2027-01-24T09:00:00Z"}'
+    assert (
+        marks(NodeView(name="gpu-1", annotations={ANN_RELEASE: newer}), {}, handled_release=handled) is None
+    )
+    change = marks(NodeView(name="gpu-1", annotations={ANN_RELEASE: handled}), {}, handled_release=handled)
+    assert change is not None and change.annotations == {ANN_RELEASE: None}
+
+
+def test_the_marks_event_says_both_when_the_planned_change_has_one_too() -> None:
+    taint = NodeChange(action="taint", event=EventSpec("Warning", "GPUUnhealthy", "GPU 0: ecc"))
+    mark = NodeChange(
+        action="repair", annotations={ANN_REPAIR_PLACED: "true"}, event=EventSpec("Warning", "R", "held")
+    )
+    both = with_marks(taint, mark)
+    assert both is not None and both.event is not None
+    assert both.event.message == "held; GPU 0: ecc" and both.action == "taint"
+    alone = with_marks(replace(taint, event=None), mark)
+    assert alone is not None and alone.event is not None and alone.event.message == "held"
+    assert with_marks(taint, replace(mark, event=None)) == replace(taint, annotations=mark.annotations)
