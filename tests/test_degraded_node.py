@@ -203,6 +203,30 @@ def test_the_record_keeps_at_most_64_keys_written_compactly() -> None:
     assert text == json.dumps([f"nvlink-down/GPU-{i:04}" for i in range(64)]).replace(", ", ",")
 
 
+@pytest.mark.parametrize("value", ["degraded", "maintenance"])
+@pytest.mark.parametrize("taint", [True, False], ids=["taint", "no-degraded-taint"])
+def test_an_operators_soft_degraded_taint_placed_before_our_record_stays_theirs(
+    value: str, taint: bool
+) -> None:
+    """PreferNoSchedule like gpuguard's, valued "degraded" (a name an operator may well choose): once our
+    record existed, the next plan took it for gpuguard's, rewrote it to the signal's reason (or removed it
+    under --no-degraded-taint) and removed it at the release."""
+    theirs = Taint(DEGRADED_TAINT_KEY, "PreferNoSchedule", value)
+    node = marks(replace(NODE, taints=(theirs,)), PCIE, taint=taint)  # our record says pcie-width
+    assert node.taints == (theirs,)
+    change = plan_degraded(node, (), clean_streak=3, recover_after=3, taint=taint)
+    assert change is not None and apply_change(node, change).taints == (theirs,)
+
+
+def test_with_our_record_unreadable_only_a_soft_taint_valued_degraded_is_taken_for_ours() -> None:
+    """An unreadable record is still gpuguard's (rewritten at the next degraded verdict); the value its taint
+    would have is that of no recorded keys."""
+    ours = Taint(DEGRADED_TAINT_KEY, "PreferNoSchedule", "degraded")
+    node = replace(NODE, taints=(ours,), annotations={ANN_DEGRADED: "{not json"})
+    change = plan_degraded(node, (), clean_streak=3, recover_after=3, taint=True)
+    assert change is not None and apply_change(node, change).taints == ()
+
+
 def test_the_cleared_event_names_the_signals_that_were_recorded() -> None:
     node = marks(NODE, NVLINK, PCIE)
     change = plan_degraded(node, (), clean_streak=3, recover_after=3, taint=True)
