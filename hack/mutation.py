@@ -114,6 +114,10 @@ _FALSY = "equivalent: the caller tests the answer for truth, and None is false l
 _CUT = "equivalent: the cut at the bound or below it leaves the same text"
 _EMPTY = "equivalent: a name no rule or node has, and no digit, counts like the empty one"
 _LOGGED = "cosmetic: the value only reaches a log line (its de-duplication key included)"
+_DEGRADED_ACTION = (
+    "cosmetic: a degraded write then logs as a fault's, and the same pass plans the degraded marks once "
+    "more (in line by then, or what the next pass would write)"
+)
 JUDGED: dict[str, str] = {
     "gpuguard/judge/policy.py evaluate: 0 -> 1 #7": "equivalent: a shortfall needs an expected count of "
     "at least 1, so `expected or 0` in its text never falls back",
@@ -181,6 +185,15 @@ JUDGED: dict[str, str] = {
     "and first is None": "equivalent: submit sets the first verdict's time and the latest verdict together",
     "gpuguard/quarantine/repeat/marks.py listed: True -> False": "equivalent: the dict is built from the "
     "items sorted by UUID, so its keys are in order either way",
+    "gpuguard/quarantine/node/degraded.py <module>: 'degrade' -> 'XXdegradeXX'": _DEGRADED_ACTION,
+    "gpuguard/quarantine/node/degraded.py <module>: 'degrade-clear' -> 'XXdegrade-clearXX'": _DEGRADED_ACTION,
+    "gpuguard/quarantine/node/degraded.py _mark: ':' -> 'XX:XX'": (
+        "equivalent: the record is a JSON list, which has no key separator"
+    ),
+    "gpuguard/quarantine/node/degraded.py _ours: return False -> return None": _FALSY,
+    "gpuguard/quarantine/node/degraded.py _first_reason: 1 -> 2": (
+        "equivalent: a second split leaves the part before the first '/' (the reason) as it was"
+    ),
 }
 
 _SWAP_CMP = {
