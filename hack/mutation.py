@@ -114,6 +114,9 @@ _FALSY = "equivalent: the caller tests the answer for truth, and None is false l
 _CUT = "equivalent: the cut at the bound or below it leaves the same text"
 _EMPTY = "equivalent: a name no rule or node has, and no digit, counts like the empty one"
 _LOGGED = "cosmetic: the value only reaches a log line (its de-duplication key included)"
+_DATACLASS = (
+    "not seen by the mutator: read once, when the dataclass is made (its own test file pins the default)"
+)
 _DEGRADED_ACTION = (
     "cosmetic: a degraded write then logs as a fault's, and the same pass plans the degraded marks once "
     "more (in line by then, or what the next pass would write)"
@@ -194,6 +197,10 @@ JUDGED: dict[str, str] = {
     "gpuguard/quarantine/node/degraded.py _first_reason: 1 -> 2": (
         "equivalent: a second split leaves the part before the first '/' (the reason) as it was"
     ),
+    "gpuguard/quarantine/repeat/escalation.py <module>: 3 -> 4": _DATACLASS,
+    "gpuguard/quarantine/repeat/escalation.py <module>: 604800.0 -> 604801.0": _DATACLASS,
+    "gpuguard/quarantine/repeat/escalation.py _node_wide: return False -> return None": _FALSY,
+    "gpuguard/quarantine/repeat/counting.py counts: return False -> return None": _FALSY,
 }
 
 _SWAP_CMP = {
