@@ -117,6 +117,10 @@ _LOGGED = "cosmetic: the value only reaches a log line (its de-duplication key i
 _DATACLASS = (
     "not seen by the mutator: read once, when the dataclass is made (its own test file pins the default)"
 )
+_PRUNE = (
+    "equivalent: only whether to filter; the filter keeps the episodes within the window, which is all of "
+    "them when the oldest is (monotonic times are never negative)"
+)
 _DEGRADED_ACTION = (
     "cosmetic: a degraded write then logs as a fault's, and the same pass plans the degraded marks once "
     "more (in line by then, or what the next pass would write)"
@@ -201,6 +205,11 @@ JUDGED: dict[str, str] = {
     "gpuguard/quarantine/repeat/escalation.py <module>: 604800.0 -> 604801.0": _DATACLASS,
     "gpuguard/quarantine/repeat/escalation.py _node_wide: return False -> return None": _FALSY,
     "gpuguard/quarantine/repeat/counting.py counts: return False -> return None": _FALSY,
+    "gpuguard/judge/cadence.py fitted: '--interval' -> 'XX--intervalXX'": "cosmetic: names the flag in the "
+    "text of the error raised for a window past MAX_WINDOW_S",
+    "gpuguard/judge/flaps.py observe: now - episodes[0] > window -> now - episodes[0] >= window": _PRUNE,
+    "gpuguard/judge/flaps.py observe: now - episodes[0] -> now + episodes[0]": _PRUNE,
+    "gpuguard/judge/unanswered.py <module>: 'K' -> 'XXKXX'": "cosmetic: a TypeVar's name, read by mypy only",
 }
 
 _SWAP_CMP = {
