@@ -108,6 +108,7 @@ TESTS = (
     "tests/test_signalcadence.py",
     "tests/test_mocksignals.py",
     "tests/test_handoff.py",
+    "tests/test_recovery.py",
 )
 # Survivors judged equivalent (no test could tell them apart) or cosmetic, by mutant key, with why.
 _FALSY = "equivalent: the caller tests the answer for truth, and None is false like False"
@@ -121,6 +122,8 @@ _PRUNE = (
     "equivalent: only whether to filter; the filter keeps the episodes within the window, which is all of "
     "them when the oldest is (monotonic times are never negative)"
 )
+_SPLIT = "equivalent: a second split leaves the part before the first separator as it was"
+_NO_UUID = "equivalent: the stand-in UUID of a fault that names none, which no GPU's action is read under"
 _DEGRADED_ACTION = (
     "cosmetic: a degraded write then logs as a fault's, and the same pass plans the degraded marks once "
     "more (in line by then, or what the next pass would write)"
@@ -198,9 +201,7 @@ JUDGED: dict[str, str] = {
         "equivalent: the record is a JSON list, which has no key separator"
     ),
     "gpuguard/quarantine/node/degraded.py _ours: return False -> return None": _FALSY,
-    "gpuguard/quarantine/node/degraded.py _first_reason: 1 -> 2": (
-        "equivalent: a second split leaves the part before the first '/' (the reason) as it was"
-    ),
+    "gpuguard/quarantine/node/degraded.py _first_reason: 1 -> 2": _SPLIT,
     "gpuguard/quarantine/repeat/escalation.py <module>: 3 -> 4": _DATACLASS,
     "gpuguard/quarantine/repeat/escalation.py <module>: 604800.0 -> 604801.0": _DATACLASS,
     "gpuguard/quarantine/repeat/escalation.py _node_wide: return False -> return None": _FALSY,
@@ -210,6 +211,15 @@ JUDGED: dict[str, str] = {
     "gpuguard/judge/flaps.py observe: now - episodes[0] > window -> now - episodes[0] >= window": _PRUNE,
     "gpuguard/judge/flaps.py observe: now - episodes[0] -> now + episodes[0]": _PRUNE,
     "gpuguard/judge/unanswered.py <module>: 'K' -> 'XXKXX'": "cosmetic: a TypeVar's name, read by mypy only",
+    "gpuguard/judge/recovery.py <module>: frozenset(SIGNALS.names()) - {GPU_MISSING} -> frozenset(SIGNALS"
+    ".names()) + {GPU_MISSING}": "the mutant raises at import, which no run of a test could miss (counted as "
+    "an error by the mutator)",
+    "gpuguard/judge/recovery.py cleared_without_reboot: 1 -> 2": _SPLIT,
+    "gpuguard/judge/recovery.py apply_recovery_rule: '' -> 'XXXX'": _NO_UUID,
+    "gpuguard/judge/recovery.py apply_recovery_rule: '' -> 'XXXX' #2": _NO_UUID,
+    "gpuguard/judge/recovery.py apply_recovery_rule: '' -> 'XXXX' #3": _NO_UUID,
+    "gpuguard/judge/recovery.py unresponsive_rule: 1 -> 2": _SPLIT,
+    "gpuguard/judge/recovery.py unresponsive_rule: return False -> return None": _FALSY,
 }
 
 _SWAP_CMP = {
