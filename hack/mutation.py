@@ -124,6 +124,10 @@ _PRUNE = (
 )
 _SPLIT = "equivalent: a second split leaves the part before the first separator as it was"
 _NO_UUID = "equivalent: the stand-in UUID of a fault that names none, which no GPU's action is read under"
+_UNLISTED = (
+    "cosmetic: the uid and node of a pod the API server does not list (kept, never evicted), read only by "
+    "the evictor's log de-duplication and its node filter, which sees listed pods"
+)
 _DEGRADED_ACTION = (
     "cosmetic: a degraded write then logs as a fault's, and the same pass plans the degraded marks once "
     "more (in line by then, or what the next pass would write)"
@@ -220,6 +224,23 @@ JUDGED: dict[str, str] = {
     "gpuguard/judge/recovery.py apply_recovery_rule: '' -> 'XXXX' #3": _NO_UUID,
     "gpuguard/judge/recovery.py unresponsive_rule: 1 -> 2": _SPLIT,
     "gpuguard/judge/recovery.py unresponsive_rule: return False -> return None": _FALSY,
+    "gpuguard/quarantine/gpu/slices.py slice_devices: '' -> 'XXXX'": _EMPTY,
+    "gpuguard/eviction/plan.py Toleration: 'Equal' -> 'XXEqualXX'": (
+        "equivalent: every operator but Exists matches as Equal"
+    ),
+    "gpuguard/eviction/plan.py Toleration.tolerates: return False -> return None": _FALSY,
+    "gpuguard/eviction/plan.py Toleration.tolerates: return False -> return None #2": _FALSY,
+    "gpuguard/eviction/plan.py Pod: '' -> 'XXXX'": _UNLISTED,
+    "gpuguard/eviction/plan.py Pod: '' -> 'XXXX' #2": _UNLISTED,
+    "gpuguard/eviction/plan.py Pod: 'Running' -> 'XXRunningXX'": (
+        "equivalent: every phase but Succeeded or Failed is a pod still running to the plan"
+    ),
+    "gpuguard/eviction/plan.py Pod.from_api: '' -> 'XXXX' #6": (
+        "equivalent: an owner without a kind is no DaemonSet either way"
+    ),
+    "gpuguard/eviction/plan.py held: 1 -> 2": _SPLIT,
+    "gpuguard/eviction/plan.py held: 1 -> 2 #2": _SPLIT,
+    "gpuguard/eviction/plan.py mig_slices: 1 -> 2": _SPLIT,
 }
 
 _SWAP_CMP = {
