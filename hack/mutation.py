@@ -128,6 +128,15 @@ _UNLISTED = (
     "cosmetic: the uid and node of a pod the API server does not list (kept, never evicted), read only by "
     "the evictor's log de-duplication and its node filter, which sees listed pods"
 )
+_OTHER_BITS = "equivalent: a sample of other clock bits as well counts toward no signal"
+_PLAN_CACHE = (
+    "equivalent: the per-table cache of the judged signals and its bound; recomputed, the plan is the same "
+    "(a stale entry needs a freed table's id reused)"
+)
+_SIG = "gpuguard/judge/signals.py "
+_NO_DETAIL = (
+    "equivalent: a rule's empty detail means not tripped, and its caller tests it for truth (None too)"
+)
 _DEGRADED_ACTION = (
     "cosmetic: a degraded write then logs as a fault's, and the same pass plans the degraded marks once "
     "more (in line by then, or what the next pass would write)"
@@ -241,6 +250,57 @@ JUDGED: dict[str, str] = {
     "gpuguard/eviction/plan.py held: 1 -> 2": _SPLIT,
     "gpuguard/eviction/plan.py held: 1 -> 2 #2": _SPLIT,
     "gpuguard/eviction/plan.py mig_slices: 1 -> 2": _SPLIT,
+    _SIG + "<module>: 3 -> 4": "equivalent: state 3 is COMPLETED (FABRIC_COMPLETED), and 4 is no NVML state",
+    _SIG + "<module>: 'COMPLETED' -> 'XXCOMPLETEDXX'": (
+        "equivalent: the name is shown only for a fabric not completed"
+    ),
+    _SIG + "<module>: 8 -> 9 #2": _OTHER_BITS,
+    _SIG + "<module>: 64 -> 65 #2": _OTHER_BITS,
+    _SIG + "<module>: 128 -> 129 #2": _OTHER_BITS,
+    _SIG + "_Memory: 0.0 -> 1.0": "equivalent: judge() sets the interval before any rule reads it",
+    _SIG + "_Memory.keep: 1 -> 2": "equivalent: a counter's key is UUID/counter, and a UUID has no '/'",
+    _SIG + "_gpu: 1 -> 2": _SPLIT,
+    _SIG + "<module>: 'GpuReading' -> 'XXGpuReadingXX'": "cosmetic: a forward reference in a type alias",
+    _SIG + "<module>: '_Memory' -> 'XX_MemoryXX'": "cosmetic: a forward reference in a type alias",
+    _SIG + "_plan: cached[0] is not table -> cached[0] is table": _PLAN_CACHE,
+    _SIG + "_plan: 0 -> 1": _PLAN_CACHE,
+    _SIG + "_plan: len(_PLANS) > 64 -> len(_PLANS) >= 64": _PLAN_CACHE,
+    _SIG + "_plan: 64 -> 65": _PLAN_CACHE,
+    _SIG + "_plan: _PLANS.clear() -> pass": _PLAN_CACHE,
+    _SIG + "_fabric_incomplete: boot < now -> boot <= now": (
+        "equivalent: a boot at now starts the grace at now either way"
+    ),
+    _SIG + "_nvlink_down: active <= first -> active < first": (
+        "equivalent: raising the baseline by the same links leaves it as it was"
+    ),
+    _SIG + "_counter: break -> continue": (
+        "equivalent: the samples are in time order: after the first within the window, none is at or "
+        "before its start"
+    ),
+    _SIG + "_pcie_width: width > first -> width >= first": "equivalent: the baseline set to the width it has",
+    _SIG + "_clock_sample: samples[0][0] <= now - keep_s -> samples[0][0] < now - keep_s": _PRUNE,
+    _SIG + "_clock_sample: now - keep_s -> now + keep_s": _PRUNE,
+    _SIG + "_clock_sample: x[0] > now - keep_s -> x[0] >= now - keep_s": (
+        "equivalent: a sample exactly the longest window old is within no window (each counts after its "
+        "start)"
+    ),
+    _SIG + "_fabric_incomplete: return '' -> return None": _NO_DETAIL,
+    _SIG + "_fabric_incomplete: return '' -> return None #2": _NO_DETAIL,
+    _SIG + "_fabric_status: return '' -> return None": _NO_DETAIL,
+    _SIG + "_fabric_degraded: return '' -> return None": _NO_DETAIL,
+    _SIG + "_nvlink_down: return '' -> return None": _NO_DETAIL,
+    _SIG + "_nvlink_down: return '' -> return None #2": _NO_DETAIL,
+    _SIG + "_nvlink_down: return '' -> return None #3": _NO_DETAIL,
+    _SIG + "_nvlink_errors: return '' -> return None": _NO_DETAIL,
+    _SIG + "_pcie_replays: return '' -> return None": _NO_DETAIL,
+    _SIG + "_pcie_width: return '' -> return None": _NO_DETAIL,
+    _SIG + "_pcie_width: return '' -> return None #2": _NO_DETAIL,
+    _SIG + "_pcie_width_max: return '' -> return None": _NO_DETAIL,
+    _SIG + "_pcie_gen: return '' -> return None": _NO_DETAIL,
+    _SIG + "_pcie_gen: return '' -> return None #2": _NO_DETAIL,
+    _SIG + "_clock: return '' -> return None": _NO_DETAIL,
+    _SIG + "_clock: return '' -> return None #2": _NO_DETAIL,
+    _SIG + "_retired_pages: return '' -> return None": _NO_DETAIL,
 }
 
 _SWAP_CMP = {
