@@ -151,7 +151,7 @@ JUDGED: dict[str, str] = {
     "gpuguard/store/state.py StateStore._replace: True -> False #2": "equivalent: mkdir runs only after the "
     "open found no directory; exist_ok matters only if another process makes it in between",
     "gpuguard/core/validation.py <module>: 1024 -> 1025 #3": (
-        "outside the fourteen: MAX_EVENT_MESSAGE_BYTES is read only by gpuguard/quarantine/node/writers.py"
+        "outside MODULES: MAX_EVENT_MESSAGE_BYTES is read only by gpuguard/quarantine/node/writers.py"
     ),
     "gpuguard/core/validation.py clean_text: False -> True": "equivalent: a gap before the first kept "
     "character adds no space (nothing is kept yet)",
@@ -237,8 +237,6 @@ JUDGED: dict[str, str] = {
     "gpuguard/eviction/plan.py Toleration: 'Equal' -> 'XXEqualXX'": (
         "equivalent: every operator but Exists matches as Equal"
     ),
-    "gpuguard/eviction/plan.py Toleration.tolerates: return False -> return None": _FALSY,
-    "gpuguard/eviction/plan.py Toleration.tolerates: return False -> return None #2": _FALSY,
     "gpuguard/eviction/plan.py Pod: '' -> 'XXXX'": _UNLISTED,
     "gpuguard/eviction/plan.py Pod: '' -> 'XXXX' #2": _UNLISTED,
     "gpuguard/eviction/plan.py Pod: 'Running' -> 'XXRunningXX'": (

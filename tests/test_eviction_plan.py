@@ -229,6 +229,7 @@ def test_operations_md_explains_every_reason_a_pod_is_kept_and_every_eviction_li
         (Toleration(key=TAINT_KEY, value="ecc"), True),
         (Toleration(key=TAINT_KEY, value="xid-79"), False),
         (Toleration(key=TAINT_KEY, operator="Exists", effect="NoExecute"), False),  # another effect
+        (Toleration(key="example.com/other", operator="Exists"), False),  # another key
     ],
     ids=[
         "exists, no key",
@@ -236,6 +237,7 @@ def test_operations_md_explains_every_reason_a_pod_is_kept_and_every_eviction_li
         "our key, the reason",
         "our key, another reason",
         "another effect",
+        "another key",
     ],
 )
 def test_a_toleration_matches_the_taint_as_the_scheduler_does(
