@@ -135,7 +135,8 @@ unit: install fakenvml
 
 # Mutation testing of the pure decision modules (hack/mutation.py; not part of `make test`): every mutant
 # against the fast unit tests that run its line (chosen by coverage, pinned in the dev extra), then the kill rate per
-# module; docs/reliability.md has the last report. About 7 minutes on 2 cores. A part:
+# module; docs/reliability.md has the last report. The first fourteen modules took about 7 minutes on 2 cores;
+# the thirty have not been timed whole. A part:
 # MUTATION_ARGS="--module gpuguard/judge/policy.py" or "--sample 60" (a seeded sample of each module).
 MUTATION_ARGS ?=
 mutation: install

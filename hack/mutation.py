@@ -56,6 +56,22 @@ MODULES = (
     "gpuguard/quarantine/record.py",
     "gpuguard/quarantine/budget.py",
     "gpuguard/quarantine/gpu/plan.py",
+    "gpuguard/judge/recovery.py",
+    "gpuguard/judge/signals.py",
+    "gpuguard/judge/cadence.py",
+    "gpuguard/judge/streaks.py",
+    "gpuguard/judge/flaps.py",
+    "gpuguard/judge/unanswered.py",
+    "gpuguard/quarantine/repeat/escalation.py",
+    "gpuguard/quarantine/repeat/counting.py",
+    "gpuguard/quarantine/repeat/release.py",
+    "gpuguard/quarantine/repeat/marks.py",
+    "gpuguard/quarantine/gpu/degraded.py",
+    "gpuguard/quarantine/gpu/slices.py",
+    "gpuguard/quarantine/gpu/trust.py",
+    "gpuguard/quarantine/node/degraded.py",
+    "gpuguard/quarantine/handoff.py",
+    "gpuguard/eviction/plan.py",
 )
 # The unit tests that run in-process in milliseconds (no fake NVML library, no subprocess, no chart).
 TESTS = (
@@ -79,12 +95,52 @@ TESTS = (
     "tests/test_xidcatalog.py",
     "tests/test_fault_record.py",
     "tests/test_gpu_plan.py",
+    "tests/test_streaks.py",
+    "tests/test_flaps.py",
+    "tests/test_unanswered.py",
+    "tests/test_escalation.py",
+    "tests/test_counting.py",
+    "tests/test_repeat.py",
+    "tests/test_degraded_node.py",
+    "tests/test_degraded_devices.py",
+    "tests/test_eviction_plan.py",
+    "tests/test_signaljudge.py",
+    "tests/test_signalcadence.py",
+    "tests/test_mocksignals.py",
+    "tests/test_handoff.py",
+    "tests/test_recovery.py",
 )
 # Survivors judged equivalent (no test could tell them apart) or cosmetic, by mutant key, with why.
 _FALSY = "equivalent: the caller tests the answer for truth, and None is false like False"
 _CUT = "equivalent: the cut at the bound or below it leaves the same text"
 _EMPTY = "equivalent: a name no rule or node has, and no digit, counts like the empty one"
 _LOGGED = "cosmetic: the value only reaches a log line (its de-duplication key included)"
+_DATACLASS = (
+    "not seen by the mutator: read once, when the dataclass is made (its own test file pins the default)"
+)
+_PRUNE = (
+    "equivalent: only whether to filter; the filter keeps the episodes within the window, which is all of "
+    "them when the oldest is (monotonic times are never negative)"
+)
+_SPLIT = "equivalent: a second split leaves the part before the first separator as it was"
+_NO_UUID = "equivalent: the stand-in UUID of a fault that names none, which no GPU's action is read under"
+_UNLISTED = (
+    "cosmetic: the uid and node of a pod the API server does not list (kept, never evicted), read only by "
+    "the evictor's log de-duplication and its node filter, which sees listed pods"
+)
+_OTHER_BITS = "equivalent: a sample of other clock bits as well counts toward no signal"
+_PLAN_CACHE = (
+    "equivalent: the per-table cache of the judged signals and its bound; recomputed, the plan is the same "
+    "(a stale entry needs a freed table's id reused)"
+)
+_SIG = "gpuguard/judge/signals.py "
+_NO_DETAIL = (
+    "equivalent: a rule's empty detail means not tripped, and its caller tests it for truth (None too)"
+)
+_DEGRADED_ACTION = (
+    "cosmetic: a degraded write then logs as a fault's, and the same pass plans the degraded marks once "
+    "more (in line by then, or what the next pass would write)"
+)
 JUDGED: dict[str, str] = {
     "gpuguard/judge/policy.py evaluate: 0 -> 1 #7": "equivalent: a shortfall needs an expected count of "
     "at least 1, so `expected or 0` in its text never falls back",
@@ -95,7 +151,7 @@ JUDGED: dict[str, str] = {
     "gpuguard/store/state.py StateStore._replace: True -> False #2": "equivalent: mkdir runs only after the "
     "open found no directory; exist_ok matters only if another process makes it in between",
     "gpuguard/core/validation.py <module>: 1024 -> 1025 #3": (
-        "outside the fourteen: MAX_EVENT_MESSAGE_BYTES is read only by gpuguard/quarantine/node/writers.py"
+        "outside MODULES: MAX_EVENT_MESSAGE_BYTES is read only by gpuguard/quarantine/node/writers.py"
     ),
     "gpuguard/core/validation.py clean_text: False -> True": "equivalent: a gap before the first kept "
     "character adds no space (nothing is kept yet)",
@@ -144,6 +200,105 @@ JUDGED: dict[str, str] = {
     "gpuguard/quarantine/node/budget.py QuarantineBudget.written: return False -> return None #2": _FALSY,
     "gpuguard/quarantine/node/budget.py QuarantineBudget._check_order: '' -> 'XXXX'": "unreachable: a fully "
     "quarantined node has gpuguard.io/since, written in the same patch as the taint",
+    "gpuguard/quarantine/handoff.py Handoff.submit: 0 -> 1": "equivalent: only the cache of the verdict's "
+    "fault keys; a frozenset is never the verdict, so the keys are computed afresh, the same",
+    "gpuguard/quarantine/handoff.py Handoff.wait_idle: left <= 0 -> left < 0": "equivalent: a wait of "
+    "exactly 0 s returns at once, and the next pass finds the deadline past",
+    "gpuguard/quarantine/handoff.py Handoff.hold_start: latest is None or first is None -> latest is None "
+    "and first is None": "equivalent: submit sets the first verdict's time and the latest verdict together",
+    "gpuguard/quarantine/repeat/marks.py listed: True -> False": "equivalent: the dict is built from the "
+    "items sorted by UUID, so its keys are in order either way",
+    "gpuguard/quarantine/node/degraded.py <module>: 'degrade' -> 'XXdegradeXX'": _DEGRADED_ACTION,
+    "gpuguard/quarantine/node/degraded.py <module>: 'degrade-clear' -> 'XXdegrade-clearXX'": _DEGRADED_ACTION,
+    "gpuguard/quarantine/node/degraded.py _mark: ':' -> 'XX:XX'": (
+        "equivalent: the record is a JSON list, which has no key separator"
+    ),
+    "gpuguard/quarantine/node/degraded.py _ours: return False -> return None": _FALSY,
+    "gpuguard/quarantine/node/degraded.py _first_reason: 1 -> 2": _SPLIT,
+    "gpuguard/quarantine/repeat/escalation.py <module>: 3 -> 4": _DATACLASS,
+    "gpuguard/quarantine/repeat/escalation.py <module>: 604800.0 -> 604801.0": _DATACLASS,
+    "gpuguard/quarantine/repeat/escalation.py _node_wide: return False -> return None": _FALSY,
+    "gpuguard/quarantine/repeat/counting.py counts: return False -> return None": _FALSY,
+    "gpuguard/judge/cadence.py fitted: '--interval' -> 'XX--intervalXX'": "cosmetic: names the flag in the "
+    "text of the error raised for a window past MAX_WINDOW_S",
+    "gpuguard/judge/flaps.py observe: now - episodes[0] > window -> now - episodes[0] >= window": _PRUNE,
+    "gpuguard/judge/flaps.py observe: now - episodes[0] -> now + episodes[0]": _PRUNE,
+    "gpuguard/judge/unanswered.py <module>: 'K' -> 'XXKXX'": "cosmetic: a TypeVar's name, read by mypy only",
+    "gpuguard/judge/recovery.py <module>: frozenset(SIGNALS.names()) - {GPU_MISSING} -> frozenset(SIGNALS"
+    ".names()) + {GPU_MISSING}": "the mutant raises at import, which no run of a test could miss (counted as "
+    "an error by the mutator)",
+    "gpuguard/judge/recovery.py cleared_without_reboot: 1 -> 2": _SPLIT,
+    "gpuguard/judge/recovery.py apply_recovery_rule: '' -> 'XXXX'": _NO_UUID,
+    "gpuguard/judge/recovery.py apply_recovery_rule: '' -> 'XXXX' #2": _NO_UUID,
+    "gpuguard/judge/recovery.py apply_recovery_rule: '' -> 'XXXX' #3": _NO_UUID,
+    "gpuguard/judge/recovery.py unresponsive_rule: 1 -> 2": _SPLIT,
+    "gpuguard/judge/recovery.py unresponsive_rule: return False -> return None": _FALSY,
+    "gpuguard/quarantine/gpu/slices.py slice_devices: '' -> 'XXXX'": _EMPTY,
+    "gpuguard/eviction/plan.py Toleration: 'Equal' -> 'XXEqualXX'": (
+        "equivalent: every operator but Exists matches as Equal"
+    ),
+    "gpuguard/eviction/plan.py Pod: '' -> 'XXXX'": _UNLISTED,
+    "gpuguard/eviction/plan.py Pod: '' -> 'XXXX' #2": _UNLISTED,
+    "gpuguard/eviction/plan.py Pod: 'Running' -> 'XXRunningXX'": (
+        "equivalent: every phase but Succeeded or Failed is a pod still running to the plan"
+    ),
+    "gpuguard/eviction/plan.py Pod.from_api: '' -> 'XXXX' #6": (
+        "equivalent: an owner without a kind is no DaemonSet either way"
+    ),
+    "gpuguard/eviction/plan.py held: 1 -> 2": _SPLIT,
+    "gpuguard/eviction/plan.py held: 1 -> 2 #2": _SPLIT,
+    "gpuguard/eviction/plan.py mig_slices: 1 -> 2": _SPLIT,
+    _SIG + "<module>: 3 -> 4": "equivalent: state 3 is COMPLETED (FABRIC_COMPLETED), and 4 is no NVML state",
+    _SIG + "<module>: 'COMPLETED' -> 'XXCOMPLETEDXX'": (
+        "equivalent: the name is shown only for a fabric not completed"
+    ),
+    _SIG + "<module>: 8 -> 9 #2": _OTHER_BITS,
+    _SIG + "<module>: 64 -> 65 #2": _OTHER_BITS,
+    _SIG + "<module>: 128 -> 129 #2": _OTHER_BITS,
+    _SIG + "_Memory: 0.0 -> 1.0": "equivalent: judge() sets the interval before any rule reads it",
+    _SIG + "_Memory.keep: 1 -> 2": "equivalent: a counter's key is UUID/counter, and a UUID has no '/'",
+    _SIG + "_gpu: 1 -> 2": _SPLIT,
+    _SIG + "<module>: 'GpuReading' -> 'XXGpuReadingXX'": "cosmetic: a forward reference in a type alias",
+    _SIG + "<module>: '_Memory' -> 'XX_MemoryXX'": "cosmetic: a forward reference in a type alias",
+    _SIG + "_plan: cached[0] is not table -> cached[0] is table": _PLAN_CACHE,
+    _SIG + "_plan: 0 -> 1": _PLAN_CACHE,
+    _SIG + "_plan: len(_PLANS) > 64 -> len(_PLANS) >= 64": _PLAN_CACHE,
+    _SIG + "_plan: 64 -> 65": _PLAN_CACHE,
+    _SIG + "_plan: _PLANS.clear() -> pass": _PLAN_CACHE,
+    _SIG + "_fabric_incomplete: boot < now -> boot <= now": (
+        "equivalent: a boot at now starts the grace at now either way"
+    ),
+    _SIG + "_nvlink_down: active <= first -> active < first": (
+        "equivalent: raising the baseline by the same links leaves it as it was"
+    ),
+    _SIG + "_counter: break -> continue": (
+        "equivalent: the samples are in time order: after the first within the window, none is at or "
+        "before its start"
+    ),
+    _SIG + "_pcie_width: width > first -> width >= first": "equivalent: the baseline set to the width it has",
+    _SIG + "_clock_sample: samples[0][0] <= now - keep_s -> samples[0][0] < now - keep_s": _PRUNE,
+    _SIG + "_clock_sample: now - keep_s -> now + keep_s": _PRUNE,
+    _SIG + "_clock_sample: x[0] > now - keep_s -> x[0] >= now - keep_s": (
+        "equivalent: a sample exactly the longest window old is within no window (each counts after its "
+        "start)"
+    ),
+    _SIG + "_fabric_incomplete: return '' -> return None": _NO_DETAIL,
+    _SIG + "_fabric_incomplete: return '' -> return None #2": _NO_DETAIL,
+    _SIG + "_fabric_status: return '' -> return None": _NO_DETAIL,
+    _SIG + "_fabric_degraded: return '' -> return None": _NO_DETAIL,
+    _SIG + "_nvlink_down: return '' -> return None": _NO_DETAIL,
+    _SIG + "_nvlink_down: return '' -> return None #2": _NO_DETAIL,
+    _SIG + "_nvlink_down: return '' -> return None #3": _NO_DETAIL,
+    _SIG + "_nvlink_errors: return '' -> return None": _NO_DETAIL,
+    _SIG + "_pcie_replays: return '' -> return None": _NO_DETAIL,
+    _SIG + "_pcie_width: return '' -> return None": _NO_DETAIL,
+    _SIG + "_pcie_width: return '' -> return None #2": _NO_DETAIL,
+    _SIG + "_pcie_width_max: return '' -> return None": _NO_DETAIL,
+    _SIG + "_pcie_gen: return '' -> return None": _NO_DETAIL,
+    _SIG + "_pcie_gen: return '' -> return None #2": _NO_DETAIL,
+    _SIG + "_clock: return '' -> return None": _NO_DETAIL,
+    _SIG + "_clock: return '' -> return None #2": _NO_DETAIL,
+    _SIG + "_retired_pages: return '' -> return None": _NO_DETAIL,
 }
 
 _SWAP_CMP = {
@@ -545,7 +700,7 @@ def select(m: Mutant, lines: dict[str, list[str]], fast: set[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--root", type=Path, default=ROOT)
-    p.add_argument("--module", action="append", help="a module to mutate (default: the fourteen)")
+    p.add_argument("--module", action="append", help="a module to mutate (default: MODULES)")
     p.add_argument("--tests", action="append", help="a test file to run (default: the fast unit tests)")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument(

@@ -7,12 +7,22 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import UTC, datetime
 
+import pytest
 from structlog.testing import capture_logs
 
 from gpuguard.core.config import NodeSettings
 from gpuguard.core.errors import PermanentApiError
 from gpuguard.core.model import Fault, GpuVerdict, Verdict
-from gpuguard.quarantine.gpu.degraded import degraded_rule_name, own_degraded, plan_rules
+from gpuguard.core.validation import clean_text
+from gpuguard.quarantine.gpu.degraded import (
+    degraded_rule_body,
+    degraded_rule_name,
+    degraded_update,
+    is_degraded_rule,
+    own_degraded,
+    plan_rules,
+    taint_value,
+)
 from gpuguard.quarantine.gpu.order import rules_share
 from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
 from gpuguard.quarantine.gpu.rules import DeviceRule
@@ -212,3 +222,94 @@ def test_a_degraded_rule_deleted_by_someone_is_made_again_while_its_gpu_is_degra
     assert NAME not in source.store
     run(r, verdict(nvlink(2), pcie))
     assert source.store[NAME]["metadata"]["annotations"]["gpuguard.io/faults"].count("/") == 2
+
+
+def test_a_degraded_rule_name_may_be_253_characters_and_not_254() -> None:
+    # "gpuguard-degraded." (18) + node + "." + "gpu-2" (5): a node name of 229 makes 253.
+    assert degraded_rule_name("n" * 229, "gpu-2") == f"gpuguard-degraded.{'n' * 229}.gpu-2"
+    assert degraded_rule_name("n" * 230, "gpu-2") is None
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "degraded"),
+    [
+        (NAME, DEGRADED_TAINT_KEY, True),
+        (NAME, TAINT_KEY, True),  # the degraded name alone
+        (f"gpuguard.{NODE}.gpu-2", DEGRADED_TAINT_KEY, True),  # the degraded key alone
+        (f"gpuguard.{NODE}.gpu-2", TAINT_KEY, False),
+    ],
+)
+def test_a_rule_under_the_degraded_name_or_key_is_a_degraded_rule(
+    name: str, key: str, degraded: bool
+) -> None:
+    rule = DeviceRule(name=name, pool=NODE, device="gpu-2", effect="None", driver=DRIVER, key=key)
+    assert is_degraded_rule(rule) is degraded
+
+
+@pytest.mark.parametrize(
+    ("reasons", "value"),
+    [
+        ((), "degraded"),
+        (("pcie-width", "nvlink-down"), "nvlink-down"),  # the alphabetically first
+        (("not a label value!",), "degraded"),
+    ],
+)
+def test_the_degraded_rules_taint_value_is_the_first_reason_or_degraded(
+    reasons: tuple[str, ...], value: str
+) -> None:
+    assert taint_value(Fault(r, "text", uuid=UUIDS[2], gpu_index=2) for r in reasons) == value
+
+
+def test_the_degraded_rule_records_the_uuid_cut_to_128_bytes_and_at_least_one_gpu_for_the_node() -> None:
+    node = NodeView(name=NODE, resource_version="1", boot_id="boot-1")
+    dev = SliceDevice(driver=DRIVER, pool=NODE, device="gpu-2", uuid="GPU-" + "a" * 130)
+    body = degraded_rule_body(node, dev, (nvlink(2),), node_gpus=0, since="2026-12-05T00:00:00Z")
+    annotations = body["metadata"]["annotations"]
+    assert annotations["gpuguard.io/uuid"] == clean_text(dev.uuid, max_bytes=128)
+    assert len(annotations["gpuguard.io/uuid"].encode()) == 128
+    assert annotations["gpuguard.io/node-gpus"] == "1"
+    eight = degraded_rule_body(node, replace(dev, uuid=UUIDS[2]), (nvlink(2),), node_gpus=8, since="x")
+    assert eight["metadata"]["annotations"]["gpuguard.io/node-gpus"] == "8"
+    assert eight["metadata"]["annotations"]["gpuguard.io/uuid"] == UUIDS[2]
+
+
+def test_an_update_patches_the_held_rules_record_and_taint_only_when_its_signals_changed() -> None:
+    rule = DeviceRule(
+        name=NAME,
+        pool=NODE,
+        device="gpu-2",
+        effect="None",
+        driver=DRIVER,
+        key=DEGRADED_TAINT_KEY,
+        annotations={"gpuguard.io/faults": f"nvlink-down/{UUIDS[2]}"},
+        resource_version="7",
+    )
+    assert degraded_update(rule, (nvlink(2),)) is None
+    pcie = Fault("clock-power-brake", "12 of 20", uuid=UUIDS[2], gpu_index=2)
+    patch = degraded_update(rule, (nvlink(2), pcie))
+    assert patch is not None
+    assert patch["metadata"]["resourceVersion"] == "7"
+    assert patch["metadata"]["annotations"]["gpuguard.io/faults"] == (
+        f"clock-power-brake/{UUIDS[2]},nvlink-down/{UUIDS[2]}"
+    )
+    assert patch["spec"] == {
+        "taint": {"key": DEGRADED_TAINT_KEY, "value": "clock-power-brake", "effect": "None"}
+    }
+
+
+def test_the_plan_hands_the_node_every_gpu_and_keeps_a_rule_whose_gpu_has_no_streak_yet() -> None:
+    dev = SliceDevice(driver=DRIVER, pool=NODE, device="gpu-2", uuid=UUIDS[2])
+    rule = DeviceRule(
+        name=NAME, pool=NODE, device="gpu-2", effect="None", driver=DRIVER, key=DEGRADED_TAINT_KEY
+    )
+    plan = plan_rules(verdict(nvlink(2)), {UUIDS[2]: dev}, {}, held=frozenset(), streaks={}, recover_after=1)
+    assert [g.uuid for g in plan.node_verdict.gpus] == UUIDS  # GPU 2 too, its signals with its rule
+    assert plan.node_verdict.gpus[2].degraded == () and plan.node_verdict.gpus[2].faults == ()
+    kept = plan_rules(
+        verdict(), {UUIDS[2]: dev}, {UUIDS[2]: rule}, held=frozenset(), streaks={}, recover_after=1
+    )
+    assert kept.delete == ()  # no streak seen since the start: never enough
+    gone = plan_rules(
+        verdict(), {UUIDS[2]: dev}, {UUIDS[2]: rule}, held=frozenset(), streaks={UUIDS[2]: 1}, recover_after=1
+    )
+    assert gone.delete == (rule,)

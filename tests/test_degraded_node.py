@@ -20,6 +20,7 @@ from gpuguard.quarantine.node.degraded import (
     LABEL_DEGRADED,
     MAX_DEGRADED_KEYS,
     DegradedRecord,
+    degraded_text,
     plan_degraded,
     plan_degraded_condition,
 )
@@ -192,6 +193,91 @@ def test_the_condition_names_the_reasons_and_uuids_and_clears_after_the_window()
     assert off is not None and off["status"] == "False"
     # A node never degraded gets no condition at all (no request on a healthy fleet).
     assert plan_degraded_condition(None, (), last_keys=None, clean_streak=9, recover_after=3, now=NOW) is None
+
+
+def test_the_record_keeps_at_most_64_keys_written_compactly() -> None:
+    faults = tuple(Fault("nvlink-down", "x", uuid=f"GPU-{i:04}", gpu_index=i) for i in range(65))
+    change = plan_degraded(NODE, faults, clean_streak=0, recover_after=3, taint=True)
+    assert change is not None
+    text = str(change.annotations[ANN_DEGRADED])
+    assert text == json.dumps([f"nvlink-down/GPU-{i:04}" for i in range(64)]).replace(", ", ",")
+
+
+@pytest.mark.parametrize("value", ["degraded", "maintenance"])
+@pytest.mark.parametrize("taint", [True, False], ids=["taint", "no-degraded-taint"])
+def test_an_operators_soft_degraded_taint_placed_before_our_record_stays_theirs(
+    value: str, taint: bool
+) -> None:
+    """PreferNoSchedule like gpuguard's, valued "degraded" (a name an operator may well choose): once our
+    record existed, the next plan took it for gpuguard's, rewrote it to the signal's reason (or removed it
+    under --no-degraded-taint) and removed it at the release."""
+    theirs = Taint(DEGRADED_TAINT_KEY, "PreferNoSchedule", value)
+    node = marks(replace(NODE, taints=(theirs,)), PCIE, taint=taint)  # our record says pcie-width
+    assert node.taints == (theirs,)
+    change = plan_degraded(node, (), clean_streak=3, recover_after=3, taint=taint)
+    assert change is not None and apply_change(node, change).taints == (theirs,)
+
+
+def test_with_our_record_unreadable_only_a_soft_taint_valued_degraded_is_taken_for_ours() -> None:
+    """An unreadable record is still gpuguard's (rewritten at the next degraded verdict); the value its taint
+    would have is that of no recorded keys."""
+    ours = Taint(DEGRADED_TAINT_KEY, "PreferNoSchedule", "degraded")
+    node = replace(NODE, taints=(ours,), annotations={ANN_DEGRADED: "{not json"})
+    change = plan_degraded(node, (), clean_streak=3, recover_after=3, taint=True)
+    assert change is not None and apply_change(node, change).taints == ()
+
+
+def test_the_cleared_event_names_the_signals_that_were_recorded() -> None:
+    node = marks(NODE, NVLINK, PCIE)
+    change = plan_degraded(node, (), clean_streak=3, recover_after=3, taint=True)
+    assert change is not None and change.event is not None
+    assert (change.event.type, change.event.message) == (
+        "Normal",
+        "no degraded GPU signal for the recovery window (was: nvlink-down/GPU-0, pcie-width/GPU-1)",
+    )
+    unreadable = replace(node, annotations={ANN_DEGRADED: "{not json"})
+    change = plan_degraded(unreadable, (), clean_streak=3, recover_after=3, taint=True)
+    assert change is not None and change.event is not None
+    assert change.event.message == "no degraded GPU signal for the recovery window"
+
+
+def test_the_degraded_text_lists_each_signal_by_reason_then_place_the_node_first() -> None:
+    on_gpu = Fault("pcie-width", "x8 of x16", uuid="GPU-1", gpu_index=1)
+    on_gpu_0 = Fault("pcie-width", "", uuid="GPU-0", gpu_index=0)
+    on_node = Fault("pcie-width", "fabric")
+    assert degraded_text((on_gpu, NVLINK, on_gpu_0, on_node)) == (
+        "nvlink-down on GPU 0 (GPU-0): link 3 inactive; pcie-width on the node: fabric; "
+        "pcie-width on GPU 0 (GPU-0); pcie-width on GPU 1 (GPU-1): x8 of x16"
+    )
+
+
+def test_the_degraded_text_and_condition_message_are_cut_to_4096_bytes() -> None:
+    faults = tuple(Fault("nvlink-down", "y" * 100, uuid=f"GPU-{i:04}", gpu_index=i) for i in range(64))
+    assert len(degraded_text(faults).encode()) == 4096
+    c = plan_degraded_condition(None, faults, last_keys=None, clean_streak=0, recover_after=3, now=NOW)
+    assert c is not None and len(c["message"].encode()) == 4096
+
+
+def test_the_condition_is_written_whole_degraded_and_cleared() -> None:
+    stamp = "2026-12-05T09:00:00Z"
+    on = plan_degraded_condition(None, (NVLINK,), last_keys=None, clean_streak=0, recover_after=3, now=NOW)
+    assert on == {
+        "type": "GPUDegraded",
+        "status": "True",
+        "reason": "GPUDegraded",
+        "message": "1 GPU degraded (gpuguard): nvlink-down on GPU 0 (GPU-0): link 3 inactive",
+        "lastHeartbeatTime": stamp,
+        "lastTransitionTime": stamp,
+    }
+    off = plan_degraded_condition("True", (), last_keys=None, clean_streak=3, recover_after=3, now=NOW)
+    assert off == {
+        "type": "GPUDegraded",
+        "status": "False",
+        "reason": "GPUsNotDegraded",
+        "message": "no degraded GPU signal (gpuguard)",
+        "lastHeartbeatTime": stamp,
+        "lastTransitionTime": stamp,
+    }
 
 
 # -- the reconciler ----------------------------------------------------------------------------------------

@@ -376,6 +376,14 @@ def test_slices_of_another_driver_or_pool_are_not_this_nodes() -> None:
     assert len(slice_devices([nvidia_slice(NODE)], driver=DRIVER, node=NODE)) == 8
 
 
+def test_the_nodes_slice_after_another_ones_is_still_read_and_a_device_without_a_uuid_left_out() -> None:
+    ours = nvidia_slice(NODE, gpus=3)
+    ours["spec"]["devices"][0]["attributes"].pop("uuid")
+    ours["spec"]["devices"][1]["attributes"]["uuid"] = {"string": ""}
+    found = slice_devices([nvidia_slice("other"), ours], driver=DRIVER, node=NODE)
+    assert [d.device for d in found.values()] == ["gpu-2"]
+
+
 def test_quarantine_gpu_names_a_gpu_the_slices_do_not_publish_as_an_error_and_still_taints_the_node() -> None:
     settings = NodeSettings(name=NODE, quarantine="gpu")
     with capture_logs() as logs:

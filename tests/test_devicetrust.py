@@ -12,7 +12,7 @@ from structlog.testing import capture_logs
 from gpuguard.quarantine.budget import Budget
 from gpuguard.quarantine.gpu.order import rules_past_limit, rules_share
 from gpuguard.quarantine.gpu.rules import ANN_NODE_GPUS, DeviceRule, rule_name
-from gpuguard.quarantine.gpu.trust import countable
+from gpuguard.quarantine.gpu.trust import countable, trusted_rules
 from harness.dra import DRIVER
 from tests.test_devices import NODE, NOW, make, own_rule, run, verdict
 
@@ -151,3 +151,11 @@ def test_a_rule_kept_for_the_budget_is_bounded_whatever_it_holds() -> None:
         assert getattr(trimmed, field) == getattr(whole, field), field
     assert trimmed.annotations["gpuguard.io/since"] == "2026-12-03T00:00:00Z"
     assert trimmed.own("gpu-node-8") and countable([trimmed]) == [trimmed]
+
+
+def test_every_rule_of_the_nodes_own_is_trusted_whichever_comes_first() -> None:
+    others = own_rule("other-node", "gpu-0")
+    listed = [own_rule(NODE, "gpu-0"), others, own_rule(NODE, "gpu-1"), own_rule(NODE, "gpu-2")]
+    rules, untrusted = trusted_rules(NODE, listed, logged=set())
+    assert sorted(rules) == sorted(r.name for r in listed if r is not others)
+    assert untrusted == {others.name}

@@ -219,3 +219,55 @@ def test_operations_md_explains_every_reason_a_pod_is_kept_and_every_eviction_li
         "eviction.event_failed",
     }:
         assert f"`{event}`" in section, event
+
+
+@pytest.mark.parametrize(
+    ("toleration", "tolerates"),
+    [
+        (Toleration(operator="Exists"), True),  # no key: every taint
+        (Toleration(), False),  # no key, Equal: none
+        (Toleration(key=TAINT_KEY, value="ecc"), True),
+        (Toleration(key=TAINT_KEY, value="xid-79"), False),
+        (Toleration(key=TAINT_KEY, operator="Exists", effect="NoExecute"), False),  # another effect
+        (Toleration(key="example.com/other", operator="Exists"), False),  # another key
+    ],
+    ids=[
+        "exists, no key",
+        "equal, no key",
+        "our key, the reason",
+        "our key, another reason",
+        "another effect",
+        "another key",
+    ],
+)
+def test_a_toleration_matches_the_taint_as_the_scheduler_does(
+    toleration: Toleration, tolerates: bool
+) -> None:
+    assert toleration.tolerates(TAINT_KEY, "NoSchedule", frozenset({"ecc"})) is tolerates
+
+
+def test_a_pod_is_known_by_its_namespace_and_name() -> None:
+    assert Pod("ml", "train-0").key == ("ml", "train-0")
+
+
+def test_the_mig_slices_a_pod_holds_are_named_by_their_own_uuid_sorted_once() -> None:
+    pod_devices = PodDevices(
+        "ml",
+        "mig",
+        devices=(
+            ("nvidia.com/mig-1g.10gb", "MIG-b::1"),
+            ("nvidia.com/mig-1g.10gb", "MIG-a"),
+            ("nvidia.com/mig-1g.10gb", "MIG-b::0"),
+            ("nvidia.com/gpu", GPU[0]),
+            ("example.com/x", "MIG-c"),
+        ),
+    )
+    assert p.mig_slices(pod_devices) == ("MIG-a", "MIG-b")
+
+
+def test_a_pod_on_two_faulty_gpus_goes_when_one_of_them_is_held_out() -> None:
+    """One GPU has a blocking rule of its own, the other none yet (the node not tainted): a pod is kept as
+    not quarantined only when none of its faulty GPUs is held out."""
+    faulty = Faulty(frozenset({GPU[0], GPU[1]}), ruled=frozenset({GPU[0]}), node_tainted=False)
+    (decision,) = plan(faulty, [dp("both", GPU[0], GPU[1])], {("ml", "both"): pod("both")})
+    assert decision.gpus == (GPU[0], GPU[1]) and decision.evict

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +26,15 @@ from gpuguard.quarantine.node.view import (
     ANN_REPEAT_OFFENDERS,
     LABEL_NEEDS_REPAIR,
     LABEL_QUARANTINED,
+    EventSpec,
+    NodeChange,
     NodeView,
 )
 from gpuguard.quarantine.reconciler import NodeReconciler
 from gpuguard.quarantine.repeat.escalation import Limits
+from gpuguard.quarantine.repeat.marks import marks, with_marks
 from gpuguard.quarantine.repeat.offenders import RepeatOffenders
-from gpuguard.quarantine.repeat.release import ANN_RELEASE
+from gpuguard.quarantine.repeat.release import ANN_RELEASE, ReleaseRequest, annotation, parse
 from gpuguard.store.history import HistoryStore
 from gpuguard.store.state import StateStore
 from harness.clock import Clock
@@ -221,6 +224,58 @@ def test_a_release_the_agent_cannot_trust_is_refused_logged_and_removed(
     assert len(refused) == 1 and why in refused[0]["error"], logs
     assert node.held == {"GPU-0": 3} and node.taint_value == "repeat-offender"
     assert ANN_RELEASE not in node.writer.node.annotations  # refused once, not at every check
+
+
+def _padded(doc: dict[str, str], size: int) -> str:
+    """`doc` as JSON padded with spaces to exactly `size` bytes."""
+    text = json.dumps(doc)
+    return text[:-1] + " " * (size - len(text)) + "}"
+
+
+NOW = datetime(2027, 1, 25, 8, 0, 0, tzinfo=UTC).timestamp()
+AT = "2027-01-25T07:55:00Z"  # five minutes before NOW: the release an operator just wrote
+
+
+@pytest.mark.parametrize(
+    ("text", "accepted"),
+    [
+        (json.dumps({"gpu": "GPU-0", "by": "alice", "at": AT}), True),
+        (json.dumps({"gpu": "GPU-0", "by": "alice", "at": "2027-01-25T08:05:00Z"}), True),  # 300 s ahead
+        (json.dumps({"gpu": "GPU-0", "by": "alice", "at": "2027-01-25T08:05:01Z"}), False),  # 301 s ahead
+        (json.dumps({"gpu": "GPU-0", "by": "x" * 64, "at": AT}), True),
+        (json.dumps({"gpu": "GPU-0", "by": "x" * 65, "at": AT}), False),
+        (_padded({"gpu": "GPU-0", "by": "alice", "at": AT}, 512), True),
+        (_padded({"gpu": "GPU-0", "by": "alice", "at": AT}, 513), False),
+        (json.dumps({"gpu": "*", "by": "alice", "at": AT}), True),
+    ],
+    ids=[
+        "stamped 5 minutes ago",
+        "300 s ahead",
+        "301 s ahead",
+        "a 64-character name",
+        "a 65-character name",
+        "512 bytes",
+        "513 bytes",
+        "every held GPU",
+    ],
+)
+def test_a_release_is_accepted_up_to_5_minutes_ahead_64_characters_of_name_and_512_bytes(
+    text: str, accepted: bool
+) -> None:
+    if accepted:
+        request = parse(text, now=NOW)
+        assert request.by in ("alice", "x" * 64) and request.at <= NOW + 300
+    else:
+        with pytest.raises(ValueError):
+            parse(text, now=NOW)
+
+
+def test_the_annotation_gpuguard_release_writes_is_one_the_agent_accepts() -> None:
+    at = datetime(2027, 1, 25, 9, 55, 0, tzinfo=timezone(timedelta(hours=2)))  # the operator's local time
+    text = annotation("GPU-0", by="alice", at=at)
+    assert json.loads(text) == {"at": "2027-01-25T07:55:00Z", "by": "alice", "gpu": "GPU-0"}
+    assert text.index('"at"') < text.index('"by"') < text.index('"gpu"')  # sorted: one text for one release
+    assert parse(text, now=at.timestamp()) == ReleaseRequest(gpu="GPU-0", by="alice", at=at.timestamp())
 
 
 def test_an_escalation_past_the_budget_still_counts_as_a_quarantined_node(tmp_path: Path) -> None:
@@ -457,3 +512,54 @@ def test_a_release_then_a_wall_clock_stepped_back_an_hour_neither_holds_again_no
     node.now += Limits().at_once_s
     node.check(XID, 0)
     assert node.held == {"GPU-0": 3}
+
+
+def test_the_repair_marks_list_at_most_16_held_gpus_compactly_by_uuid() -> None:
+    held = {f"GPU-{i:02}": 3 for i in range(17)}
+    change = marks(NodeView(name="gpu-1"), held, handled_release=None)
+    assert change is not None
+    listed = change.annotations[ANN_REPEAT_OFFENDERS]
+    assert listed == json.dumps({f"GPU-{i:02}": 3 for i in range(16)}).replace(", ", ",").replace(": ", ":")
+    assert listed.startswith('{"GPU-00":3,"GPU-01":3,')
+
+
+def test_the_repair_marks_warn_once_naming_each_newly_held_gpu() -> None:
+    node = NodeView(name="gpu-1", annotations={ANN_REPEAT_OFFENDERS: '{"GPU-0":3}'})
+    change = marks(node, {"GPU-0": 3, "GPU-1": 4, "GPU-2": 3}, handled_release=None)
+    assert change is not None and change.event is not None
+    assert (change.event.type, change.event.reason) == ("Warning", "GPURepeatOffender")
+    assert "GPU-1 (4 fault episodes), GPU-2 (3 fault episodes);" in change.event.message
+    assert "GPU-0" not in change.event.message
+
+
+def test_marks_already_in_line_need_no_write() -> None:
+    node = NodeView(
+        name="gpu-1",
+        annotations={ANN_REPEAT_OFFENDERS: '{"GPU-0":3}', ANN_REPAIR_PLACED: "true"},
+        labels={LABEL_NEEDS_REPAIR: "true"},
+    )
+    assert marks(node, {"GPU-0": 3}, handled_release=None) is None
+    assert marks(NodeView(name="gpu-1"), {}, handled_release=None) is None
+
+
+def test_only_the_release_the_agent_handled_is_removed_never_a_newer_one() -> None:
+    handled = '{"gpu": "*", "by": "alice", "at": "2027-01-24T08:00:00Z"}'
+    newer = '{"gpu": "*", "by": "bob", "at": "2027-01-24T09:00:00Z"}'
+    assert (
+        marks(NodeView(name="gpu-1", annotations={ANN_RELEASE: newer}), {}, handled_release=handled) is None
+    )
+    change = marks(NodeView(name="gpu-1", annotations={ANN_RELEASE: handled}), {}, handled_release=handled)
+    assert change is not None and change.annotations == {ANN_RELEASE: None}
+
+
+def test_the_marks_event_says_both_when_the_planned_change_has_one_too() -> None:
+    taint = NodeChange(action="taint", event=EventSpec("Warning", "GPUUnhealthy", "GPU 0: ecc"))
+    mark = NodeChange(
+        action="repair", annotations={ANN_REPAIR_PLACED: "true"}, event=EventSpec("Warning", "R", "held")
+    )
+    both = with_marks(taint, mark)
+    assert both is not None and both.event is not None
+    assert both.event.message == "held; GPU 0: ecc" and both.action == "taint"
+    alone = with_marks(replace(taint, event=None), mark)
+    assert alone is not None and alone.event is not None and alone.event.message == "held"
+    assert with_marks(taint, replace(mark, event=None)) == replace(taint, annotations=mark.annotations)

@@ -7,7 +7,7 @@ from dataclasses import replace
 from gpuguard.core.config import PolicySettings
 from gpuguard.core.model import GpuReading, SignalReadings, Snapshot, Verdict
 from gpuguard.core.signaltable import SIGNALS
-from gpuguard.judge.cadence import fitted
+from gpuguard.judge.cadence import fitted, sighted
 from gpuguard.judge.policy import evaluate
 
 
@@ -68,3 +68,16 @@ def test_event_checks_between_polls_add_no_sighting_to_a_storm_polling_sees() ->
         seen.append(v is not None and any(f.reason == "clock-power-brake" for f in v.degraded))
     assert seen == [False] * 5 + [True] * 3  # more than 5 sightings within 300 s: the sixth poll's
     assert v is not None and "in 8 checks at --interval 3 within 300 s" in v.degraded[0].detail
+
+
+def test_a_check_within_a_sighting_adds_its_events_and_one_an_interval_later_less_1_us_begins_the_next() -> (
+    None
+):
+    assert sighted((), 0.0, 1, 3.0) == ((0.0, 1),)
+    assert sighted(((0.0, 1),), 1.0, 2, 3.0) == ((0.0, 3),)
+    assert sighted(((0.0, 1),), 3.0 - 1e-6, 2, 3.0) == ((0.0, 1), (3.0 - 1e-6, 2))
+
+
+def test_an_ignored_first_clock_signal_still_leaves_the_others_widened() -> None:
+    table = SIGNALS.changed("clock-hw-slowdown", {"level": "ignore"}, where="test")
+    assert fitted(table, 60)[1] == {"clock-hw-thermal": 360, "clock-power-brake": 360}

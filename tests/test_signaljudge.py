@@ -369,3 +369,198 @@ def test_a_lost_gpus_windows_are_dropped_so_time_stops_being_pending_its_baselin
         v = evaluate(Snapshot(gpus=(lost,), taken_at=t), previous=v, settings=DEFAULT)
     assert not v.signal_memory.pending
     assert v.signal_memory.first_width == (("GPU-0", 16),)
+
+
+# The read whose failure freezes each signal (the backend's prefix in GpuReading.transient_errors).
+SOURCE_OF = {
+    "fabric-incomplete": "fabric",
+    "fabric-status": "fabric",
+    "fabric-degraded": "fabric",
+    "nvlink-down": "nvlink",
+    "nvlink-errors": "fields",
+    "pcie-replays": "fields",
+    "pcie-width": "pcie",
+    "pcie-width-max": "pcie",
+    "pcie-gen": "pcie",
+    "clock-hw-slowdown": "clocks",
+    "clock-hw-thermal": "clocks",
+    "clock-power-brake": "clocks",
+    "retired-pages": "retired",
+    "retired-pending": "retired",
+    "row-remap-pending": "remap",
+    "inforom-invalid": "inforom",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_failed_read_freezes_the_signals_it_feeds_and_no_other(name: str) -> None:
+    clean, bad, recovered = CASES[name]
+    settings, level = settings_for(name)
+    prev = run([Step(0, clean), *bad], settings)[-1]
+    assert found(prev, name) == level
+    own = (f"{SOURCE_OF[name]}:UNKNOWN",)
+    other = tuple(f"{s}:UNKNOWN" for s in sorted(set(SOURCE_OF.values()) - {SOURCE_OF[name]}))
+    frozen = evaluate(
+        Snapshot(gpus=(reading({}, errors=own),), taken_at=1000), previous=prev, settings=settings
+    )
+    assert found(frozen, name) == level
+    fresh = reading(recovered, errors=other)
+    cleared = evaluate(Snapshot(gpus=(fresh,), taken_at=1000), previous=prev, settings=settings)
+    assert found(cleared, name) == ""
+
+
+@pytest.mark.parametrize(
+    ("name", "values", "tripped"),
+    [
+        ("pcie-replays", [0, 6, 14], False),  # 8 since the sample at the window's start (t=10), not 14
+        ("pcie-replays", [0, 0, 8], False),  # exactly the threshold
+        ("pcie-replays", [0, 0, 9], True),
+        ("nvlink-errors", [0, 0, 6000], False),
+    ],
+)
+def test_a_counter_counts_from_the_sample_at_the_windows_start_and_trips_past_its_threshold(
+    name: str, values: list[int], tripped: bool
+) -> None:
+    field = "pcie_replays" if name == "pcie-replays" else "nvlink_errors"
+    v = run([Step(t, {field: n}) for t, n in zip((0, 10, 70), values, strict=True)])
+    assert (found(v[-1], name) != "") is tripped
+
+
+def test_a_lost_gpu_listed_first_leaves_the_next_judged() -> None:
+    lost = replace(reading({}, index=0), lost=True)
+    narrow = reading({"pcie_width": 8}, index=1)
+    prev = evaluate(
+        Snapshot(gpus=(lost, reading({"pcie_width": 16}, index=1))), previous=None, settings=DEFAULT
+    )
+    v = evaluate(Snapshot(gpus=(lost, narrow), taken_at=3), previous=prev, settings=DEFAULT)
+    assert [f.uuid for f in v.degraded if f.reason == "pcie-width"] == ["GPU-1"]
+
+
+def test_gpus_on_the_bus_beyond_those_nvml_lost_are_missing_and_named() -> None:
+    two = Snapshot(gpus=(reading({}, index=0), reading({}, index=1)))
+    prev = evaluate(two, previous=None, settings=DEFAULT)
+    one_lost = Snapshot(gpus=(reading({}, index=0),), bus_only=("0000:19:00.0",), taken_at=3)
+    assert evaluate(one_lost, previous=prev, settings=DEFAULT).node_faults == ()  # gpu-missing of its own
+    more = Snapshot(gpus=(reading({}, index=0),), bus_only=("0000:19:00.0", "0000:1a:00.0"), taken_at=3)
+    (fault,) = evaluate(more, previous=prev, settings=DEFAULT).node_faults
+    assert fault.reason == "gpu-missing"
+    assert fault.detail.startswith("2 NVIDIA GPUs at PCI 0000:19:00.0, 0000:1a:00.0 are on the PCI bus")
+    three = Snapshot(gpus=tuple(reading({}, index=i) for i in range(3)))
+    two_lost = replace(more, taken_at=3)
+    assert (
+        evaluate(
+            two_lost, previous=evaluate(three, previous=None, settings=DEFAULT), settings=DEFAULT
+        ).node_faults
+        == ()
+    )
+
+
+def test_a_fabric_that_completes_for_a_whole_grace_and_falls_back_gets_a_whole_grace_again() -> None:
+    v = run([Step(t, {"fabric_state": s}) for t, s in ((0, 2), (100, 3), (450, 2), (700, 2), (800, 2))])
+    assert [found(x, "fabric-incomplete") for x in v] == ["", "", "", "", "fault"]
+
+
+def test_a_fabric_that_completes_for_less_than_a_grace_keeps_the_time_it_was_incomplete() -> None:
+    """100 s IN_PROGRESS, 100 s COMPLETED, then IN_PROGRESS again: 350 s of the 450 incomplete by t=450."""
+    v = run([Step(t, {"fabric_state": s}) for t, s in ((0, 2), (100, 3), (200, 2), (450, 2), (500, 2))])
+    assert [found(x, "fabric-incomplete") for x in v] == ["", "", "", "fault", "fault"]
+
+
+def test_nvlink_read_as_none_after_a_good_reading_is_no_reading() -> None:
+    v = run([Step(0, {"nvlink_active": LINKS}), Step(3, {}), Step(6, {"nvlink_active": LINKS})])
+    assert [found(x, "nvlink-down") for x in v] == ["", "", ""]
+
+
+def test_a_reading_that_raises_the_nvlink_baseline_still_shows_a_link_down() -> None:
+    v = run(
+        [
+            Step(0, {"nvlink_active": frozenset({0, 1, 2, 3})}),
+            Step(3, {"nvlink_active": frozenset({0, 1, 2, 4})}),
+        ]
+    )
+    assert found(v[-1], "nvlink-down") == "degraded"
+    assert "link 3 inactive, of 5 active" in next(
+        f.detail for f in v[-1].degraded if f.reason == "nvlink-down"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "threshold", "first", "now", "tripped"),
+    [
+        ("pcie-width", 4, {"pcie_width": 16}, {"pcie_width": 12}, False),
+        ("pcie-width", 4, {"pcie_width": 16}, {"pcie_width": 8}, True),
+        (
+            "pcie-width-max",
+            4,
+            {"pcie_width": 12, "pcie_max_width": 16},
+            {"pcie_width": 12, "pcie_max_width": 16},
+            False,
+        ),
+        (
+            "pcie-width-max",
+            4,
+            {"pcie_width": 8, "pcie_max_width": 16},
+            {"pcie_width": 8, "pcie_max_width": 16},
+            True,
+        ),
+        ("pcie-gen", 2, {"pcie_gen": 5}, {"pcie_gen": 3}, False),
+        ("pcie-gen", 2, {"pcie_gen": 5}, {"pcie_gen": 2}, True),
+    ],
+)
+def test_a_width_or_generation_threshold_tolerates_that_much_below_its_reference(
+    name: str, threshold: int, first: dict[str, object], now: dict[str, object], tripped: bool
+) -> None:
+    table = SIGNALS.changed(name, {"level": "degraded", "threshold": threshold}, where="test")
+    v = run([Step(0, first), Step(3, now)], PolicySettings(signals=table))
+    assert (found(v[-1], name) != "") is tripped
+
+
+def test_retired_pages_with_a_threshold_of_0_trip_at_the_first_page() -> None:
+    table = SIGNALS.changed("retired-pages", {"threshold": 0}, where="test")
+    v = run([Step(0, {"retired_pages": 0}), Step(3, {"retired_pages": 1})], PolicySettings(signals=table))
+    assert [found(x, "retired-pages") for x in v] == ["", "fault"]
+
+
+@pytest.mark.parametrize(
+    ("events", "name", "detail"),
+    [
+        (0x37 | 0x08, "clock-hw-slowdown", "HW slowdown in 6 checks at --interval 3 within 300 s (limit 5)"),
+        (
+            0x37 | 0x40,
+            "clock-hw-thermal",
+            "HW thermal slowdown in 6 checks at --interval 3 within 300 s (limit 5)",
+        ),
+        (
+            0x37 | 0x80,
+            "clock-power-brake",
+            "HW power brake slowdown in 6 checks at --interval 3 within 300 s (limit 5)",
+        ),
+    ],
+)
+def test_each_clock_bit_trips_its_own_signal_alone_whatever_other_bits_read(
+    events: int, name: str, detail: str
+) -> None:
+    v = run([Step(t, {"clock_events": events}) for t in range(3, 21, 3)])[-1]
+    tripped = [f for f in v.degraded if f.reason.startswith("clock-")]
+    assert [(f.reason, f.detail) for f in tripped] == [(name, f"{detail} (GPU 0, GPU-0)")]
+
+
+def test_the_fabric_health_mask_names_each_condition_it_reads() -> None:
+    v = run([Step(0, {"fabric_state": 3, "fabric_health": 0x55})])[-1]
+    (fault,) = [f for f in v.faults + v.degraded if f.reason == "fabric-degraded"]
+    assert fault.detail.startswith(
+        "the GPU fabric health mask reads degraded bandwidth, route recovery, route unhealthy, access timeout"
+    )
+
+
+def test_the_clock_samples_are_kept_for_the_longest_clock_window_and_each_counts_only_its_own() -> None:
+    """Slowdown judged over 600 s, the power brake over 300 s: both read every 60 s."""
+    table = SIGNALS.changed("clock-hw-slowdown", {"window_s": 600}, where="test")
+    v = run([Step(t, {"clock_events": 0x88}) for t in range(0, 601, 60)], PolicySettings(signals=table))[-1]
+    assert found(v, "clock-hw-slowdown") == "degraded"  # 10 sightings within 600 s
+    assert found(v, "clock-power-brake") == ""  # 5 within 300 s: the one at 300 s is not within
+
+
+def test_a_pcie_width_no_link_can_have_is_never_a_baseline() -> None:
+    v = run([Step(0, {"pcie_width": 0xFFFFFFFF}), Step(3, {"pcie_width": 16}), Step(6, {"pcie_width": 16})])
+    assert [found(x, "pcie-width") for x in v] == ["", "", ""]

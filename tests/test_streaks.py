@@ -104,3 +104,7 @@ def test_the_writer_thread_counts_no_streak_and_lifts_the_degraded_marks_when_th
     r.submit(Judgement(CLEAN, Streaks(healthy=5, clean=settings.recover_after)))
     r.reconcile_now()
     assert LABEL_DEGRADED not in writer.node.labels
+
+
+def test_a_run_at_an_interval_of_0_is_one_check() -> None:
+    assert checks(0.0, 5.0, 0.0) == 1 and checks(None, 5.0, 0.0) == 0

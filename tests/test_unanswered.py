@@ -9,6 +9,7 @@ from dataclasses import replace
 from gpuguard.core.config import PolicySettings
 from gpuguard.core.model import GpuReading, Snapshot, Verdict, XidEvent
 from gpuguard.judge.policy import evaluate
+from gpuguard.judge.unanswered import how_long
 
 DEFAULT = PolicySettings()  # --interval 3, unreadable after 3 checks
 OK = (GpuReading(index=0, uuid="GPU-0"), GpuReading(index=1, uuid="GPU-1"))
@@ -80,3 +81,9 @@ def test_a_failure_that_answers_in_between_starts_over() -> None:
     bad = Snapshot(gpus=(OK[0], TIMEOUT))
     v = judged((0.0, bad), (3.0, bad), (3.5, Snapshot(gpus=OK)), (6.0, bad), (9.0, bad))
     assert [reasons(x) for x in v] == [[], [], [], [], []]
+
+
+def test_a_failures_length_is_told_in_seconds_and_checks() -> None:
+    assert how_long(10.0, 16.0, 3.0) == "for 6.0 s, 3 checks at --interval 3"
+    assert how_long(10.0, 12.0, 3.0) == "for 2.0 s, 1 check at --interval 3"
+    assert how_long(10.0, 10.0, 3.0) == "in this check"

@@ -153,7 +153,9 @@ def _ours(current: Taint, record: DegradedRecord) -> bool:
     removed."""
     if not record.present or current.effect != SOFT_EFFECT:
         return False
-    return current.value in {"degraded", _first_reason(record.keys)}
+    # Only the value gpuguard gives the recorded keys ("degraded" where they have none or no valid reason):
+    # an operator's "degraded" beside a record of valid reasons is theirs.
+    return current.value == _first_reason(record.keys)
 
 
 def _first_reason(keys: Iterable[str]) -> str:
