@@ -236,7 +236,8 @@ def _fabric_incomplete(g: GpuReading, s: Signal, mem: _Memory, now: float) -> st
         mem.fabric_since.pop(g.uuid, None)
         mem.fabric_runs.pop(g.uuid, None)
         return ""
-    if run is None or start is None:
+    # A fresh run: none yet, or the fabric read COMPLETED a whole grace since the last reading.
+    if run is None or start is None or (run[2] is not None and now - run[2] >= s.window_s):
         # From the host's boot for a GPU new to this judge (a late agent, `check`: no second grace), else from
         # this reading: a GPU re-registering (a GPU reset, a Fabric Manager restart) gets its whole grace.
         boot = mem.booted_at
