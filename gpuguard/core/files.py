@@ -4,7 +4,7 @@ ServiceAccount token, the TLS files a kubeconfig names, the host's /proc files.
 Each is a regular file of at most a stated size, read whole, or refused with one line that names the file and
 the problem: nothing gpuguard reads can make it read without end (`--scenario /dev/zero`), block on open (a
 FIFO), or hold in memory a file far larger than any it needs. The shape of what is read is each parser's own
-check; this module only bounds the bytes.
+check; this module only bounds the bytes, and turns YAML's errors into that one line (`parse_yaml`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from gpuguard.core.errors import ConfigError
 
@@ -87,3 +90,25 @@ def size_text(limit: int) -> str:
 def _reason(exc: Exception) -> str:
     text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
     return " ".join(text.split())[:200]
+
+
+def parse_yaml(text: str, *, what: str, error: type[ConfigError] = ConfigError) -> Any:
+    """`text` as YAML (safe_load); `error`, one line naming `what`, the line and the problem, when it is not
+    YAML, holds a value Python cannot build (2001-02-30, !!float x) or nests too deeply. The one way
+    gpuguard reads the YAML it is given (a kubeconfig, --signals-config, a mock scenario)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise error(f"{what}: not valid YAML{where}: {exc.problem or exc.context}") from None
+    except yaml.YAMLError as exc:
+        raise error(f"{what}: not valid YAML: {_one_line(exc)[:200]}") from None
+    except RecursionError:
+        raise error(f"{what}: nested too deeply") from None
+    except (ValueError, TypeError, AttributeError, OverflowError) as exc:
+        raise error(f"{what}: a value YAML cannot build: {_one_line(exc)[:120]}") from None
+
+
+def _one_line(exc: object) -> str:
+    return " ".join(str(exc).split())

@@ -31,8 +31,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from gpuguard.core import files
 from gpuguard.core.errors import ConfigError
 from gpuguard.core.signaltable import SIGNALS, SignalTable
@@ -97,14 +95,7 @@ def load(path: str | Path) -> SignalConfig:
 
 
 def parse(text: str, *, source: str = "--signals-config") -> SignalConfig:
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{source}:{line} not valid YAML") from None
-    except (RecursionError, ValueError, TypeError, AttributeError, OverflowError):
-        raise ConfigError(f"{source}: a value YAML cannot build") from None
+    doc = files.parse_yaml(text, what=source)
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):

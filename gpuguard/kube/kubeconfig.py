@@ -177,19 +177,7 @@ def bearer_token(token: str, where: str) -> str:
 
 def _parse(text: str, path: str) -> Any:
     """The kubeconfig's YAML; one line naming the file, the line and the problem when it is not YAML."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise ConfigError(f"kubeconfig {path}: not valid YAML{where}: {exc.problem or exc.context}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"kubeconfig {path}: not valid YAML: {_one_line(exc)[:200]}") from None
-    except RecursionError:
-        raise ConfigError(f"kubeconfig {path}: nested too deeply") from None
-    except (ValueError, TypeError, AttributeError, OverflowError) as exc:
-        # PyYAML's constructors raise these for values Python cannot build (2001-02-30, !!float x).
-        raise ConfigError(f"kubeconfig {path}: a value YAML cannot build: {_one_line(exc)[:120]}") from None
+    return files.parse_yaml(text, what=f"kubeconfig {path}")
 
 
 def _named(doc: dict[str, Any], section: str, key: str, name: str, path: str) -> dict[str, Any]:

@@ -13,8 +13,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TypeGuard
 
-import yaml
-
 from gpuguard.core import files
 from gpuguard.core.errors import ScenarioError
 from gpuguard.core.model import GpuReading, SignalReadings, Snapshot, XidEvent
@@ -62,17 +60,7 @@ def load_scenario(path: str | Path | None) -> Scenario:
 
 
 def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        line = f" line {where.line + 1}" if where is not None else ""
-        raise ScenarioError(f"scenario {source}:{line} not valid YAML") from None
-    except RecursionError:
-        raise ScenarioError(f"scenario {source}: nested too deeply") from None
-    except (ValueError, TypeError, AttributeError, OverflowError) as exc:
-        # PyYAML's constructors raise these for values Python cannot build (gpus: 2001-02-30, !!float x).
-        raise ScenarioError(f"scenario {source}: a value YAML cannot build: {str(exc)[:120]}") from None
+    doc = files.parse_yaml(text, what=f"scenario {source}", error=ScenarioError)
     if not isinstance(doc, dict):
         raise ScenarioError(f"scenario {source}: expected a mapping with 'gpus' or 'devices'")
     unknown = set(doc) - {"gpus", "devices", "events"}
