@@ -132,12 +132,9 @@ class StateStore:
     def save_rules(self, rules: RuleMemory) -> None:
         """Write the file if the rules' memory changed. Never raises."""
         with self._lock:
-            if self._disabled:
-                return
-            if not self._loaded:
-                self.load_rules()  # keep the file's faults
-            self._rules = rules
-            self._flush()
+            if self._writable():
+                self._rules = rules
+                self._flush()
 
     def _load(self) -> tuple[Fault, ...]:
         path = self.path
@@ -178,14 +175,21 @@ class StateStore:
         """Write the file if the faults (or the last kernel-log record judged) changed since the last write,
         or a failed write is due again. Never raises."""
         with self._lock:
-            if self._disabled:
+            if not self._writable():
                 return
-            if not self._loaded:
-                self.load_rules()  # keep the file's rules
             self._faults = faults
             if kernel_seq is not None and (self._kernel_seq is None or kernel_seq > self._kernel_seq):
                 self._kernel_seq = kernel_seq
             self._flush()
+
+    def _writable(self) -> bool:
+        """Under the lock: False when the store is disabled; else the file read first, so a save of one half
+        (faults, or the rules' memory) keeps the other."""
+        if self._disabled:
+            return False
+        if not self._loaded:
+            self.load_rules()
+        return True
 
     def _flush(self) -> None:
         want = (self._faults, self._rules, self._kernel_seq)
