@@ -30,6 +30,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpuguard.core import files
 from gpuguard.core.errors import ConfigError
@@ -117,13 +118,18 @@ def parse(text: str, *, source: str = "--signals-config") -> SignalConfig:
     return config
 
 
-def _changes(raw: object, *, where: str) -> Changes:
+def _mapping(raw: object, *, where: str, must: str) -> dict[Any, Any]:
+    """A section of the file: {} when left out, else a mapping; ConfigError `where: must` otherwise."""
     if raw is None:
-        return ()
+        return {}
     if not isinstance(raw, dict):
-        raise ConfigError(
-            f"{where}: 'signals' must map a signal name to its changes, e.g. nvlink-down: {{level: fault}}"
-        )
+        raise ConfigError(f"{where}: {must}")
+    return raw
+
+
+def _changes(raw: object, *, where: str) -> Changes:
+    must = "'signals' must map a signal name to its changes, e.g. nvlink-down: {level: fault}"
+    raw = _mapping(raw, where=where, must=must)
     out = []
     for name, change in raw.items():
         if not isinstance(change, dict) or not change:
@@ -135,13 +141,8 @@ def _changes(raw: object, *, where: str) -> Changes:
 
 
 def _expected(raw: object, *, where: str) -> ExpectedChanges:
-    if raw is None:
-        return ()
-    if not isinstance(raw, dict):
-        raise ConfigError(
-            f"{where}: 'expected' must map a GPU product name to its values, e.g. "
-            "NVIDIA H100 80GB HBM3: {nvlink_links: 18, pcie_width: 16}"
-        )
+    must = "'expected' must map a GPU product name to its values, e.g. "
+    raw = _mapping(raw, where=where, must=must + "NVIDIA H100 80GB HBM3: {nvlink_links: 18, pcie_width: 16}")
     for product, values in raw.items():  # names and values, as early as possible
         SIGNALS.expecting(product, values, where=f"{where}: expected")
     return tuple((str(p), None if v is None else tuple(v.items())) for p, v in raw.items())
