@@ -16,7 +16,9 @@ from structlog.testing import capture_logs
 
 from gpuguard.core.model import SignalMemory
 from gpuguard.store import retry
-from gpuguard.store.baselines import FILE_NAME, MAX_BYTES, MAX_GPUS, BaselineStore, baselines
+from gpuguard.store.baselines import FILE_NAME, BaselineStore, baselines
+from gpuguard.store.limits import BASELINES_MAX_BYTES as MAX_BYTES
+from gpuguard.store.limits import BASELINES_MAX_GPUS as MAX_GPUS
 from harness.clock import Clock
 from harness.synctrace import trace_syncs
 from tests.test_nvml_backend import ROOT, env

@@ -41,16 +41,15 @@ log = structlog.get_logger(__name__)
 KIND = "gpuguard-signal-baselines"
 VERSION = 1
 FILE_NAME = "signal-baselines.json"
-MAX_BYTES = limits.BASELINES_MAX_BYTES
-MAX_GPUS = limits.BASELINES_MAX_GPUS
-MAX_UUID = limits.BASELINES_MAX_UUID
 
 
 def baselines(memory: SignalMemory, present: Collection[str]) -> SignalMemory:
     """Pure: the baselines in `memory` (not its windows) of the GPUs in `present`, in UUID order; a UUID
     or a reading the file's reader would drop is left out (gpuguard.core.hardware: what a link can report)."""
 
-    kept = {u for u in sorted(present)[:MAX_GPUS] if 0 < len(u) <= MAX_UUID}
+    kept = {
+        u for u in sorted(present)[: limits.BASELINES_MAX_GPUS] if 0 < len(u) <= limits.BASELINES_MAX_UUID
+    }
 
     def keep(u: str) -> bool:
         return u in kept
@@ -85,9 +84,11 @@ class BaselineStore:
         if not path.exists():
             return SignalMemory()
         try:
-            doc = json.loads(files.read_bytes(path, limit=MAX_BYTES, what="signal baselines file"))
+            doc = json.loads(
+                files.read_bytes(path, limit=limits.BASELINES_MAX_BYTES, what="signal baselines file")
+            )
             loaded = _parse(doc)
-        except ConfigError as exc:  # not a regular file, larger than MAX_BYTES, unreadable
+        except ConfigError as exc:  # not a regular file, larger than its limit, unreadable
             _move_aside(path, str(exc))
             return SignalMemory()
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
@@ -157,8 +158,8 @@ def _parse(doc: Any) -> SignalMemory:
     if not isinstance(doc.get("backend"), str):
         raise TypeError("backend must be a string")
     gpus = doc["gpus"]
-    if not isinstance(gpus, list) or len(gpus) > MAX_GPUS:
-        raise TypeError(f"gpus must be a list of at most {MAX_GPUS} objects")
+    if not isinstance(gpus, list) or len(gpus) > limits.BASELINES_MAX_GPUS:
+        raise TypeError(f"gpus must be a list of at most {limits.BASELINES_MAX_GPUS} objects")
     links: dict[str, frozenset[int]] = {}
     width: dict[str, int] = {}
     gen: dict[str, int] = {}
@@ -167,8 +168,10 @@ def _parse(doc: Any) -> SignalMemory:
     for g in gpus:
         # A bad entry is dropped alone (logged): the other GPUs' baselines stay.
         uuid = g.get("uuid") if isinstance(g, dict) else None
-        if not isinstance(uuid, str) or not 0 < len(uuid) <= MAX_UUID or uuid in seen:
-            dropped.append(f"a GPU entry without a unique UUID of 1 to {MAX_UUID} characters")
+        if not isinstance(uuid, str) or not 0 < len(uuid) <= limits.BASELINES_MAX_UUID or uuid in seen:
+            dropped.append(
+                f"a GPU entry without a unique UUID of 1 to {limits.BASELINES_MAX_UUID} characters"
+            )
             continue
         seen.add(uuid)
         raw = {name: g.get(name) for name in ("links", "width", "gen")}
