@@ -305,10 +305,11 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Streaks:
-    """Checks in a row, kept in one place (gpuguard.judge.streaks advances them once per check): with no
-    fault (the node's `healthy`, each GPU's by UUID in `gpus`) and with no degraded signal (`clean`,
-    `gpus_clean`). A quarantine or a degraded mark is lifted once its streak reaches --recover-after.
-    `gpus` None: the node's streak stands for every GPU (never longer than any GPU's own)."""
+    """Checks in a row, counted in one place (gpuguard.judge.streaks: runs measured in time, told in checks
+    at --interval): with no fault (the node's `healthy`, each GPU's by UUID in `gpus`) and with no
+    degraded signal (`clean`, `gpus_clean`). A quarantine or a degraded mark is lifted once its streak
+    reaches --recover-after. `gpus` None: the node's streak stands for every GPU (never longer than any
+    GPU's own)."""
 
     healthy: int = 0
     gpus: Mapping[str, int] | None = None
