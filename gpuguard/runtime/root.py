@@ -275,6 +275,7 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         on_verdict=evictor.observe if evictor is not None else None,
         signal_config=cfg.signals_config,
         uptime=uptime if cfg.backend == "nvml" else 0.0,  # a mock scenario's node boots with it
+        recover_after=cfg.node.recover_after,
     )
     return Parts(
         agent=agent,
