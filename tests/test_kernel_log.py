@@ -125,7 +125,8 @@ def test_an_xid_both_sources_report_is_one_fault(tmp_path: Path, kernel_first: b
 
 def test_the_same_code_on_the_same_gpu_far_apart_in_time_is_two_xids(tmp_path: Path) -> None:
     log = KernelLog(tmp_path / "kmsg")
-    log.xid(GPU1_PCI, 79, at=time.monotonic() - 600)  # ten minutes before: replayed, matched by its timestamp
+    # Ten minutes before (or at boot, on a host up for less): replayed, matched by its timestamp.
+    log.xid(GPU1_PCI, 79, at=max(time.monotonic() - 600, 0.0))
     _, backend, _, _, _, clock = wired(log.path, "gpus: 2\nevents:\n  - {at: 1.0, gpu: 1, xid: 79}\n")
     try:
         clock.t += 1.0

@@ -20,8 +20,8 @@ from gpuguard.core.config import Config, NodeSettings
 from gpuguard.core.errors import ConfigError
 from gpuguard.core.model import AgentStatus, Verdict
 from gpuguard.judge.policy import evaluate
-from gpuguard.nvml.base import Backend
 from gpuguard.runtime import health
+from gpuguard.runtime.backends import make_backend
 
 if TYPE_CHECKING:  # the watch's parts: imported where they are built, not by `check`
     from prometheus_client import CollectorRegistry
@@ -41,18 +41,6 @@ if TYPE_CHECKING:  # the watch's parts: imported where they are built, not by `c
     from gpuguard.runtime.agent import Agent
 
 log = structlog.get_logger(__name__)
-
-
-def make_backend(cfg: Config, *, start_at: float = 0.0) -> Backend:
-    """The mock (a scenario, its clock started at `start_at`; a bad one fails here, before anything starts) or
-    NVML."""
-    if cfg.backend == "mock":
-        from gpuguard.nvml.mock import MockBackend, load_scenario  # noqa: PLC0415
-
-        return MockBackend(load_scenario(cfg.scenario), start_at=start_at)
-    from gpuguard.nvml.real import NvmlBackend  # noqa: PLC0415 - pynvml only when asked for
-
-    return NvmlBackend(deadline=cfg.nvml_call_timeout, pci_root=cfg.pci_root)
 
 
 # A host up for less than this is a new (or just rebooted) node: its agent reads the node at once, because the
@@ -94,7 +82,8 @@ def check_once(cfg: Config, *, at: float | None = None) -> Check:
         raise ConfigError("--at needs --backend mock: it moves a scenario's clock, not a real GPU's")
     node = node_facts(cfg)
     policy = replace(cfg.policy, expected_gpus=node.expected_gpus, signals=node.signals)
-    backend = make_backend(cfg, start_at=at or 0.0)
+    # With --kernel-log, the Xids since boot are judged like NVML's: a preflight after a fatal one fails.
+    backend = make_backend(cfg, start_at=at or 0.0, once=True)
     backend.open(lambda: None)
     try:
         snapshot = backend.snapshot()
@@ -196,7 +185,6 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
     from gpuguard.store.baselines import BaselineStore  # noqa: PLC0415
     from gpuguard.store.state import StateStore, read_boot_id  # noqa: PLC0415
 
-    backend = make_backend(cfg)
     metrics = Metrics(REGISTRY if registry is None else registry, dry_run=cfg.node.dry_run)
     connect = Connection(cfg.node)
     writer = make_writer(cfg.node, connect, metrics)
@@ -219,11 +207,9 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         state = StateStore(cfg.state_dir, boot_id=read_boot_id(cfg.boot_id_file), backend=cfg.backend)
         # The signals' first-good baselines beside it (not in a dry run: it writes nothing on the host).
         baselines = BaselineStore(cfg.state_dir, backend=cfg.backend)
-    if cfg.kernel_log:  # a second source of Xids on a thread of its own (docs/design.md, "The kernel log")
-        from gpuguard.nvml.kmsg.merge import kernel_log_backend  # noqa: PLC0415
-
-        judged = state.kernel_seq if state is not None else lambda: None
-        backend = kernel_log_backend(backend, cfg.kernel_log, metrics=metrics, judged=judged)
+    # With --kernel-log a second source of Xids, on a thread of its own (docs/design.md, "The kernel log").
+    judged = state.kernel_seq if state is not None else lambda: None
+    backend = make_backend(cfg, metrics=metrics, judged=judged)
     devices = device_source = rules_watch = None
     if cfg.node.quarantine != "node":
         node_name = cfg.node.name or ""
