@@ -1,8 +1,10 @@
 """Command line: `gpuguard watch` (the daemon), `gpuguard check` (one pass, a preflight), `gpuguard version`,
-`gpuguard status`, `gpuguard release` and `gpuguard uninstall` (the operator's, on the cluster).
+`gpuguard status`, `gpuguard release` and `gpuguard uninstall` (the operator's, on the cluster), `gpuguard
+explain` (why a node's GPUs were taken: its evidence, on the node or from the cluster).
 
 The only package that reads flags and the environment: each flag declared once in `flags` (its default is
-its settings field's), the settings built from them in `settings`, the commands in `commands` and `cluster`.
+its settings field's), the settings built from them in `settings`, the commands in `commands`, `cluster`
+and `explain`.
 Every flag can also come from env `GPUGUARD_<FLAG_NAME>` (e.g. GPUGUARD_INTERVAL); --node also from
 NODE_NAME (the downward API). Exit codes: 0 ok/healthy, 1 unhealthy (check), 2 usage or configuration error:
 one line, no traceback; 3 no NVML library; 4 (status, release, uninstall) the API server is unreachable or
@@ -24,6 +26,7 @@ from gpuguard.cli.commands import (
     version,
     watch,
 )
+from gpuguard.cli.explain import explain
 from gpuguard.cli.flag import from_environment
 
 from_environment(cli)
@@ -38,6 +41,7 @@ __all__ = [
     "NO_NVML_HINT",
     "check",
     "cli",
+    "explain",
     "main",
     "release",
     "status",

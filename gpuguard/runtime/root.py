@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # the watch's parts: imported where they are built, not by `c
     from gpuguard.quarantine.repeat.offenders import RepeatOffenders
     from gpuguard.runtime import checknode
     from gpuguard.runtime.agent import Agent
+    from gpuguard.runtime.evidence import EvidenceRecorder
 
 log = structlog.get_logger(__name__)
 
@@ -154,11 +155,13 @@ class Parts:
     rules_watch: WatchedRules | None
     delay: float
     evictor: Evictor | None = None
+    evidence: EvidenceRecorder | None = None
 
     @property
     def background(self) -> list[Background]:
-        """What runs beside the agent's loop, in the order started: the fleet's watches, then the evictor."""
-        return [b for b in (self.fleet, self.rules_watch, self.evictor) if b is not None]
+        """What runs beside the agent's loop, in the order started: the fleet's watches, the evictor, the
+        evidence recorder."""
+        return [b for b in (self.fleet, self.rules_watch, self.evictor, self.evidence) if b is not None]
 
     def status(self) -> AgentStatus:
         """The agent's status plus what the device source found (which DeviceTaintRule API is served)."""
@@ -245,6 +248,17 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         repeat=repeat_offenders(cfg, durable=state is not None),
     )
     evictor = make_evictor(cfg, connect, reconciler, metrics)
+    evidence = None
+    if state is not None:  # the evidence kept at detection, beside the state (gpuguard.runtime.evidence)
+        from gpuguard.runtime.evidence import recorder  # noqa: PLC0415
+
+        evidence = recorder(cfg, lambda: reconciler.status)
+    observers = [o.observe for o in (evictor, evidence) if o is not None]
+
+    def observe(verdict: Verdict) -> None:
+        for o in observers:
+            o(verdict)
+
     agent = Agent(
         backend=backend,
         reconciler=reconciler,
@@ -258,7 +272,7 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         flap_window=cfg.node.flap_window,
         library_wait=None if cfg.backend != "nvml" or cfg.policy.allow_no_gpu else cfg.nvml_load_timeout,
         call_wait=float(getattr(backend, "longest_wait", 0.0)),
-        on_verdict=evictor.observe if evictor is not None else None,
+        on_verdict=observe if observers else None,
         signal_config=cfg.signals_config,
         uptime=uptime if cfg.backend == "nvml" else 0.0,  # a mock scenario's node boots with it
         recover_after=cfg.node.recover_after,
@@ -275,6 +289,7 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         rules_watch=rules_watch,
         delay=delay,
         evictor=evictor,
+        evidence=evidence,
     )
 
 
