@@ -160,3 +160,33 @@ def test_a_mark_is_recorded_once_while_it_holds_and_not_again_after_a_restart_in
     rebooted.observe(sick)
     assert not rebooted._queue.empty()
     assert [r["kind"] for r in read(tmp_path / FILE_NAME)] == ["fault", "degraded"]
+
+
+def test_the_unhealthy_events_message_names_each_xids_catalog_bucket_where_it_fits_whole() -> None:
+    from gpuguard.core.config import NodeSettings, PolicySettings
+    from gpuguard.core.model import GpuReading, Snapshot, XidEvent
+    from gpuguard.judge.policy import evaluate
+    from gpuguard.quarantine.node.view import NodeView
+    from gpuguard.quarantine.reconciler import NodeReconciler
+    from harness.fakes import FakeNodeWriter
+    from harness.judging import hand_over
+
+    def message(xids: int) -> str:
+        gpus = tuple(GpuReading(index=i, uuid=f"GPU-{i}") for i in range(xids))
+        events = tuple(XidEvent(gpu_index=i, uuid=f"GPU-{i}", code=79) for i in range(xids))
+        sick = evaluate(Snapshot(gpus=gpus, xids=events), previous=None, settings=PolicySettings())
+        writer = FakeNodeWriter(NodeView(name="gpu-1", resource_version="1", boot_id="b"))
+        r = NodeReconciler(writer, NodeSettings(name="gpu-1"))
+        hand_over(r, sick, 0)
+        r.reconcile_now()
+        (event,) = writer.events
+        return event.message
+
+    assert (
+        message(1)
+        == "xid-79: GPU has fallen off the bus (GPU 0, GPU-0) [xid-79: Xid catalog bucket RESTART_BM]"
+    )
+    crowded = message(24)  # the faults' own words fill the Event's 1 KiB: no room for the rules
+    assert "[xid-79" not in crowded and crowded.startswith(
+        "xid-79: GPU has fallen off the bus (GPU 0, GPU-0);"
+    )

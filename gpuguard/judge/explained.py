@@ -4,9 +4,11 @@ threshold and window, --ecc-threshold) and what would clear it, for the evidence
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from gpuguard.core import model
+from gpuguard.core.model import Fault
 from gpuguard.core.signaltable import SignalTable
 from gpuguard.core.xids import CATALOG
 
@@ -56,6 +58,17 @@ def rule(reason: str, *, signals: SignalTable, ecc_threshold: int) -> dict[str, 
             "measure": s.measure or s.reading,
         }
     return {"rule": reason}
+
+
+def brief(faults: Iterable[Fault], message: str) -> str:
+    """The catalog's bucket of each Xid fault `message` names, for an Event ("xid-79: RESTART_BM"): the rule
+    that fired where operators look first; "" when none does."""
+    seen: dict[str, str] = {}
+    for f in faults:
+        code = _code(f.reason, "xid-")
+        if code is not None and f.message in message:
+            seen[f.reason] = f"{f.reason}: Xid catalog bucket {CATALOG.bucket(code) or 'none given'}"
+    return "; ".join(seen.values())
 
 
 def clears(reason: str, *, signals: SignalTable) -> str:
