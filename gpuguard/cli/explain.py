@@ -41,7 +41,7 @@ WIDTH = 100
     "--state-dir", default=STATE_DIR, show_default=True, help="The agent's --state-dir, on the node."
 )
 @click.option("--gpu", default=None, help="Only this GPU: its UUID or index.")
-@click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
 def explain(kubeconfig: str | None, node: str | None, state_dir: str, gpu: str | None, output: str) -> int:
     """Why a node's GPUs were taken: the timeline of each fault with its evidence, the rule that fired and
     what would clear it. On the node it reads --state-dir; with --node, what the node carries on the API
