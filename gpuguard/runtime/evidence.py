@@ -77,6 +77,7 @@ class EvidenceRecorder:
         self._queue: queue.Queue[tuple[Verdict, list[tuple[str, Fault]], NodeStatus, float] | None]
         self._queue = queue.Queue(maxsize=QUEUE_MOST)
         self._thread: threading.Thread | None = None
+        self._last: Verdict | None = None
         # The marks of the last verdict: one that ends and comes back is a new detection. Those recorded
         # earlier in this boot are not recorded again after a restart (the faults the state file restores).
         self._seen = {str(r.get("key")) for r in store.load() if r.get("boot_id") == boot_id and boot_id}
@@ -92,6 +93,9 @@ class EvidenceRecorder:
 
     def observe(self, verdict: Verdict) -> None:
         """Called with every verdict, on the agent's thread: cheap unless a mark is new."""
+        if verdict is self._last:
+            return  # the agent keeps the one object while nothing changed: a steady node's every check
+        self._last = verdict
         marks = [("fault", f) for f in _faults(verdict)] + [("degraded", f) for f in _degraded(verdict)]
         new = [(kind, f) for kind, f in marks if f.key not in self._seen]
         self._seen = {f.key for _, f in marks}
