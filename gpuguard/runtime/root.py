@@ -248,11 +248,9 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         repeat=repeat_offenders(cfg, durable=state is not None),
     )
     evictor = make_evictor(cfg, connect, reconciler, metrics)
-    evidence = None
-    if state is not None:  # the evidence kept at detection, beside the state (gpuguard.runtime.evidence)
-        from gpuguard.runtime.evidence import recorder  # noqa: PLC0415
+    from gpuguard.runtime.evidence import recorder  # noqa: PLC0415 - the evidence kept at detection, in --state-dir
 
-        evidence = recorder(cfg, lambda: reconciler.status)
+    evidence = recorder(cfg, lambda: reconciler.status) if state is not None else None
     observers = [o.observe for o in (evictor, evidence) if o is not None]
 
     def observe(verdict: Verdict) -> None:
