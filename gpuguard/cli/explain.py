@@ -163,9 +163,10 @@ def text(doc: dict[str, Any]) -> str:
 
 
 def _wrapped(lines: list[str]) -> list[str]:
-    """Each line within WIDTH columns, a continuation under its label's text."""
-    out = []
-    for line in lines:
+    """Each line within WIDTH columns, a continuation under its label's text; the heading (the node and
+    where it was read: a path is copied whole) is never wrapped."""
+    out = lines[:1]
+    for line in lines[1:]:
         label = len(line) - len(line.lstrip()) + (10 if line.startswith("    ") else 2)
         out.extend(textwrap.wrap(line, WIDTH, subsequent_indent=" " * label, break_on_hyphens=False) or [""])
     return out
