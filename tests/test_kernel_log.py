@@ -231,10 +231,14 @@ def test_with_nvml_hung_a_log_xid_is_still_written(fakenvml: Path, tmp_path: Pat
     log = KernelLog(tmp_path / "kmsg")
     with agent(fakenvml, s, "--nvml-call-timeout", "1", "--kernel-log", str(log.path)) as p:
         s.write_text(TWO + "hang nvmlDeviceGetCount\nhang nvmlEventSetWait\n")
-        watch_until(p, lambda d: d["nvml_stuck_calls"], 5)
+        # The limits only bound a wait on a loaded machine: the agent answers well within a second or two.
+        watch_until(p, lambda d: d["nvml_stuck_calls"], 15)
         log.xid("0000:3c:00", 79)  # the fake's GPU 1: 00000000:3C:00.0
-        doc, _, codes = watch_until(p, lambda d: "xid-79" in reasons_of(d, "GPU-0b") and d["tainted"], 6)
+        doc, _, codes = watch_until(p, lambda d: "xid-79" in reasons_of(d, "GPU-0b") and d["tainted"], 15)
         assert "xid-79" in reasons_of(doc, "GPU-0b") and doc["tainted"], doc
         assert codes == {200} and doc["nvml_stuck_calls"]
-        patches = [e for e in p.events("node.dry_run") if "xid-79" in str(e.get("patch"))]
-        assert patches, p.lines[-20:]
+        # /healthz may say so a moment before the patch's log line is read from the agent's output.
+        deadline = time.monotonic() + 10
+        while not [e for e in p.events("node.dry_run") if "xid-79" in str(e.get("patch"))]:
+            assert time.monotonic() < deadline, p.lines[-20:]
+            time.sleep(0.05)
