@@ -17,6 +17,7 @@ from structlog.testing import capture_logs
 from gpuguard.core.errors import TransientApiError
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import kubeconfig as kc
+from gpuguard.kube import nodes
 from gpuguard.kube.bounded import Dropped, Lines, Splitter, TooLarge, dropped_event
 from gpuguard.kube.listwatch import ListWatch
 from harness.fakes import http_server
@@ -174,3 +175,11 @@ def test_a_watch_event_over_the_cap_makes_its_object_absent_and_the_watch_goes_o
     _, items = lw.snapshot()
     assert [i["metadata"]["name"] for i in items] == ["b"]  # "a" over the cap: absent, as in a list
     assert counted == ["watch things"]
+
+
+def test_a_list_of_nodes_by_selector_keeps_no_managed_fields(server: str) -> None:
+    """The count of a fleet's GPU nodes is one unpaged list: each node loses its managedFields on arrival."""
+    client = kubeclient.Client(kc.Credentials(server=server), user_agent="t")
+    Recorder.replies = [(200, {}, dumps({"metadata": {}, "items": [item(f"n{i}", 100) for i in range(3)]}))]
+    got = nodes.select(client, "gpu=true", what="count GPU nodes", metadata_only=True)
+    assert [i["metadata"] for i in got] == [{"name": f"n{i}", "resourceVersion": "5"} for i in range(3)]
