@@ -43,7 +43,7 @@ log = structlog.get_logger(__name__)
 _MAX_MESSAGE = 300
 # The most bytes of one object a read keeps (a list's item, a watch's event), unless its reader says less: an
 # honest node or rule is a few KiB to a few hundred (a node's 256 KiB of annotations at most), and etcd
-# stores no object over 1.5 MiB. A larger one is dropped as it streams (`Client.dropped`), never held whole.
+# stores no object over 1.5 MiB. A larger one is dropped as it streams (counted: `dropped`), never kept.
 MAX_OBJECT = 1024 * 1024
 # The most bytes of an answer kept whole besides its items (one object read, a list's envelope): the API
 # server refuses any request body over 3 MiB, so no object it serves is larger.
