@@ -113,11 +113,11 @@ def node_facts(cfg: Config) -> checknode.NodeFacts:
 class Connection:
     """The agent's one client to the API server, made at its first use and then shared by everything that
     sends a request (the node writer, the device source, the budget's and the rules' watches), so that one
-    client-side rate limit (--api-qps, --api-burst) holds all of the agent's requests. A kubeconfig that
-    cannot be used raises at each use (gpuguard.core.errors), as its reader does."""
+    client-side rate limit (--api-qps, --api-burst) holds all of the agent's requests; `dropped` counts the
+    objects its reads drop. An unusable kubeconfig raises at each use (gpuguard.core.errors)."""
 
-    def __init__(self, settings: NodeSettings) -> None:
-        self._settings = settings
+    def __init__(self, settings: NodeSettings, dropped: Callable[[str], None] | None = None) -> None:
+        self._settings, self._dropped = settings, dropped
         self._client: kubeclient.Client | None = None
         self._lock = threading.Lock()
 
@@ -128,7 +128,8 @@ class Connection:
         with self._lock:
             if self._client is None:
                 s = self._settings
-                self._client = kubeclient.load(s.kubeconfig, rate_limiter=RateLimiter(s.api_qps, s.api_burst))
+                limit = RateLimiter(s.api_qps, s.api_burst)
+                self._client = kubeclient.load(s.kubeconfig, rate_limiter=limit, dropped=self._dropped)
             return self._client
 
 
@@ -189,7 +190,7 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
     from gpuguard.store.state import StateStore, read_boot_id  # noqa: PLC0415
 
     metrics = Metrics(REGISTRY if registry is None else registry, dry_run=cfg.node.dry_run)
-    connect = Connection(cfg.node)
+    connect = Connection(cfg.node, metrics.object_dropped)
     writer = make_writer(cfg.node, connect, metrics)
     # What the API server answered, one view for the reconciler and the budget's watch (/healthz "api").
     api_state = ApiState(cfg.node.name or DRY_RUN_NODE, backoff=cfg.node.refusal_backoff)
