@@ -15,6 +15,7 @@ Each line is printed with the run's date (docs/security.md).
 from __future__ import annotations
 
 import json
+import os
 import select
 import socket
 import ssl
@@ -38,7 +39,10 @@ from tests.integration.test_admission import agent_core
 pytestmark = pytest.mark.timeout(900)
 
 FLOOD = 600
-PATCHES = 50
+# `make test` sends 20 patches a configuration (a starved one costs 15 s a round of LANES); docs/security.md's
+# figures come from GPUGUARD_APF_PATCHES=50 and GPUGUARD_APF_EXPERIMENT=1 (the reads-apart experiment).
+PATCHES = int(os.environ.get("GPUGUARD_APF_PATCHES", "20"))
+EXPERIMENT = os.environ.get("GPUGUARD_APF_EXPERIMENT") == "1"
 LANES = 10
 TRICKLE_S = 4.0
 EVENTS_SCHEMA = "gpuguard-events"
@@ -349,6 +353,9 @@ def test_under_a_sustained_flood_of_slow_patches_a_real_agents_fault_taint_lands
     day = datetime.now(UTC).strftime("%Y-%m-%d")
     took = taint_under_flood(admin, control_plane, fakenvml, tmp_path)
     print(f"{day} a real agent's fault taint under the flood, one level: landed after {took:.1f} s")
+    assert took < 300
+    if not EXPERIMENT:
+        return
     schemas: Any = kubernetes.client.FlowcontrolApiserverV1Api(admin.api)
     schemas.create_priority_level_configuration(READS_LEVEL)
     schemas.create_flow_schema(READS_SCHEMA)
@@ -359,4 +366,4 @@ def test_under_a_sustained_flood_of_slow_patches_a_real_agents_fault_taint_lands
         schemas.delete_flow_schema(READS)
         schemas.delete_priority_level_configuration(READS)
     print(f"{day} a real agent's fault taint under the flood, reads apart: landed after {apart:.1f} s")
-    assert took < 300 and apart < 300
+    assert apart < 300
