@@ -13,10 +13,9 @@ from typing import Any
 import click
 
 from gpuguard.cli.commands import EXIT_API, EXIT_OK, EXIT_UNHEALTHY, cli
-from gpuguard.cli.flag import Finite
 from gpuguard.cli.flags import FLAGS
+from gpuguard.cli.releasing import request_options
 from gpuguard.core import validation
-from gpuguard.core.config import RELEASE_WAIT
 from gpuguard.core.errors import ConfigError, GpuguardError, NodeUpdateError, TransientApiError
 
 
@@ -48,12 +47,7 @@ def status(kubeconfig: str | None, output: str) -> int:
 @FLAGS["kubeconfig"].option()
 @click.option("--node", required=True, help="The node whose held GPUs to release.")
 @click.option("--gpu", default=None, help="The GPU's UUID (default: every held GPU of the node, '*').")
-@click.option("--by", default=None, help="Who releases it, as the history records it (default: $USER).")
-@click.option("--force", is_flag=True, default=False, help="Replace a release its agent has not handled yet.")
-@click.option("--wait", is_flag=True, default=False, help="Wait until the agent has lifted the hold.")
-@click.option(
-    "--timeout", type=Finite(minimum=0), default=RELEASE_WAIT, show_default=True, help="Seconds --wait waits."
-)
+@request_options("release")
 def release(
     *,
     kubeconfig: str | None,
@@ -72,7 +66,7 @@ def release(
     usage error; 4 the API server is unreachable or refused the request."""
     from gpuguard.cli import releasing  # noqa: PLC0415
     from gpuguard.kube import nodes  # noqa: PLC0415
-    from gpuguard.quarantine.repeat.release import ALL, annotation, parse  # noqa: PLC0415
+    from gpuguard.quarantine.repeat.release import ALL, ANN_RELEASE, annotation, parse  # noqa: PLC0415
 
     who = by if by is not None else os.environ.get("USER") or "unknown"
     gpu = gpu if gpu is not None else ALL
@@ -93,9 +87,10 @@ def release(
         click.echo(f"{node}: release of {gpu} by {who} written; the agent lifts the hold at its next re-read")
         if not wait:
             return EXIT_OK
-        outcome = releasing.wait(api, node, gpu, text, timeout=timeout)
+        seen = releasing.follow(api, node, ANN_RELEASE, text, timeout=timeout)
     except GpuguardError as exc:
         return _api_failed("release", api, exc)
+    outcome = releasing.released(seen, node, gpu, timeout)
     click.echo(outcome.message, err=not outcome.done)
     return EXIT_OK if outcome.done else EXIT_UNHEALTHY
 

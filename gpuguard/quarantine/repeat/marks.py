@@ -21,6 +21,7 @@ from gpuguard.quarantine.node.view import (
     NodeChange,
     NodeView,
 )
+from gpuguard.quarantine.repeat.hold import ANN_HOLD
 from gpuguard.quarantine.repeat.release import ANN_RELEASE
 
 MAX_LISTED = 16
@@ -31,8 +32,16 @@ def listed(held: Mapping[str, int]) -> str:
     return json.dumps(dict(sorted(held.items())[:MAX_LISTED]), sort_keys=True, separators=(",", ":"))
 
 
-def marks(node: NodeView, held: Mapping[str, int], *, handled_release: str | None) -> NodeChange | None:
-    """The write that brings the node's repair marks in line with `held` (UUID -> episodes), or None."""
+def marks(
+    node: NodeView,
+    held: Mapping[str, int],
+    *,
+    handled_release: str | None,
+    handled_hold: str | None = None,
+    published: tuple[str, str | None] | None = None,
+) -> NodeChange | None:
+    """The write that brings the node's repair marks in line with `held` (UUID -> episodes), or None; with
+    `published` (an annotation key and its value, None: none) the GPU history's summary too."""
     annotations: dict[str, str | None] = {}
     labels: dict[str, str | None] = {}
     event = None
@@ -59,8 +68,15 @@ def marks(node: NodeView, held: Mapping[str, int], *, handled_release: str | Non
             annotations[ANN_REPAIR_PLACED] = None
             if LABEL_NEEDS_REPAIR in node.labels:
                 labels[LABEL_NEEDS_REPAIR] = None
-    if handled_release is not None and ann.get(ANN_RELEASE) == handled_release:
-        annotations[ANN_RELEASE] = None
+    for key, handled in ((ANN_RELEASE, handled_release), (ANN_HOLD, handled_hold)):
+        if handled is not None and ann.get(key) == handled:
+            annotations[key] = None
+    if (
+        published is not None
+        and ann.get(published[0]) != published[1]
+        and (published[1] or published[0] in ann)
+    ):
+        annotations[published[0]] = published[1]
     if not annotations and not labels:
         return None
     return NodeChange(action="repair", annotations=annotations, labels=labels, event=event)
