@@ -23,10 +23,16 @@ from gpuguard.core.errors import ConfigError, GpuguardError, NodeUpdateError, Tr
 @FLAGS["kubeconfig"].option()
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
 def status(kubeconfig: str | None, output: str) -> int:
-    """The cluster view for an operator: nodes quarantined by gpuguard, and GPUs held out by its DRA device
-    taint rules (the per-GPU quarantine), with reason, since and GPU; and the degraded nodes and GPUs (the
-    DEGRADED column: their signals). Exit 0; 2 a kubeconfig that cannot work; 4 the API server is
+    """The fleet at a glance, then what gpuguard holds. A first line sums up: the GPU nodes, how many have a
+    ready agent and how many none (named below), the quarantine budget used of its limit, the nodes gated,
+    quarantined, degraded and the repeat offenders. Then the nodes quarantined by gpuguard and the GPUs held
+    out by its DRA device taint rules (the per-GPU quarantine), with reason, since and GPU, and the degraded
+    nodes and GPUs (the DEGRADED column: their signals and GPUs). -o json: the same as one object. Reads
+    nodes, gpuguard's DaemonSets and their pods. Exit 0; 2 a kubeconfig that cannot work; 4 the API server is
     unreachable or refused the request."""
+    from gpuguard.cli import fleet  # noqa: PLC0415
+    from gpuguard.kube import daemonsets, pods  # noqa: PLC0415
+    from gpuguard.kube import nodes as kubenodes  # noqa: PLC0415
     from gpuguard.quarantine.gpu.writers import quarantined_gpus  # noqa: PLC0415
     from gpuguard.quarantine.node.writers import degraded_nodes, quarantined_nodes  # noqa: PLC0415
 
@@ -35,12 +41,25 @@ def status(kubeconfig: str | None, output: str) -> int:
         nodes = quarantined_nodes(api)
         degraded = degraded_nodes(api, skip={str(r["node"]) for r in nodes})
         rows = [_printable(r) for r in (*nodes, *degraded, *quarantined_gpus(api))]
+        agents = [fleet.agents_of(d) for d in daemonsets.items(api, AGENT_SELECTOR)]
+        view = fleet.fleet(
+            kubenodes.select(api, "", what="list nodes"), agents, pods.selected(api, AGENT_SELECTOR), rows
+        )
     except GpuguardError as exc:
         return _api_failed("status", api, exc)
     from gpuguard.cli import report  # noqa: PLC0415
 
-    click.echo(json.dumps(rows, indent=2) if output == "json" else report.status_table(rows))
+    if output == "json":
+        doc = {"summary": view.summary(), "fleet": view.as_json(), "rows": rows}
+        click.echo(json.dumps(_printable(doc), indent=2))
+    else:
+        # The rows are clean already; the table's own line breaks are not the cluster's.
+        click.echo("\n".join([*_printable([view.summary(), *view.notes()]), report.status_table(rows)]))
     return EXIT_OK
+
+
+# gpuguard's own objects (the DaemonSet and its pods), in the chart and the plain files alike.
+AGENT_SELECTOR = "app.kubernetes.io/name=gpuguard"
 
 
 @cli.command()
@@ -149,7 +168,7 @@ def _warn_while_agents_run(api: Any) -> None:
     from gpuguard.kube import daemonsets  # noqa: PLC0415
 
     try:
-        running = daemonsets.names(api, "app.kubernetes.io/name=gpuguard")
+        running = daemonsets.names(api, AGENT_SELECTOR)
     except NodeUpdateError as exc:
         why = f"HTTP {exc.status}" if exc.status else "no answer"
         click.echo(f"gpuguard: warning: uninstall: could not list gpuguard's DaemonSets ({why})", err=True)

@@ -56,7 +56,7 @@ def history(kubeconfig: str | None, node: str, gpu: str | None, output: str) -> 
         doc = {"node": node, "gpus": {u: asdict(g) for u, g in gpus.items()}, "more": found.more}
         click.echo(json.dumps(_printable(doc), indent=2))
     else:
-        click.echo(_printable(table(node, gpus, more=found.more)))
+        click.echo(table(node, gpus, more=found.more))
     return EXIT_OK
 
 
@@ -82,9 +82,11 @@ def table(node: str, gpus: dict[str, GpuSummary], *, more: int = 0) -> str:
         rows += [(uuid, _at(t), what, detail) for t, what, detail in sorted(events)]
         if g.episodes_total > len(g.episodes) or g.releases_total > len(g.releases):
             notes.append(
-                f"{uuid}: the last {len(g.episodes)} of {g.episodes_total} episodes and {len(g.releases)} of "
-                f"{g.releases_total} releases shown (the node's summary; the agent's history.json keeps more)"
+                f"{validation.printable(uuid)}: the last {len(g.episodes)} of {g.episodes_total} episodes "
+                f"and {len(g.releases)} of {g.releases_total} releases shown (the node's summary; "
+                "the agent's history.json keeps more)"
             )
+    rows = [tuple(validation.printable(c) for c in r) for r in rows]  # what the node holds, for a terminal
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)) + "  " + r[3] for r in rows]
     return "\n".join([first, *lines, *notes])
