@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from gpuguard.quarantine.node.view import ANN_REPEAT_OFFENDERS, LABEL_NEEDS_REPAIR
+from gpuguard.quarantine.node.view import ANN_REPEAT_OFFENDERS, LABEL_NEEDS_REPAIR, NodeView
 from gpuguard.quarantine.repeat import hold, published
 from gpuguard.quarantine.repeat.escalation import Limits, held_faults
+from gpuguard.quarantine.repeat.marks import marks
 from gpuguard.store.history import Episode, GpuHistory, HistoryStore, Release
 from tests.test_repeat import DAY, HEALTHY, SETTINGS, T0, XID, Node, release
 
@@ -142,3 +143,15 @@ def _gpu(**over: object) -> str:
 def test_the_reader_refuses_a_summary_the_agent_would_never_write(text: str) -> None:
     with pytest.raises(ValueError, match=r"."):
         published.read(text)
+
+
+def test_the_summary_rides_on_a_write_that_happens_anyway_never_one_of_its_own() -> None:
+    """A per-GPU fault and its recovery cost their DeviceTaintRule's requests only
+    (tests/integration/test_requests_per_transition.py): the summary waits for the node's next write."""
+    node = NodeView(name="gpu-1", resource_version="1")
+    summary = (published.ANN_HISTORY, published.summary({"GPU-0": GpuHistory()}))
+    assert marks(node, {}, handled_release=None, published=summary) is None
+    change = marks(node, {}, handled_release=None, published=summary, rides=True)
+    assert change is not None and change.annotations == {published.ANN_HISTORY: summary[1]}
+    held = marks(node, {"GPU-0": 3}, handled_release=None, published=summary)  # a mark's own write
+    assert held is not None and published.ANN_HISTORY in held.annotations

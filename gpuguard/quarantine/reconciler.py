@@ -295,6 +295,7 @@ class NodeReconciler:
             handled_release=self.repeat.handled_release,
             handled_hold=self.repeat.handled_hold,
             published=self.repeat.published,
+            rides=change is not None,
         )
         return with_marks(change, mark)
 

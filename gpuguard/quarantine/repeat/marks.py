@@ -39,9 +39,12 @@ def marks(
     handled_release: str | None,
     handled_hold: str | None = None,
     published: tuple[str, str | None] | None = None,
+    rides: bool = False,
 ) -> NodeChange | None:
     """The write that brings the node's repair marks in line with `held` (UUID -> episodes), or None; with
-    `published` (an annotation key and its value, None: none) the GPU history's summary too."""
+    `published` (an annotation key and its value, None: none) the GPU history's summary too, but only in a
+    write that happens anyway (`rides`: the planned change, or a mark): never a request of its own, which
+    would add one to every per-GPU fault and recovery."""
     annotations: dict[str, str | None] = {}
     labels: dict[str, str | None] = {}
     event = None
@@ -71,12 +74,9 @@ def marks(
     for key, handled in ((ANN_RELEASE, handled_release), (ANN_HOLD, handled_hold)):
         if handled is not None and ann.get(key) == handled:
             annotations[key] = None
-    if (
-        published is not None
-        and ann.get(published[0]) != published[1]
-        and (published[1] or published[0] in ann)
-    ):
-        annotations[published[0]] = published[1]
+    key, text = published or ("", None)
+    if (rides or annotations or labels) and published and ann.get(key) != text and (text or key in ann):
+        annotations[key] = text
     if not annotations and not labels:
         return None
     return NodeChange(action="repair", annotations=annotations, labels=labels, event=event)
