@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from gpuguard.quarantine.node.view import ANN_REPEAT_OFFENDERS, LABEL_NEEDS_REPAIR, NodeView
+from gpuguard.quarantine.node.view import ANN_REPEAT_OFFENDERS, LABEL_NEEDS_REPAIR, NodeChange, NodeView
 from gpuguard.quarantine.repeat import hold, published
 from gpuguard.quarantine.repeat.escalation import Limits, held_faults
-from gpuguard.quarantine.repeat.marks import marks
+from gpuguard.quarantine.repeat.marks import marks, with_marks
 from gpuguard.store.history import Episode, GpuHistory, HistoryStore, Release
 from tests.test_repeat import DAY, HEALTHY, SETTINGS, T0, XID, Node, release
 
@@ -155,3 +155,15 @@ def test_the_summary_rides_on_a_write_that_happens_anyway_never_one_of_its_own()
     assert change is not None and change.annotations == {published.ANN_HISTORY: summary[1]}
     held = marks(node, {"GPU-0": 3}, handled_release=None, published=summary)  # a mark's own write
     assert held is not None and published.ANN_HISTORY in held.annotations
+
+
+def test_the_summary_waits_rather_than_make_a_quarantines_write_too_large() -> None:
+    """One write carries at most 16 KiB of gpuguard's annotations (validation.check_node_patch refuses more):
+    a taint write that already carries nearly that keeps its size, without the summary."""
+    node = NodeView(name="gpu-1", resource_version="1")
+    summary = (published.ANN_HISTORY, "x" * published.MAX_BYTES)
+    mark = marks(node, {}, handled_release=None, published=summary, rides=True)
+    big = NodeChange(action="taint", annotations={"gpuguard.io/reason": "r" * (15 * 1024)}, labels={})
+    assert published.ANN_HISTORY not in (with_marks(big, mark) or big).annotations
+    small = NodeChange(action="taint", annotations={"gpuguard.io/reason": "ecc"}, labels={})
+    assert (with_marks(small, mark) or small).annotations[published.ANN_HISTORY] == summary[1]

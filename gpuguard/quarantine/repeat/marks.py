@@ -13,6 +13,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import replace
 
+from gpuguard.core import validation
 from gpuguard.quarantine.node.view import (
     ANN_REPAIR_PLACED,
     ANN_REPEAT_OFFENDERS,
@@ -22,6 +23,7 @@ from gpuguard.quarantine.node.view import (
     NodeView,
 )
 from gpuguard.quarantine.repeat.hold import ANN_HOLD
+from gpuguard.quarantine.repeat.published import ANN_HISTORY
 from gpuguard.quarantine.repeat.release import ANN_RELEASE
 
 MAX_LISTED = 16
@@ -91,9 +93,13 @@ def with_marks(change: NodeChange | None, mark: NodeChange | None) -> NodeChange
     if mark.event is not None:
         why = f"; {change.event.message}" if change.event is not None else ""
         event = replace(mark.event, message=mark.event.message + why)
-    return replace(
-        change,
-        annotations={**change.annotations, **mark.annotations},
-        labels={**change.labels, **mark.labels},
-        event=event,
-    )
+    annotations = {**change.annotations, **mark.annotations}
+    if _size(annotations) > validation.MAX_ANNOTATION_BYTES:
+        # The history's summary waits for a later write rather than have the whole write refused (the
+        # quarantine with it): one write may carry at most that many bytes of gpuguard's annotations.
+        annotations.pop(ANN_HISTORY, None)
+    return replace(change, annotations=annotations, labels={**change.labels, **mark.labels}, event=event)
+
+
+def _size(annotations: Mapping[str, str | None]) -> int:
+    return sum(len(k.encode()) + len(v.encode()) for k, v in annotations.items() if v is not None)
