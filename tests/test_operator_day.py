@@ -45,6 +45,7 @@ class FakeApi:
             if d["kind"] == "DaemonSet"
         )
         self.patches: list[tuple[str, Any]] = []
+        self.agent: Any = None  # called with the node's annotations at each read after a write: its agent
 
     def request(self, method: str, path: str, *, query: Any = None, body: Any = None, **_: Any) -> Any:
         selector = (query or {}).get("labelSelector", "")
@@ -60,6 +61,8 @@ class FakeApi:
             if method == "PATCH":
                 self.patches.append((node["metadata"]["name"], body))
                 node["metadata"]["annotations"].update(body["metadata"]["annotations"])
+            elif self.agent is not None and self.patches:
+                self.agent(node["metadata"]["annotations"])
             return node
         return {"items": [], "metadata": {}}  # DeviceTaintRules: none
 
@@ -246,3 +249,25 @@ def test_hold_reads_the_node_then_writes_and_says_when_the_agent_reads_it(
     with pytest.raises(Exception, match=r"GPU-5e1c7a2b of gpu-node-2 is already held"):
         run(monkeypatch, api, "hold", "--node", "gpu-node-2", "--gpu", "GPU-5e1c7a2b")
     assert len(api.patches) == 1
+
+
+def test_hold_wait_says_so_when_the_agent_handled_the_hold_without_holding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    api = fleet()
+    api.agent = lambda a: a.pop("gpuguard.io/hold", None)  # refused: not its GPU
+    code, out = run(monkeypatch, api, "hold", "--node", "gpu-node-2", "--gpu", "GPU-0badc0de", "--wait")
+    assert code == 1
+    assert out.splitlines()[-1] == (
+        "gpu-node-2: the agent handled the hold but does not hold GPU-0badc0de (its log says why: "
+        "repeat.hold_refused)"
+    )
+
+    def holds(annotations: dict[str, str]) -> None:
+        annotations.pop("gpuguard.io/hold", None)
+        annotations["gpuguard.io/repeat-offenders"] = '{"GPU-5e1c7a2b":3,"GPU-77aa01c3":0}'
+
+    api = fleet()
+    api.agent = holds
+    code, out = run(monkeypatch, api, "hold", "--node", "gpu-node-2", "--gpu", "GPU-77aa01c3", "--wait")
+    assert code == 0 and out.splitlines()[-1] == "gpu-node-2: the agent holds GPU-77aa01c3"
