@@ -271,3 +271,18 @@ def test_hold_wait_says_so_when_the_agent_handled_the_hold_without_holding(
     api.agent = holds
     code, out = run(monkeypatch, api, "hold", "--node", "gpu-node-2", "--gpu", "GPU-77aa01c3", "--wait")
     assert code == 0 and out.splitlines()[-1] == "gpu-node-2: the agent holds GPU-77aa01c3"
+
+
+def test_a_refusal_shows_what_the_node_holds_with_terminal_escapes_made_visible(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    api = fleet()
+    api.nodes["gpu-node-1"]["metadata"]["annotations"]["gpuguard.io/hold"] = "\x1b]0;pwned\x07"
+    monkeypatch.setattr(kubeclient, "load", lambda *a, **kw: api)
+    result = CliRunner().invoke(
+        cli, ["hold", "--node", "gpu-node-1", "--gpu", "GPU-1"], standalone_mode=False
+    )
+    assert str(result.exception) == (
+        "hold: a hold is already pending on gpu-node-1 (\\x1b]0;pwned\\x07), not yet handled by its agent; "
+        "--force replaces it"
+    )

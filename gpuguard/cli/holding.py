@@ -83,12 +83,9 @@ NOT_REREAD = (
 
 def refusal(view: NodeView, gpu: str, *, force: bool) -> str | None:
     """Why this hold must not be written (one line), or None. Pure."""
-    pending = view.annotations.get(holds.ANN_HOLD)
-    if pending is not None and not force:
-        return (
-            f"a hold is already pending on {view.name} ({pending}), not yet handled by its agent; "
-            "--force replaces it"
-        )
+    pending = releasing.pending_refusal(view, holds.ANN_HOLD, "hold", force=force)
+    if pending is not None:
+        return pending
     if gpu in view.repeat_offenders:
         return f"{gpu} of {view.name} is already held (`gpuguard release` lifts it)"
     return None

@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from gpuguard.cli.flag import Finite
+from gpuguard.core import validation
 from gpuguard.core.config import RELEASE_WAIT
 from gpuguard.core.errors import ConfigError, PermanentApiError
 from gpuguard.kube import client as kubeclient
@@ -65,18 +66,27 @@ def read(api: kubeclient.Client, node: str) -> NodeView:
 def refusal(view: NodeView, gpu: str, *, force: bool) -> str | None:
     """Why this release must not be written (one line), or None. Pure."""
     held = view.repeat_offenders
-    pending = view.annotations.get(ANN_RELEASE)
-    if pending is not None and not force:
-        return (
-            f"a release is already pending on {view.name} ({pending}), not yet handled by its agent; "
-            "--force replaces it"
-        )
-    listed = f" (held: {', '.join(sorted(held))})" if held else ""
+    pending = pending_refusal(view, ANN_RELEASE, "release", force=force)
+    if pending is not None:
+        return pending
+    listed = f" (held: {validation.printable(', '.join(sorted(held)))})" if held else ""
     if gpu == ALL and not held:
         return f"nothing held on {view.name}: no GPU of it is a repeat offender"
     if gpu != ALL and gpu not in held:
         return f"nothing held on {gpu} of {view.name}{listed}"
     return None
+
+
+def pending_refusal(view: NodeView, key: str, what: str, *, force: bool) -> str | None:
+    """Why a request (a release, a hold) must not replace the one its agent has not handled yet, or None.
+    What the node holds is shown with terminal escapes made visible (another writer put it there)."""
+    pending = view.annotations.get(key)
+    if pending is None or force:
+        return None
+    return (
+        f"a {what} is already pending on {view.name} ({validation.printable(pending)}), not yet handled by "
+        "its agent; --force replaces it"
+    )
 
 
 def body(view: NodeView, text: str, *, key: str = ANN_RELEASE) -> dict[str, object]:
