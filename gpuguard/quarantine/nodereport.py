@@ -4,6 +4,7 @@ only when it changes), the Event of each change (best effort) and one log line p
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from datetime import datetime
 
 import structlog
@@ -12,6 +13,7 @@ from gpuguard.core import validation
 from gpuguard.core.config import NodeSettings
 from gpuguard.core.errors import NodeUpdateError
 from gpuguard.core.model import Verdict
+from gpuguard.judge.explained import brief
 from gpuguard.judge.policy import primary
 from gpuguard.quarantine.node.accelerated import owned_by_another, plan_accelerated_condition
 from gpuguard.quarantine.node.degraded import (
@@ -159,7 +161,13 @@ class NodeReport:
             return str(exc)
         return None
 
-    def event(self, node: NodeView, event: EventSpec) -> None:
+    def event(self, node: NodeView, event: EventSpec, verdict: Verdict | None = None) -> None:
+        if verdict is not None and event.reason == "GPUUnhealthy":
+            # The rule that fired, where operators look first; only where it fits the Event's bound whole.
+            rules = brief((*verdict.node_faults, *(f for g in verdict.gpus for f in g.faults)), event.message)
+            message = f"{event.message} [{rules}]"
+            if rules and len(message.encode()) <= validation.MAX_EVENT_MESSAGE_BYTES:
+                event = replace(event, message=message)
         # Best effort: the taint is what protects the scale-out; a lost Event must not block it.
         try:
             self._writer.record_event(node, event)

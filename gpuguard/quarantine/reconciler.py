@@ -263,7 +263,7 @@ class NodeReconciler:
             self._report.change(before, change, verdict)
             self._condition(node, full, flapping, degraded_streak)
             if change.event is not None:
-                self._report.event(node, change.event)
+                self._report.event(node, change.event, verdict)
             if self.budget is not None and self.budget.written(node, change):
                 continue  # past the budget's limit: the next plan is the yield
             if change.action not in DEGRADED_ACTIONS and self._degraded(node, verdict, degraded_streak):
