@@ -289,7 +289,14 @@ class NodeReconciler:
             change = self.budget.gate(node, change, verdict)
         if self.repeat is None:
             return change
-        mark = marks(node, self.repeat.held, handled_release=self.repeat.handled_release)
+        mark = marks(
+            node,
+            self.repeat.held,
+            handled_release=self.repeat.handled_release,
+            handled_hold=self.repeat.handled_hold,
+            published=self.repeat.published,
+            rides=change is not None,
+        )
         return with_marks(change, mark)
 
     def _degraded(self, node: NodeView, verdict: Verdict, degraded_streak: int) -> NodeChange | None:
