@@ -244,7 +244,7 @@ def test_status_as_a_table_prints_no_control_character_from_the_api(api_server: 
     Nodes.items = [HOSTILE]
     out = _status(api_server, tmp_path)
     assert not _controls(out), _controls(out)
-    assert len(out.splitlines()) == 2, out  # the header and one row: no injected line
+    assert len(out.splitlines()) == 3, out  # the fleet's summary, the header and one row: no injected line
     assert "2026-05-31T10:00:00Z\\x1b[2J\\x1b]0;owned\\x07\\u202e\\x9b31m" in out  # shown, harmless
     assert "ecc/GPU-_[1m" in out  # fault keys are sanitised when read (validation.fault_key)
 
@@ -252,7 +252,7 @@ def test_status_as_a_table_prints_no_control_character_from_the_api(api_server: 
 def test_status_as_json_holds_no_control_character_from_the_api(api_server: str, tmp_path: Path) -> None:
     Nodes.items = [HOSTILE]
     out = _status(api_server, tmp_path, "-o", "json")
-    (row,) = json.loads(out)
+    (row,) = json.loads(out)["rows"]
     for value in (row["since"], row["detail"], *row["faults"]):
         assert not _controls(value), value  # even after `jq -r`
     assert row["detail"] == "ecc\\nFAKE ROW\\r"
