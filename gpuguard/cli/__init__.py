@@ -1,5 +1,6 @@
 """Command line: `gpuguard watch` (the daemon), `gpuguard check` (one pass, a preflight), `gpuguard version`,
-`gpuguard status`, `gpuguard release` and `gpuguard uninstall` (the operator's, on the cluster).
+`gpuguard status`, `gpuguard release` and `gpuguard uninstall` (the operator's, on the cluster),
+`gpuguard repair-executor` (the repair executor, a container of its own).
 
 The only package that reads flags and the environment: each flag declared once in `flags` (its default is
 its settings field's), the settings built from them in `settings`, the commands in `commands` and `cluster`.
@@ -25,6 +26,7 @@ from gpuguard.cli.commands import (
     watch,
 )
 from gpuguard.cli.flag import from_environment
+from gpuguard.cli.repairing import repair_executor
 
 from_environment(cli)
 
@@ -40,6 +42,7 @@ __all__ = [
     "cli",
     "main",
     "release",
+    "repair_executor",
     "status",
     "uninstall",
     "version",

@@ -40,6 +40,7 @@ _LINES = {
     "degrade": "node.degraded",
     "degrade-clear": "node.degraded_cleared",
     "repair": "node.repair_marks",
+    "repair-request": "repair.requested",
 }
 
 
@@ -170,6 +171,9 @@ class NodeReport:
                 tainted=change.taints is not None and any(t.key == DEGRADED_TAINT_KEY for t in change.taints),
                 dry_run=self._settings.dry_run,
             )
+            return
+        if change.action == "repair-request":
+            log.info(name, node=before.name, request=dict(change.annotations), dry_run=self._settings.dry_run)
             return
         if change.action in ("recover", "verified", "override", "release-cordon", "repair"):
             if change.action == "override":

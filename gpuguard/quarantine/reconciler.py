@@ -33,6 +33,7 @@ from gpuguard.quarantine.node.view import NodeChange, NodeView
 from gpuguard.quarantine.node.writers import DRY_RUN_NODE, NodeWriter
 from gpuguard.quarantine.nodereport import NodeReport
 from gpuguard.quarantine.record import ANN_REASON, ANN_SINCE
+from gpuguard.quarantine.repair import asking
 from gpuguard.quarantine.repeat.marks import marks, with_marks
 from gpuguard.quarantine.repeat.offenders import RepeatOffenders
 from gpuguard.quarantine.retrypolicy import node_retrying
@@ -220,6 +221,8 @@ class NodeReconciler:
             if self._metrics is not None:
                 index = {g.uuid: g.index for g in verdict.gpus}
                 self._metrics.observe_repeat_offenders(self.repeat.held, index)
+        if self._settings.repair != "off":
+            verdict = asking.hold(node, verdict)  # the GPUs the repair executor holds out of service
         full = verdict
         if self.devices is not None:
             # Per-GPU faults become DeviceTaintRules; the node is planned for what is left (docs/design.md).
@@ -235,6 +238,8 @@ class NodeReconciler:
             change = self._plan(node, verdict, streak, flapping) or self._degraded(
                 node, verdict, degraded_streak
             )
+            if change is None:
+                change = self._ask(node, full)  # the repair request, once the quarantine is in place
             if change is None:
                 self._report.override(node, verdict)
                 self._set_node(node)
@@ -291,6 +296,20 @@ class NodeReconciler:
             return change
         mark = marks(node, self.repeat.held, handled_release=self.repeat.handled_release)
         return with_marks(change, mark)
+
+    def _ask(self, node: NodeView, full: Verdict) -> NodeChange | None:
+        """The repair request (`--repair`): for a GPU whose quarantine is in place, its rule blocking or the
+        node taint on (quarantine/repair/asking.py)."""
+        if self._settings.repair == "off":
+            return None
+        ruled = (
+            {q.uuid for q in self.devices.quarantined if not q.deferred}
+            if self.devices is not None
+            else set()
+        )
+        if node.our_taint is not None and not node.deferred:
+            ruled |= {g.uuid for g in full.gpus}
+        return asking.ask(node, full, in_place=ruled, now=self._now())
 
     def _degraded(self, node: NodeView, verdict: Verdict, degraded_streak: int) -> NodeChange | None:
         """The degraded marks (node/degraded.py): never gated by the budget, never a cordon."""
