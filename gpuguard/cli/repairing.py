@@ -18,22 +18,14 @@ _DEFAULTS = {
 # flag -> (settings field, type, help)
 _OPTIONS: dict[str, tuple[str, Any, str]] = {
     "--node": ("node", str, "The node this executor serves (default: env NODE_NAME)."),
-    "--repair": (
-        "mode",
-        click.Choice(REPAIR_MODES),
-        "on: reset; dry-run: log what it would do; off: nothing.",
-    ),
+    "--repair": ("mode", click.Choice(REPAIR_MODES), "on: reset; dry-run: log, write nothing; off."),
     "--reset-command": ("reset_command", str, "The reset; {index} and {uuid} are filled in."),
     "--validate-command": ("validate_command", str, "Run after the reset reads healthy ('' : none)."),
     "--command-timeout": ("command_timeout_s", float, "Seconds a reset or validation command may run."),
     "--window": ("window_s", float, "A fault back within this many seconds climbs the ladder."),
     "--drain-timeout": ("drain_timeout_s", float, "Seconds its pods may take to leave."),
     "--idle-gap": ("idle_gap_s", float, "Seconds between the two idle proofs."),
-    "--proof-timeout": (
-        "proof_timeout_s",
-        float,
-        "Seconds the GPU may take to read healthy after its reset.",
-    ),
+    "--proof-timeout": ("proof_timeout_s", float, "Seconds the GPU may take to read healthy."),
     "--poll": ("poll_s", float, "Seconds between reads of the node."),
     "--per-hour": ("per_hour", float, "Cluster-wide resets an hour (the pace's refill)."),
     "--burst": ("burst", int, "Cluster-wide resets at once at most."),
