@@ -32,6 +32,8 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
     "--namespace": ("namespace", str, "Where the pace's Lease lives."),
     "--reboot-sentinel": ("reboot_sentinel", str, "kured's sentinel file: the node reboot request."),
     "--kubeconfig": ("kubeconfig", str, "Default: in-cluster."),
+    "--dra-driver": ("dra_driver", str, "The DRA driver whose ResourceSlices publish the GPUs."),
+    "--log-format": ("log_format", click.Choice(["auto", "json", "console"]), "auto: JSON off a terminal."),
     "--pod-resources-socket": ("pod_resources_socket", str, "The kubelet's PodResources socket."),
 }
 

@@ -44,9 +44,14 @@ class RepairSettings:
     two, then six an hour, while the operators look."""
     namespace: str = "gpuguard"
     """Where the pace's Lease lives (the executor's own namespace)."""
-    reboot_sentinel: str = "/var/run/reboot-required"
-    """kured's sentinel (its --reboot-sentinel default), on the host through a hostPath mount: the
-    executor's reboot request."""
+    reboot_sentinel: str = "/var/run/gpuguard-reboot/reboot-required"
+    """The reboot request: a file kured watches (its --reboot-sentinel, or --reboot-sentinel-command that
+    tests this file beside the OS's /var/run/reboot-required), in a host folder of gpuguard's own: a hostPath
+    of the whole /var/run would hand the executor the container runtime's socket."""
+    dra_driver: str = "gpu.nvidia.com"
+    """The DRA driver whose ResourceSlices publish the GPUs (the agent's --dra-driver): a pod that claims
+    the GPU through DRA is found by its device."""
+    log_format: str = "auto"
     api_timeout: float = 10.0
     kubeconfig: str | None = None
     pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"

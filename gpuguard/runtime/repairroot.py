@@ -16,13 +16,15 @@ from typing import Any
 
 import structlog
 
+from gpuguard.core import logs
 from gpuguard.core.model import REPAIR_HELD, Fault, GpuVerdict, Verdict
 from gpuguard.core.repairconfig import RepairSettings
 from gpuguard.eviction import evictor as ev
 from gpuguard.eviction.plan import Faulty, held
 from gpuguard.kube import client as kubeclient
-from gpuguard.kube import events, nodes
+from gpuguard.kube import devicerules, events, nodes
 from gpuguard.kube.podresources.client import PodResourcesClient
+from gpuguard.quarantine.gpu.slices import slice_devices
 from gpuguard.quarantine.repair.executor import Executor
 from gpuguard.quarantine.repair.pace import Bucket, LeasePace
 
@@ -75,17 +77,27 @@ class _Idler:
     """The pods holding a GPU (PodResources), and one round of the evictor of `--evict gpu-pods` for it."""
 
     def __init__(self, s: RepairSettings, api: _Api) -> None:
+        self._s, self._api = s, api
         self._kubelet = PodResourcesClient(s.pod_resources_socket, timeout=s.api_timeout)
         # The request is written only once the GPU's quarantine is in place (quarantine/repair/asking.py).
         self._evictor = ev.Evictor(
             ev.Settings(node=s.node, timeout=s.api_timeout),
             kubelet=self._kubelet,
             api=api,
-            context=lambda: Faulty(frozenset(), node_tainted=True),
+            context=lambda: Faulty(frozenset(), dra_devices=self._devices, node_tainted=True),
         )
+        self._devices: dict[str, tuple[str, str, str]] = {}
+
+    def _read_devices(self) -> None:
+        """The node's DRA devices by UUID (its ResourceSlices), so a pod that claims the GPU is found too."""
+        items = devicerules.slices(self._api(), node=self._s.node, driver=self._s.dra_driver)
+        found = slice_devices(items, driver=self._s.dra_driver, node=self._s.node)
+        self._devices = {u: (d.driver, d.pool, d.device) for u, d in found.items()}
 
     def holders(self, uuid: str) -> tuple[str, ...]:
-        faulty = Faulty(frozenset({uuid}))
+        if uuid not in self._devices:
+            self._read_devices()
+        faulty = Faulty(frozenset({uuid}), dra_devices=self._devices)
         return tuple(sorted(f"{p.namespace}/{p.name}" for p in self._kubelet.list() if held(p, faulty)))
 
     def evict(self, uuid: str) -> None:
@@ -136,6 +148,7 @@ def build(s: RepairSettings) -> Executor:
 
 def run(s: RepairSettings, *, run_for: float | None = None) -> None:
     """Until SIGTERM/SIGINT (or `run_for` seconds, for tests)."""
+    logs.configure(s.log_format)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
