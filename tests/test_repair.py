@@ -21,6 +21,7 @@ from gpuguard.quarantine.repair.values import (
     ANN_REQUEST,
     ANN_STATE,
     MAX_GPUS,
+    REQUEST_TTL_S,
     Record,
     Request,
     parse_record,
@@ -147,7 +148,7 @@ def test_the_agent_asks_for_a_gpu_whose_faults_a_reset_remedies_once_its_quarant
     change = asking.ask(node(), v, in_place={"GPU-it-3"}, now=NOW)
     assert change is not None and change.action == "repair-request"
     asked = parse_request(change.annotations[ANN_REQUEST], node="gpu-a", now=NOW)[0]
-    assert asked == Request("GPU-it-3", "gpu-a", at(asking.REQUEST_TTL_S))
+    assert asked == Request("GPU-it-3", "gpu-a", at(REQUEST_TTL_S))
 
 
 @pytest.mark.parametrize(
@@ -164,7 +165,7 @@ def test_the_agent_asks_nothing_for_a_gpu_with_a_fault_a_reset_does_not_remedy(f
 
 def test_the_agent_keeps_a_fresh_request_renews_an_old_one_and_removes_one_no_longer_wanted() -> None:
     v = verdict(gpu(3, "recovery-gpu-reset"))
-    fresh = Request(UUID, "gpu-a", at(asking.REQUEST_TTL_S)).value()
+    fresh = Request(UUID, "gpu-a", at(REQUEST_TTL_S)).value()
     assert asking.ask(node(**{ANN_REQUEST: fresh}), v, in_place={UUID}, now=NOW) is None
     old = Request(UUID, "gpu-a", at(60)).value()
     renewed = asking.ask(node(**{ANN_REQUEST: old}), v, in_place={UUID}, now=NOW)
@@ -185,9 +186,21 @@ def test_a_gpu_the_executor_holds_is_neither_asked_for_again_nor_let_go() -> Non
     assert asking.hold(rebooted, healthy) == healthy
 
 
+def test_a_request_whose_gpu_waits_for_its_reboot_gives_way_to_the_next_gpu() -> None:
+    record = Record().step(UUID, "reboot-requested", at=NOW, boot="b0").value()
+    n = node(**{ANN_STATE: record, ANN_REQUEST: Request(UUID, "gpu-a", at(60)).value()})
+    v = asking.hold(n, verdict(gpu(3, "recovery-gpu-reset"), gpu(6, "recovery-gpu-reset")))
+    change = asking.ask(n, v, in_place={UUID, "GPU-it-6"}, now=NOW)
+    assert change is not None
+    assert parse_request(change.annotations[ANN_REQUEST], node="gpu-a", now=NOW)[0] == Request(
+        "GPU-it-6", "gpu-a", at(REQUEST_TTL_S)
+    )
+
+
 # -- the executor's ladder ---------------------------------------------------------------------------------
 
 REQ = Request(UUID, "gpu-a", at(600))
+FRESH = Request(UUID, "gpu-a", at(REQUEST_TTL_S))  # asked now, after the reset a minute ago
 
 
 def rec(phase: str, *, ago: float = 60, boot: str = "b0", reset: bool = False) -> Record:
@@ -207,7 +220,15 @@ def rec(phase: str, *, ago: float = 60, boot: str = "b0", reset: bool = False) -
         (REQ, rec("reboot-requested"), "b1", False, "needs-repair", "returned-after-reboot"),
         (REQ, rec("reboot-requested", ago=2 * DAY), "b1", False, "reset", "window-passed"),
         (REQ, rec("needs-repair"), "b1", False, "wait", "needs-repair"),
-        (REQ, rec("proven", reset=True), "b0", False, "reboot", "returned-after-reset"),
+        (FRESH, rec("proven", reset=True), "b0", False, "reboot", "returned-after-reset"),
+        (
+            Request(UUID, "gpu-a", at(-600 + REQUEST_TTL_S)),
+            rec("proven", reset=True),
+            "b0",
+            False,
+            "wait",
+            "proven",
+        ),
         (REQ, rec("proven", ago=2 * DAY, reset=True), "b0", False, "reset", "window-passed"),
         (REQ, rec("vetoed"), "b0", False, "reset", "veto-lifted"),
     ],

@@ -182,9 +182,7 @@ def test_gpu_3_is_reset_proven_and_back_while_its_seven_neighbours_keep_serving(
             evicted = executor.events("eviction.pod_evicted")
             assert [e["pod"] for e in evicted] == [f"{WORKLOADS}/{victim}"]
             assert (tmp_path / "gpus.state.resets").read_text().split() == ["3"]
-            eventually(
-                lambda: device_rule(cluster, rule3) is None, 30, interval=0.1, what="GPU 3's rule lifted"
-            )
+            eventually(lambda: device_rule(cluster, rule3) is None, 30, interval=0.1, what="GPU 3 let go")
             back_at = time.monotonic()
 
             def replaced() -> dict[str, Any] | None:

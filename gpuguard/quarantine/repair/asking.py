@@ -4,8 +4,9 @@ the agent's own quarantine of that GPU stays until the executor proved the reset
 
 A GPU is asked for only when every fault it has is one a reset remedies (`core/remedies.py`, data) and its
 quarantine is in place: its own DeviceTaintRule blocking, or gpuguard's node taint (not deferred) where the
-GPU has no rule. One request per node at a time; a GPU the record holds in this boot is not asked for
-again (the executor climbs its ladder on its own)."""
+GPU has no rule. One request per node at a time, kept while the executor is on it; a GPU the record
+holds in this boot (a reboot asked for, a failed proof) is not asked for again: the executor climbs its
+ladder on its own, and the next GPU's turn comes."""
 
 from __future__ import annotations
 
@@ -19,15 +20,12 @@ from gpuguard.quarantine.node.view import NodeChange, NodeView
 from gpuguard.quarantine.repair.values import (
     ANN_REQUEST,
     ANN_STATE,
-    MAX_TTL_S,
+    REQUEST_TTL_S,
+    UNDER_WAY,
     Request,
     parse_record,
     parse_request,
 )
-
-# A request asks for this long; it is written again once less than half is left.
-REQUEST_TTL_S = 3600
-assert REQUEST_TTL_S <= MAX_TTL_S
 
 
 def remedied_by_reset(g: GpuVerdict) -> bool:
@@ -63,7 +61,8 @@ def ask(
     current, _why = parse_request(node.annotations.get(ANN_REQUEST), node=node.name, now=now)
     record = parse_record(node.annotations.get(ANN_STATE))
     held = record.held(node.boot_id)
-    if current is not None and current.uuid in held:
+    entry = record.get(current.uuid) if current is not None else None
+    if entry is not None and entry.phase in UNDER_WAY and entry.boot == node.boot_id:
         return None  # the executor is on it: the request stays as it is
     wanted = [g for g in verdict.gpus if g.uuid in in_place and g.uuid not in held and remedied_by_reset(g)]
     if not wanted:

@@ -64,6 +64,8 @@ def decide(
         return Step("reset", "window-passed")
     if entry.phase == PROVEN:
         last = entry.resets[-1] if entry.resets else entry.at
+        if request.asked <= last:
+            return Step("wait", "proven")  # the request that was done, until the agent removes it
         if now - last <= timedelta(seconds=window_s):
             return Step("reboot", "returned-after-reset")
         return Step("reset", "window-passed")

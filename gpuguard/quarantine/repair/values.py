@@ -35,6 +35,9 @@ PHASES = (DRAINING, IDLE, RESETTING, VALIDATING, PROVEN, FAILED, REBOOT, NEEDS_R
 HOLDING = frozenset({DRAINING, IDLE, RESETTING, VALIDATING, FAILED, REBOOT, NEEDS_REPAIR})
 UNDER_WAY = frozenset({DRAINING, IDLE, RESETTING, VALIDATING})
 
+# The agent's request asks for this long (written again once less than half is left): its deadline less this
+# is when it was asked, which tells a request written before a proven reset from a fault that came back.
+REQUEST_TTL_S = 3600
 # A request lives at most this long: the admission policy cannot read a clock, so the executor bounds it.
 MAX_TTL_S = 6 * 3600
 MAX_GPUS = 16  # entries kept in the record, the most recently changed first
@@ -68,6 +71,11 @@ class Request:
     uuid: str
     owner: str
     deadline: datetime
+
+    @property
+    def asked(self) -> datetime:
+        """When the agent wrote it (the deadline is always REQUEST_TTL_S after)."""
+        return self.deadline - timedelta(seconds=REQUEST_TTL_S)
 
     def value(self) -> str:
         """The annotation's exact value (the admission policy matches this shape)."""
