@@ -41,7 +41,7 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
 def _options(f: Any) -> Any:
     for flag, (name, kind, help_) in reversed(_OPTIONS.items()):
         dest, default = flag[2:].replace("-", "_"), _DEFAULTS.get(name)
-        env = ["NODE_NAME"] if name == "node" else None
+        env = ["GPUGUARD_NODE", "NODE_NAME"] if name == "node" else None
         f = click.option(flag, dest, type=kind, default=default, help=help_, envvar=env, show_default=True)(f)
     return f
 
