@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,12 +18,11 @@ from typing import Any
 import kubernetes
 import pytest
 
-from gpuguard.quarantine.repair.values import ANN_REQUEST, ANN_STATE, ANN_VETO, parse_record
-from harness.dra import DRIVER, gpu_uuid
+from gpuguard.quarantine.repair.values import ANN_REQUEST, ANN_STATE, ANN_VETO
+from harness.dra import gpu_uuid
 from harness.kube import (
     WORKLOADS,
     Admin,
-    Agent,
     admin_client,
     api_message,
     daemon_pod,
@@ -35,20 +33,15 @@ from harness.kube import (
     read_pod,
     refused_by,
     token_client,
-    token_kubeconfig,
     with_workloads,
 )
-from harness.kubelet import FakeContainer, FakeKubelet, FakePod
-from tests.integration.repairrig import Executor, apply_repair_rbac, executor_token, set_gpu
+from tests.integration.repairrig import apply_repair_rbac, executor_token, reset_gpu_3, scene, set_gpu
 from tests.integration.test_scheduling import (
     CLAIM_TEMPLATE,
     _dra_objects,
     allocated_device,
-    daemon_pod_kubeconfig,
-    device_rule,
     dra_node,
     make_gpu_pod,
-    publish,
 )
 
 pytestmark = pytest.mark.timeout(600)
@@ -70,199 +63,67 @@ def sock() -> Iterator[str]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def pods_of(admin: Admin, selector: str) -> list[dict[str, Any]]:
-    resp = admin.core.list_namespaced_pod(WORKLOADS, label_selector=selector, _preload_content=False)
-    return json.loads(resp.data)["items"]  # type: ignore[no-any-return]
-
-
-def phase(admin: Admin, node: str, uuid: str) -> str | None:
-    ann = admin.node(node)["metadata"].get("annotations") or {}
-    entry = parse_record(ann.get(ANN_STATE)).get(uuid)
-    return None if entry is None else entry.phase
-
-
-def deployment(app: str, pool: str, replicas: int) -> dict[str, Any]:
-    spec = {
-        "nodeSelector": {"repair-test": pool},
-        "terminationGracePeriodSeconds": 1,
-        "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": CLAIM_TEMPLATE}],
-        "containers": [
-            {"name": "server", "image": "registry.example/llm:1", "resources": {"claims": [{"name": "gpu"}]}}
-        ],
-    }
+def gpuguard_reasons(admin: Admin, node: str) -> set[str]:
     return {
-        "metadata": {"name": app},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": {"app": app}},
-            "template": {"metadata": {"labels": {"app": app}}, "spec": spec},
-        },
+        e["reason"] for e in admin.events_for(node) if (e.get("source") or {}).get("component") == "gpuguard"
     }
 
 
 def test_gpu_3_is_reset_proven_and_back_while_its_seven_neighbours_keep_serving(
     cluster: Admin, full_control_plane: Any, fakenvml: Path, tmp_path: Path, sock: str
 ) -> None:
-    pool = f"r{time.monotonic_ns() % 10**9}"
-    app = f"llm-{pool}"
-    node, ds_pod, gpus = dra_node(cluster)
-    cluster.patch_node(node, {"metadata": {"labels": {"repair-test": pool}}})
-    apps: Any = kubernetes.client.AppsV1Api(cluster.api)
-    apps.create_namespaced_deployment(WORKLOADS, deployment(app, pool, 8))
+    with scene(cluster, full_control_plane, lib=fakenvml, work=tmp_path, sock=sock) as s:
+        t = reset_gpu_3(s)
+        victim = s.by_device["gpu-3"]
+        request = json.loads(t.request)
+        assert (request["uuid"], request["owner"]) == (gpu_uuid(s.node, 3), s.node)
+        assert [e["pod"] for e in s.executor.events("eviction.pod_evicted")] == [f"{WORKLOADS}/{victim}"]
+        assert (tmp_path / "gpus.state.resets").read_text().split() == ["3"]
+        replacement = next(p for p in s.pods() if p["metadata"]["name"] not in s.uids and pod_ready(p))
+        assert replacement["spec"]["nodeName"] == s.spare
+        # GPU 3 is back in the schedulable set: a new claim on this node gets it.
+        again = make_gpu_pod(cluster, s.node, claim=CLAIM_TEMPLATE)
+        assert eventually(lambda: allocated_device(cluster, again), 90, what="GPU 3 allocated") == "gpu-3"
+        for name, uid in s.uids.items():
+            if name != victim:
+                now = read_pod(cluster, name)
+                assert now is not None and now["metadata"]["uid"] == uid, name
+                assert now["metadata"].get("deletionTimestamp") is None, name
+        assert {"GPURepairStarted", "GPURepaired"} <= gpuguard_reasons(cluster, s.node)
+        print(
+            f"repair: fault -> rule {t.rule:.2f} s, -> request {t.requested:.2f} s, -> proven "
+            f"{t.proven:.2f} s, -> GPU 3 back in service {t.back:.2f} s; fault -> replacement Ready "
+            f"{t.replaced:.2f} s"
+        )
 
-    def eight_ready() -> list[dict[str, Any]] | None:
-        running = [p for p in pods_of(cluster, f"app={app}") if pod_ready(p)]
-        return running if len(running) == 8 else None
+        # A reset that does not clear: GPU 5 stays out, and the node's reboot is asked for.
+        (tmp_path / "gpus.state.noclear").write_text("")
+        set_gpu(s.state, 5, recovery_action=1)
+        eventually(lambda: s.phase(5) == "reboot-requested", 120, interval=0.2, what="a reboot asked for")
+        assert gpu_uuid(s.node, 5) in s.executor.sentinel.read_text()
+        time.sleep(2)
+        assert s.rule(5) is not None  # kept out
+        assert {"GPURepairFailed", "GPURebootRequested"} <= gpuguard_reasons(cluster, s.node)
 
-    first = eventually(eight_ready, 120, interval=0.3, what="8 replicas Ready")
-    uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in first}
-    devices = {n: eventually(lambda n=n: allocated_device(cluster, n), 20, what=f"{n}'s GPU") for n in uids}  # type: ignore[misc]
-    assert sorted(devices.values()) == [f"gpu-{i}" for i in range(8)]
-    by_device = {d: n for n, d in devices.items()}
-    # Somewhere for a replacement to go, once the eight are placed.
-    spare = make_gpu_node(cluster)
-    publish(cluster, spare)
-    cluster.patch_node(spare, {"metadata": {"labels": {"repair-test": pool}}})
+        # A veto stops it: GPU 6 is asked for, and nothing happens to it or its pod.
+        cluster.patch_node(s.node, {"metadata": {"annotations": {ANN_VETO: "maintenance"}}})
+        set_gpu(s.state, 6, recovery_action=1)
+        vetoed = eventually(lambda: s.executor.events("repair.vetoed"), 30, what="repair.vetoed")
+        assert vetoed[0]["uuid"] == gpu_uuid(s.node, 6)
+        holder = read_pod(cluster, s.by_device["gpu-6"])
+        assert holder is not None and holder["metadata"].get("deletionTimestamp") is None
+        assert s.phase(6) is None
 
-    state = tmp_path / "gpus.state"
-    state.write_text(gpus)
-    for i in range(8):
-        set_gpu(state, i, processes=1)  # each pod's process on its GPU
-    table = [
-        FakePod(WORKLOADS, n, [FakeContainer("server", claims=[(DRIVER, node, d)])])
-        for n, d in devices.items()
-    ]
-    agent_config = daemon_pod_kubeconfig(cluster, full_control_plane, ds_pod, tmp_path)
-    executor_config = tmp_path / "executor.kubeconfig"
-    token_kubeconfig(
-        executor_config,
-        server=full_control_plane.url,
-        ca_path=full_control_plane.ca_path,
-        token=executor_token(cluster, node),
-    )
-    args = ("--repair", "on", "--max-quarantined", "100%", "--node-resync", "1")
-    stop = threading.Event()
-    with FakeKubelet(sock, pods=table) as kubelet:
-
-        def kubelet_follows() -> None:
-            """The kubelet forgets an evicted pod and its process ends, as a real node's would."""
-            while not stop.is_set():
-                for name, device in devices.items():
-                    pod = read_pod(cluster, name)
-                    if (pod is None or pod["metadata"].get("deletionTimestamp")) and any(
-                        p.name == name for p in kubelet.pods
-                    ):
-                        kubelet.remove(WORKLOADS, name)
-                        set_gpu(state, int(device.split("-")[1]), processes=None)
-                stop.wait(0.2)
-
-        follower = threading.Thread(target=kubelet_follows, daemon=True)
-        follower.start()
-        agent = Agent(node=node, kubeconfig=agent_config, state=state, lib=fakenvml, args=args).start()
-        executor = Executor(
-            node=node, kubeconfig=executor_config, state=state, lib=fakenvml, sock=sock
-        ).start()
-        try:
-            eventually(agent.ready, 20, what="agent /readyz")
-            fault_at = time.monotonic()
-            set_gpu(state, 3, recovery_action=1)
-            rule3 = f"gpuguard.{node}.gpu-3"
-            eventually(lambda: device_rule(cluster, rule3), 20, what="GPU 3's DeviceTaintRule")
-            request = eventually(
-                lambda: (cluster.node(node)["metadata"].get("annotations") or {}).get(ANN_REQUEST),
-                20,
-                what="the agent's repair request",
-            )
-            assert json.loads(request)["uuid"] == gpu_uuid(node, 3) and json.loads(request)["owner"] == node
-            victim = by_device["gpu-3"]
-            eventually(
-                lambda: phase(cluster, node, gpu_uuid(node, 3)) == "proven", 120, interval=0.2, what="proven"
-            )
-            proven_at = time.monotonic()
-            evicted = executor.events("eviction.pod_evicted")
-            assert [e["pod"] for e in evicted] == [f"{WORKLOADS}/{victim}"]
-            assert (tmp_path / "gpus.state.resets").read_text().split() == ["3"]
-            eventually(lambda: device_rule(cluster, rule3) is None, 30, interval=0.1, what="GPU 3 let go")
-            back_at = time.monotonic()
-
-            def replaced() -> dict[str, Any] | None:
-                new = [
-                    p
-                    for p in pods_of(cluster, f"app={app}")
-                    if p["metadata"]["name"] not in uids and pod_ready(p)
-                ]
-                return new[0] if new else None
-
-            replacement = eventually(replaced, 90, interval=0.3, what="the replacement Ready")
-            replaced_at = time.monotonic()
-            assert replacement["spec"]["nodeName"] == spare
-            # GPU 3 is back in the schedulable set: a new claim on this node gets it.
-            again = make_gpu_pod(cluster, node, claim=CLAIM_TEMPLATE)
-            assert eventually(lambda: allocated_device(cluster, again), 90, what="GPU 3 allocated") == "gpu-3"
-            for name, uid in uids.items():
-                if name != victim:
-                    now = read_pod(cluster, name)
-                    assert now is not None and now["metadata"]["uid"] == uid, name
-                    assert now["metadata"].get("deletionTimestamp") is None, name
-            reasons = [
-                e["reason"]
-                for e in cluster.events_for(node)
-                if (e.get("source") or {}).get("component") == "gpuguard"
-            ]
-            assert {"GPURepairStarted", "GPURepaired"} <= set(reasons), reasons
-            print(
-                f"repair: fault -> proven {proven_at - fault_at:.2f} s, -> GPU 3 back in service "
-                f"{back_at - fault_at:.2f} s; fault -> replacement Ready {replaced_at - fault_at:.2f} s"
-            )
-
-            # A reset that does not clear: GPU 5 stays out, and the node's reboot is asked for.
-            (tmp_path / "gpus.state.noclear").write_text("")
-            set_gpu(state, 5, recovery_action=1)
-            uuid5 = gpu_uuid(node, 5)
-            eventually(
-                lambda: phase(cluster, node, uuid5) == "reboot-requested",
-                120,
-                interval=0.2,
-                what="reboot asked",
-            )
-            assert executor.sentinel.exists() and uuid5 in executor.sentinel.read_text()
-            time.sleep(2)
-            assert device_rule(cluster, f"gpuguard.{node}.gpu-5") is not None  # kept out
-            reasons = [
-                e["reason"]
-                for e in cluster.events_for(node)
-                if (e.get("source") or {}).get("component") == "gpuguard"
-            ]
-            assert {"GPURepairFailed", "GPURebootRequested"} <= set(reasons), reasons
-
-            # A veto stops it: GPU 6 is asked for, and nothing happens to it or its pod.
-            cluster.patch_node(node, {"metadata": {"annotations": {ANN_VETO: "maintenance"}}})
-            set_gpu(state, 6, recovery_action=1)
-            uuid6 = gpu_uuid(node, 6)
-            eventually(lambda: executor.events("repair.vetoed"), 30, what="repair.vetoed")
-            assert executor.events("repair.vetoed")[0]["uuid"] == uuid6
-            holder6 = read_pod(cluster, by_device["gpu-6"])
-            assert holder6 is not None and holder6["metadata"].get("deletionTimestamp") is None
-            assert phase(cluster, node, uuid6) is None
-
-            # Dry run, veto lifted: it says what it would do and changes nothing.
-            executor.stop()
-            executor = Executor(
-                node=node, kubeconfig=executor_config, state=state, lib=fakenvml, sock=sock, mode="dry-run"
-            ).start()
-            cluster.patch_node(node, {"metadata": {"annotations": {ANN_VETO: None}}})
-            dry = eventually(lambda: executor.events("repair.dry_run"), 30, what="repair.dry_run")
-            assert dry[0]["uuid"] == uuid6 and dry[0]["action"] == "reset"
-            time.sleep(2)
-            holder6 = read_pod(cluster, by_device["gpu-6"])
-            assert holder6 is not None and holder6["metadata"].get("deletionTimestamp") is None
-            assert phase(cluster, node, uuid6) is None
-            assert (tmp_path / "gpus.state.resets").read_text().split() == ["3", "5"]
-        finally:
-            stop.set()
-            executor.stop()
-            agent.stop()
-            apps.delete_namespaced_deployment(app, WORKLOADS)
+        # Dry run, the veto lifted: it says what it would do and changes nothing.
+        s.restart_executor("dry-run")
+        cluster.patch_node(s.node, {"metadata": {"annotations": {ANN_VETO: None}}})
+        dry = eventually(lambda: s.executor.events("repair.dry_run"), 30, what="repair.dry_run")
+        assert (dry[0]["uuid"], dry[0]["action"]) == (gpu_uuid(s.node, 6), "reset")
+        time.sleep(2)
+        holder = read_pod(cluster, s.by_device["gpu-6"])
+        assert holder is not None and holder["metadata"].get("deletionTimestamp") is None
+        assert s.phase(6) is None and s.rule(6) is not None
+        assert (tmp_path / "gpus.state.resets").read_text().split() == ["3", "5"]
 
 
 def test_only_its_own_node_and_only_gpuguards_shape_a_token_can_write(
