@@ -20,7 +20,15 @@ LITERAL_DEFAULTS = (None, False, "", "table")
 OWN_OPTIONS = {("release", "node")} | {
     # the repair executor's settings are its own (core/repairconfig.py), not the agent's
     ("repair-executor", name)
-    for name in ("node", "repair", "kubeconfig", "pod_resources_socket", "dra_driver", "log_format")
+    for name in (
+        "node",
+        "repair",
+        "kubeconfig",
+        "pod_resources_socket",
+        "dra_driver",
+        "log_format",
+        "metrics_port",
+    )
 }
 
 

@@ -33,6 +33,7 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
     "--reboot-sentinel": ("reboot_sentinel", str, "kured's sentinel file: the node reboot request."),
     "--kubeconfig": ("kubeconfig", str, "Default: in-cluster."),
     "--dra-driver": ("dra_driver", str, "The DRA driver whose ResourceSlices publish the GPUs."),
+    "--metrics-port": ("metrics_port", int, "/metrics on this port (0: none)."),
     "--log-format": ("log_format", click.Choice(["auto", "json", "console"]), "auto: JSON off a terminal."),
     "--pod-resources-socket": ("pod_resources_socket", str, "The kubelet's PodResources socket."),
 }

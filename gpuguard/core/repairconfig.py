@@ -52,6 +52,8 @@ class RepairSettings:
     """The DRA driver whose ResourceSlices publish the GPUs (the agent's --dra-driver): a pod that claims
     the GPU through DRA is found by its device."""
     log_format: str = "auto"
+    metrics_port: int = 9848
+    """/metrics (gpuguard_repair_steps_total) on this port; 0: none. The agent's is 9847."""
     api_timeout: float = 10.0
     kubeconfig: str | None = None
     pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
@@ -79,6 +81,8 @@ def validate(s: RepairSettings) -> RepairSettings:
     ):
         if not 0 < value <= 30 * 86400:
             raise ConfigError(f"{name} must be a positive number of at most 30 days")
+    if not 0 <= s.metrics_port <= 65535:
+        raise ConfigError("--metrics-port must be between 0 and 65535")
     if not 1 <= s.burst <= 100:
         raise ConfigError("--burst must be between 1 and 100")
     return s

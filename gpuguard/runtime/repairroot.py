@@ -155,6 +155,10 @@ def run(s: RepairSettings, *, run_for: float | None = None) -> None:
     if run_for is not None:
         threading.Timer(run_for, stop.set).start()
     executor = build(s)
+    if s.metrics_port:
+        from prometheus_client import start_http_server  # noqa: PLC0415
+
+        start_http_server(s.metrics_port)
     _Api(s)()  # a kubeconfig that cannot be used is a usage error now, one line, not a loop of them
     executor.run(stop)
     log.info("repair.stopped", node=s.node)

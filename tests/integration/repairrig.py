@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -125,6 +127,12 @@ def executor_token(admin: Admin, node: str) -> str:
     return str(json.loads(resp.data)["status"]["token"])
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def set_gpu(state: Path, index: int, **keys: object) -> None:
     """Set (or with None remove) keys of GPU `index`'s line in the fake NVML state file."""
     lines = state.read_text().splitlines()
@@ -156,7 +164,7 @@ class Executor:
             *("--pod-resources-socket", sock, "--reboot-sentinel", str(self.sentinel)),
             *("--reset-command", f"{sys.executable} {script} {state} {{index}}"),
             *("--poll", "0.3", "--idle-gap", "0.5", "--proof-timeout", "10", "--drain-timeout", "120"),
-            *("--log-format", "json"),
+            *("--log-format", "json", "--metrics-port", str(free_port())),
         ]
         self.env = {"LD_LIBRARY_PATH": str(lib), "FAKE_NVML_STATE": str(state)}
         self.lines: list[dict[str, Any]] = []
@@ -181,6 +189,11 @@ class Executor:
                 self.lines.append(json.loads(line))
             except json.JSONDecodeError:
                 self.lines.append({"event": "non-json", "line": line.rstrip()})
+
+    def metrics(self) -> str:
+        port = self.args[self.args.index("--metrics-port") + 1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            return str(r.read().decode())
 
     def events(self, name: str) -> list[dict[str, Any]]:
         return [e for e in self.lines if e.get("event") == name]

@@ -90,6 +90,9 @@ def test_gpu_3_is_reset_proven_and_back_while_its_seven_neighbours_keep_serving(
                 assert now is not None and now["metadata"]["uid"] == uid, name
                 assert now["metadata"].get("deletionTimestamp") is None, name
         assert {"GPURepairStarted", "GPURepaired"} <= gpuguard_reasons(cluster, s.node)
+        metrics = s.executor.metrics()
+        for step, result in (("idle", "proven"), ("reset", "done"), ("proof", "proven")):
+            assert f'gpuguard_repair_steps_total{{result="{result}",step="{step}"}} 1.0' in metrics, metrics
         print(
             f"repair: fault -> rule {t.rule:.2f} s, -> request {t.requested:.2f} s, -> proven "
             f"{t.proven:.2f} s, -> GPU 3 back in service {t.back:.2f} s; fault -> replacement Ready "
