@@ -273,6 +273,8 @@ class NodeReconciler:
                 continue  # past the budget's limit: the next plan is the yield
             if change.action not in DEGRADED_ACTIONS and self._degraded(node, verdict, degraded_streak):
                 continue  # one pass writes both levels: the degraded marks next
+            if change.action != "repair-request" and self._ask(node, full) is not None:
+                continue  # the quarantine is in place: the repair request next
             return
         raise TransientApiError(f"node {node.name}: still conflicting after {self._max_conflicts} tries")
 
