@@ -42,6 +42,7 @@ from tests.integration.test_scheduling import (
     allocated_device,
     dra_node,
     make_gpu_pod,
+    type_checking,
 )
 
 pytestmark = pytest.mark.timeout(600)
@@ -184,3 +185,9 @@ def test_only_its_own_node_and_only_gpuguards_shape_a_token_can_write(
     )
     refused_by("gpuguard-repair-executor", lambda: exec_a.patch_node(a, {"spec": {"unschedulable": True}}))
     exec_a.patch_node(a, forged)  # its record: admitted
+
+
+@pytest.mark.parametrize("name", ["gpuguard-repair-request", "gpuguard-repair-executor"])
+def test_the_repair_policies_type_check_without_warnings(cluster: Admin, name: str) -> None:
+    """kube-controller-manager's type checker finds no field the schema lacks and no mismatched types."""
+    assert type_checking(cluster, name).get("expressionWarnings", []) == []
