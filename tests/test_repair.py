@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
+from gpuguard.core.errors import ConflictError, PermanentApiError
 from gpuguard.core.model import REPAIR_HELD, Fault, GpuVerdict, Verdict
 from gpuguard.core.remedies import REMEDIES
 from gpuguard.core.xids import CATALOG
@@ -15,7 +17,7 @@ from gpuguard.nvml.base import GpuAfterReset
 from gpuguard.quarantine.node.view import NodeView
 from gpuguard.quarantine.repair import asking
 from gpuguard.quarantine.repair.ladder import decide
-from gpuguard.quarantine.repair.pace import Bucket, take
+from gpuguard.quarantine.repair.pace import ANN_AT, ANN_TOKENS, Bucket, LeasePace, take
 from gpuguard.quarantine.repair.proof import proof_failures
 from gpuguard.quarantine.repair.values import (
     ANN_REQUEST,
@@ -268,3 +270,40 @@ def test_the_pace_allows_a_burst_then_refills_by_itself_and_a_clock_step_mints_n
     assert take(bucket, left, NOW, at(600))[0] is True  # 10 minutes: one reset's worth again
     assert take(bucket, left, at(3600), NOW)[0] is False  # a time ahead of now refills nothing
     assert take(bucket, 99.0, NOW, NOW) == (True, 1.0)  # a forged count is a full bucket, never more
+
+
+class FakeLeases:
+    """The API server's Lease collection: optimistic concurrency on resourceVersion, as the real one."""
+
+    def __init__(self) -> None:
+        self.lease: dict[str, Any] | None = None
+        self.version = 0
+        self.race: dict[str, str] | None = None  # another executor's write, landing just before ours
+
+    def request(self, method: str, path: str, *, body: Any = None, **_: Any) -> Any:
+        if method == "GET":
+            if self.lease is None:
+                raise PermanentApiError("not found", status=404)
+            return json.loads(json.dumps(self.lease))
+        if self.race is not None:
+            self._store({"metadata": {"name": "x", "namespace": "gpuguard", "annotations": self.race}})
+            self.race = None
+            raise ConflictError("the object has been modified")
+        if method == "PUT" and body["metadata"]["resourceVersion"] != str(self.version):
+            raise ConflictError("the object has been modified")
+        self._store(body)
+        return self.lease
+
+    def _store(self, body: dict[str, Any]) -> None:
+        self.version += 1
+        self.lease = {**body, "metadata": {**body["metadata"], "resourceVersion": str(self.version)}}
+
+
+def test_two_executors_cannot_both_take_the_last_token_of_the_lease() -> None:
+    fake = FakeLeases()
+    pace = LeasePace(lambda: fake, Bucket(per_hour=1, burst=1), namespace="gpuguard", now=lambda: NOW)  # type: ignore[arg-type,return-value]
+    fake.race = {ANN_TOKENS: "0.000", ANN_AT: stamp(NOW)}  # another executor took the only token first
+    assert pace.take() is False  # re-read after the 409: none left
+    assert fake.lease is not None and fake.lease["metadata"]["annotations"][ANN_TOKENS] == "0.000"
+    later = LeasePace(lambda: fake, Bucket(per_hour=1, burst=1), namespace="gpuguard", now=lambda: at(3600))  # type: ignore[arg-type,return-value]
+    assert later.take() is True and later.take() is False  # an hour refilled exactly one
