@@ -35,10 +35,12 @@ $(RUNTIME_STAMP): pyproject.toml
 	touch $@
 
 # The demo: 8 mock GPUs, dry run, no GPU and no cluster needed; healthy, then a fault, then the change it
-# would make to the node. Stops by itself after 8 s.
+# would make to the node. Stops by itself after 8 s. The mock's driver logs its Xids in build/demo-kmsg, read
+# as the kernel log.
 run: $(RUNTIME_STAMP)
+	@mkdir -p build
 	@echo "the demo: 8 mock GPUs in dry run for 8 s (healthy, an ignored Xid 13, an ECC error, a fatal Xid 79)"
-	$(BIN)/gpuguard watch --dry-run --backend mock --interval 0.5 --run-for 8 --listen 127.0.0.1:0 --log-format console
+	$(BIN)/gpuguard watch --dry-run --backend mock --interval 0.5 --run-for 8 --listen 127.0.0.1:0 --log-format console --kernel-log $(CURDIR)/build/demo-kmsg
 
 # The fake libnvidia-ml.so.1 (tests/fakenvml), built with the machine's gcc against NVIDIA's nvml.h (the dev
 # extra installs nvidia-nvml-dev) with -Werror: a signature that differs from nvml.h does not build.

@@ -30,7 +30,7 @@ from types import FrameType
 from typing import Any
 
 from bench import cluster as bench_cluster
-from bench import k8s_bench, nvml_bench
+from bench import k8s_bench, kmsg_bench, nvml_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 Row = tuple[str, str, str, str]
@@ -83,6 +83,7 @@ def nvml_rows(quick: bool) -> tuple[list[Row], dict[int, dict[str, float]]]:
             verdict(xid["p99_ms"] < 100),
         )
     )
+    rows.extend(kmsg_rows(quick))
     ecc = nvml_bench.ecc_latency(samples=4 if quick else 20)
     rows.append(
         (
@@ -127,6 +128,32 @@ def nvml_rows(quick: bool) -> tuple[list[Row], dict[int, dict[str, float]]]:
         )
     )
     return rows, cpu
+
+
+def kmsg_rows(quick: bool) -> list[Row]:
+    """The kernel log as a second source (bench/kmsg_bench.py): its Xids beside NVML's in one agent, and its
+    reader idle on a quiet log."""
+    lat = kmsg_bench.xid_latency(samples=5 if quick else 30)
+    k, n = lat["kmsg"], lat["nvml"]
+    idle = kmsg_bench.reader_idle(seconds=10 if quick else 60)
+    fifo, file = idle["fifo"], idle["file"]
+    return [
+        (
+            f"Kernel-log Xid -> /healthz unhealthy (dry run, --kernel-log a FIFO), --interval 3, 8 GPUs "
+            f"(n={k['n']}); NVML's Xids alternately in the same agent (n={n['n']})",
+            f"{pcts(k)}; NVML's: {pcts(n)}",
+            "p99 < 100 ms, as NVML's",
+            verdict(k["p99_ms"] < 100),
+        ),
+        (
+            f"Kernel-log reader idle on a quiet log, {fifo['seconds']:.0f} s: a FIFO (poll() as on "
+            "/dev/kmsg); a stand-in file (read every 0.5 s)",
+            f"{fifo['cpu_s_per_h']:.3f} CPU-s/h, {fifo['wakeups_per_h']:.0f} wake-ups/h; stand-in file: "
+            f"{file['cpu_s_per_h']:.2f} CPU-s/h, {file['wakeups_per_h']:.0f} wake-ups/h",
+            "< 60 wake-ups/h on a quiet /dev/kmsg (poll() until a record)",
+            verdict(fifo["wakeups_per_h"] < 60),
+        ),
+    ]
 
 
 def curve(cpu: dict[int, dict[str, float]]) -> str:

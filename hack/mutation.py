@@ -61,6 +61,7 @@ MODULES = (
     "gpuguard/judge/cadence.py",
     "gpuguard/judge/streaks.py",
     "gpuguard/judge/flaps.py",
+    "gpuguard/judge/tally.py",
     "gpuguard/judge/unanswered.py",
     "gpuguard/quarantine/repeat/escalation.py",
     "gpuguard/quarantine/repeat/counting.py",
@@ -200,7 +201,7 @@ JUDGED: dict[str, str] = {
     "gpuguard/quarantine/node/budget.py QuarantineBudget.written: return False -> return None #2": _FALSY,
     "gpuguard/quarantine/node/budget.py QuarantineBudget._check_order: '' -> 'XXXX'": "unreachable: a fully "
     "quarantined node has gpuguard.io/since, written in the same patch as the taint",
-    "gpuguard/quarantine/handoff.py Handoff.submit: 0 -> 1": "equivalent: only the cache of the verdict's "
+    "gpuguard/quarantine/handoff.py Handoff._summary: 0 -> 1": "equivalent: only the cache of the verdict's "
     "fault keys; a frozenset is never the verdict, so the keys are computed afresh, the same",
     "gpuguard/quarantine/handoff.py Handoff.wait_idle: left <= 0 -> left < 0": "equivalent: a wait of "
     "exactly 0 s returns at once, and the next pass finds the deadline past",

@@ -92,7 +92,7 @@ def test_the_demos_console_log_fits_a_120_column_terminal_and_loses_nothing() ->
     text = " ".join(line.strip() for line in lines)
     for event in (
         "node.dry_run action=taint",
-        "node.tainted",
+        "transition=node.tainted",
         "xid.ignored",
         "gpu.unhealthy",
         "agent.stopping",
@@ -281,8 +281,9 @@ def test_watch_logs_the_exact_change_it_would_make_in_dry_run(tmp_path: Path) ->
     assert p.wait(30) == 0, p.lines[-10:]
     events = p.lines
     names = [e["event"] for e in events]
-    assert "gpu.unhealthy" in names and "node.tainted" in names
+    assert "gpu.unhealthy" in names and "node.tainted" not in names  # nothing written: no line says so
     dry = next(e for e in events if e["event"] == "node.dry_run")
+    assert dry["transition"] == "node.tainted" and dry["reason"] == "xid-48"
     patch = dry["patch"]  # structured, not a JSON string inside the JSON line
     assert patch["spec"]["taints"] == [
         {"key": "gpuguard.io/gpu-unhealthy", "value": "xid-48", "effect": "NoSchedule"}
@@ -290,6 +291,22 @@ def test_watch_logs_the_exact_change_it_would_make_in_dry_run(tmp_path: Path) ->
     assert patch["spec"]["unschedulable"] is True
     assert dry["node"] == "gpu-node-7"
     assert "check.completed" not in names  # nothing per healthy tick above debug
+
+
+def test_a_dry_run_logs_each_transition_once_not_as_if_it_were_written(tmp_path: Path) -> None:
+    s = write(tmp_path, "gpus: 2\nevents:\n  - {at: 0.1, gpu: 0, xid: 48}\n  - {at: 0.5, gpu: 1, xid: 79}\n")
+    p = WatchProcess(
+        *("--dry-run", "--backend", "mock", "--scenario", s, "--interval", "0.1", "--run-for", "1.5")
+    ).start()
+    assert p.wait(30) == 0, p.lines[-10:]
+    node_lines = [(e["event"], e.get("transition")) for e in p.lines if e["event"].startswith("node.")]
+    assert [x for x in node_lines if x[0] not in ("node.dry_run_condition", "node.dry_run_event")] == [
+        ("node.dry_run", "node.tainted"),
+        ("node.dry_run", "node.fault_added"),
+    ], node_lines
+    # A condition's one line is the writer's, with the whole condition: no node.condition beside it.
+    assert len([x for x in node_lines if x[0] == "node.dry_run_condition"]) == 3, node_lines
+    assert all(isinstance(e["patch"], dict) for e in p.lines if e["event"] == "node.dry_run")
 
 
 # Issue 12's review, defect 13: logs.
@@ -316,9 +333,10 @@ def test_defect_13_each_log_line_names_one_fault_one_node_and_a_structured_patch
     ).start()
     assert p.wait(30) == 0, p.lines[-10:]
     lines = p.lines
-    added = [e for e in lines if e["event"] == "node.fault_added"]
+    added = [e for e in lines if e["event"] == "node.dry_run" and e["transition"] == "node.fault_added"]
     assert len(added) == 2
-    for e in [*added, *(e for e in lines if e["event"] == "node.tainted")]:
+    tainted = [e for e in lines if e["event"] == "node.dry_run" and e["transition"] == "node.tainted"]
+    for e in [*added, *tainted]:
         # reason, GPU, UUID and detail are of one and the same fault
         assert e["detail"].startswith(f"{e['reason']}: ") and f"GPU {e['gpu']}, {e['uuid']}" in e["detail"], e
     assert {e["node"] for e in lines if "node" in e} == {"dry-run"}
@@ -424,7 +442,7 @@ def test_a_dry_run_says_it_keeps_no_state_and_writes_none(tmp_path: Path) -> Non
     events = [json.loads(x) for x in r.stderr.splitlines()]
     off = [e for e in events if e["event"] == "state.off"]
     assert len(off) == 1 and off[0]["directory"] == str(state), events[:3]
-    assert any(e["event"] == "node.tainted" for e in events)  # the demo's fault, 3 s in
+    assert any(e.get("transition") == "node.tainted" for e in events)  # the demo's fault, 3 s in
     assert list(state.iterdir()) == []
 
 

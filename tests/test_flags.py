@@ -16,8 +16,9 @@ CLI_PACKAGE = Path(__file__).resolve().parents[1] / "gpuguard" / "cli"
 # Defaults a command may write itself: "unset" (None), a switch that is off, an empty list, and the output
 # format of `check` and `status`, which is no setting.
 LITERAL_DEFAULTS = (None, False, "", "table")
-# A command's own option that shares a declared flag's name: `release --node` names the node to release.
-OWN_OPTIONS = {("release", "node")} | {
+# A command's own option that shares a declared flag's name: `release --node` names the node to release,
+# `hold --node` and `history --node` the node of the GPUs to hold or show.
+OWN_OPTIONS = {("release", "node"), ("hold", "node"), ("history", "node")} | {
     # the repair executor's settings are its own (core/repairconfig.py), not the agent's
     ("repair-executor", name)
     for name in (

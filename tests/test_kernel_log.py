@@ -125,7 +125,8 @@ def test_an_xid_both_sources_report_is_one_fault(tmp_path: Path, kernel_first: b
 
 def test_the_same_code_on_the_same_gpu_far_apart_in_time_is_two_xids(tmp_path: Path) -> None:
     log = KernelLog(tmp_path / "kmsg")
-    log.xid(GPU1_PCI, 79, at=time.monotonic() - 600)  # ten minutes before: replayed, matched by its timestamp
+    # Ten minutes before (or at boot, on a host up for less): replayed, matched by its timestamp.
+    log.xid(GPU1_PCI, 79, at=max(time.monotonic() - 600, 0.0))
     _, backend, _, _, _, clock = wired(log.path, "gpus: 2\nevents:\n  - {at: 1.0, gpu: 1, xid: 79}\n")
     try:
         clock.t += 1.0
@@ -230,10 +231,14 @@ def test_with_nvml_hung_a_log_xid_is_still_written(fakenvml: Path, tmp_path: Pat
     log = KernelLog(tmp_path / "kmsg")
     with agent(fakenvml, s, "--nvml-call-timeout", "1", "--kernel-log", str(log.path)) as p:
         s.write_text(TWO + "hang nvmlDeviceGetCount\nhang nvmlEventSetWait\n")
-        watch_until(p, lambda d: d["nvml_stuck_calls"], 5)
+        # The limits only bound a wait on a loaded machine: the agent answers well within a second or two.
+        watch_until(p, lambda d: d["nvml_stuck_calls"], 15)
         log.xid("0000:3c:00", 79)  # the fake's GPU 1: 00000000:3C:00.0
-        doc, _, codes = watch_until(p, lambda d: "xid-79" in reasons_of(d, "GPU-0b") and d["tainted"], 6)
+        doc, _, codes = watch_until(p, lambda d: "xid-79" in reasons_of(d, "GPU-0b") and d["tainted"], 15)
         assert "xid-79" in reasons_of(doc, "GPU-0b") and doc["tainted"], doc
         assert codes == {200} and doc["nvml_stuck_calls"]
-        patches = [e for e in p.events("node.dry_run") if "xid-79" in str(e.get("patch"))]
-        assert patches, p.lines[-20:]
+        # /healthz may say so a moment before the patch's log line is read from the agent's output.
+        deadline = time.monotonic() + 10
+        while not [e for e in p.events("node.dry_run") if "xid-79" in str(e.get("patch"))]:
+            assert time.monotonic() < deadline, p.lines[-20:]
+            time.sleep(0.05)

@@ -102,10 +102,14 @@ class _Pages(kubeclient.Client):
         start, limit = int(query.get("continue", "0")), int(query["limit"])
         names = [f"item-{i}" for i in range(start, min(start + limit, 250))]
         rest = str(start + limit) if start + limit < 250 else ""
+        keep = kw.get("keep") or (lambda i: i)  # as the client applies it, to each item as it arrives
         return {
             "metadata": {"resourceVersion": "9" if start == 0 else "", "continue": rest},
-            "items": [{"metadata": {"name": n}, "big": "x" * 1000} for n in names],
+            "items": [keep(self.item(n)) for n in names],
         }
+
+    def item(self, name: str) -> dict[str, Any]:
+        return {"metadata": {"name": name}, "big": "x" * 1000}
 
 
 def test_a_paged_list_reads_every_page_and_keeps_only_what_keep_returns() -> None:
@@ -123,11 +127,10 @@ def test_no_item_keeps_its_managed_fields_whatever_keep_returns() -> None:
     reader needs them, so they are dropped as each item arrives, before `keep` (which may keep metadata)."""
 
     class Bloated(_Pages):
-        def request(self, method: str, path: str, **kw: Any) -> Any:
-            doc = super().request(method, path, **kw)
-            for item in doc["items"]:
-                item["metadata"]["managedFields"] = [{"manager": "x", "fieldsV1": {"f:x": {}}}]
-            return doc
+        def item(self, name: str) -> dict[str, Any]:
+            item = super().item(name)
+            item["metadata"]["managedFields"] = [{"manager": "x", "fieldsV1": {"f:x": {}}}]
+            return item
 
     lw = ListWatch(
         Bloated(), selector="a=b", what="things", keep=lambda i: {"metadata": i["metadata"]}, page=100

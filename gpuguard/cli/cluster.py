@@ -13,10 +13,9 @@ from typing import Any
 import click
 
 from gpuguard.cli.commands import EXIT_API, EXIT_OK, EXIT_UNHEALTHY, cli
-from gpuguard.cli.flag import Finite
 from gpuguard.cli.flags import FLAGS
+from gpuguard.cli.releasing import request_options
 from gpuguard.core import validation
-from gpuguard.core.config import RELEASE_WAIT
 from gpuguard.core.errors import ConfigError, GpuguardError, NodeUpdateError, TransientApiError
 
 
@@ -24,10 +23,16 @@ from gpuguard.core.errors import ConfigError, GpuguardError, NodeUpdateError, Tr
 @FLAGS["kubeconfig"].option()
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
 def status(kubeconfig: str | None, output: str) -> int:
-    """The cluster view for an operator: nodes quarantined by gpuguard, and GPUs held out by its DRA device
-    taint rules (the per-GPU quarantine), with reason, since and GPU; and the degraded nodes and GPUs (the
-    DEGRADED column: their signals). Exit 0; 2 a kubeconfig that cannot work; 4 the API server is
+    """The fleet at a glance, then what gpuguard holds. A first line sums up: the GPU nodes, how many have a
+    ready agent and how many none (named below), the quarantine budget used of its limit, the nodes gated,
+    quarantined, degraded and the repeat offenders. Then the nodes quarantined by gpuguard and the GPUs held
+    out by its DRA device taint rules (the per-GPU quarantine), with reason, since and GPU, and the degraded
+    nodes and GPUs (the DEGRADED column: their signals and GPUs). -o json: the same as one object. Reads
+    nodes, gpuguard's DaemonSets and their pods. Exit 0; 2 a kubeconfig that cannot work; 4 the API server is
     unreachable or refused the request."""
+    from gpuguard.cli import fleet  # noqa: PLC0415
+    from gpuguard.kube import daemonsets, pods  # noqa: PLC0415
+    from gpuguard.kube import nodes as kubenodes  # noqa: PLC0415
     from gpuguard.quarantine.gpu.writers import quarantined_gpus  # noqa: PLC0415
     from gpuguard.quarantine.node.writers import degraded_nodes, quarantined_nodes  # noqa: PLC0415
 
@@ -36,24 +41,32 @@ def status(kubeconfig: str | None, output: str) -> int:
         nodes = quarantined_nodes(api)
         degraded = degraded_nodes(api, skip={str(r["node"]) for r in nodes})
         rows = [_printable(r) for r in (*nodes, *degraded, *quarantined_gpus(api))]
+        agents = [fleet.agents_of(d) for d in daemonsets.items(api, AGENT_SELECTOR)]
+        view = fleet.fleet(
+            kubenodes.select(api, "", what="list nodes"), agents, pods.selected(api, AGENT_SELECTOR), rows
+        )
     except GpuguardError as exc:
         return _api_failed("status", api, exc)
     from gpuguard.cli import report  # noqa: PLC0415
 
-    click.echo(json.dumps(rows, indent=2) if output == "json" else report.status_table(rows))
+    if output == "json":
+        doc = {"summary": view.summary(), "fleet": view.as_json(), "rows": rows}
+        click.echo(json.dumps(_printable(doc), indent=2))
+    else:
+        # The rows are clean already; the table's own line breaks are not the cluster's.
+        click.echo("\n".join([*_printable([view.summary(), *view.notes()]), report.status_table(rows)]))
     return EXIT_OK
+
+
+# gpuguard's own objects (the DaemonSet and its pods), in the chart and the plain files alike.
+AGENT_SELECTOR = "app.kubernetes.io/name=gpuguard"
 
 
 @cli.command()
 @FLAGS["kubeconfig"].option()
 @click.option("--node", required=True, help="The node whose held GPUs to release.")
 @click.option("--gpu", default=None, help="The GPU's UUID (default: every held GPU of the node, '*').")
-@click.option("--by", default=None, help="Who releases it, as the history records it (default: $USER).")
-@click.option("--force", is_flag=True, default=False, help="Replace a release its agent has not handled yet.")
-@click.option("--wait", is_flag=True, default=False, help="Wait until the agent has lifted the hold.")
-@click.option(
-    "--timeout", type=Finite(minimum=0), default=RELEASE_WAIT, show_default=True, help="Seconds --wait waits."
-)
+@request_options("release")
 def release(
     *,
     kubeconfig: str | None,
@@ -72,7 +85,7 @@ def release(
     usage error; 4 the API server is unreachable or refused the request."""
     from gpuguard.cli import releasing  # noqa: PLC0415
     from gpuguard.kube import nodes  # noqa: PLC0415
-    from gpuguard.quarantine.repeat.release import ALL, annotation, parse  # noqa: PLC0415
+    from gpuguard.quarantine.repeat.release import ALL, ANN_RELEASE, annotation, parse  # noqa: PLC0415
 
     who = by if by is not None else os.environ.get("USER") or "unknown"
     gpu = gpu if gpu is not None else ALL
@@ -93,9 +106,10 @@ def release(
         click.echo(f"{node}: release of {gpu} by {who} written; the agent lifts the hold at its next re-read")
         if not wait:
             return EXIT_OK
-        outcome = releasing.wait(api, node, gpu, text, timeout=timeout)
+        seen = releasing.follow(api, node, ANN_RELEASE, text, timeout=timeout)
     except GpuguardError as exc:
         return _api_failed("release", api, exc)
+    outcome = releasing.released(seen, node, gpu, timeout)
     click.echo(outcome.message, err=not outcome.done)
     return EXIT_OK if outcome.done else EXIT_UNHEALTHY
 
@@ -154,7 +168,7 @@ def _warn_while_agents_run(api: Any) -> None:
     from gpuguard.kube import daemonsets  # noqa: PLC0415
 
     try:
-        running = daemonsets.names(api, "app.kubernetes.io/name=gpuguard")
+        running = daemonsets.names(api, AGENT_SELECTOR)
     except NodeUpdateError as exc:
         why = f"HTTP {exc.status}" if exc.status else "no answer"
         click.echo(f"gpuguard: warning: uninstall: could not list gpuguard's DaemonSets ({why})", err=True)

@@ -368,6 +368,7 @@ FLAGS = _declare(
 GPU_FLAGS = (
     "backend",
     "scenario",
+    "kernel_log",
     "ecc_threshold",
     "ignore_xids",
     "fatal_xids",

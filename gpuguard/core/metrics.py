@@ -139,6 +139,13 @@ class Metrics:
             ["verb", "code"],
             registry=registry,
         )
+        self.api_dropped = Counter(
+            "gpuguard_api_objects_dropped_total",
+            "Objects the API server sent that a read dropped unread, by read: larger than its cap "
+            "(gpuguard.kube.client.MAX_OBJECT, a rule's MAX_RULE_BYTES), treated as absent.",
+            ["read"],
+            registry=registry,
+        )
         self.api_retries = Counter(
             "gpuguard_api_retries_total",
             "Kubernetes API requests retried after a transient failure.",
@@ -190,6 +197,9 @@ class Metrics:
         ] = {}
         self._observed: Verdict | None = None
         self._node_values: tuple[int, int, int, int] | None = None
+
+    def object_dropped(self, read: str) -> None:
+        self.api_dropped.labels(read).inc()
 
     def observe_check(self, verdict: Verdict, *, duration: float, wall: float) -> None:
         self.check_duration.observe(duration)

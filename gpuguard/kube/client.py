@@ -17,14 +17,16 @@ Each client also holds a client-side rate limit (`gpuguard.kube.ratelimit.RateLi
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
 
+import structlog
 import urllib3
 from urllib3.connection import HTTPConnection
 from urllib3.exceptions import HTTPError
@@ -32,10 +34,21 @@ from urllib3.exceptions import HTTPError
 from gpuguard import __version__
 from gpuguard.core import files
 from gpuguard.core.errors import ConfigError, ConflictError, PermanentApiError, TransientApiError
+from gpuguard.kube.bounded import Dropped, Lines, Splitter, TooLarge, dropped_event
 from gpuguard.kube.kubeconfig import MAX_TOKEN, Credentials, bearer_token, credentials
 from gpuguard.kube.ratelimit import RateLimiter
 
+log = structlog.get_logger(__name__)
+
 _MAX_MESSAGE = 300
+# The most bytes of one object a read keeps (a list's item, a watch's event), unless its reader says less: an
+# honest node or rule is a few KiB to a few hundred (a node's 256 KiB of annotations at most), and etcd
+# stores no object over 1.5 MiB. A larger one is dropped as it streams (counted: `dropped`), never kept.
+MAX_OBJECT = 1024 * 1024
+# The most bytes of an answer kept whole besides its items (one object read, a list's envelope): the API
+# server refuses any request body over 3 MiB, so no object it serves is larger.
+MAX_RESPONSE = 3 * 1024 * 1024
+_CHUNK = 65536
 # Every request's User-Agent; the managedFields' manager of every write (gpuguard).
 USER_AGENT = f"gpuguard/{__version__}"
 
@@ -67,12 +80,20 @@ class Client:
     """A keep-alive connection pool to one API server. Thread-safe (urllib3's pool is)."""
 
     def __init__(
-        self, creds: Credentials, *, user_agent: str, rate_limiter: RateLimiter | None = None
+        self,
+        creds: Credentials,
+        *,
+        user_agent: str,
+        rate_limiter: RateLimiter | None = None,
+        dropped: Callable[[str], None] | None = None,
     ) -> None:
+        """`dropped`: called with a read's `what` for each object it dropped over its cap (a metric)."""
         if not creds.server.startswith(("https://", "http://")):
             raise ConfigError(f"API server {creds.server!r} is not an http(s) URL")
         self.creds = creds
         self.rate_limiter = rate_limiter
+        self._dropped = dropped
+        self._told: set[str] = set()  # the reads whose dropped object was logged (once each)
         self._server = creds.server.rstrip("/")
         self._user_agent = user_agent
         self._token_lock = threading.Lock()
@@ -115,12 +136,19 @@ class Client:
         timeout: float = 10.0,
         what: str = "",
         tokens: float = 1.0,
+        keep: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        max_item: int = MAX_OBJECT,
     ) -> Any:
         """One request; the decoded JSON answer. `what` ("read node n") starts every error's message.
         ConflictError, TransientApiError or PermanentApiError (see the module's docstring) otherwise.
         `tokens`: what it takes from the rate limiter, 1 a request; a caller that reserved a request's
         token earlier (quarantine/node/writers.py: a read-modify-write) says so explicitly (2 for the read, 0
-        for the write)."""
+        for the write).
+
+        Read bounded as it streams (`gpuguard.kube.bounded`): a list's items one at a time, each over
+        `max_item` bytes dropped (`dropped`, logged once as `kube.object_dropped`), each kept one passed
+        through `keep` as it arrives; the rest of the answer at most MAX_RESPONSE bytes (else a
+        TransientApiError)."""
         what = what or f"{method} {path}"
         headers = {"Accept": accept, "User-Agent": self._user_agent}
         auth = self._authorization()
@@ -135,16 +163,79 @@ class Client:
             self.rate_limiter.acquire(tokens)
         try:
             resp = self._pool.request(
-                method, url, body=data, headers=headers, timeout=urllib3.Timeout(total=timeout), retries=False
+                method,
+                url,
+                body=data,
+                headers=headers,
+                timeout=urllib3.Timeout(total=timeout),
+                retries=False,
+                preload_content=False,
             )
         except (HTTPError, OSError) as exc:
             raise TransientApiError(f"{what}: {type(exc).__name__}: {exc}") from exc
-        _raise_for_status(resp, what)
+        read = False  # the whole answer: the connection can be reused
         try:
-            return json.loads(resp.data) if resp.data else None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            if resp.status >= 400:
+                body = resp.read(MAX_RESPONSE)
+                read = not resp.read(1)
+                _raise_for_status(resp, what, body)
+            doc = self._decode(resp, what, keep=keep, max_item=max_item)
+            read = True
+            return doc
+        except (HTTPError, OSError) as exc:
+            raise TransientApiError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError, TooLarge) as exc:
             # An answer that is not JSON (a proxy's error page) is as good as no answer.
             raise TransientApiError(f"{what}: {type(exc).__name__}: {exc}", status=resp.status) from exc
+        finally:
+            if not read:
+                resp.close()
+            resp.release_conn()
+
+    def _decode(
+        self,
+        resp: urllib3.BaseHTTPResponse,
+        what: str,
+        *,
+        keep: Callable[[dict[str, Any]], dict[str, Any]] | None,
+        max_item: int,
+    ) -> Any:
+        """The answer's JSON. Up to `max_item` bytes it is read whole (every answer but a large list's);
+        past that, cut into its items while it streams."""
+        head: list[bytes] = []
+        chunks = resp.stream(_CHUNK)
+        for chunk in chunks:
+            head.append(chunk)
+            if sum(map(len, head)) > max_item:
+                break
+        else:  # read whole; its items kept as a list of them would be
+            doc: Any = json.loads(b"".join(head)) if head else None
+            if keep is not None and isinstance(doc, dict) and isinstance(doc.get("items"), list):
+                doc["items"] = [keep(i) for i in doc["items"]]
+            return doc
+        splitter = Splitter(max_item=max_item, max_rest=MAX_RESPONSE)
+        kept: list[dict[str, Any]] = []
+        for chunk in itertools.chain(head, chunks):
+            kept.extend((keep or _whole)(json.loads(item)) for item in splitter.feed(chunk))
+        doc = json.loads(splitter.end())
+        if isinstance(doc, dict) and "items" in doc:
+            doc["items"] = kept
+        for _ in range(splitter.dropped):
+            self._dropped_one(what, max_item)
+        return doc
+
+    def _dropped_one(self, what: str, cap: int) -> None:
+        if self._dropped is not None:
+            self._dropped(what)
+        if what not in self._told:
+            self._told.add(what)
+            log.warning(
+                "kube.object_dropped",
+                read=what,
+                max_bytes=cap,
+                note="an object over the cap, dropped as it streamed, is absent to this read (logged once a "
+                "read; gpuguard_api_objects_dropped_total counts each)",
+            )
 
     def watch(
         self,
@@ -155,11 +246,17 @@ class Client:
         timeout: float = 10.0,
         idle: float = 330.0,
         what: str = "",
+        max_item: int = MAX_OBJECT,
     ) -> Iterator[dict[str, Any]]:
         """A watch, started before this returns (`query` carries watch=1, the resourceVersion and the
         server's timeoutSeconds): each event ({"type", "object"}) as the server sends it, until the server
         ends the stream. `idle`: the longest silence before the connection counts as dead (more than
-        timeoutSeconds; bookmarks come sooner). The errors of request(), also for a stream that breaks."""
+        timeoutSeconds; bookmarks come sooner). The errors of request(), also for a stream that breaks.
+
+        An event over `max_item` bytes is dropped as it streams, never held whole (`dropped`, logged once as
+        `kube.object_dropped`); in its place comes {"type": "DROPPED", "object": {"metadata": {"name",
+        "resourceVersion"}}}, read from the line's head, so that the reader can treat the object as absent,
+        as a list does."""
         what = what or f"watch {path}"
         headers = {"Accept": accept, "User-Agent": self._user_agent}
         auth = self._authorization()
@@ -178,14 +275,40 @@ class Client:
         except (HTTPError, OSError) as exc:
             raise TransientApiError(f"{what}: {type(exc).__name__}: {exc}") from exc
         if resp.status >= 400:
+            body = b""
             try:
-                resp.read()
+                body = resp.read(MAX_RESPONSE)
             except (HTTPError, OSError):
                 pass
             finally:
                 resp.release_conn()
-            _raise_for_status(resp, what)
-        return _events(resp, what)
+            _raise_for_status(resp, what, body)
+        return self._events(resp, what, max_item)
+
+    def _events(self, resp: urllib3.BaseHTTPResponse, what: str, max_item: int) -> Iterator[dict[str, Any]]:
+        """A watch's events, one JSON document a line, until the server ends the stream."""
+        ended = False
+        lines = Lines(max_item=max_item)
+        try:
+            for chunk in resp.stream(_CHUNK):
+                for line in lines.feed(chunk):
+                    if not isinstance(line, Dropped):
+                        yield json.loads(line)
+                        continue
+                    self._dropped_one(what, max_item)
+                    event = dropped_event(line)
+                    if event is not None:
+                        yield event
+            ended = True
+        except (HTTPError, OSError) as exc:
+            raise TransientApiError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise TransientApiError(f"{what}: {type(exc).__name__}: {exc}", status=resp.status) from exc
+        finally:
+            if not ended:
+                resp.close()  # left mid-stream: the connection is not reusable
+            # Ended by the server (its timeoutSeconds): the connection is kept for the next watch.
+            resp.release_conn()
 
     def _authorization(self) -> str | None:
         creds = self.creds
@@ -225,41 +348,26 @@ def path_of(*parts: str) -> str:
 
 
 def load(
-    kubeconfig: str | None, *, user_agent: str = USER_AGENT, rate_limiter: RateLimiter | None = None
+    kubeconfig: str | None,
+    *,
+    user_agent: str = USER_AGENT,
+    rate_limiter: RateLimiter | None = None,
+    dropped: Callable[[str], None] | None = None,
 ) -> Client:
     """A client for the given kubeconfig; else in-cluster, then $KUBECONFIG, then ~/.kube/config
     (the kubernetes client's order). ConfigError, naming the file and the reason, when none is usable.
     rate_limiter: the client-side limit (--api-qps, --api-burst); None: no limit (`status`, `uninstall`)."""
-    return Client(credentials(kubeconfig), user_agent=user_agent, rate_limiter=rate_limiter)
+    return Client(credentials(kubeconfig), user_agent=user_agent, rate_limiter=rate_limiter, dropped=dropped)
 
 
-def _events(resp: urllib3.BaseHTTPResponse, what: str) -> Iterator[dict[str, Any]]:
-    """A watch's events, one JSON document a line, until the server ends the stream."""
-    ended = False
-    try:
-        buffer = b""
-        for chunk in resp.stream(65536):
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                if line.strip():
-                    yield json.loads(line)
-        ended = True
-    except (HTTPError, OSError) as exc:
-        raise TransientApiError(f"{what}: {type(exc).__name__}: {exc}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TransientApiError(f"{what}: {type(exc).__name__}: {exc}", status=resp.status) from exc
-    finally:
-        if not ended:
-            resp.close()  # left mid-stream: the connection is not reusable
-        # Ended by the server (its timeoutSeconds): the connection is kept for the next watch, no handshake.
-        resp.release_conn()
+def _whole(item: dict[str, Any]) -> dict[str, Any]:
+    return item
 
 
-def _raise_for_status(resp: urllib3.BaseHTTPResponse, what: str) -> None:
+def _raise_for_status(resp: urllib3.BaseHTTPResponse, what: str, data: bytes) -> None:
     if resp.status < 400:
         return
-    message = _message(resp.data, resp.reason)
+    message = _message(data, resp.reason)
     if resp.status == 409:
         raise ConflictError(f"{what}: conflict: {message}")
     if resp.status == 429 or resp.status >= 500:

@@ -20,6 +20,10 @@ GROUP = "resource.k8s.io"
 VERSIONS = ("v1", "v1beta2")
 """The versions that may serve DeviceTaintRules, the one to try first first."""
 SLICES = f"/apis/{GROUP}/v1/resourceslices"
+MAX_RULE_BYTES = 256 * 1024
+"""A rule read of more bytes is dropped as it streams (`kubeclient.Client.request`): the policy keeps a
+token's rules to 16 KiB of annotations and 8 KiB of managedFields names, under 100 KiB even in JSON's
+escapes; the agent's own are about 1 KiB."""
 
 
 def api_version(version: str) -> str:
@@ -62,10 +66,14 @@ def list_page(
     if after is not None:
         query["continue"] = after
     doc: dict[str, Any] = api.request(
-        "GET", rules_path(version), query=query, timeout=timeout, what="list device taint rules"
+        "GET",
+        rules_path(version),
+        query=query,
+        timeout=timeout,
+        what="list device taint rules",
+        keep=lean,
+        max_item=MAX_RULE_BYTES,
     )
-    for item in doc.get("items") or []:
-        lean(item)
     return doc
 
 

@@ -70,3 +70,21 @@ def post(api: kubeclient.Client, event: dict[str, Any], *, timeout: float = 10.0
         timeout=timeout,
         what=what or "create event",
     )
+
+
+EVENTS_MOST = 500
+"""Events of one node `gpuguard explain` reads: the API server keeps an Event an hour by default."""
+
+
+def about_node(api: kubeclient.Client, name: str, *, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """gpuguard's Events about the node `name` (one list request, at most EVENTS_MOST), oldest first."""
+    selector = f"involvedObject.kind=Node,involvedObject.name={name},source={COMPONENT}"
+    answer = api.request(
+        "GET",
+        kubeclient.path_of("api/v1/namespaces", NODE_NAMESPACE, "events"),
+        query={"fieldSelector": selector, "limit": str(EVENTS_MOST)},
+        timeout=timeout,
+        what="list events",
+    )
+    items = [e for e in (answer or {}).get("items", []) if isinstance(e, dict)]
+    return sorted(items, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))

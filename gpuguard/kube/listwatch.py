@@ -40,11 +40,15 @@ class ListWatch:
         changed: Callable[[], None] | None = None,
         keep: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         page: int | None = None,
+        max_item: int = kubeclient.MAX_OBJECT,
     ) -> None:
         """`keep`: what of an item is kept (the parts a caller reads, bounded), applied as each arrives;
         `page`: list in pages of that many items (the API server's limit/continue), so that one list of
-        a collection others write never sits in memory whole."""
-        self._keep = keep or (lambda item: item)
+        a collection others write never sits in memory whole; `max_item`: an item of more bytes is dropped
+        as it streams, never held whole, and is absent here as if deleted (`kubeclient.Client.request`)."""
+        keep = keep or (lambda item: item)
+        self._keep: Callable[[dict[str, Any]], dict[str, Any]] = lambda item: keep(lean(item))
+        self._max_item = max_item
         self._page = page
         self._api = api
         self._selector = selector
@@ -97,9 +101,11 @@ class ListWatch:
                 accept=self._accept[0],
                 timeout=self._timeout,
                 what=f"list {self._what}",
+                keep=self._keep,
+                max_item=self._max_item,
             )
             for i in doc.get("items") or []:
-                items[str(i["metadata"]["name"])] = self._keep(lean(i))
+                items[str(i["metadata"]["name"])] = i
             meta = doc.get("metadata") or {}
             rv = rv or str(meta["resourceVersion"])  # every page of one list is at the first page's version
             if self._page is None or not meta.get("continue"):
@@ -132,6 +138,7 @@ class ListWatch:
             timeout=self._timeout,
             idle=seconds + 30,
             what=f"watch {self._what}",
+            max_item=self._max_item,
         )
         with self._lock:
             self._synced = True
@@ -149,10 +156,10 @@ class ListWatch:
                 continue
             name = str(meta.get("name", ""))
             with self._lock:
-                if kind == "DELETED":
+                if kind in {"DELETED", "DROPPED"}:  # dropped: over max_item, absent as in a list
                     self._items.pop(name, None)
                 else:
-                    self._items[name] = self._keep(lean(obj))
+                    self._items[name] = self._keep(obj)
                 self._generation += 1
             self._changed()
             if stop.is_set():

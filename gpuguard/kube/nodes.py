@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from gpuguard.kube import client as kubeclient
+from gpuguard.kube.listwatch import lean
 
 COLLECTION = "/api/v1/nodes"
 """Every node: what a list or a watch of nodes asks (`kube.listwatch.ListWatch`)."""
@@ -87,8 +88,8 @@ def select(
     metadata_only: bool = False,
     timeout: float = 10.0,
 ) -> list[dict[str, Any]]:
-    """The nodes of a label selector ("": every node), in one list; `metadata_only`: as
-    PartialObjectMetadata."""
+    """The nodes of a label selector ("": every node), in one list, each without its managedFields as it
+    arrives (a fleet's list is one answer); `metadata_only`: as PartialObjectMetadata."""
     doc = api.request(
         "GET",
         COLLECTION,
@@ -96,6 +97,7 @@ def select(
         accept=METADATA_LIST if metadata_only else "application/json",
         timeout=timeout,
         what=what,
+        keep=lean,
     )
     return list(doc.get("items") or [])  # an empty metadata list comes as "items": null
 

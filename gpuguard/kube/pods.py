@@ -2,8 +2,10 @@
 pod read by name (only the pods the kubelet says hold a faulty GPU: a `get` in the namespaces the eviction
 Role lists, where a list of the node's pods would need every pod of the cluster readable, since RBAC cannot
 limit a list to one node) and a policy/v1 Eviction, which the API server refuses with 429 while a
-PodDisruptionBudget allows no disruption. Errors are the client's (`gpuguard.kube.client`): a 429 is a
-`TransientApiError`, and `budget_refused` tells a budget's refusal from the API server's own throttling."""
+PodDisruptionBudget allows no disruption; and for `gpuguard status`, the pods of gpuguard's agents
+(`selected`), read with the operator's own rights. Errors are the client's (`gpuguard.kube.client`): a 429
+is a `TransientApiError`, and `budget_refused` tells a budget's refusal from the API server's own
+throttling."""
 
 from __future__ import annotations
 
@@ -30,6 +32,14 @@ def get(api: kubeclient.Client, namespace: str, name: str, *, timeout: float = 1
             return None
         raise
     return doc if isinstance(doc, dict) else None
+
+
+def selected(api: kubeclient.Client, selector: str, *, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """Every pod the label selector selects, in any namespace (`gpuguard status`: gpuguard's agents)."""
+    doc = api.request(
+        "GET", "/api/v1/pods", query={"labelSelector": selector}, timeout=timeout, what="list pods"
+    )
+    return [p for p in doc.get("items") or [] if isinstance(p, dict)]
 
 
 def evict(

@@ -18,6 +18,7 @@ from gpuguard.core.errors import ScenarioError
 from gpuguard.core.model import GpuReading, SignalReadings, Snapshot, XidEvent
 from gpuguard.nvml import mocksignals
 from gpuguard.nvml.base import Wakeup, wait_for
+from gpuguard.nvml.kmsg.records import driver_record, nvml_pci_address
 
 DEFAULT_SCENARIO = "demo.yaml"
 
@@ -26,12 +27,15 @@ _DEVICE_KEYS = {"index", "uuid", "name", "pci_bus_id"}
 _ACTIONS: dict[str, type] = {
     "ecc_uncorrected": int,
     "xid": int,
+    "kernel_xid": int,
     "lost": bool,
     "remove": bool,
     "ecc_supported": bool,
     "row_remap_failure": bool,
     "row_remap_pending": bool,
 }
+# An Xid the driver raises: NVML's event and the kernel's line (`xid`), or the line alone (`kernel_xid`).
+_XIDS = ("xid", "kernel_xid")
 _MAX_GPUS = 1024
 # A scenario of 1,024 GPUs and tens of thousands of events fits; /dev/zero or a stray log file does not.
 MAX_BYTES = 4 * files.MIB
@@ -48,6 +52,8 @@ class ScenarioEvent:
 class Scenario:
     devices: tuple[GpuReading, ...]
     events: tuple[ScenarioEvent, ...]
+    kernel_log: bool = False
+    """The mock's driver writes its kernel log, a fresh file at --kernel-log (docs/scenario.md)."""
 
 
 def load_scenario(path: str | Path | None) -> Scenario:
@@ -63,7 +69,7 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
     doc = files.parse_yaml(text, what=f"scenario {source}", error=ScenarioError)
     if not isinstance(doc, dict):
         raise ScenarioError(f"scenario {source}: expected a mapping with 'gpus' or 'devices'")
-    unknown = set(doc) - {"gpus", "devices", "events"}
+    unknown = set(doc) - {"gpus", "devices", "events", "kernel_log"}
     if unknown:
         raise ScenarioError(f"scenario {source}: unknown key {_names(unknown)}")
     devices = _parse_devices(doc, source)
@@ -73,7 +79,10 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
         raise ScenarioError(f"scenario {source}: 'events' must be a list")
     events = [_parse_event(i, e, indices, source) for i, e in enumerate(raw_events)]
     events.sort(key=lambda e: e.at)  # stable: same-time events keep file order
-    return Scenario(devices=devices, events=tuple(events))
+    kernel_log = doc.get("kernel_log", False)
+    if not isinstance(kernel_log, bool):
+        raise ScenarioError(f"scenario {source}: 'kernel_log' must be true or false")
+    return Scenario(devices=devices, events=tuple(events), kernel_log=kernel_log)
 
 
 def _parse_devices(doc: Mapping[str, Any], source: str) -> tuple[GpuReading, ...]:
@@ -185,9 +194,12 @@ class MockBackend:
         clock: Callable[[], float] = time.monotonic,
         start_timer: bool = True,
         start_at: float = 0.0,
+        kernel_log: MockKernelLog | None = None,
     ) -> None:
-        """start_at: the scenario time at open() (`gpuguard check --at`): events up to it are due at once."""
+        """start_at: the scenario time at open() (`gpuguard check --at`): events up to it are due at once.
+        kernel_log: where the scenario's driver logs its Xids (`xid`, `kernel_xid`), as the real one does."""
         self._scenario = scenario
+        self._kernel_log = kernel_log
         self._start_at = start_at
         self._clock = clock
         self._start_timer = start_timer
@@ -203,7 +215,7 @@ class MockBackend:
 
     def open(self, wakeup: Wakeup) -> None:
         self._t0 = self._clock()
-        if self._start_timer and any(k == "xid" for ev in self._scenario.events for k, _ in ev.actions):
+        if self._start_timer and any(k in _XIDS for ev in self._scenario.events for k, _ in ev.actions):
             # Same wake-up path as the nvml backend's event thread: an Xid does not wait for the poll.
             self._thread = threading.Thread(
                 target=self._xid_timer, args=(wakeup,), name="gpuguard-mock-xid", daemon=True
@@ -251,9 +263,12 @@ class MockBackend:
         if g is None:  # removed earlier in the scenario: nothing left to change
             return
         for key, value in ev.actions:
-            if key == "xid":
+            if key in _XIDS:
                 code = mocksignals.as_int(value)
-                self._pending_xids.append(XidEvent(gpu_index=g.index, uuid=g.uuid, code=code))
+                if key == "xid":  # an NVML event; a `kernel_xid` is one NVML's event set missed
+                    self._pending_xids.append(XidEvent(gpu_index=g.index, uuid=g.uuid, code=code))
+                if self._kernel_log is not None:
+                    self._kernel_log.xid(g.pci_bus_id, code)
             elif key == "remove":
                 del self._gpus[ev.gpu]
                 return
@@ -275,12 +290,37 @@ class MockBackend:
 
     def _xid_timer(self, wakeup: Wakeup) -> None:
         for ev in self._scenario.events:
-            if not any(k == "xid" for k, _ in ev.actions):
+            if not any(k in _XIDS for k, _ in ev.actions):
                 continue
             delay = ev.at - self._elapsed()
             if delay > 0 and self._stop.wait(delay):
                 return
             wakeup()
+
+
+class MockKernelLog:
+    """The scenario driver's kernel log: records in /dev/kmsg's format appended to a stand-in file, made
+    afresh when the scenario starts (its node boots then). Never /dev/kmsg or another device: a regular file
+    (or none yet) only, else ScenarioError."""
+
+    def __init__(self, path: str) -> None:
+        p = Path(path)
+        if p.exists() and not p.is_file():
+            raise ScenarioError(f"the scenario's kernel log {path}: not a regular file (the mock writes it)")
+        try:
+            p.write_bytes(b"")
+        except OSError as exc:
+            raise ScenarioError(f"the scenario's kernel log {path}: {exc.strerror or exc}") from None
+        self._path = p
+        self._seq = 0
+
+    def xid(self, pci_bus_id: str, code: int) -> None:
+        address = nvml_pci_address(pci_bus_id)
+        if address is None:
+            return
+        self._seq += 1
+        with self._path.open("ab") as f:
+            f.write(driver_record(self._seq, time.monotonic(), address, code))
 
 
 def _as_read(g: GpuReading) -> GpuReading:

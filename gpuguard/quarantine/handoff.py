@@ -27,6 +27,8 @@ class Handoff:
         self._cond = threading.Condition()
         self._latest: Judgement | None = None
         self._fault_keys: tuple[Verdict, frozenset[str], frozenset[str]] | None = None
+        # The last judgement handed over and its summary: a steady agent hands the same object again.
+        self._last: tuple[Judgement, Signature] | None = None
         # The summary of the last verdict reconciled without error, and of the one handed over since.
         self._settled: Signature | None = None
         self._pending: Signature | None = None
@@ -38,23 +40,9 @@ class Handoff:
         """Hand over the newest judgement. One whose summary (fault keys, health, the streaks up to
         --recover-after, flapping, GPUs seen, the degraded signals) is that of the last one reconciled, while
         `quiet()` (asked under the lock: the node cached, nothing pending on it) does not wake the writer."""
-        verdict = judgement.verdict
-        keys = self._fault_keys
-        if keys is None or keys[0] is not verdict:
-            # Once per verdict object: the agent hands over its remembered verdict at every steady check.
-            keys = self._fault_keys = (
-                verdict,
-                frozenset(f.key for f in verdict.faults),
-                frozenset(f.key for f in verdict.degraded),
-            )
-        sig = (
-            keys[1],
-            verdict.healthy,
-            judgement.streaks.capped(self._recover_after),
-            judgement.flapping,
-            bool(verdict.gpus),
-            keys[2],
-        )
+        last = self._last
+        sig = last[1] if last is not None and last[0] is judgement else self._summary(judgement)
+        self._last = (judgement, sig)
         with self._cond:
             if self._first_verdict_at is None:
                 self._first_verdict_at = self._clock()
@@ -64,6 +52,25 @@ class Handoff:
             self._pending = sig
             self._generation += 1
             self._cond.notify_all()
+
+    def _summary(self, judgement: Judgement) -> Signature:
+        verdict = judgement.verdict
+        keys = self._fault_keys
+        if keys is None or keys[0] is not verdict:
+            # Once per verdict object: the agent hands over its remembered verdict at every steady check.
+            keys = self._fault_keys = (
+                verdict,
+                frozenset(f.key for f in verdict.faults),
+                frozenset(f.key for f in verdict.degraded),
+            )
+        return (
+            keys[1],
+            verdict.healthy,
+            judgement.streaks.capped(self._recover_after),
+            judgement.flapping,
+            bool(verdict.gpus),
+            keys[2],
+        )
 
     def latest(self) -> Judgement | None:
         with self._cond:

@@ -4,6 +4,7 @@ only when it changes), the Event of each change (best effort) and one log line p
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from datetime import datetime
 
 import structlog
@@ -12,6 +13,7 @@ from gpuguard.core import validation
 from gpuguard.core.config import NodeSettings
 from gpuguard.core.errors import NodeUpdateError
 from gpuguard.core.model import Verdict
+from gpuguard.judge.explained import brief
 from gpuguard.judge.policy import primary
 from gpuguard.quarantine.node.accelerated import owned_by_another, plan_accelerated_condition
 from gpuguard.quarantine.node.degraded import (
@@ -87,7 +89,9 @@ class NodeReport:
             log.warning("node.condition_failed", node=node.name, error=error)
             return
         self._condition_keys = frozenset(f.key for f in verdict.faults)
-        log.info("node.condition", node=node.name, status=condition["status"], reason=condition["reason"])
+        self._written(
+            "node.condition", node=node.name, status=condition["status"], reason=condition["reason"]
+        )
 
     def degraded_condition(self, node: NodeView, verdict: Verdict, *, clean_streak: int) -> None:
         """The GPUDegraded condition (node/degraded.py), written only when it changes, best effort."""
@@ -111,7 +115,7 @@ class NodeReport:
             log.warning("node.degraded_condition_failed", node=node.name, error=error)
             return
         self._degraded_keys = keys
-        log.info("node.degraded_condition", node=node.name, status=condition["status"])
+        self._written("node.degraded_condition", node=node.name, status=condition["status"])
 
     def accelerated_condition(self, node: NodeView, verdict: Verdict, flapping: bool) -> None:
         """AcceleratedHardwareReady (node/accelerated.py), when --accelerated-hardware-condition is on:
@@ -136,12 +140,18 @@ class NodeReport:
         if (error := self._write(node, condition)) is not None:
             log.warning("node.accelerated_condition_failed", node=node.name, error=error)
             return
-        log.info(
+        self._written(
             "node.accelerated_condition",
             node=node.name,
             status=condition["status"],
             reason=condition["reason"],
         )
+
+    def _written(self, event: str, **fields: object) -> None:
+        """A condition written; not said in a dry run, whose writer's `node.dry_run_condition` line is the one
+        line of that transition (with the whole condition)."""
+        if not self._settings.dry_run:
+            log.info(event, **fields)
 
     def _write(self, node: NodeView, condition: Mapping[str, str]) -> str | None:
         """Write one condition, best effort: the node as the API server then has it goes to the reconciler;
@@ -152,7 +162,13 @@ class NodeReport:
             return str(exc)
         return None
 
-    def event(self, node: NodeView, event: EventSpec) -> None:
+    def event(self, node: NodeView, event: EventSpec, verdict: Verdict | None = None) -> None:
+        if verdict is not None and event.reason == "GPUUnhealthy":
+            # The rule that fired, where operators look first; only where it fits the Event's bound whole.
+            rules = brief((*verdict.node_faults, *(f for g in verdict.gpus for f in g.faults)), event.message)
+            message = f"{event.message} [{rules}]"
+            if rules and len(message.encode()) <= validation.MAX_EVENT_MESSAGE_BYTES:
+                event = replace(event, message=message)
         # Best effort: the taint is what protects the scale-out; a lost Event must not block it.
         try:
             self._writer.record_event(node, event)
@@ -161,47 +177,34 @@ class NodeReport:
 
     def change(self, before: NodeView, change: NodeChange, verdict: Verdict) -> None:
         """One line per write; reason, GPU, UUID and detail are of one fault: for "add-faults" the first of
-        those it added, else the fault the taint names."""
+        those it added, else the fault the taint names. A dry run's line is `node.dry_run` (nothing was
+        written), with the line a write would have logged as `transition` and the exact patch."""
         name = _LINES[change.action]
-        if change.action in DEGRADED_ACTIONS:
-            (log.warning if change.action == "degrade" else log.info)(
-                name,
-                node=before.name,
-                signals=join_keys(degraded_keys(verdict.degraded)),
-                tainted=change.taints is not None and any(t.key == DEGRADED_TAINT_KEY for t in change.taints),
-                dry_run=self._settings.dry_run,
-            )
-            return
+        quiet = ("recover", "verified", "override", "release-cordon", "repair", "repair-request")
+        warn = change.action not in quiet
+        fields: dict[str, object]
         if change.action == "repair-request":
-            log.info(name, node=before.name, request=dict(change.annotations), dry_run=self._settings.dry_run)
-            return
-        if change.action in ("recover", "verified", "override", "release-cordon", "repair"):
+            fields = {"request": dict(change.annotations)}
+        elif change.action in DEGRADED_ACTIONS:
+            warn = change.action == "degrade"
+            fields = {
+                "signals": join_keys(degraded_keys(verdict.degraded)),
+                "tainted": change.taints is not None
+                and any(t.key == DEGRADED_TAINT_KEY for t in change.taints),
+            }
+        elif not warn:
             if change.action == "override":
                 self._override_logged = frozenset(f.key for f in verdict.faults)
+            fields = {"uncordoned": change.unschedulable is False}
+        else:
+            fields = _fault_fields(before, change, verdict)
+        if self._settings.dry_run:
+            patch = change.patch(before.resource_version)
             log.info(
-                name,
-                node=before.name,
-                uncordoned=change.unschedulable is False,
-                dry_run=self._settings.dry_run,
+                "node.dry_run", node=before.name, action=change.action, transition=name, **fields, patch=patch
             )
-            return
-        faults = verdict.faults
-        if change.action == "add-faults":
-            faults = tuple(f for f in faults if validation.fault_key(f.key) not in before.current_faults)
-        first = primary(faults)
-        log.warning(
-            name,
-            node=before.name,
-            reason=first.reason if first else None,
-            gpu=first.gpu_index if first else None,
-            uuid=first.uuid if first else None,
-            detail=first.message if first else None,
-            faults=len(verdict.faults),
-            # The node's cordon after this write (a fault added to a cordoned node: still cordoned).
-            cordoned=before.unschedulable if change.unschedulable is None else change.unschedulable,
-            uncordoned=change.unschedulable is False,
-            dry_run=self._settings.dry_run,
-        )
+        else:
+            (log.warning if warn else log.info)(name, node=before.name, **fields, dry_run=False)
 
     def override(self, node: NodeView, verdict: Verdict) -> None:
         """Our taint gone while faults remain: an operator removed it (said once per set of faults)."""
@@ -214,3 +217,21 @@ class NodeReport:
                 faults=join_keys(keys),
                 note="not re-added for the same fault; a new fault taints again",
             )
+
+
+def _fault_fields(before: NodeView, change: NodeChange, verdict: Verdict) -> dict[str, object]:
+    """The fault a quarantine's line names (for "add-faults" the first it added) and the node's cordon."""
+    faults = verdict.faults
+    if change.action == "add-faults":
+        faults = tuple(f for f in faults if validation.fault_key(f.key) not in before.current_faults)
+    first = primary(faults)
+    return {
+        "reason": first.reason if first else None,
+        "gpu": first.gpu_index if first else None,
+        "uuid": first.uuid if first else None,
+        "detail": first.message if first else None,
+        "faults": len(verdict.faults),
+        # The node's cordon after this write (a fault added to a cordoned node: still cordoned).
+        "cordoned": before.unschedulable if change.unschedulable is None else change.unschedulable,
+        "uncordoned": change.unschedulable is False,
+    }

@@ -268,7 +268,7 @@ class NodeReconciler:
             self._report.change(before, change, verdict)
             self._condition(node, full, flapping, degraded_streak)
             if change.event is not None:
-                self._report.event(node, change.event)
+                self._report.event(node, change.event, verdict)
             if self.budget is not None and self.budget.written(node, change):
                 continue  # past the budget's limit: the next plan is the yield
             if change.action not in DEGRADED_ACTIONS and self._degraded(node, verdict, degraded_streak):
@@ -296,21 +296,21 @@ class NodeReconciler:
             change = self.budget.gate(node, change, verdict)
         if self.repeat is None:
             return change
-        mark = marks(node, self.repeat.held, handled_release=self.repeat.handled_release)
+        mark = marks(
+            node,
+            self.repeat.held,
+            handled_release=self.repeat.handled_release,
+            handled_hold=self.repeat.handled_hold,
+            published=self.repeat.published,
+            rides=change is not None,
+        )
         return with_marks(change, mark)
 
     def _ask(self, node: NodeView, full: Verdict) -> NodeChange | None:
-        """The repair request (`--repair`): for a GPU whose quarantine is in place, its rule blocking or the
-        node taint on (quarantine/repair/asking.py)."""
+        """The repair request (`--repair`, quarantine/repair/asking.py)."""
         if self._settings.repair == "off":
             return None
-        ruled = (
-            {q.uuid for q in self.devices.quarantined if not q.deferred}
-            if self.devices is not None
-            else set()
-        )
-        if node.our_taint is not None and not node.deferred:
-            ruled |= {g.uuid for g in full.gpus}
+        ruled = asking.in_place(node, full, self.devices.quarantined if self.devices is not None else ())
         return asking.ask(node, full, in_place=ruled, now=self._now())
 
     def _degraded(self, node: NodeView, verdict: Verdict, degraded_streak: int) -> NodeChange | None:

@@ -21,9 +21,8 @@ from gpuguard.core.signalconfig import SignalConfig
 from gpuguard.core.signaltable import SignalTable
 from gpuguard.core.xids import CATALOG
 from gpuguard.judge.cadence import fitted
-from gpuguard.judge.flaps import Flaps, flapping, held, observe_verdict
 from gpuguard.judge.policy import evaluate
-from gpuguard.judge.streaks import Runs, advance, streaks
+from gpuguard.judge.tally import Tally, tally
 from gpuguard.nvml.base import Backend, wait_for
 from gpuguard.quarantine.node.writers import DRY_RUN_NODE
 from gpuguard.quarantine.reconciler import NodeReconciler
@@ -60,9 +59,12 @@ class Agent:
         on_verdict: Callable[[Verdict], None] | None = None,
         signal_config: SignalConfig | None = None,
         uptime: float | None = None,
+        recover_after: int | None = None,
     ) -> None:
         """on_verdict: also handed each verdict, after the reconciler (the evictor's `observe`). `baselines`:
-        the signals' first-good baselines kept across restarts (None: in this process only, a dry run)."""
+        the signals' first-good baselines kept across restarts (None: in this process only, a dry run).
+        `recover_after`: the reconciler's --recover-after; a steady node's runs past it hand the writer the
+        same Judgement again (None: a new one at every check)."""
         self._backend = backend
         self._on_verdict = on_verdict
         self._reconciler = reconciler
@@ -91,7 +93,6 @@ class Agent:
         self._library_seen = False
         # Set when the loop stopped because libnvidia-ml.so.1 never became loadable (the CLI exits 3).
         self.no_library = False
-        self._flaps = Flaps()
         self._restored: Verdict | None = None
         self._clock = clock
         self._wall = wall
@@ -99,8 +100,10 @@ class Agent:
         self._wake = threading.Event()
         self._verdict: Verdict | None = None
         self._last_evaluation: tuple[Snapshot, Verdict | None, Verdict, PolicySettings] | None = None
-        # When the node's and each GPU's runs with no fault and with no degraded signal began.
-        self._runs = Runs()
+        # When the node's and each GPU's runs with no fault and with no degraded signal began, the flaps,
+        # and the judgement they make with the verdict.
+        self._tally = Tally()
+        self._recover_after = recover_after
         # The node's labels the signal table was last chosen for (the reconciler reads the node).
         self._labels: Mapping[str, str] | None = None
         self._started = clock()
@@ -162,7 +165,6 @@ class Agent:
         previous = self._verdict
         verdict = self._evaluate(snapshot, previous or self._restored)
         judged_at = self._clock()
-        self._runs = advance(self._runs, verdict, judged_at)
         if verdict is not previous or verdict.ignored_xids:
             # The very verdict as before (the remembered evaluation) has no transition to log.
             self._log_transitions(previous, verdict)
@@ -175,15 +177,20 @@ class Agent:
             listed = {uuid for _, uuid, _ in verdict.known if uuid}  # a UUID NVML no longer lists is dropped
             self._baselines.save(verdict.signal_memory, listed)
         now = self._clock()
-        self._flaps = observe_verdict(self._flaps, verdict, now, self._flap_window)
+        self._tally = tally(
+            self._tally,
+            verdict,
+            judged_at=judged_at,
+            now=now,
+            interval=self._interval,
+            flap_window=self._flap_window,
+            recover_after=self._recover_after,
+        )
         self._verdict = verdict
         self._last_check = now
         self._last_check_wall = self._wall()
         self.checks += 1
-        counted = held(streaks(self._runs, judged_at, self._interval), self._flaps, now, self._flap_window)
-        self._reconciler.submit(
-            Judgement(verdict, counted, flapping(self._flaps.faults, now, self._flap_window))
-        )
+        self._reconciler.submit(self._tally.judgement or Judgement(verdict))
         if self._on_verdict is not None:
             self._on_verdict(verdict)
         if self._metrics is not None:

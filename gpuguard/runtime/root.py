@@ -20,8 +20,8 @@ from gpuguard.core.config import Config, NodeSettings
 from gpuguard.core.errors import ConfigError
 from gpuguard.core.model import AgentStatus, Verdict
 from gpuguard.judge.policy import evaluate
-from gpuguard.nvml.base import Backend
 from gpuguard.runtime import health
+from gpuguard.runtime.backends import make_backend
 
 if TYPE_CHECKING:  # the watch's parts: imported where they are built, not by `check`
     from prometheus_client import CollectorRegistry
@@ -39,20 +39,9 @@ if TYPE_CHECKING:  # the watch's parts: imported where they are built, not by `c
     from gpuguard.quarantine.repeat.offenders import RepeatOffenders
     from gpuguard.runtime import checknode
     from gpuguard.runtime.agent import Agent
+    from gpuguard.runtime.evidence import EvidenceRecorder
 
 log = structlog.get_logger(__name__)
-
-
-def make_backend(cfg: Config, *, start_at: float = 0.0) -> Backend:
-    """The mock (a scenario, its clock started at `start_at`; a bad one fails here, before anything starts) or
-    NVML."""
-    if cfg.backend == "mock":
-        from gpuguard.nvml.mock import MockBackend, load_scenario  # noqa: PLC0415
-
-        return MockBackend(load_scenario(cfg.scenario), start_at=start_at)
-    from gpuguard.nvml.real import NvmlBackend  # noqa: PLC0415 - pynvml only when asked for
-
-    return NvmlBackend(deadline=cfg.nvml_call_timeout, pci_root=cfg.pci_root)
 
 
 # A host up for less than this is a new (or just rebooted) node: its agent reads the node at once, because the
@@ -94,7 +83,8 @@ def check_once(cfg: Config, *, at: float | None = None) -> Check:
         raise ConfigError("--at needs --backend mock: it moves a scenario's clock, not a real GPU's")
     node = node_facts(cfg)
     policy = replace(cfg.policy, expected_gpus=node.expected_gpus, signals=node.signals)
-    backend = make_backend(cfg, start_at=at or 0.0)
+    # With --kernel-log, the Xids since boot are judged like NVML's: a preflight after a fatal one fails.
+    backend = make_backend(cfg, start_at=at or 0.0, once=True)
     backend.open(lambda: None)
     try:
         snapshot = backend.snapshot()
@@ -123,11 +113,11 @@ def node_facts(cfg: Config) -> checknode.NodeFacts:
 class Connection:
     """The agent's one client to the API server, made at its first use and then shared by everything that
     sends a request (the node writer, the device source, the budget's and the rules' watches), so that one
-    client-side rate limit (--api-qps, --api-burst) holds all of the agent's requests. A kubeconfig that
-    cannot be used raises at each use (gpuguard.core.errors), as its reader does."""
+    client-side rate limit (--api-qps, --api-burst) holds all of the agent's requests; `dropped` counts the
+    objects its reads drop. An unusable kubeconfig raises at each use (gpuguard.core.errors)."""
 
-    def __init__(self, settings: NodeSettings) -> None:
-        self._settings = settings
+    def __init__(self, settings: NodeSettings, dropped: Callable[[str], None] | None = None) -> None:
+        self._settings, self._dropped = settings, dropped
         self._client: kubeclient.Client | None = None
         self._lock = threading.Lock()
 
@@ -138,7 +128,8 @@ class Connection:
         with self._lock:
             if self._client is None:
                 s = self._settings
-                self._client = kubeclient.load(s.kubeconfig, rate_limiter=RateLimiter(s.api_qps, s.api_burst))
+                limit = RateLimiter(s.api_qps, s.api_burst)
+                self._client = kubeclient.load(s.kubeconfig, rate_limiter=limit, dropped=self._dropped)
             return self._client
 
 
@@ -165,11 +156,13 @@ class Parts:
     rules_watch: WatchedRules | None
     delay: float
     evictor: Evictor | None = None
+    evidence: EvidenceRecorder | None = None
 
     @property
     def background(self) -> list[Background]:
-        """What runs beside the agent's loop, in the order started: the fleet's watches, then the evictor."""
-        return [b for b in (self.fleet, self.rules_watch, self.evictor) if b is not None]
+        """What runs beside the agent's loop, in the order started: the fleet's watches, the evictor, the
+        evidence recorder."""
+        return [b for b in (self.fleet, self.rules_watch, self.evictor, self.evidence) if b is not None]
 
     def status(self) -> AgentStatus:
         """The agent's status plus what the device source found (which DeviceTaintRule API is served)."""
@@ -196,9 +189,8 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
     from gpuguard.store.baselines import BaselineStore  # noqa: PLC0415
     from gpuguard.store.state import StateStore, read_boot_id  # noqa: PLC0415
 
-    backend = make_backend(cfg)
     metrics = Metrics(REGISTRY if registry is None else registry, dry_run=cfg.node.dry_run)
-    connect = Connection(cfg.node)
+    connect = Connection(cfg.node, metrics.object_dropped)
     writer = make_writer(cfg.node, connect, metrics)
     # What the API server answered, one view for the reconciler and the budget's watch (/healthz "api").
     api_state = ApiState(cfg.node.name or DRY_RUN_NODE, backoff=cfg.node.refusal_backoff)
@@ -219,11 +211,9 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         state = StateStore(cfg.state_dir, boot_id=read_boot_id(cfg.boot_id_file), backend=cfg.backend)
         # The signals' first-good baselines beside it (not in a dry run: it writes nothing on the host).
         baselines = BaselineStore(cfg.state_dir, backend=cfg.backend)
-    if cfg.kernel_log:  # a second source of Xids on a thread of its own (docs/design.md, "The kernel log")
-        from gpuguard.nvml.kmsg.merge import kernel_log_backend  # noqa: PLC0415
-
-        judged = state.kernel_seq if state is not None else lambda: None
-        backend = kernel_log_backend(backend, cfg.kernel_log, metrics=metrics, judged=judged)
+    # With --kernel-log a second source of Xids, on a thread of its own (docs/design.md, "The kernel log").
+    judged = state.kernel_seq if state is not None else lambda: None
+    backend = make_backend(cfg, metrics=metrics, judged=judged)
     devices = device_source = rules_watch = None
     if cfg.node.quarantine != "node":
         node_name = cfg.node.name or ""
@@ -259,6 +249,15 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         repeat=repeat_offenders(cfg, durable=state is not None),
     )
     evictor = make_evictor(cfg, connect, reconciler, metrics)
+    from gpuguard.runtime.evidence import recorder  # noqa: PLC0415 - the evidence kept at detection, in --state-dir
+
+    evidence = recorder(cfg, lambda: reconciler.status) if state is not None else None
+    observers = [o.observe for o in (evictor, evidence) if o is not None]
+
+    def observe(verdict: Verdict) -> None:
+        for o in observers:
+            o(verdict)
+
     agent = Agent(
         backend=backend,
         reconciler=reconciler,
@@ -272,9 +271,10 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         flap_window=cfg.node.flap_window,
         library_wait=None if cfg.backend != "nvml" or cfg.policy.allow_no_gpu else cfg.nvml_load_timeout,
         call_wait=float(getattr(backend, "longest_wait", 0.0)),
-        on_verdict=evictor.observe if evictor is not None else None,
+        on_verdict=observe if observers else None,
         signal_config=cfg.signals_config,
         uptime=uptime if cfg.backend == "nvml" else 0.0,  # a mock scenario's node boots with it
+        recover_after=cfg.node.recover_after,
     )
     return Parts(
         agent=agent,
@@ -288,6 +288,7 @@ def build(cfg: Config, *, registry: CollectorRegistry | None = None) -> Parts:
         rules_watch=rules_watch,
         delay=delay,
         evictor=evictor,
+        evidence=evidence,
     )
 
 

@@ -71,11 +71,13 @@ class Release:
 
 @dataclass(frozen=True)
 class GpuHistory:
-    """`escalated`: when the GPU was found a repeat offender (held until a release); None when not held."""
+    """`escalated`: when the GPU was found a repeat offender (held until a release); None when not held.
+    `held_by`: the operator who placed the hold (`gpuguard hold`), None for one its episodes made."""
 
     episodes: tuple[Episode, ...] = ()
     releases: tuple[Release, ...] = ()
     escalated: float | None = None
+    held_by: str | None = None
 
     @property
     def open(self) -> Episode | None:
@@ -122,6 +124,7 @@ def _within(h: GpuHistory) -> bool:
             for e in h.episodes
         )
         and all(len(r.by) <= MAX_TEXT for r in h.releases)
+        and len(h.held_by or "") <= MAX_TEXT
     )
 
 
@@ -135,6 +138,7 @@ def _cut(h: GpuHistory) -> GpuHistory:
         ),
         releases=tuple(replace(r, by=r.by[:MAX_TEXT]) for r in h.releases[-MAX_RELEASES:]),
         escalated=h.escalated,
+        held_by=None if h.held_by is None else h.held_by[:MAX_TEXT],
     )
 
 
@@ -209,6 +213,8 @@ def serialize(history: History) -> dict[str, Any]:
                 ],
                 "releases": [{"by": r.by, "at": r.at} for r in h.releases],
                 "escalated": h.escalated,
+                # Only where an operator placed the hold: an older agent reads the file as before.
+                **({"held_by": h.held_by} if h.held_by is not None else {}),
             }
             for uuid, h in sorted(bounded(history).items())
         },
@@ -245,7 +251,9 @@ def _gpu(h: Any) -> GpuHistory:
         Release(by=_text(r["by"]), at=_time(r["at"])) for r in _list(h["releases"], MAX_RELEASES)
     )
     escalated = None if h["escalated"] is None else _time(h["escalated"])
-    return GpuHistory(episodes=episodes, releases=releases, escalated=escalated)
+    held_by = h.get("held_by")
+    held_by = None if held_by is None or escalated is None else _text(held_by)
+    return GpuHistory(episodes=episodes, releases=releases, escalated=escalated, held_by=held_by)
 
 
 def _list(value: Any, most: int) -> list[Any]:

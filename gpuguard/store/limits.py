@@ -35,6 +35,17 @@ BASELINES_MAX_BYTES = 256 * files.KIB
 BASELINES_MAX_GPUS = 256
 BASELINES_MAX_UUID = 96
 
+# evidence.json (store.evidence): one record per fault and degraded mark as detected, the newest kept. A
+# record is cut to these, then its largest sections dropped until it fits EVIDENCE_MAX_RECORD_BYTES, so the
+# file stays under EVIDENCE_MAX_BYTES whatever a GPU or a kernel line says.
+EVIDENCE_MAX_RECORDS = 64
+EVIDENCE_MAX_RECORD_BYTES = 16 * files.KIB
+EVIDENCE_MAX_BYTES = EVIDENCE_MAX_RECORDS * EVIDENCE_MAX_RECORD_BYTES + 4 * files.KIB
+EVIDENCE_MAX_TEXT = 512  # a detail, a kernel line's words, a pod's name
+EVIDENCE_MAX_ITEMS = 32  # entries of one list or mapping (reasons, kernel lines, pods, readings)
+EVIDENCE_MAX_DEPTH = 4
+EVIDENCE_MAX_VALUES = 1024  # values copied from one record in all: a record of shared references is no storm
+
 _FATAL = frozenset({GPU_LOST, GPU_MISSING, ROW_REMAP})
 
 

@@ -974,6 +974,42 @@ static void report_parse_error(const char *buf, const struct parse_error *pe)
 }
 
 /*
+ * The driver logs each Xid in the kernel log as it posts the event: with
+ * $FAKE_NVML_KMSG naming a stand-in file, a new `xid` line also appends the
+ * record /dev/kmsg would return for it (`3,SEQ,USEC,-;NVRM: Xid (PCI:...)`,
+ * timestamps and sequence numbers from CLOCK_MONOTONIC, so that they rise
+ * across processes of one boot).  Lines present at the first read are not
+ * logged again: whoever ran then logged them.
+ */
+static void log_xid(const struct xid_line *x)
+{
+    static unsigned long long last_seq;
+    const char *path = getenv("FAKE_NVML_KMSG");
+    if (!path || !*path)
+        return;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    unsigned long long usec = (unsigned long long)ts.tv_sec * 1000000ull + (unsigned long long)ts.tv_nsec / 1000;
+    unsigned long long seq = usec > last_seq ? usec : last_seq + 1;
+    last_seq = seq;
+    char rec[256];
+    int n = snprintf(rec, sizeof(rec),
+                     "3,%llu,%llu,-;NVRM: Xid (PCI:0000:%02x:00): %llu, pid=1234, name=python, "
+                     "fakenvml xid line %u\n SUBSYSTEM=pci\n",
+                     seq, usec, FIRST_PCI_BUS + x->gpu, x->code, x->line);
+    int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0 || n <= 0) {
+        fprintf(stderr, "fakenvml: cannot append to FAKE_NVML_KMSG %s\n", path);
+        if (fd >= 0)
+            close(fd);
+        return;
+    }
+    if (write(fd, rec, (size_t)n) != n)
+        fprintf(stderr, "fakenvml: short write to FAKE_NVML_KMSG %s\n", path);
+    close(fd);
+}
+
+/*
  * Reads and applies the state file.  At init (initializing == true) problems
  * are returned as NVML errors and always printed; later they keep the last
  * good state and are printed once per file version.
@@ -1078,6 +1114,7 @@ static nvmlReturn_t load_locked(bool initializing)
                                    NO_INSTANCE};
                 deliver_locked(&ev);
             }
+    bool first = g_cfg == NULL;
     config_free(g_cfg);
     g_cfg = c;
     /* Xid lines are events, numbered by position: only lines beyond the
@@ -1087,6 +1124,8 @@ static nvmlReturn_t load_locked(bool initializing)
         struct event ev = {NULL, c->xid[i].gpu, nvmlEventTypeXidCriticalError, c->xid[i].code,
                            c->xid[i].gi, c->xid[i].ci};
         deliver_locked(&ev);
+        if (!first)
+            log_xid(&c->xid[i]);
     }
     if (c->nxid > g_xid_seen)
         g_xid_seen = c->nxid;

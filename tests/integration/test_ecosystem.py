@@ -172,7 +172,7 @@ def test_gpuguard_status_lists_the_quarantined_nodes(
         check=False,
     )
     assert r.returncode == 0, r.stderr
-    row = next(x for x in json.loads(r.stdout) if x["node"] == node)
+    row = next(x for x in json.loads(r.stdout)["rows"] if x["node"] == node)
     assert row["state"] == "quarantined" and row["reason"] == "ecc" and row["cordoned_by_gpuguard"] is True
     assert row["faults"] == ["ecc/GPU-it-0"] and row["since"]
     table = subprocess.run(

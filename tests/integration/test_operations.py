@@ -43,6 +43,19 @@ EXERCISED_ELSEWHERE = {
     "gpuguard release --node NODE --gpu UUID --by YOU": (
         "test_repeat_offenders.py::test_an_xid_that_returns_after_two_reboots_holds_the_gpu_until_an_operator_releases_it"
     ),
+    "gpuguard explain": (
+        "test_explain.py::test_explain_on_the_node_and_from_the_cluster_of_a_node_quarantined_for_a_kernel_logged_xid"
+    ),
+    'gpuguard explain --node "$NODE"': (
+        "test_explain.py::test_explain_on_the_node_and_from_the_cluster_of_a_node_quarantined_for_a_kernel_logged_xid"
+    ),
+    "gpuguard hold": "test_operator_day.py::test_hold_holds_a_gpu_through_the_agent_and_history_shows_the_hold_and_the_release",  # noqa: E501
+    "gpuguard hold --node NODE --gpu UUID [--by WHO] [--force] [--wait]": (
+        "test_operator_day.py::test_hold_holds_a_gpu_through_the_agent_and_history_shows_the_hold_and_the_release"
+    ),
+    "gpuguard history --node NODE [--gpu UUID] [-o json]": (
+        "test_operator_day.py::test_hold_holds_a_gpu_through_the_agent_and_history_shows_the_hold_and_the_release"
+    ),
     "kubectl get pdb -n NS": "test_the_operations_runbook_works_as_written",
     "gpuguard check --fail-on-degraded": (
         "test_degraded_shown.py::test_check_exits_0_on_degraded_gpus_unless_told_to_fail"

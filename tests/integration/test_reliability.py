@@ -61,7 +61,9 @@ def consistent(n: dict[str, Any]) -> bool:
     ours = [t for t in n["spec"].get("taints") or [] if t["key"] == TAINT_KEY]
     unschedulable = bool(n["spec"].get("unschedulable"))
     tainted_state = bool(ours) and unschedulable and ann.get("gpuguard.io/cordoned") == "true"
-    recovered_state = not ours and not unschedulable and not any(k.startswith("gpuguard.io/") for k in ann)
+    # The GPU history's summary stays after a recovery: history, not a quarantine mark.
+    marks = [k for k in ann if k.startswith("gpuguard.io/") and k != "gpuguard.io/gpu-history"]
+    recovered_state = not ours and not unschedulable and not marks
     return tainted_state or recovered_state
 
 

@@ -108,7 +108,7 @@ def test_an_xid_that_returns_after_two_reboots_holds_the_gpu_until_an_operator_r
 
     status = gpuguard(control_plane, "status", "-o", "json")
     assert status.returncode == 0, status.stderr
-    row = next(r for r in json.loads(status.stdout) if r["node"] == node)
+    row = next(r for r in json.loads(status.stdout)["rows"] if r["node"] == node)
     assert row["repeat_offenders"] == {UUID: 3} and row["reason"] == "repeat-offender"
     table = gpuguard(control_plane, "status")
     assert "REPEAT-OFFENDERS" in table.stdout and f"{UUID}=3" in table.stdout

@@ -142,6 +142,35 @@ def test_gpuguards_own_managed_fields_entry_may_name_only_keys_the_node_holds(
     core.patch_node(node, {"metadata": {"annotations": {"gpuguard.io/reason": "ecc"}}}, **MERGE)
 
 
+def test_ancient_changes_at_the_managers_cap_cannot_gain_made_up_keys(
+    admin: Admin, control_plane: Any
+) -> None:
+    """The API server keeps 10 Update entries and merges the oldest into "ancient-changes"; on a node at that
+    cap the policy let the entry grow (only the API server's own merge grows it). The attack: 1,000 made-up
+    annotation keys added there, ~60 KB on every copy of the node (20,000 made it 1.2 MB). A key another
+    Update entry already holds may move there, as the API server's merge does; the agent writes on."""
+    node = new_node(admin)
+    for i in range(10):
+        admin.core.patch_node(
+            node, {"metadata": {"labels": {f"example.com/l{i}": "v"}}}, field_manager=f"tool-{i}", **MERGE
+        )
+        time.sleep(1.05)  # entries are ordered by their time, which has a resolution of one second
+    core = agent_core(admin, control_plane, node)
+    core.patch_node(node, {"metadata": {"annotations": {"gpuguard.io/reason": "ecc"}}}, **MERGE)
+    entries = admin.node(node)["metadata"]["managedFields"]
+    assert sum(1 for e in entries if e["operation"] == "Update") >= 10, entries
+    ancient = next(e for e in entries if e["manager"] == "ancient-changes")
+    made_up = bomb(1000)["fieldsV1"]["f:metadata"]["f:annotations"]
+    grown = {**ancient, "fieldsV1": {**ancient["fieldsV1"]}}
+    grown["fieldsV1"]["f:metadata"] = {**ancient["fieldsV1"]["f:metadata"], "f:annotations": made_up}
+    body = {"metadata": {"managedFields": [grown if e is ancient else e for e in entries]}}
+    text = refused_by(NODE_POLICY, lambda: core.patch_node(node, body, **MERGE))
+    assert "ancient-changes (Update) with fields no Update entry held" in text, text
+    assert admin.node(node)["metadata"]["managedFields"] == entries
+    # The agent's own next write at the cap passes.
+    core.patch_node(node, {"metadata": {"annotations": {"gpuguard.io/reason": "xid"}}}, **MERGE)
+
+
 def test_gpuguards_entry_loses_a_key_an_operator_removed_and_the_agent_writes_on(
     admin: Admin, control_plane: Any
 ) -> None:

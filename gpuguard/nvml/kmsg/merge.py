@@ -42,9 +42,12 @@ class KernelLogBackend:
         judged: Callable[[], int | None] = lambda: None,
         window: float = SAME_XID_WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
+        once: bool = False,
     ) -> None:
-        """`judged`: the last kernel-log sequence number judged in this boot (state file), read at start."""
+        """`judged`: the last kernel-log sequence number judged in this boot (state file), read at start.
+        `once`: no thread; each snapshot reads the whole log after the inner one (`gpuguard check`)."""
         self._inner = inner
+        self._once = once
         self._reader = reader
         self._judged = judged
         self._window = window
@@ -65,7 +68,8 @@ class KernelLogBackend:
     def open(self, wakeup: Wakeup) -> None:
         self._wakeup = wakeup
         # The reader first: an NVML that hangs in its open must not keep the kernel's Xids from being read.
-        self._reader.start(self._arrived, after=self._judged())
+        if not self._once:
+            self._reader.start(self._arrived, after=self._judged())
         self._inner.open(wakeup)
 
     def wait(self, until: float, wake: threading.Event) -> None:
@@ -82,6 +86,8 @@ class KernelLogBackend:
 
     def snapshot(self) -> Snapshot:
         snap = self._inner.snapshot()
+        if self._once:
+            self._reader.read_once(self._arrived)  # after the inner one: what its driver logged is in
         for g in snap.gpus:
             if address := nvml_pci_address(g.pci_bus_id):
                 self._pci[address] = g  # kept when NVML no longer answers: the map of the last inventory
@@ -152,13 +158,19 @@ class KernelLogBackend:
 
 
 def kernel_log_backend(
-    inner: Backend, path: str, *, metrics: Metrics | None, judged: Callable[[], int | None]
+    inner: Backend,
+    path: str,
+    *,
+    metrics: Metrics | None,
+    judged: Callable[[], int | None],
+    once: bool = False,
 ) -> KernelLogBackend:
-    """`inner` with the kernel log at `path` as a second source, its skipped records counted in `metrics`."""
+    """`inner` with the kernel log at `path` as a second source, its skipped records counted in `metrics`
+    (`once`: read whole at each snapshot, on the caller's thread)."""
 
     def skipped(why: str) -> None:
         log.warning("kmsg.record_skipped", path=path, why=why)
         if metrics is not None:
             metrics.kernel_log_skipped.labels(why).inc()
 
-    return KernelLogBackend(inner, KernelLogReader(path, on_skipped=skipped), judged=judged)
+    return KernelLogBackend(inner, KernelLogReader(path, on_skipped=skipped), judged=judged, once=once)

@@ -75,6 +75,20 @@ class KernelLogReader:
         self._thread = threading.Thread(target=self._run, name="kmsg-reader", daemon=True)
         self._thread.start()
 
+    def read_once(self, deliver: Deliver) -> None:
+        """Every record the log holds now, read on the caller's thread, then closed (`gpuguard check`: the
+        Xids since boot). A log that cannot be opened is logged (`kmsg.unavailable`) and reads nothing."""
+        self._deliver = deliver
+        if self._fd is None and not self._open():
+            return
+        try:
+            while self.read_available() == READS_PER_TURN:
+                pass
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+            self._fd = None
+
     def stop(self) -> None:
         self._stop.set()
         if self._wake_w >= 0:

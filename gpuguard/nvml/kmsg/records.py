@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 
 from gpuguard.core.model import KernelLine
+from gpuguard.core.xids import CATALOG
 
 MAX_RECORD = 8192
 """Bytes of one record, continuation lines included. The kernel bounds a message to about 1 KiB (and
@@ -92,6 +93,17 @@ def parse_xid(record: Record) -> KernelXid | None:
         line = KernelLine(record.seq, record.at, pci, text=_printable(m.group(6) or ""), severity=m.group(5))
         return KernelXid(code, True, line)
     return None
+
+
+def driver_record(seq: int, at: float, pci: str, code: int, *, sxid: bool = False) -> bytes:
+    """One record as the driver has the kernel log it (the stand-ins' side: the mock, the tests):
+    `pci` in the one spelling ("0000:3b:00"), `at` seconds on CLOCK_MONOTONIC."""
+    if sxid:
+        message = f"nvidia-nvswitch0: SXid (PCI:{pci}.0): {code}, Fatal, Link 30 LTSSM Fault Up"
+    else:
+        words = CATALOG.describe(code)
+        message = f"NVRM: Xid (PCI:{pci}): {code}, pid=1234, name=python, {words}"
+    return f"3,{seq},{int(at * 1e6)},-;{message}\n SUBSYSTEM=pci\n".encode()
 
 
 def _printable(text: str) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 
 from gpuguard.kube import client as kubeclient
+from gpuguard.kube import devicerules
 from gpuguard.kube.listwatch import ListWatch
 from gpuguard.quarantine.gpu.rules import LIST_PAGE, DeviceRule, trim_rule
 from gpuguard.quarantine.gpu.writers import EVERY_NODE
@@ -55,6 +56,7 @@ class WatchedRules:
             timeout=timeout,
             keep=trim_rule,
             page=LIST_PAGE,
+            max_item=devicerules.MAX_RULE_BYTES,
         )
         # Each item converted once: an event replaces an item whole.
         self._rules: dict[str, tuple[dict[str, Any], DeviceRule]] = {}

@@ -59,7 +59,8 @@ class NodeWriter(Protocol):
 
 
 class DryRunNodeWriter:
-    """Writes nothing: logs the exact patch it would send and keeps the result in memory.
+    """Writes nothing and keeps the result in memory; the exact patch it would send is logged once, in the
+    transition's own line (`node.dry_run`, by the reconciler's report), not here a second time.
 
     Starts from the real node when one can be read (so a dry run on a live cluster shows the real
     decisions), else from an empty node named after --node (or "dry-run").
@@ -72,8 +73,7 @@ class DryRunNodeWriter:
         return self._node
 
     def patch(self, node: NodeView, change: NodeChange) -> NodeView:
-        body = _checked_patch(node, change)
-        log.info("node.dry_run", node=node.name, action=change.action, patch=body)
+        _checked_patch(node, change)
         self._node = apply_change(self._node, change)
         return self._node
 

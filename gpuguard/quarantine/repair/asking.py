@@ -10,11 +10,11 @@ ladder on its own, and the next GPU's turn comes."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import replace
 from datetime import datetime, timedelta
 
-from gpuguard.core.model import REPAIR_HELD, Fault, GpuVerdict, Verdict
+from gpuguard.core.model import REPAIR_HELD, Fault, GpuQuarantine, GpuVerdict, Verdict
 from gpuguard.core.remedies import REMEDIES
 from gpuguard.quarantine.node.view import NodeChange, NodeView
 from gpuguard.quarantine.repair.values import (
@@ -33,6 +33,15 @@ def remedied_by_reset(g: GpuVerdict) -> bool:
     faults = [f for f in g.faults if f.reason != REPAIR_HELD]
     field = g.recovery_action is not None
     return bool(faults) and all(REMEDIES.remedies(f.reason, recovery_field=field) for f in faults)
+
+
+def in_place(node: NodeView, verdict: Verdict, rules: Iterable[GpuQuarantine]) -> set[str]:
+    """The GPUs whose quarantine is in place: their own rule blocking (not deferred), or every GPU while
+    gpuguard's node taint is on (not deferred)."""
+    held = {q.uuid for q in rules if not q.deferred}
+    if node.our_taint is not None and not node.deferred:
+        held |= {g.uuid for g in verdict.gpus}
+    return held
 
 
 def hold(node: NodeView, verdict: Verdict) -> Verdict:

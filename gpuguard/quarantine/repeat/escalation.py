@@ -211,9 +211,20 @@ def release(history: History, gpu: str, *, by: str, at: float) -> tuple[dict[str
             continue
         opened = h.open
         ended = _with_last(h, replace(opened, ended="operator", ended_at=at)) if opened is not None else h
-        out[uuid] = replace(ended, escalated=None, releases=(*h.releases, Release(by=by, at=at)))
+        out[uuid] = replace(
+            ended, escalated=None, held_by=None, releases=(*h.releases, Release(by=by, at=at))
+        )
         released.append(uuid)
     return out, sorted(released)
+
+
+def hold(history: History, gpu: str, *, by: str, at: float) -> tuple[dict[str, GpuHistory], bool]:
+    """The history after an operator's hold of `gpu` (`gpuguard hold`): held from `at` as a repeat offender
+    is, recorded as placed by `by`, until a release. False (unchanged) where it is held already."""
+    h = history.get(gpu, GpuHistory())
+    if h.escalated is not None:
+        return dict(history), False
+    return {**history, gpu: replace(h, escalated=at, held_by=by)}, True
 
 
 def held(history: History) -> dict[str, int]:
@@ -225,6 +236,11 @@ def held(history: History) -> dict[str, int]:
 def summary(h: GpuHistory, limits: Limits) -> str:
     """What the held fault says: the episodes counted, their reasons and how each ended, and what ends it."""
     counted = _counted(h)
+    if h.held_by is not None and h.escalated is not None:
+        return (
+            f"held by {h.held_by} since {_date(h.escalated)} (`gpuguard hold`), {len(counted)} fault "
+            "episodes since its last release; held for repair until `gpuguard release`"
+        )
     days = limits.window_s / 86400
     parts = [f"{'+'.join(e.reasons)} {_date(e.first_seen)} ({e.ended or 'open'})" for e in counted[-4:]]
     more = f"{len(counted) - 4} earlier, " if len(counted) > 4 else ""

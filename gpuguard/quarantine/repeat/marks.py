@@ -13,6 +13,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import replace
 
+from gpuguard.core import validation
 from gpuguard.quarantine.node.view import (
     ANN_REPAIR_PLACED,
     ANN_REPEAT_OFFENDERS,
@@ -21,6 +22,8 @@ from gpuguard.quarantine.node.view import (
     NodeChange,
     NodeView,
 )
+from gpuguard.quarantine.repeat.hold import ANN_HOLD
+from gpuguard.quarantine.repeat.published import ANN_HISTORY
 from gpuguard.quarantine.repeat.release import ANN_RELEASE
 
 MAX_LISTED = 16
@@ -31,8 +34,19 @@ def listed(held: Mapping[str, int]) -> str:
     return json.dumps(dict(sorted(held.items())[:MAX_LISTED]), sort_keys=True, separators=(",", ":"))
 
 
-def marks(node: NodeView, held: Mapping[str, int], *, handled_release: str | None) -> NodeChange | None:
-    """The write that brings the node's repair marks in line with `held` (UUID -> episodes), or None."""
+def marks(
+    node: NodeView,
+    held: Mapping[str, int],
+    *,
+    handled_release: str | None,
+    handled_hold: str | None = None,
+    published: tuple[str, str | None] | None = None,
+    rides: bool = False,
+) -> NodeChange | None:
+    """The write that brings the node's repair marks in line with `held` (UUID -> episodes), or None; with
+    `published` (an annotation key and its value, None: none) the GPU history's summary too, but only in a
+    write that happens anyway (`rides`: the planned change, or a mark): never a request of its own, which
+    would add one to every per-GPU fault and recovery."""
     annotations: dict[str, str | None] = {}
     labels: dict[str, str | None] = {}
     event = None
@@ -59,8 +73,12 @@ def marks(node: NodeView, held: Mapping[str, int], *, handled_release: str | Non
             annotations[ANN_REPAIR_PLACED] = None
             if LABEL_NEEDS_REPAIR in node.labels:
                 labels[LABEL_NEEDS_REPAIR] = None
-    if handled_release is not None and ann.get(ANN_RELEASE) == handled_release:
-        annotations[ANN_RELEASE] = None
+    for key, handled in ((ANN_RELEASE, handled_release), (ANN_HOLD, handled_hold)):
+        if handled is not None and ann.get(key) == handled:
+            annotations[key] = None
+    key, text = published or ("", None)
+    if (rides or annotations or labels) and published and ann.get(key) != text and (text or key in ann):
+        annotations[key] = text
     if not annotations and not labels:
         return None
     return NodeChange(action="repair", annotations=annotations, labels=labels, event=event)
@@ -75,9 +93,13 @@ def with_marks(change: NodeChange | None, mark: NodeChange | None) -> NodeChange
     if mark.event is not None:
         why = f"; {change.event.message}" if change.event is not None else ""
         event = replace(mark.event, message=mark.event.message + why)
-    return replace(
-        change,
-        annotations={**change.annotations, **mark.annotations},
-        labels={**change.labels, **mark.labels},
-        event=event,
-    )
+    annotations = {**change.annotations, **mark.annotations}
+    if _size(annotations) > validation.MAX_ANNOTATION_BYTES:
+        # The history's summary waits for a later write rather than have the whole write refused (the
+        # quarantine with it): one write may carry at most that many bytes of gpuguard's annotations.
+        annotations.pop(ANN_HISTORY, None)
+    return replace(change, annotations=annotations, labels={**change.labels, **mark.labels}, event=event)
+
+
+def _size(annotations: Mapping[str, str | None]) -> int:
+    return sum(len(k.encode()) + len(v.encode()) for k, v in annotations.items() if v is not None)

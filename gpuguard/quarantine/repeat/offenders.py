@@ -18,7 +18,7 @@ import structlog
 
 from gpuguard.core.model import Verdict
 from gpuguard.quarantine.node.view import NodeView
-from gpuguard.quarantine.repeat import counting, escalation
+from gpuguard.quarantine.repeat import counting, escalation, hold, published
 from gpuguard.quarantine.repeat.escalation import Limits
 from gpuguard.quarantine.repeat.release import ANN_RELEASE, parse
 from gpuguard.store.history import GpuHistory, HistoryStore, bounded
@@ -47,12 +47,21 @@ class RepeatOffenders:
         self._escalated_once = False
         # An episode too new to count at the last apply (escalation.settling): escalate again once it is not.
         self._settling = False
-        # The release annotation's text last handled: removed by the next node write, handled once.
+        # The release and hold annotations' texts last handled: removed by the next node write, handled once.
         self.handled_release: str | None = None
+        self.handled_hold: str | None = None
+        self._published: tuple[Mapping[str, GpuHistory] | None, str | None] = (None, None)
 
     @property
     def history(self) -> Mapping[str, GpuHistory]:
         return self._history
+
+    @property
+    def published(self) -> tuple[str, str | None]:
+        """The node annotation that shows the history (`published`), and its value for the history now."""
+        if self._published[0] is not self._history:
+            self._published = (self._history, published.summary(self._history))
+        return published.ANN_HISTORY, self._published[1]
 
     @property
     def settling(self) -> bool:
@@ -71,6 +80,7 @@ class RepeatOffenders:
         verdict the quarantines are planned for (the held GPUs' faults added)."""
         now = self._now(node.name)
         self._release(node, now)
+        self._hold(node, now, gpus={g.uuid for g in verdict.gpus if g.uuid})
         faults = escalation.gpu_faults(verdict)
         known = set(self._history) | set(faults)
         own = gpu_streaks or {}
@@ -169,6 +179,38 @@ class RepeatOffenders:
             by=request.by,
             released=released,
             note="the escalation lifted; a fault still present keeps its own quarantine",
+        )
+
+    def _hold(self, node: NodeView, now: float, *, gpus: set[str]) -> None:
+        """An operator's hold on the node (`gpuguard hold`): the GPU held as a repeat offender is, if it is
+        one of this node's (or in its history) and escalation is on; refused with a log line otherwise."""
+        text = node.annotations.get(hold.ANN_HOLD)
+        if text is None or text == self.handled_hold:
+            return
+        self.handled_hold = text
+        try:
+            request = hold.parse(text, now=now)
+        except ValueError as exc:
+            log.warning("repeat.hold_refused", node=node.name, error=str(exc), annotation=text[:200])
+            return
+        why = None
+        if self._limits.limit <= 0:
+            why = "repeat offenders are off (--repeat-limit 0): nothing is held"
+        elif request.gpu not in gpus and request.gpu not in self._history:
+            why = f"no GPU {request.gpu} on this node (its GPUs: {', '.join(sorted(gpus)) or 'none'})"
+        if why is not None:
+            log.warning("repeat.hold_refused", node=node.name, gpu=request.gpu, error=why)
+            return
+        self._history, placed = escalation.hold(
+            self._history, request.gpu, by=request.by, at=max(request.at, now)
+        )
+        self.flush()  # on disk before the write that removes the annotation, as a release
+        log.warning(
+            "repeat.held" if placed else "repeat.hold_already_held",
+            node=node.name,
+            gpu=request.gpu,
+            by=request.by,
+            note="held for repair: not released by reboots or resets until `gpuguard release`",
         )
 
     def _log_episodes(

@@ -13,6 +13,7 @@ import json
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from gpuguard.quarantine.record import DOMAIN
 
@@ -35,12 +36,7 @@ class ReleaseRequest:
 
 def parse(text: str, *, now: float) -> ReleaseRequest:
     """The release the annotation asks for; ValueError (a one-line reason) when it is not one."""
-    if len(text.encode("utf-8")) > MAX_BYTES:
-        raise ValueError(f"more than {MAX_BYTES} bytes")
-    try:
-        doc = json.loads(text)
-    except (ValueError, RecursionError):
-        raise ValueError("not JSON") from None
+    doc = bounded_json(text, MAX_BYTES)
     if not isinstance(doc, dict) or set(doc) != {"gpu", "by", "at"}:
         raise ValueError('not an object of exactly "gpu", "by" and "at"')
     gpu, by, at = doc["gpu"], doc["by"], doc["at"]
@@ -57,6 +53,17 @@ def parse(text: str, *, now: float) -> ReleaseRequest:
     if when > now + SKEW_S:
         raise ValueError(f'"at" is more than {SKEW_S:g} s in the future')
     return ReleaseRequest(gpu=gpu, by=by, at=when)
+
+
+def bounded_json(text: str, max_bytes: int) -> Any:
+    """The JSON an annotation another writer may have put there holds; ValueError when it is longer than
+    `max_bytes` or no JSON (a nesting too deep included)."""
+    if len(text.encode("utf-8")) > max_bytes:
+        raise ValueError(f"more than {max_bytes} bytes")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        raise ValueError("not JSON") from None
 
 
 def annotation(gpu: str, *, by: str, at: datetime) -> str:
