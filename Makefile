@@ -127,10 +127,12 @@ builds:
 # The burst scale-out end to end (bench/burst.py): 40 + 12 kwok GPU nodes, 2 -> 340 replicas, faults mid-burst,
 # for gpuguard, the seed design and no agent on the real scheduler and controller-manager; prints the table.
 # Then its eviction case (bench/burst_evict.py): a GPU fails under running pods mid-burst, gpuguard with and
-# without --evict gpu-pods; prints the time until their replacements Run elsewhere.
+# without --evict gpu-pods; prints the time until their replacements Run elsewhere. Then the repair's case
+# (bench/repair.py): a GPU reset and returned while its neighbours serve, from the fault to back in service.
 e2e: install fakenvml testenv kwok
 	$(BIN)/python -m bench.burst
 	$(BIN)/python -m bench.burst_evict
+	$(BIN)/python -m bench.repair
 
 unit: install fakenvml
 	$(BIN)/python -m pytest -q --ignore=tests/integration

@@ -18,7 +18,19 @@ CLI_PACKAGE = Path(__file__).resolve().parents[1] / "gpuguard" / "cli"
 LITERAL_DEFAULTS = (None, False, "", "table")
 # A command's own option that shares a declared flag's name: `release --node` names the node to release,
 # `hold --node` and `history --node` the node of the GPUs to hold or show.
-OWN_OPTIONS = {("release", "node"), ("hold", "node"), ("history", "node")}
+OWN_OPTIONS = {("release", "node"), ("hold", "node"), ("history", "node")} | {
+    # the repair executor's settings are its own (core/repairconfig.py), not the agent's
+    ("repair-executor", name)
+    for name in (
+        "node",
+        "repair",
+        "kubeconfig",
+        "pod_resources_socket",
+        "dra_driver",
+        "log_format",
+        "metrics_port",
+    )
+}
 
 
 def test_every_flag_of_a_command_is_a_declared_flag_with_its_declared_default_and_variable() -> None:

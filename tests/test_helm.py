@@ -36,6 +36,7 @@ DEFAULT_FILES = (
     "daemonset.yaml",
     "flowcontrol-events.yaml",
     *(p.name for p in (ADMISSION_POLICY, DEVICE_POLICY, EVENT_POLICY, EVICTION_POLICY)),
+    "admission-policy-repair.yaml",
 )
 
 # The first run builds helm inside the test session: allow it more than pytest's default timeout.
@@ -140,13 +141,15 @@ POLICIES = {
     "own-events-only": EVENT_POLICY,
     "evictions": EVICTION_POLICY,
 }
+# deploy/admission-policy-repair.yaml holds two (tests/test_helm_repair.py follows them through the names).
+REPAIR_POLICIES = ("repair-request", "repair-executor")
 
 
 def test_the_admission_policies_are_on_by_default_and_a_value_turns_them_off_with_a_warning(
     helm: Helm, default_render: Docs
 ) -> None:
     names = sorted(d["metadata"]["name"] for d in default_render if d["kind"] == "ValidatingAdmissionPolicy")
-    assert names == sorted(f"gpuguard-{suffix}" for suffix in POLICIES)
+    assert names == sorted(f"gpuguard-{suffix}" for suffix in (*POLICIES, *REPAIR_POLICIES))
     off = helm.render(*DISABLE_POLICY)
     assert _sorted(off) == _sorted([d for d in default_render if d["kind"] not in ADMISSION_KINDS])
     assert "WARNING: admissionPolicy.enabled=false" in helm.notes(*DISABLE_POLICY)

@@ -323,6 +323,7 @@ def test_the_readmes_deploy_command_applies_every_policy_and_the_events_priority
         f"deploy/{DEVICE_POLICY.name}",
         f"deploy/{EVENT_POLICY.name}",
         f"deploy/{EVICTION_POLICY.name}",
+        "deploy/admission-policy-repair.yaml",
     }
     assert applied == wanted | {"deploy/daemonset.yaml", f"deploy/{EVENT_FLOWS.name}"}
 

@@ -1,7 +1,7 @@
 """Command line: `gpuguard watch` (the daemon), `gpuguard check` (one pass, a preflight), `gpuguard version`,
 `gpuguard status`, `gpuguard release`, `gpuguard hold`, `gpuguard history` and `gpuguard uninstall` (the
 operator's, on the cluster), `gpuguard explain` (why a node's GPUs were taken: its evidence, on the node or
-from the cluster).
+from the cluster), `gpuguard repair-executor` (the repair executor, a container of its own).
 
 The only package that reads flags and the environment: each flag declared once in `flags` (its default is
 its settings field's), the settings built from them in `settings`, the commands in `commands`, `cluster`,
@@ -31,6 +31,7 @@ from gpuguard.cli.explain import explain
 from gpuguard.cli.flag import from_environment
 from gpuguard.cli.history import history
 from gpuguard.cli.holding import hold
+from gpuguard.cli.repairing import repair_executor
 
 from_environment(cli)
 
@@ -49,6 +50,7 @@ __all__ = [
     "hold",
     "main",
     "release",
+    "repair_executor",
     "status",
     "uninstall",
     "version",

@@ -24,6 +24,7 @@ from gpuguard.core.config import (
     ServerSettings,
     parse_listen,
 )
+from gpuguard.core.repairconfig import REPAIR_MODES
 
 
 def _strip(text: str) -> str:
@@ -345,6 +346,13 @@ FLAGS = _declare(
         "The kubelet's PodResources socket (tests point it at a fake kubelet).",
         (NodeSettings, "pod_resources_socket"),
         hidden=True,
+    ),
+    Flag(
+        "--repair",
+        "on or dry-run: ask the repair executor to reset a quarantined GPU whose faults a reset remedies "
+        "(the gpuguard.io/repair-request annotation on this node); off: ask for nothing.",
+        (NodeSettings, "repair"),
+        type=click.Choice(REPAIR_MODES),
     ),
     # `check`
     Flag(

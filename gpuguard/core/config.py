@@ -13,6 +13,7 @@ from fractions import Fraction
 
 from gpuguard.core import validation
 from gpuguard.core.errors import ConfigError
+from gpuguard.core.repairconfig import REPAIR_MODES
 from gpuguard.core.signalconfig import SignalConfig
 from gpuguard.core.signaltable import SIGNALS, SignalTable
 from gpuguard.core.xids import CATALOG
@@ -221,6 +222,9 @@ class NodeSettings:
     """Seconds each evicted pod gets to stop; None: the pod's own terminationGracePeriodSeconds."""
     pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
     """The kubelet's PodResources socket (the DaemonSet mounts its folder read-only when eviction is on)."""
+    repair: str = "off"
+    """"on" or "dry-run": ask the repair executor to reset a quarantined GPU whose faults a reset remedies
+    (the request annotation on this node, docs/design.md "Repair"); "off" by default, as the executor is."""
     repeat_limit: int = 3
     """Fault episodes of one GPU within `repeat_window` that make it a repeat offender, held for repair
     until an operator releases it (0: off). 3: GPUd asks for hardware inspection once an Xid comes back
@@ -350,6 +354,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"--gpu-node-selector {n.gpu_node_selector!r}: expected key=value[,key=value] (label syntax)"
         )
+    if n.repair not in REPAIR_MODES:
+        raise ConfigError(f"--repair must be one of {', '.join(REPAIR_MODES)}")
     if n.evict not in EVICT_MODES:
         raise ConfigError(f"--evict must be one of {', '.join(EVICT_MODES)}")
     if n.evict_grace_period is not None and not 0 <= n.evict_grace_period <= 86400:

@@ -51,6 +51,9 @@ RETIRED_PAGES = "retired-pages"
 # A GPU whose faults recurred past --repeat-limit within --repeat-window (quarantine.escalation): held for
 # repair until an operator releases it, whatever it reads.
 REPEAT_OFFENDER = "repeat-offender"
+# A GPU the repair executor holds out of service while it resets and proves it, or after its proof failed
+# (quarantine.repair.asking): gone from the verdict when the executor's record lets it go, which is its proof.
+REPAIR_HELD = "repair-held"
 # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (nvmlDeviceGpuRecoveryAction_t): value -> the name in the reason.
 RECOVERY_ACTIONS = {
     0: "none",

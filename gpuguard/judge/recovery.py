@@ -15,6 +15,7 @@ from gpuguard.core.model import (
     NVML_INIT,
     NVML_UNRESPONSIVE,
     RECOVERY_PREFIX,
+    REPAIR_HELD,
     REPEAT_OFFENDER,
     RESET_REQUIRED,
     RETIRED_PAGES,
@@ -36,6 +37,8 @@ _CLEARED_BY_READING = frozenset(
     {ECC, NVML_INIT, RESET_REQUIRED, GPU_UNREADABLE, GPU_UNRESPONSIVE, NVML_UNRESPONSIVE, RETIRED_PAGES}
     # The hold of a repeat offender: gone from the verdict only by an operator's release, which is its proof.
     | {REPEAT_OFFENDER}
+    # The repair executor's hold: gone when its record lets the GPU go, after its proof of the reset.
+    | {REPAIR_HELD}
 ) | (frozenset(SIGNALS.names()) - {GPU_MISSING})  # the health signals judge each reading afresh
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from gpuguard.core.model import Snapshot
@@ -39,3 +40,13 @@ def wait_for(until: float, wake: threading.Event, clock: Callable[[], float] = t
             break
         wake.wait(left)
     wake.clear()
+
+
+@dataclass(frozen=True)
+class GpuAfterReset:
+    """One GPU as the repair executor reads it after a reset (docs/design.md, "Repair": the proof)."""
+
+    uuid: str
+    recovery_action: int | None  # None: the driver does not report it
+    remap_pending: bool | None  # None: no row remapping on this GPU
+    retired_pending: bool | None  # None: no page retirement on this GPU

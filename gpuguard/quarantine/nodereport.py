@@ -42,6 +42,7 @@ _LINES = {
     "degrade": "node.degraded",
     "degrade-clear": "node.degraded_cleared",
     "repair": "node.repair_marks",
+    "repair-request": "repair.requested",
 }
 
 
@@ -179,9 +180,12 @@ class NodeReport:
         those it added, else the fault the taint names. A dry run's line is `node.dry_run` (nothing was
         written), with the line a write would have logged as `transition` and the exact patch."""
         name = _LINES[change.action]
-        warn = change.action not in ("recover", "verified", "override", "release-cordon", "repair")
+        quiet = ("recover", "verified", "override", "release-cordon", "repair", "repair-request")
+        warn = change.action not in quiet
         fields: dict[str, object]
-        if change.action in DEGRADED_ACTIONS:
+        if change.action == "repair-request":
+            fields = {"request": dict(change.annotations)}
+        elif change.action in DEGRADED_ACTIONS:
             warn = change.action == "degrade"
             fields = {
                 "signals": join_keys(degraded_keys(verdict.degraded)),

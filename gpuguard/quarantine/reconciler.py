@@ -33,6 +33,7 @@ from gpuguard.quarantine.node.view import NodeChange, NodeView
 from gpuguard.quarantine.node.writers import DRY_RUN_NODE, NodeWriter
 from gpuguard.quarantine.nodereport import NodeReport
 from gpuguard.quarantine.record import ANN_REASON, ANN_SINCE
+from gpuguard.quarantine.repair import asking
 from gpuguard.quarantine.repeat.marks import marks, with_marks
 from gpuguard.quarantine.repeat.offenders import RepeatOffenders
 from gpuguard.quarantine.retrypolicy import node_retrying
@@ -220,6 +221,8 @@ class NodeReconciler:
             if self._metrics is not None:
                 index = {g.uuid: g.index for g in verdict.gpus}
                 self._metrics.observe_repeat_offenders(self.repeat.held, index)
+        if self._settings.repair != "off":
+            verdict = asking.hold(node, verdict)  # the GPUs the repair executor holds out of service
         full = verdict
         if self.devices is not None:
             # Per-GPU faults become DeviceTaintRules; the node is planned for what is left (docs/design.md).
@@ -235,6 +238,8 @@ class NodeReconciler:
             change = self._plan(node, verdict, streak, flapping) or self._degraded(
                 node, verdict, degraded_streak
             )
+            if change is None:
+                change = self._ask(node, full)  # the repair request, once the quarantine is in place
             if change is None:
                 self._report.override(node, verdict)
                 self._set_node(node)
@@ -268,6 +273,8 @@ class NodeReconciler:
                 continue  # past the budget's limit: the next plan is the yield
             if change.action not in DEGRADED_ACTIONS and self._degraded(node, verdict, degraded_streak):
                 continue  # one pass writes both levels: the degraded marks next
+            if change.action != "repair-request" and self._ask(node, full) is not None:
+                continue  # the quarantine is in place: the repair request next
             return
         raise TransientApiError(f"node {node.name}: still conflicting after {self._max_conflicts} tries")
 
@@ -298,6 +305,13 @@ class NodeReconciler:
             rides=change is not None,
         )
         return with_marks(change, mark)
+
+    def _ask(self, node: NodeView, full: Verdict) -> NodeChange | None:
+        """The repair request (`--repair`, quarantine/repair/asking.py)."""
+        if self._settings.repair == "off":
+            return None
+        ruled = asking.in_place(node, full, self.devices.quarantined if self.devices is not None else ())
+        return asking.ask(node, full, in_place=ruled, now=self._now())
 
     def _degraded(self, node: NodeView, verdict: Verdict, degraded_streak: int) -> NodeChange | None:
         """The degraded marks (node/degraded.py): never gated by the budget, never a cordon."""

@@ -178,6 +178,7 @@ struct gpu_cfg {
     unsigned long long pcie_replays; /* NVML_FI_DEV_PCIE_REPLAY_COUNTER */
     unsigned long long clock_events; /* nvmlDeviceGetCurrentClocksEventReasons */
     bool inforom_valid;              /* 0: nvmlDeviceValidateInforom answers CORRUPTED_INFOROM */
+    unsigned int processes;          /* compute processes running on the GPU (pids 1000 + i) */
     nvmlReturn_t error; /* NVML_SUCCESS: no injected error */
     unsigned int line;  /* where it was defined, for diagnostics */
     size_t text_off, text_len;
@@ -501,7 +502,8 @@ static bool parse_gpu_key(struct gpu_cfg *g, char *kv, unsigned long long *seen,
                                        "fabric_state", "fabric_status", "fabric_health",
                                        "nvlink_links", "nvlink_down", "nvlink_crc", "nvlink_replay",
                                        "nvlink_recovery", "pcie_width", "pcie_max_width", "pcie_gen",
-                                       "pcie_max_gen", "pcie_replays", "clock_events", "inforom_valid"};
+                                       "pcie_max_gen", "pcie_replays", "clock_events", "inforom_valid",
+                                       "processes"};
     char *eq = strchr(kv, '=');
     if (!eq) {
         snprintf(whybuf, whylen, "expected key=value, got '%s'", kv);
@@ -655,6 +657,11 @@ static bool parse_gpu_key(struct gpu_cfg *g, char *kv, unsigned long long *seen,
         break;
     case 32:
         ok = parse_bool(val, &g->inforom_valid);
+        break;
+    case 33:
+        ok = parse_uint(val, 64, &n);
+        if (ok)
+            g->processes = (unsigned int)n;
         break;
     }
     if (!ok) {
@@ -1686,6 +1693,36 @@ static nvmlReturn_t remapped_locked(nvmlDevice_t device, unsigned int *corrRows,
     *isPending = g->remap_pending;
     *failureOccurred = g->remap_failure;
     return NVML_SUCCESS;
+}
+
+/* The compute processes on a GPU (the repair's idle proof): `processes` of them, pids 1000, 1001, ... */
+static nvmlReturn_t processes_locked(nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_t *infos)
+{
+    const struct gpu_cfg *g;
+    nvmlReturn_t r = device_locked("nvmlDeviceGetComputeRunningProcesses", device, HW_QUERY, &g);
+    if (r != NVML_SUCCESS)
+        return r;
+    if (!infoCount)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (*infoCount < g->processes || (g->processes && !infos)) {
+        *infoCount = g->processes;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (unsigned int i = 0; i < g->processes; i++) {
+        memset(&infos[i], 0, sizeof(infos[i]));
+        infos[i].pid = 1000 + i;
+        infos[i].usedGpuMemory = 1ULL << 30;
+        infos[i].gpuInstanceId = infos[i].computeInstanceId = 0xFFFFFFFF;
+    }
+    *infoCount = g->processes;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                     nvmlProcessInfo_t *infos)
+{
+    hang_point("nvmlDeviceGetComputeRunningProcesses", handle_gpu(device));
+    LOCKED(processes_locked(device, infoCount, infos));
 }
 
 nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRows,

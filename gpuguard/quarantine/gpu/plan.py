@@ -16,6 +16,7 @@ from typing import Any
 from gpuguard.core.config import NodeSettings
 from gpuguard.core.model import (
     ECC,
+    REPAIR_HELD,
     REPEAT_OFFENDER,
     RESET_REQUIRED,
     ROW_REMAP,
@@ -39,7 +40,9 @@ def per_gpu(fault: Fault) -> bool:
         return False
     r = fault.reason
     return (
-        r in (ECC, ROW_REMAP, RESET_REQUIRED, REPEAT_OFFENDER) or r.startswith("xid-") or r in _RESET_ACTIONS
+        r in (ECC, ROW_REMAP, RESET_REQUIRED, REPEAT_OFFENDER, REPAIR_HELD)
+        or r.startswith("xid-")
+        or r in _RESET_ACTIONS
     )
 
 

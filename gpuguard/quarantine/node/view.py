@@ -201,6 +201,7 @@ NodeAction = Literal[
     "degrade",
     "degrade-clear",
     "repair",
+    "repair-request",
 ]
 
 
