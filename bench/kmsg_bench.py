@@ -62,6 +62,7 @@ def reader_idle(seconds: float = 60.0) -> dict[str, dict[str, float]]:
                     raise TimeoutError(f"the reader did not open the {kind}")
                 assert reader._thread is not None and reader._thread.native_id is not None
                 tid = reader._thread.native_id
+                time.sleep(0.5)  # past the replay: its own last switch, into poll(), is not the window's
                 cpu0, woke0 = _thread_cpu_and_wakeups(tid)
                 time.sleep(seconds)
                 cpu1, woke1 = _thread_cpu_and_wakeups(tid)
