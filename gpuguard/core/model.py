@@ -243,7 +243,7 @@ class SignalMemory:
     fabric_incomplete_since: tuple[tuple[str, float], ...] = ()
     fabric_runs: tuple[tuple[str, tuple[float, float, float | None]], ...] = ()
 
-    @property
+    @cached_property
     def pending(self) -> bool:
         """Whether time alone can change a judgement (a grace running, events or a counter's rise within a
         window): the agent then judges again although nothing read differently."""
@@ -298,7 +298,7 @@ class Verdict:
     def healthy(self) -> bool:
         return not self.faults
 
-    @property
+    @cached_property
     def pending(self) -> bool:
         """Whether time alone can change the next judgement (a failure lasting, a window, a grace): the agent
         then judges again although nothing read differently."""

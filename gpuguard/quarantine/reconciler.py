@@ -324,11 +324,12 @@ class NodeReconciler:
         )
 
     def _resync_due(self, node: NodeView) -> bool:
-        due = self._clock() - self._read_at >= self._settings.node_resync
+        if self._clock() - self._read_at < self._settings.node_resync:
+            return False  # asked at every check: the rest only when a resync is due
         # Device rules hold state too: the node's new bootID after a reboot is their evidence.
         rules = self.devices is not None and self.devices.holds_rules
         held = self.repeat is not None and bool(self.repeat.held)  # a release is read from the node
-        return due and (node.holds_gpuguard_state(self._settings.gate_taint_key) or rules or held)
+        return node.holds_gpuguard_state(self._settings.gate_taint_key) or rules or held
 
     def _read(self) -> NodeView:
         self._intent = self._read_intent
