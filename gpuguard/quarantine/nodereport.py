@@ -40,6 +40,7 @@ _LINES = {
     "degrade": "node.degraded",
     "degrade-clear": "node.degraded_cleared",
     "repair": "node.repair_marks",
+    "unvalue": "node.taint_value_removed",
 }
 
 
