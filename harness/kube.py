@@ -81,6 +81,16 @@ class Admin:
         taints = self.node(name)["spec"].get("taints") or []
         return next((t for t in taints if t["key"] == TAINT_KEY), None)
 
+    def tainted_for(self, name: str) -> str | None:
+        """While gpuguard's taint is on the node, the most severe fault its record names (the taint itself
+        carries no value: `gpuguard.quarantine.record`), else None."""
+        from gpuguard.quarantine.record import FaultRecord
+
+        node = self.node(name)
+        if not any(t["key"] == TAINT_KEY for t in node["spec"].get("taints") or ()):
+            return None
+        return FaultRecord.read(node["metadata"].get("annotations") or {}).primary_reason
+
     def patch_node(self, name: str, body: dict[str, Any]) -> None:
         self.core.patch_node(name, body, _content_type="application/merge-patch+json")
 
