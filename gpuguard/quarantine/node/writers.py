@@ -187,7 +187,7 @@ class KubeNodeWriter:
         """Metadata of the fully quarantined GPU nodes only (label selector): a few items, not the fleet.
         Only the GPU nodes the budget counts: a quarantined node outside them is not in this budget. Each
         node's claim validated first (`OtherNodes`): a malformed or forged one does not count."""
-        selector = ",".join(s for s in (f"{LABEL_QUARANTINED}=true", self._gpu_nodes) if s)
+        selector = nodes.within(f"{LABEL_QUARANTINED}=true", self._gpu_nodes)
         return self._others.quarantined(self._list_metadata("list quarantined nodes", selector))
 
     def changes(self) -> int:
