@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gpuguard.quarantine.record import DEGRADED_TAINT_KEY, TAINT_KEY
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -22,3 +24,10 @@ def _blocks() -> list[object]:
 def test_the_page_shows_the_example_as_shipped(name: str) -> None:
     shipped = yaml.safe_load((ROOT / "deploy" / "examples" / name).read_text())
     assert shipped in _blocks()
+
+
+def test_the_cluster_autoscaler_section_names_both_taint_keys_as_status_taints() -> None:
+    text = (ROOT / "docs" / "operations.md").read_text()
+    section = text.split("## Beside Cluster Autoscaler", 1)[1].split("\n## ", 1)[0]
+    flags = re.findall(r"--status-taint=(\S+)", section)
+    assert flags == [TAINT_KEY, DEGRADED_TAINT_KEY]
