@@ -288,8 +288,7 @@ MIN_INTERVAL = 0.05
 # DaemonSet's ORed nodeSelectorTerms), each key[=value][,key[=value]] (a bare key: the label exists).
 _LABEL_KEY = r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 _LABEL_VALUE = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?"
-_TERM = rf"{_LABEL_KEY}(={_LABEL_VALUE})?"
-_ALTERNATIVE = rf"{_TERM}(,{_TERM})*"
+_ALTERNATIVE = rf"{_LABEL_KEY}(={_LABEL_VALUE})?(,{_LABEL_KEY}(={_LABEL_VALUE})?)*"
 _SELECTOR = re.compile(rf"^{_ALTERNATIVE}(;{_ALTERNATIVE})*$")
 _LABEL_KEY_ONLY = re.compile(rf"^{_LABEL_KEY}$")
 _DRIVER = re.compile(r"^(?=.{1,63}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
