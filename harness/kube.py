@@ -81,6 +81,16 @@ class Admin:
         taints = self.node(name)["spec"].get("taints") or []
         return next((t for t in taints if t["key"] == TAINT_KEY), None)
 
+    def tainted_for(self, name: str) -> str | None:
+        """While gpuguard's taint is on the node, the most severe fault its record names (the taint itself
+        carries no value: `gpuguard.quarantine.record`), else None."""
+        from gpuguard.quarantine.record import FaultRecord
+
+        node = self.node(name)
+        if not any(t["key"] == TAINT_KEY for t in node["spec"].get("taints") or ()):
+            return None
+        return FaultRecord.read(node["metadata"].get("annotations") or {}).primary_reason
+
     def patch_node(self, name: str, body: dict[str, Any]) -> None:
         self.core.patch_node(name, body, _content_type="application/merge-patch+json")
 
@@ -228,8 +238,15 @@ KWOK_ANNOTATION = {"kwok.x-k8s.io/node": "fake"}
 _kwok_names = itertools.count()
 
 
-def make_gpu_node(admin: Admin, *, gpus: int = 8, taints: list[dict[str, str]] | None = None) -> str:
-    """A kwok node shaped like a GPU node: the GPU labels, nvidia.com/gpu capacity, heartbeated by kwok."""
+def make_gpu_node(
+    admin: Admin,
+    *,
+    gpus: int = 8,
+    taints: list[dict[str, str]] | None = None,
+    labels: dict[str, str] | None = None,
+) -> str:
+    """A kwok node shaped like a GPU node: the GPU labels (GPU Feature Discovery's; `labels` replaces them:
+    another platform's, or none for a CPU node), nvidia.com/gpu capacity, heartbeated by kwok."""
     name = f"kwok-gpu-{next(_kwok_names)}-{int(time.time() * 1000) % 100000}"
     resources = {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": str(gpus)}
     admin.core.create_node(
@@ -242,9 +259,15 @@ def make_gpu_node(admin: Admin, *, gpus: int = 8, taints: list[dict[str, str]] |
                 "labels": {
                     "kubernetes.io/hostname": name,
                     "kubernetes.io/os": "linux",
-                    "nvidia.com/gpu.present": "true",
-                    "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
-                    "nvidia.com/gpu.count": str(gpus),
+                    **(
+                        labels
+                        if labels is not None
+                        else {
+                            "nvidia.com/gpu.present": "true",
+                            "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                            "nvidia.com/gpu.count": str(gpus),
+                        }
+                    ),
                 },
             },
             "spec": {"taints": taints or []},

@@ -198,7 +198,7 @@ def test_a_restarted_agent_restores_the_xid_it_saw_before_it_was_killed(tmp_path
     again.restore()
     again.check_once()
     r2.reconcile_now()
-    assert writer2.node.our_taint is not None and writer2.node.our_taint.value == "xid-79"
+    assert writer2.node.our_taint is not None and writer2.node.record.primary_reason == "xid-79"
 
 
 @pytest.mark.parametrize(("flap_window", "writes"), [(600.0, 3), (0.0, 12)])

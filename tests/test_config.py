@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from gpuguard.core.config import NodeSettings, QuarantineLimit
+from gpuguard.core.config import Config, NodeSettings, QuarantineLimit
 from gpuguard.core.errors import ConfigError
 
 
@@ -42,3 +42,24 @@ def test_a_count_limit_does_not_depend_on_the_fleet() -> None:
 def test_the_default_quarantine_limit_is_ten_percent() -> None:
     assert str(NodeSettings().max_quarantined) == "10%"
     assert NodeSettings().max_quarantined.of(375) == 38
+
+
+@pytest.mark.parametrize(
+    "selector",
+    [
+        "",
+        "nvidia.com/gpu.present=true",
+        "cloud.google.com/gke-accelerator",  # the label exists
+        "nvidia.com/gpu.present=true;cloud.google.com/gke-accelerator;kubernetes.azure.com/accelerator=nvidia",
+        "a=b,c;d",
+    ],
+)
+def test_the_gpu_node_selector_takes_existence_terms_and_ored_alternatives(selector: str) -> None:
+    cfg = Config(node=NodeSettings(name="gpu-1", gpu_node_selector=selector))
+    assert cfg.node.gpu_node_selector == selector
+
+
+@pytest.mark.parametrize("selector", ["a=b;", ";a", "a!=b", "a in (b)", "a=b||c", "a=b;;c"])
+def test_a_gpu_node_selector_it_cannot_list_is_a_config_error(selector: str) -> None:
+    with pytest.raises(ConfigError, match="--gpu-node-selector"):
+        Config(node=NodeSettings(name="gpu-1", gpu_node_selector=selector))

@@ -21,7 +21,6 @@ from gpuguard.quarantine.gpu.degraded import (
     is_degraded_rule,
     own_degraded,
     plan_rules,
-    taint_value,
 )
 from gpuguard.quarantine.gpu.order import rules_share
 from gpuguard.quarantine.gpu.quarantine import DeviceQuarantine
@@ -81,7 +80,7 @@ def test_a_degraded_gpu_gets_an_effect_none_rule_for_its_device_and_the_node_no_
     assert doc["metadata"]["name"] == NAME
     assert doc["metadata"]["labels"] == {"gpuguard.io/node": NODE, "app.kubernetes.io/managed-by": "gpuguard"}
     assert doc["spec"]["deviceSelector"] == {"driver": DRIVER, "pool": NODE, "device": "gpu-2"}
-    assert doc["spec"]["taint"] == {"key": DEGRADED_TAINT_KEY, "value": "nvlink-down", "effect": "None"}
+    assert doc["spec"]["taint"] == {"key": DEGRADED_TAINT_KEY, "effect": "None"}
     assert doc["metadata"]["annotations"]["gpuguard.io/faults"] == f"nvlink-down/{UUIDS[2]}"
     # The rule shows it: no node taint for it; the condition still names it.
     assert writer.node.taints == () and LABEL_DEGRADED not in writer.node.labels
@@ -104,7 +103,7 @@ def test_new_signals_update_the_rule_in_place() -> None:
     pcie = Fault("clock-power-brake", "12 of 20", uuid=UUIDS[2], gpu_index=2)
     run(r, verdict(nvlink(2), pcie))
     doc = source.store[NAME]
-    assert doc["spec"]["taint"]["value"] == "clock-power-brake"
+    assert "value" not in doc["spec"]["taint"]
     assert doc["metadata"]["annotations"]["gpuguard.io/faults"].split(",") == [
         f"clock-power-brake/{UUIDS[2]}",
         f"nvlink-down/{UUIDS[2]}",
@@ -246,20 +245,6 @@ def test_a_rule_under_the_degraded_name_or_key_is_a_degraded_rule(
     assert is_degraded_rule(rule) is degraded
 
 
-@pytest.mark.parametrize(
-    ("reasons", "value"),
-    [
-        ((), "degraded"),
-        (("pcie-width", "nvlink-down"), "nvlink-down"),  # the alphabetically first
-        (("not a label value!",), "degraded"),
-    ],
-)
-def test_the_degraded_rules_taint_value_is_the_first_reason_or_degraded(
-    reasons: tuple[str, ...], value: str
-) -> None:
-    assert taint_value(Fault(r, "text", uuid=UUIDS[2], gpu_index=2) for r in reasons) == value
-
-
 def test_the_degraded_rule_records_the_uuid_cut_to_128_bytes_and_at_least_one_gpu_for_the_node() -> None:
     node = NodeView(name=NODE, resource_version="1", boot_id="boot-1")
     dev = SliceDevice(driver=DRIVER, pool=NODE, device="gpu-2", uuid="GPU-" + "a" * 130)
@@ -292,9 +277,7 @@ def test_an_update_patches_the_held_rules_record_and_taint_only_when_its_signals
     assert patch["metadata"]["annotations"]["gpuguard.io/faults"] == (
         f"clock-power-brake/{UUIDS[2]},nvlink-down/{UUIDS[2]}"
     )
-    assert patch["spec"] == {
-        "taint": {"key": DEGRADED_TAINT_KEY, "value": "clock-power-brake", "effect": "None"}
-    }
+    assert patch["spec"] == {"taint": {"key": DEGRADED_TAINT_KEY, "effect": "None"}}
 
 
 def test_the_plan_hands_the_node_every_gpu_and_keeps_a_rule_whose_gpu_has_no_streak_yet() -> None:

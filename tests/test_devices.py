@@ -22,6 +22,7 @@ from gpuguard.core.model import (
     GPU_MISSING,
     GPU_UNREADABLE,
     NVML_INIT,
+    REPEAT_OFFENDER,
     RESET_REQUIRED,
     ROW_REMAP,
     Fault,
@@ -42,7 +43,6 @@ from gpuguard.quarantine.gpu.rules import (
     DeviceRule,
     rule_body,
     rule_name,
-    taint_value,
     trim_rule,
 )
 from gpuguard.quarantine.gpu.rules import device_effect as device_effect_of
@@ -126,7 +126,7 @@ def test_an_xid_on_gpu_3_of_8_is_one_rule_for_that_device_and_no_node_taint() ->
     (doc,) = source.store.values()
     assert doc["metadata"]["name"] == f"gpuguard.{NODE}.gpu-3"
     assert doc["spec"]["deviceSelector"] == {"driver": DRIVER, "pool": NODE, "device": "gpu-3"}
-    assert doc["spec"]["taint"] == {"key": TAINT_KEY, "value": "xid-79", "effect": "NoSchedule"}
+    assert doc["spec"]["taint"] == {"key": TAINT_KEY, "effect": "NoSchedule"}
     ann = doc["metadata"]["annotations"]
     assert ann["gpuguard.io/faults"] == f"xid-79/{UUIDS[3]}"
     assert (ann["gpuguard.io/boot-id"], ann["gpuguard.io/since"]) == ("boot-1", "2026-12-03T00:00:00Z")
@@ -151,14 +151,14 @@ def test_a_lost_gpu_is_the_nodes_fault_and_taints_the_node() -> None:
     writer, source, r, _ = make()
     run(r, verdict(lost=5))
     assert source.store == {}
-    assert writer.node.our_taint is not None and writer.node.our_taint.value == GPU_LOST
+    assert writer.node.our_taint is not None and writer.node.record.primary_reason == GPU_LOST
 
 
 def test_a_node_without_dra_slices_keeps_the_node_taint() -> None:
     writer, source, r, _ = make(slices=[])
     run(r, verdict(xid_on=3))
     assert source.store == {}
-    assert writer.node.our_taint is not None and writer.node.our_taint.value == "xid-79"
+    assert writer.node.our_taint is not None and writer.node.record.primary_reason == "xid-79"
 
 
 def test_quarantine_node_reads_no_slices_and_taints_the_node() -> None:
@@ -178,7 +178,9 @@ def test_a_rule_the_api_server_refuses_falls_back_to_the_node_taint() -> None:
     writer, source, r, _ = make()
     source.inject_error(PermanentApiError("denied by policy", status=403))
     run(r, verdict(ecc_on=1))
-    assert source.store == {} and writer.node.our_taint is not None and writer.node.our_taint.value == ECC
+    assert (
+        source.store == {} and writer.node.our_taint is not None and writer.node.record.primary_reason == ECC
+    )
 
 
 def test_every_published_gpu_is_known_by_its_device_with_or_without_a_rule() -> None:
@@ -413,7 +415,7 @@ def test_an_agent_whose_cluster_role_predates_dra_still_taints_the_node_for_a_gp
     source.slice_error = PermanentApiError("resourceslices is forbidden", status=403)
     with capture_logs() as logs:
         run(r, verdict(xid_on=3))
-    assert writer.node.our_taint is not None and writer.node.our_taint.value == "xid-79"
+    assert writer.node.our_taint is not None and writer.node.record.primary_reason == "xid-79"
     assert [e["event"] for e in logs if e["event"].startswith("device.")] == ["device.read_rejected"]
 
 
@@ -812,7 +814,7 @@ def test_slices_published_after_the_agent_started_are_read_after_the_write_of_a_
     source.slices = recording  # type: ignore[method-assign]
     first = verdict(xid_on=3)
     run(r, first)
-    assert writer.node.our_taint is not None and writer.node.our_taint.value == "xid-79"
+    assert writer.node.our_taint is not None and writer.node.record.primary_reason == "xid-79"
     assert writes_at_read == [1], "the slices are read once, after the node's taint was written"
     run(r, verdict(xid_on=5, prev=first))
     assert sorted(source.store) == [f"gpuguard.{NODE}.gpu-3", f"gpuguard.{NODE}.gpu-5"]
@@ -933,7 +935,7 @@ def test_the_rule_written_for_a_gpu_carries_the_api_version_its_uuid_and_the_nod
     }
     assert body["spec"] == {
         "deviceSelector": {"driver": DRIVER, "pool": NODE, "device": "gpu-3"},
-        "taint": {"key": TAINT_KEY, "value": "xid-79", "effect": "NoSchedule"},
+        "taint": {"key": TAINT_KEY, "effect": "NoSchedule"},
     }
     deferred = rule_body(n, dev, faults, node_gpus=8, effect="None", since="s", deferred=True)
     assert deferred["metadata"]["annotations"]["gpuguard.io/quarantine-deferred"] == "budget spent"
@@ -946,20 +948,21 @@ def test_the_rule_written_for_a_gpu_carries_the_api_version_its_uuid_and_the_nod
 
 
 @pytest.mark.parametrize(
-    ("faults", "value"),
+    ("faults", "reason"),
     [
-        ((), "unhealthy"),
-        ((Fault("not a label value!", "d", uuid="GPU-1", gpu_index=1),), "unhealthy"),
-        (
-            (Fault(ROW_REMAP, "d", uuid="GPU-1", gpu_index=1), Fault(ECC, "d", uuid="GPU-1", gpu_index=1)),
-            "ecc",
-        ),
+        ((), None),
+        ((Fault(ROW_REMAP, "d", uuid="GPU-1", gpu_index=1), Fault(ECC, "d", uuid="GPU-1", gpu_index=1)), ECC),
+        ((Fault("xid-79", "d", uuid="GPU-1"), Fault(REPEAT_OFFENDER, "d", uuid="GPU-1")), REPEAT_OFFENDER),
     ],
 )
-def test_a_rules_taint_value_is_its_most_severe_reason_or_unhealthy(
-    faults: tuple[Fault, ...], value: str
+def test_a_rules_taint_has_no_value_and_status_shows_its_most_severe_recorded_reason(
+    faults: tuple[Fault, ...], reason: str | None
 ) -> None:
-    assert taint_value(faults) == value
+    node = NodeView(name=NODE, resource_version="1", boot_id="boot-1")
+    dev = SliceDevice(driver=DRIVER, pool=NODE, device="gpu-1", uuid="GPU-1")
+    body = rule_body(node, dev, faults, node_gpus=8, since="2026-01-01T00:00:00Z", effect="NoSchedule")
+    assert "value" not in body["spec"]["taint"]
+    assert DeviceRule.from_api(body).record.primary_reason == reason
 
 
 @pytest.mark.parametrize(
@@ -1101,7 +1104,6 @@ def test_every_recovery_action_is_its_own_taint_value_on_the_gpus_rule_or_the_no
     )
     (fault,) = v.faults
     assert fault.reason == value and recovery_reason(action) == value
-    assert taint_value((fault,)) == value
     # A reset of the GPU is one GPU's fault (its rule); every other action is beyond the GPU (the node taint).
     assert per_gpu(fault) is (action in (1, 4))
 

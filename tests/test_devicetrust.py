@@ -46,7 +46,7 @@ def test_a_rule_squatting_this_gpus_name_is_not_adopted_and_the_node_taint_stand
     source.store[name] = doc(SQUATTER, "gpu-3", name=name)
     with capture_logs() as logs:
         run(r, verdict(xid_on=3))
-    assert writer.node.our_taint is not None and writer.node.our_taint.value == "xid-79"
+    assert writer.node.our_taint is not None and writer.node.record.primary_reason == "xid-79"
     assert source.store[name] == doc(SQUATTER, "gpu-3", name=name), "the squatted rule is left alone"
     (line,) = [e for e in logs if e["event"] == "device.rule_conflict"]
     assert (line["rule"], line["found_pool"], line["log_level"]) == (name, SQUATTER, "error")

@@ -167,7 +167,7 @@ def dry_run(api: FakeResourceApi) -> tuple[FakeNodeWriter, NodeReconciler, DryRu
 
 def test_a_dry_run_on_a_cluster_without_device_taint_rules_plans_the_node_taint_as_the_agent_would() -> None:
     writer, r, dry = dry_run(FakeResourceApi(()))
-    assert writer.node.our_taint is not None and writer.node.our_taint.value == "xid-79"
+    assert writer.node.our_taint is not None and writer.node.record.primary_reason == "xid-79"
     assert r.status.gpus == () and dry.api_version == RULES_API_NONE
 
 

@@ -115,15 +115,17 @@ def test_a_dra_claim_on_the_faulty_gpus_device_is_evicted() -> None:
         ),
         (pod("x", tolerations=(Toleration(TAINT_KEY, "Exists"),)), Faulty(frozenset({GPU[3]})), p.TOLERATES),
         (pod("x", tolerations=(Toleration("", "Exists"),)), Faulty(frozenset({GPU[3]})), p.TOLERATES),
+        # The taint has no value: Equal to "" tolerates it, as the scheduler matches it.
         (
-            pod("x", tolerations=(Toleration(TAINT_KEY, "Equal", "xid-79", "NoSchedule"),)),
-            Faulty(frozenset({GPU[3]}), reasons=frozenset({"xid-79"})),
+            pod("x", tolerations=(Toleration(TAINT_KEY, "Equal", "", "NoSchedule"),)),
+            Faulty(frozenset({GPU[3]})),
             p.TOLERATES,
         ),
-        # A toleration of another value, another key or another effect does not keep the pod.
+        # A toleration of a value (a fault's reason, which earlier versions put in the taint), another key
+        # or another effect does not keep the pod.
         (
-            pod("x", tolerations=(Toleration(TAINT_KEY, "Equal", "ecc-uncorrected"),)),
-            Faulty(frozenset({GPU[3]}), reasons=frozenset({"xid-79"})),
+            pod("x", tolerations=(Toleration(TAINT_KEY, "Equal", "xid-79"),)),
+            Faulty(frozenset({GPU[3]})),
             None,
         ),
         (
@@ -226,7 +228,7 @@ def test_operations_md_explains_every_reason_a_pod_is_kept_and_every_eviction_li
     [
         (Toleration(operator="Exists"), True),  # no key: every taint
         (Toleration(), False),  # no key, Equal: none
-        (Toleration(key=TAINT_KEY, value="ecc"), True),
+        (Toleration(key=TAINT_KEY), True),  # Equal to "": the taint has no value
         (Toleration(key=TAINT_KEY, value="xid-79"), False),
         (Toleration(key=TAINT_KEY, operator="Exists", effect="NoExecute"), False),  # another effect
         (Toleration(key="example.com/other", operator="Exists"), False),  # another key
@@ -234,8 +236,8 @@ def test_operations_md_explains_every_reason_a_pod_is_kept_and_every_eviction_li
     ids=[
         "exists, no key",
         "equal, no key",
-        "our key, the reason",
-        "our key, another reason",
+        "our key, no value",
+        "our key, a value",
         "another effect",
         "another key",
     ],
@@ -243,7 +245,7 @@ def test_operations_md_explains_every_reason_a_pod_is_kept_and_every_eviction_li
 def test_a_toleration_matches_the_taint_as_the_scheduler_does(
     toleration: Toleration, tolerates: bool
 ) -> None:
-    assert toleration.tolerates(TAINT_KEY, "NoSchedule", frozenset({"ecc"})) is tolerates
+    assert toleration.tolerates(TAINT_KEY, "NoSchedule") is tolerates
 
 
 def test_a_pod_is_known_by_its_namespace_and_name() -> None:

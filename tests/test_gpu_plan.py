@@ -25,7 +25,7 @@ def rule(*, faults: tuple[Fault, ...] = (XID,), boot: str = "boot-a", **kw: Any)
         "pool": "node-a",
         "device": "gpu-1",
         "effect": "NoSchedule",
-        "taint_value": "xid-79",
+        "taint_value": "",
         "resource_version": "7",
         "annotations": {ANN_FAULTS: ",".join(sorted(f.key for f in faults)), ANN_BOOT_ID: boot},
     }
@@ -64,7 +64,7 @@ def test_a_deferred_rule_with_room_takes_the_configured_effect_and_drops_its_def
     deferred = rule(effect=NONE_EFFECT, annotations={ANN_FAULTS: XID.key, ANN_DEFERRED: "budget spent"})
     body = plan.update(deferred, (XID,), boot_id="boot-a", effect="NoExecute", lifted=True)
     assert body == {
-        "spec": {"taint": {"key": TAINT_KEY, "value": "xid-79", "effect": "NoExecute"}},
+        "spec": {"taint": {"key": TAINT_KEY, "effect": "NoExecute"}},
         "metadata": {"annotations": {ANN_DEFERRED: None}, "resourceVersion": "7"},
     }
     assert plan.update(deferred, (XID,), boot_id="boot-a", effect="NoExecute", lifted=False) is None
@@ -134,7 +134,7 @@ def test_only_the_gpus_with_a_fault_of_their_own_are_wanted() -> None:
 def test_a_step_back_sets_effect_none_and_says_why_on_the_rules_resource_version() -> None:
     assert plan.step_back(rule(), "budget spent") == {
         "metadata": {"annotations": {ANN_DEFERRED: "budget spent"}, "resourceVersion": "7"},
-        "spec": {"taint": {"key": TAINT_KEY, "value": "xid-79", "effect": NONE_EFFECT}},
+        "spec": {"taint": {"key": TAINT_KEY, "effect": NONE_EFFECT}},
     }
 
 
@@ -146,15 +146,26 @@ def test_the_rules_held_are_shown_in_device_order() -> None:
     )
 
 
-def test_a_held_repeat_offenders_rule_says_repeat_offender_and_keeps_a_deferred_rules_effect() -> None:
+def test_a_held_repeat_offenders_rule_records_the_hold_and_keeps_a_deferred_rules_effect() -> None:
     held = Fault(REPEAT_OFFENDER, "3 fault episodes (limit 3 in 7 days)", uuid="GPU-1", gpu_index=1)
     assert plan.per_gpu(held)
     body = plan.update(rule(), (held,), boot_id="boot-b", effect="NoSchedule", lifted=False)
-    assert body is not None
-    assert body["spec"]["taint"] == {"key": TAINT_KEY, "value": REPEAT_OFFENDER, "effect": "NoSchedule"}
+    assert body is not None and "spec" not in body
     assert body["metadata"]["annotations"][ANN_BOOT_ID] == "boot-b"
+    assert body["metadata"]["annotations"][ANN_FAULTS] == held.key
     deferred = rule(effect=NONE_EFFECT, annotations={ANN_DEFERRED: "budget spent", ANN_FAULTS: XID.key})
     body = plan.update(deferred, (XID, held), boot_id="boot-a", effect="NoSchedule", lifted=False)
-    assert body is not None and body["spec"]["taint"]["effect"] == NONE_EFFECT
-    again = rule(taint_value=REPEAT_OFFENDER, faults=(held,), boot="boot-b")
+    assert body is not None and "spec" not in body
+    again = rule(faults=(held,), boot="boot-b")
     assert plan.update(again, (held,), boot_id="boot-b", effect="NoSchedule", lifted=False) is None
+
+
+@pytest.mark.parametrize("effect", ["NoSchedule", NONE_EFFECT])
+def test_a_rule_an_earlier_version_gave_a_value_loses_it_in_one_patch_keeping_its_effect(effect: str) -> None:
+    deferred = {ANN_DEFERRED: "budget spent"} if effect == NONE_EFFECT else {}
+    old = rule(taint_value="xid-79", effect=effect, annotations={ANN_FAULTS: XID.key, **deferred})
+    body = plan.update(old, (XID,), boot_id="boot-a", effect="NoSchedule", lifted=False)
+    assert body == {
+        "spec": {"taint": {"key": TAINT_KEY, "effect": effect}},
+        "metadata": {"annotations": {}, "resourceVersion": "7"},
+    }

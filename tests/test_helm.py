@@ -24,6 +24,7 @@ from gpuguard.core.config import ServerSettings
 from gpuguard.quarantine.record import TAINT_KEY
 from harness.agentproc import WatchProcess
 from tests.helmtool import CHART, NAMESPACE, ROOT, Docs, Helm, build_helm
+from tests.test_manifests import gpu_node_terms, selector_of
 
 MANIFEST = ROOT / "deploy" / "daemonset.yaml"
 ADMISSION_POLICY = ROOT / "deploy" / "admission-policy.yaml"
@@ -316,17 +317,37 @@ def test_another_gate_key_reaches_the_agent_and_its_tolerations(
     assert rendered == default_render
 
 
-def test_defect_04_the_budget_counts_the_nodes_of_the_charts_node_selector(helm: Helm) -> None:
-    rendered = helm.render(
-        *("--set", "nodeSelector.nvidia\\.com/gpu\\.present=null"),
-        *("--set-string", "nodeSelector.cloud\\.example\\.com/accelerator=h100"),
-    )
-    spec = _by_kind(rendered)["DaemonSet"]["spec"]["template"]["spec"]
-    assert spec["nodeSelector"] == {"cloud.example.com/accelerator": "h100"}
-    assert _env(rendered)["GPUGUARD_GPU_NODE_SELECTOR"] == "cloud.example.com/accelerator=h100"
-    everywhere = helm.render("--set", "nodeSelector=null")
-    assert "nodeSelector" not in _by_kind(everywhere)["DaemonSet"]["spec"]["template"]["spec"]
+def test_the_charts_gpu_nodes_are_the_manifests_and_its_budget_counts_the_same_nodes(
+    default_render: Docs,
+) -> None:
+    manifest = next(
+        d
+        for d in yaml.safe_load_all((ROOT / "deploy/daemonset.yaml").read_text())
+        if d and d["kind"] == "DaemonSet"
+    )["spec"]["template"]["spec"]
+    spec = _pod_spec(default_render)
+    assert spec["affinity"] == manifest["affinity"] and "nodeSelector" not in spec
+    assert _env(default_render)["GPUGUARD_GPU_NODE_SELECTOR"] == selector_of(gpu_node_terms(spec))
+
+
+# Issue 12's review, defect 4: the budget counts the nodes the DaemonSet runs on.
+def test_defect_04_the_budget_counts_the_nodes_of_the_charts_gpu_nodes_and_node_selector(helm: Helm) -> None:
+    one = '{"matchExpressions": [{"key": "cloud.example.com/gpu", "operator": "In", "values": ["h100"]}]}'
+    other = '{"matchExpressions": [{"key": "example.com/gpu", "operator": "Exists"}]}'
+    rendered = helm.render("--set-json", f"gpuNodes=[{one}, {other}]", "--set-string", "nodeSelector.pool=ml")
+    spec = _pod_spec(rendered)
+    assert spec["nodeSelector"] == {"pool": "ml"} and len(gpu_node_terms(spec)) == 2
+    selector = "cloud.example.com/gpu=h100,pool=ml;example.com/gpu,pool=ml"
+    assert _env(rendered)["GPUGUARD_GPU_NODE_SELECTOR"] == selector
+    everywhere = helm.render("--set-json", "gpuNodes=[]")
+    assert "affinity" not in _pod_spec(everywhere) and "nodeSelector" not in _pod_spec(everywhere)
     assert _env(everywhere)["GPUGUARD_GPU_NODE_SELECTOR"] == ""  # every node
+
+
+def test_a_gpu_nodes_term_a_label_selector_cannot_count_is_refused_at_render(helm: Helm) -> None:
+    term = '[{"matchExpressions": [{"key": "example.com/gpu", "operator": "In", "values": ["a", "b"]}]}]'
+    result = helm.run("template", "gpuguard", str(CHART), "--set-json", f"gpuNodes={term}")
+    assert result.returncode != 0 and "gpuNodes" in result.stderr
 
 
 # Issue 12's review, defect 14: IPv6.

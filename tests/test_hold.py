@@ -38,7 +38,7 @@ def test_a_hold_quarantines_a_healthy_gpu_across_reboots_until_a_release(tmp_pat
     with capture_logs() as logs:
         place(node)
     assert [(e["gpu"], e["by"]) for e in logs if e["event"] == "repeat.held"] == [("GPU-1", "alice")]
-    assert node.held == {"GPU-1": 0} and node.taint_value == "repeat-offender"
+    assert node.held == {"GPU-1": 0} and node.tainted_for == "repeat-offender"
     n = node.writer.node
     assert hold.ANN_HOLD not in n.annotations  # handled: removed in the same write
     assert json.loads(n.annotations[ANN_REPEAT_OFFENDERS]) == {"GPU-1": 0}
@@ -46,7 +46,7 @@ def test_a_hold_quarantines_a_healthy_gpu_across_reboots_until_a_release(tmp_pat
     saved = HistoryStore(tmp_path).load()["GPU-1"]
     assert saved.held_by == "alice" and saved.escalated == T0 + 10 * DAY
     node.reboot("boot-1")  # a new agent, its history from the disk: still held
-    assert node.held == {"GPU-1": 0} and node.taint_value == "repeat-offender"
+    assert node.held == {"GPU-1": 0} and node.tainted_for == "repeat-offender"
     release(node, gpu="GPU-1", at="2027-01-26T08:00:00Z", by="bob")
     assert node.held == {} and node.writer.node.our_taint is None
     saved = HistoryStore(tmp_path).load()["GPU-1"]

@@ -74,7 +74,7 @@ def test_an_xid_written_to_the_log_while_the_agent_was_stopped_is_quarantined_at
         backend.close()
     assert [(f.key, f.gpu_index) for f in verdict.faults] == [("xid-79/GPU-mock-1", 1)]
     assert "kernel log: pid 1234, process python, GPU has fallen off the bus." in verdict.faults[0].detail
-    assert writer.node.our_taint is not None and writer.node.our_taint.value == "xid-79"
+    assert writer.node.our_taint is not None and writer.node.record.primary_reason == "xid-79"
 
 
 def test_a_log_xid_judged_before_a_restart_is_not_judged_again(tmp_path: Path) -> None:

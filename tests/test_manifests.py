@@ -331,18 +331,43 @@ def test_the_daemon_set_rolls_out_gradually_and_never_runs_two_agents_on_a_node(
     assert rolling["maxUnavailable"] not in (0, "0%")
 
 
-def test_the_agent_runs_only_on_gpu_nodes() -> None:
-    assert _pod_spec()["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+def gpu_node_terms(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    affinity = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    return affinity["nodeSelectorTerms"]  # type: ignore[no-any-return]
+
+
+def selector_of(terms: list[dict[str, Any]]) -> str:
+    """The ORed terms as --gpu-node-selector spells them: one ";"-separated alternative per term."""
+    return ";".join(
+        ",".join(
+            e["key"] if e["operator"] == "Exists" else f"{e['key']}={e['values'][0]}"
+            for e in t["matchExpressions"]
+        )
+        for t in terms
+    )
+
+
+def test_the_agent_runs_only_on_gpu_nodes_of_every_common_platform() -> None:
+    pod = _pod_spec()
+    assert "nodeSelector" not in pod
+    keys = [e["key"] for t in gpu_node_terms(pod) for e in t["matchExpressions"]]
+    assert keys == [
+        "nvidia.com/gpu.present",
+        "feature.node.kubernetes.io/pci-10de.present",
+        "cloud.google.com/gke-accelerator",
+        "kubernetes.azure.com/accelerator",
+        "karpenter.k8s.aws/instance-gpu-manufacturer",
+        "eks.amazonaws.com/instance-gpu-manufacturer",
+        "k8s.amazonaws.com/accelerator",
+    ]
 
 
 # Issue 12's review, defect 4: the budget's GPU nodes and the DaemonSet's.
-def test_defect_04_the_manifests_budget_counts_the_nodes_of_its_node_selector() -> None:
-    docs = list(yaml.safe_load_all((ROOT / "deploy/daemonset.yaml").read_text()))
-    pod = next(d for d in docs if d and d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+def test_defect_04_the_manifests_budget_counts_the_nodes_of_its_node_affinity() -> None:
+    pod = _pod_spec()
     agent = next(c for c in pod["containers"] if c["name"] == "gpuguard")
     env = {e["name"]: e.get("value") for e in agent["env"]}
-    selector = ",".join(f"{k}={v}" for k, v in sorted(pod["nodeSelector"].items()))
-    assert env["GPUGUARD_GPU_NODE_SELECTOR"] == selector
+    assert env["GPUGUARD_GPU_NODE_SELECTOR"] == selector_of(gpu_node_terms(pod))
 
 
 @pytest.mark.parametrize("effect", TAINT_EFFECTS)

@@ -98,7 +98,7 @@ def test_the_first_fault_taints_cordons_and_annotates_in_one_change() -> None:
                     "effect": "NoExecute",
                     "timeAdded": "2026-01-01T00:00:00Z",
                 },
-                {"key": TAINT_KEY, "value": "ecc", "effect": "NoSchedule"},
+                {"key": TAINT_KEY, "effect": "NoSchedule"},
             ],
             "unschedulable": True,
         },
@@ -112,7 +112,7 @@ def test_the_first_fault_taints_cordons_and_annotates_in_one_change() -> None:
 @pytest.mark.parametrize("effect", ["NoSchedule", "PreferNoSchedule", "NoExecute"])
 def test_the_taint_effect_follows_the_setting(effect: str) -> None:
     n = tainted(verdict(xid=79), settings=NodeSettings(name="gpu-1", taint_effect=effect))
-    assert n.our_taint == Taint(key=TAINT_KEY, value="xid-79", effect=effect)
+    assert n.our_taint == Taint(key=TAINT_KEY, effect=effect)
 
 
 def test_no_cordon_taints_without_touching_unschedulable() -> None:
@@ -182,7 +182,7 @@ def test_a_taint_removed_by_hand_comes_back_for_a_new_fault() -> None:
     )
     change = decide(by_hand, v)
     assert change is not None and change.action == "taint"
-    assert apply_change(by_hand, change).our_taint == Taint(TAINT_KEY, "NoSchedule", "xid-79")
+    assert apply_change(by_hand, change).our_taint == Taint(TAINT_KEY, "NoSchedule")
 
 
 def test_ecc_recovers_after_enough_healthy_checks_once_the_counter_is_reset() -> None:
@@ -311,7 +311,7 @@ def test_past_the_budget_a_fault_gets_only_a_soft_taint_no_cordon_and_a_deferred
     change = gated(node(), verdict(ecc=1), spent)
     assert change is not None and change.action == "defer"
     after = apply_change(node(), change)
-    assert after.our_taint == Taint(TAINT_KEY, "PreferNoSchedule", "ecc")
+    assert after.our_taint == Taint(TAINT_KEY, "PreferNoSchedule")
     assert not after.unschedulable and ANN_CORDONED not in after.annotations
     assert after.labels == {LABEL_QUARANTINED: "deferred"}
     assert "4 of 40 GPU nodes" in after.annotations[ANN_DEFERRED]
@@ -330,7 +330,7 @@ def test_a_deferred_quarantine_escalates_when_the_budget_has_room() -> None:
     change = gated(deferred, verdict(ecc=1), room)
     assert change is not None and change.action == "escalate"
     after = apply_change(deferred, change)
-    assert after.our_taint == Taint(TAINT_KEY, "NoSchedule", "ecc")
+    assert after.our_taint == Taint(TAINT_KEY, "NoSchedule")
     assert after.unschedulable and after.cordoned_by_us
     assert after.labels == {LABEL_QUARANTINED: "true"} and ANN_DEFERRED not in after.annotations
 
@@ -375,7 +375,7 @@ def test_the_startup_gate_stays_next_to_the_unhealthy_taint_until_recovery() -> 
     gate = Taint(key=UNVERIFIED_TAINT_KEY, effect="NoSchedule")
     change = decide(node(taints=(gate,)), verdict(xid=79))
     assert change is not None and change.action == "taint"
-    assert change.taints == (gate, Taint(TAINT_KEY, "NoSchedule", "xid-79"))
+    assert change.taints == (gate, Taint(TAINT_KEY, "NoSchedule"))
     after = apply_change(node(taints=(gate,)), change)
     rebooted = NodeView(**{**after.__dict__, "boot_id": "boot-b"})
     recovered = decide(rebooted, HEALTHY, streak=3)
@@ -413,7 +413,7 @@ def test_a_full_quarantine_past_the_limit_yields_to_a_soft_taint_and_lifts_only_
     change = plan_yield(full, ahead=4, limit=4, settings=SETTINGS)
     assert change is not None and change.action == "yield"
     after = apply_change(full, change)
-    assert after.our_taint == Taint(TAINT_KEY, "PreferNoSchedule", "ecc")
+    assert after.our_taint == Taint(TAINT_KEY, "PreferNoSchedule")
     assert not after.unschedulable and ANN_CORDONED not in after.annotations
     assert after.labels == {LABEL_QUARANTINED: "deferred"} and after.deferred
     assert "4 GPU nodes were quarantined before this one, limit 4" in after.annotations[ANN_DEFERRED]
@@ -501,7 +501,7 @@ def test_a_gpu_unhealthy_taint_without_gpuguards_record_is_never_removed() -> No
     # A real fault takes it over: one taint with our key, with the record.
     change = decide(n, verdict(ecc=1))
     assert change is not None and change.action == "taint"
-    assert change.taints == (Taint(TAINT_KEY, "NoSchedule", "ecc"),)
+    assert change.taints == (Taint(TAINT_KEY, "NoSchedule"),)
 
 
 # -- the gate's key and who lifts it (--gate-taint-key, --gate-removal) --------------------------------------
@@ -529,7 +529,7 @@ def test_a_configured_gate_stays_beside_the_unhealthy_taint_and_goes_with_it_at_
     gate = Taint(key=key, effect="NoSchedule")
     change = decide(node(taints=(gate,)), verdict(xid=79), settings=settings)
     assert change is not None and change.action == "taint"
-    assert change.taints == (gate, Taint(TAINT_KEY, "NoSchedule", "xid-79"))
+    assert change.taints == (gate, Taint(TAINT_KEY, "NoSchedule"))
     rebooted = NodeView(**{**apply_change(node(taints=(gate,)), change).__dict__, "boot_id": "boot-b"})
     recovered = decide(rebooted, HEALTHY, streak=3, settings=settings)
     assert recovered is not None and recovered.action == "recover" and recovered.taints == ()
@@ -547,7 +547,7 @@ def test_with_external_gate_removal_recovery_removes_only_gpuguards_taint() -> N
     settings = NodeSettings(name="gpu-1", gate_taint_key=READINESS_GATE, gate_removal="external")
     gate = Taint(key=READINESS_GATE, effect="NoSchedule")
     change = decide(node(taints=(gate,)), verdict(xid=79), settings=settings)
-    assert change is not None and change.taints == (gate, Taint(TAINT_KEY, "NoSchedule", "xid-79"))
+    assert change is not None and change.taints == (gate, Taint(TAINT_KEY, "NoSchedule"))
     rebooted = NodeView(**{**apply_change(node(taints=(gate,)), change).__dict__, "boot_id": "boot-b"})
     recovered = decide(rebooted, HEALTHY, streak=3, settings=settings)
     assert recovered is not None and recovered.action == "recover" and recovered.taints == (gate,)
@@ -735,7 +735,7 @@ def test_with_no_cordon_an_escalation_taints_in_full_but_never_cordons() -> None
     assert change is not None and change.action == "escalate"
     assert change.unschedulable is None and ANN_CORDONED not in change.annotations
     after = apply_change(n, change)
-    assert after.our_taint == Taint(TAINT_KEY, "NoSchedule", "ecc") and not after.unschedulable
+    assert after.our_taint == Taint(TAINT_KEY, "NoSchedule") and not after.unschedulable
 
 
 def test_an_escalation_on_a_node_an_administrator_cordoned_does_not_claim_the_cordon() -> None:
@@ -916,3 +916,38 @@ def test_with_no_gpu_to_count_the_condition_names_only_the_gpus_device_taints_ho
         held["message"]
         == "nvml-init: NVML initialization failed: DRIVER_NOT_LOADED (2 held out by device taints)"
     )
+
+
+def test_the_fault_taint_carries_no_value_so_a_toleration_with_exists_or_an_empty_value_matches_it() -> None:
+    n = tainted(verdict(xid=79))
+    assert n.our_taint == Taint(TAINT_KEY, "NoSchedule") and n.our_taint.to_api() == {
+        "key": TAINT_KEY,
+        "effect": "NoSchedule",
+    }
+    assert n.annotations[ANN_REASON].startswith("xid-79: ") and n.record.primary_reason == "xid-79"
+
+
+@pytest.mark.parametrize(
+    ("v", "streak"),
+    [(verdict(xid=79), 0), (verdict(xid=79, ecc=2), 0), (HEALTHY, 1)],
+    ids=["same fault", "a new fault too", "healthy, recovery not due"],
+)
+def test_a_taint_an_earlier_version_gave_the_reason_as_value_loses_it_in_the_same_one_patch(
+    v: Verdict, streak: int
+) -> None:
+    """Upgrading from a version that wrote `gpu-unhealthy=xid-79`: the one write that carries the whole
+    taint list swaps the taint for one without a value (its effect and timeAdded kept), under the
+    resourceVersion precondition; the node is never without it."""
+    ours = Taint(TAINT_KEY, "NoExecute", "xid-79", time_added="2026-12-01T00:00:00Z")
+    settings = replace(SETTINGS, taint_effect="NoExecute")
+    old = apply_change(tainted(verdict(xid=79), settings=settings), NodeChange(action="taint"))
+    old = replace(old, taints=(FOREIGN, ours))
+    change = decide(old, v, streak=streak, settings=settings)
+    assert change is not None and change.taints == (FOREIGN, replace(ours, value=None))
+    assert change.patch(old.resource_version)["metadata"]["resourceVersion"] == old.resource_version
+    assert decide(apply_change(old, change), v, streak=streak, settings=settings) is None
+
+
+def test_a_valued_taint_with_our_key_but_without_our_record_stays_as_it_is() -> None:
+    theirs = Taint(TAINT_KEY, "NoSchedule", "rma-123")
+    assert decide(node(taints=(theirs,)), HEALTHY, streak=100) is None

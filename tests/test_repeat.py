@@ -86,9 +86,10 @@ class Node:
             self.check(HEALTHY, streak)
 
     @property
-    def taint_value(self) -> str | None:
-        ours = self.writer.node.our_taint
-        return ours.value if ours is not None else None
+    def tainted_for(self) -> str | None:
+        """The most severe recorded reason while our taint is on (the taint itself carries no value)."""
+        node = self.writer.node
+        return node.record.primary_reason if node.our_taint is not None else None
 
     @property
     def held(self) -> dict[str, int]:
@@ -109,7 +110,7 @@ def test_a_gpu_whose_xid_returns_after_two_reboots_is_held_and_not_released_by_t
     node.now += Limits().at_once_s  # the third episode counts once no other GPU joined it at once
     node.check(XID, 0)
     assert node.held == {"GPU-0": 3}
-    assert node.taint_value == "repeat-offender"
+    assert node.tainted_for == "repeat-offender"
     n = node.writer.node
     assert n.labels[LABEL_NEEDS_REPAIR] == "true" and n.annotations[ANN_REPAIR_PLACED] == "true"
     assert json.loads(n.annotations[ANN_REPEAT_OFFENDERS]) == {"GPU-0": 3}
@@ -122,7 +123,7 @@ def test_a_gpu_whose_xid_returns_after_two_reboots_is_held_and_not_released_by_t
     assert value == 3
     node.reboot("boot-3")  # a new agent, its history read from the disk
     assert node.held == {"GPU-0": 3}
-    assert node.taint_value == "repeat-offender" and node.writer.node.labels[LABEL_NEEDS_REPAIR] == "true"
+    assert node.tainted_for == "repeat-offender" and node.writer.node.labels[LABEL_NEEDS_REPAIR] == "true"
     assert node.writer.node.annotations["gpuguard.io/boot-id"] == "boot-3"
 
 
@@ -130,7 +131,7 @@ def test_a_gpu_that_faults_once_per_week_is_never_held(tmp_path: Path) -> None:
     node = Node(tmp_path)
     for week in range(6):
         node.check(XID, 0)
-        assert node.taint_value == "xid-79"
+        assert node.tainted_for == "xid-79"
         node.reboot(f"boot-{week + 1}", days=7)
     assert node.held == {} and node.writer.node.our_taint is None
     assert LABEL_NEEDS_REPAIR not in node.writer.node.labels
@@ -222,7 +223,7 @@ def test_a_release_the_agent_cannot_trust_is_refused_logged_and_removed(
         node.check(HEALTHY, SETTINGS.recover_after + 5)
     refused = [e for e in logs if e["event"] == "repeat.release_refused"]
     assert len(refused) == 1 and why in refused[0]["error"], logs
-    assert node.held == {"GPU-0": 3} and node.taint_value == "repeat-offender"
+    assert node.held == {"GPU-0": 3} and node.tainted_for == "repeat-offender"
     assert ANN_RELEASE not in node.writer.node.annotations  # refused once, not at every check
 
 
@@ -362,7 +363,7 @@ def test_on_a_dra_node_the_held_gpus_rule_says_repeat_offender_and_stays_across_
             hand_over(r, healthy, streak)
             r.reconcile_now()
     (rule,) = source.store.values()
-    assert rule["spec"]["taint"]["value"] == "repeat-offender"
+    assert "repeat-offender/" in rule["metadata"]["annotations"]["gpuguard.io/faults"]
     assert rule["metadata"]["annotations"]["gpuguard.io/boot-id"] == "boot-3"
     assert writer.node.our_taint is None and not writer.node.unschedulable
     assert writer.node.labels[LABEL_NEEDS_REPAIR] == "true"
@@ -380,7 +381,7 @@ def test_a_taint_removed_from_a_held_node_is_put_back(tmp_path: Path) -> None:
     node.agent._node = None  # the agent's next re-read (--node-resync) sees it
     for streak in range(SETTINGS.recover_after + 5):
         node.check(HEALTHY, SETTINGS.recover_after + 5 + streak)
-    assert node.taint_value == "repeat-offender"  # put back in this boot
+    assert node.tainted_for == "repeat-offender"  # put back in this boot
     assert node.held == {"GPU-0": 3}
     assert node.writer.node.labels[LABEL_NEEDS_REPAIR] == "true"
     assert node.writer.node.labels[LABEL_QUARANTINED] == "true"
@@ -423,13 +424,13 @@ def test_a_held_gpus_deleted_rule_is_made_again_also_after_a_restart(tmp_path: P
         r = agent()
         checks(r)
     (name,) = source.store
-    assert source.store[name]["spec"]["taint"]["value"] == "repeat-offender"
+    assert "repeat-offender/" in source.store[name]["metadata"]["annotations"]["gpuguard.io/faults"]
     source.operator_delete(name)
     checks(r)
     r = agent()  # a restart in the same boot reads the rules again: the deleted one is made again
     checks(r)
     (rule,) = source.store.values()
-    assert rule["spec"]["taint"]["value"] == "repeat-offender"
+    assert "repeat-offender/" in rule["metadata"]["annotations"]["gpuguard.io/faults"]
     assert r.repeat is not None and r.repeat.held == {uuids[3]: 3}
 
 
@@ -446,7 +447,7 @@ def test_a_fabric_that_never_completes_over_three_boots_holds_no_gpu(tmp_path: P
     for boot in ("boot-1", "boot-2", "boot-3"):
         node.reboot(boot)
         node.check(fabric, 0)
-    assert node.held == {} and node.taint_value == "fabric-incomplete"
+    assert node.held == {} and node.tainted_for == "fabric-incomplete"
     assert LABEL_NEEDS_REPAIR not in node.writer.node.labels
     history = node.agent.repeat.history if node.agent.repeat is not None else {}
     assert len(history["GPU-0"].episodes) == 4  # recorded, not counted

@@ -504,9 +504,7 @@ def test_gpuguards_own_taint_passes_the_write_boundary_with_every_effect_it_may_
         now=NOW,
     )
     assert planned is not None
-    assert v.check_node_patch(planned.patch("1"))["spec"]["taints"] == [
-        {"key": TAINT_KEY, "value": "ecc", "effect": effect}
-    ]
+    assert v.check_node_patch(planned.patch("1"))["spec"]["taints"] == [{"key": TAINT_KEY, "effect": effect}]
 
 
 @pytest.mark.parametrize(
@@ -523,7 +521,9 @@ def test_gpuguards_own_taint_passes_the_write_boundary_with_every_effect_it_may_
         (8, "recovery-8"),
     ],
 )
-def test_every_recovery_action_name_is_a_valid_taint_value_on_the_node(action: int, value: str) -> None:
+def test_every_recovery_action_name_is_a_valid_label_value_recorded_on_the_node(
+    action: int, value: str
+) -> None:
     assert recovery_reason(action) == value and v.taint_value(value) == value
     if action == 0:
         return  # NONE is no fault
@@ -540,9 +540,9 @@ def test_every_recovery_action_name_is_a_valid_taint_value_on_the_node(action: i
         now=NOW,
     )
     assert planned is not None
-    assert v.check_node_patch(planned.patch("1"))["spec"]["taints"] == [
-        {"key": TAINT_KEY, "value": value, "effect": "NoSchedule"}
-    ]
+    patch = v.check_node_patch(planned.patch("1"))
+    assert patch["spec"]["taints"] == [{"key": TAINT_KEY, "effect": "NoSchedule"}]
+    assert patch["metadata"]["annotations"]["gpuguard.io/faults"] == f"{value}/GPU-0"
 
 
 def test_a_fault_key_of_253_bytes_is_kept_and_a_longer_one_cut_at_a_character_boundary() -> None:

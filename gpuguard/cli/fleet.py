@@ -171,9 +171,14 @@ def _matches(expr: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
 
 
 def _selected(selector: str, labels: Mapping[str, str]) -> bool:
-    """A key=value[,key=value] selector (--gpu-node-selector's syntax; "" selects every node)."""
-    pairs = [p.split("=", 1) for p in selector.split(",") if p]
-    return all(len(p) == 2 and labels.get(p[0]) == p[1] for p in pairs)
+    """--gpu-node-selector's syntax: alternatives separated by ";" (any may match), each
+    key[=value][,key[=value]] (all must; a bare key: the label exists); "" selects every node."""
+
+    def term(t: str) -> bool:
+        key, eq, value = t.partition("=")
+        return key in labels and (not eq or labels[key] == value)
+
+    return any(all(term(t) for t in alt.split(",") if t) for alt in selector.split(";"))
 
 
 def _name(node: Mapping[str, Any]) -> str:

@@ -284,10 +284,12 @@ class Config:
 
 MIN_INTERVAL = 0.05
 
-# An equality label selector, key=value[,key=value] (the syntax of a nodeSelector's entries).
+# The GPU nodes' label selector: alternatives separated by ";" (a node that matches any is a GPU node, as the
+# DaemonSet's ORed nodeSelectorTerms), each key[=value][,key[=value]] (a bare key: the label exists).
 _LABEL_KEY = r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 _LABEL_VALUE = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?"
-_SELECTOR = re.compile(rf"^{_LABEL_KEY}={_LABEL_VALUE}(,{_LABEL_KEY}={_LABEL_VALUE})*$")
+_ALTERNATIVE = rf"{_LABEL_KEY}(={_LABEL_VALUE})?(,{_LABEL_KEY}(={_LABEL_VALUE})?)*"
+_SELECTOR = re.compile(rf"^{_ALTERNATIVE}(;{_ALTERNATIVE})*$")
 _LABEL_KEY_ONLY = re.compile(rf"^{_LABEL_KEY}$")
 _DRIVER = re.compile(r"^(?=.{1,63}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
@@ -352,7 +354,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("--node-resync must be between 0 and 86400 seconds")
     if n.gpu_node_selector and not _SELECTOR.match(n.gpu_node_selector):
         raise ConfigError(
-            f"--gpu-node-selector {n.gpu_node_selector!r}: expected key=value[,key=value] (label syntax)"
+            f"--gpu-node-selector {n.gpu_node_selector!r}: expected key[=value][,key[=value]], alternatives "
+            "separated by ';' (label syntax)"
         )
     if n.repair not in REPAIR_MODES:
         raise ConfigError(f"--repair must be one of {', '.join(REPAIR_MODES)}")

@@ -67,11 +67,11 @@ class Settings:
     timeout: float = 10.0
 
 
-def faulty_gpus(verdict: Verdict) -> tuple[frozenset[str], frozenset[str]]:
-    """The UUIDs of the GPUs with a fault of their own, and those faults' reasons (a node-wide fault names no
+def faulty_gpus(verdict: Verdict) -> frozenset[str]:
+    """The UUIDs of the GPUs with a fault of their own (a node-wide fault names no
     GPU: it quarantines the node and evicts nothing)."""
     gpus = [g for g in verdict.gpus if g.faults and g.uuid]
-    return frozenset(g.uuid for g in gpus), frozenset(f.reason for g in gpus for f in g.faults)
+    return frozenset(g.uuid for g in gpus)
 
 
 def backoff(attempt: int) -> float:
@@ -108,7 +108,7 @@ class Evictor:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._faulty: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
+        self._faulty: frozenset[str] = frozenset()
         self._attempts: dict[str, int] = {}  # pod UID -> refusals in a row
         self._reported: set[tuple[str, str]] = set()  # (pod UID, what) already logged or told in an Event
         self._failures = 0  # rounds in a row that could not read the kubelet or the API server
@@ -153,7 +153,7 @@ class Evictor:
             try:
                 wait = self.round()
                 with self._lock:
-                    holds = bool(self._faulty[0])
+                    holds = bool(self._faulty)
                 if wait is None and holds:
                     wait = self._rescan
             except Exception:
@@ -165,7 +165,7 @@ class Evictor:
         """One round; the seconds until the next (a retry), or None when nothing waits (no fault, or every
         pod on a faulty GPU evicted or kept)."""
         with self._lock:
-            uuids, reasons = self._faulty
+            uuids = self._faulty
         if not uuids:
             self._attempts.clear()
             self._reported.clear()
@@ -173,7 +173,7 @@ class Evictor:
             return None
         self.rounds += 1
         self._settled(self._s.timeout)
-        faulty = replace(self._context(), uuids=uuids, reasons=reasons)
+        faulty = replace(self._context(), uuids=uuids)
         decisions = self._plan(faulty)
         if decisions is None:
             return self._failure_wait()

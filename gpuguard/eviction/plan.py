@@ -51,16 +51,16 @@ class Toleration:
     value: str = ""
     effect: str = ""
 
-    def tolerates(self, key: str, effect: str, values: frozenset[str]) -> bool:
-        """As the scheduler matches a toleration to a taint of this key and effect whose value is one of
-        `values` (the faults' reasons): an empty key with Exists tolerates every taint."""
+    def tolerates(self, key: str, effect: str) -> bool:
+        """As the scheduler matches a toleration to a taint of this key and effect and no value (gpuguard's
+        taints carry none): an empty key with Exists tolerates every taint."""
         if self.effect and self.effect != effect:
             return False
         if not self.key:
             return self.operator == "Exists"
         if self.key != key:
             return False
-        return self.operator == "Exists" or self.value in values
+        return self.operator == "Exists" or not self.value
 
 
 @dataclass(frozen=True)
@@ -126,8 +126,6 @@ class Faulty:
     """The faulty GPUs and what the quarantine already does about them."""
 
     uuids: frozenset[str]
-    # The faults' reasons (the taint's values), for tolerations with operator Equal.
-    reasons: frozenset[str] = frozenset()
     # DRA: each published GPU's device (driver, pool, device) by UUID (its ResourceSlice's, or its rule's).
     dra_devices: Mapping[str, tuple[str, str, str]] | None = None
     # GPUs whose DeviceTaintRule has effect NoExecute now: kube-controller-manager evicts their pods.
@@ -206,7 +204,7 @@ def _keep(pod: Pod, gpus: tuple[str, ...], faulty: Faulty) -> str | None:
         return MIRROR
     if "DaemonSet" in pod.owners:
         return DAEMONSET
-    if any(t.tolerates(TAINT_KEY, faulty.taint_effect, faulty.reasons) for t in pod.tolerations):
+    if any(t.tolerates(TAINT_KEY, faulty.taint_effect) for t in pod.tolerations):
         return TOLERATES
     why = [faulty.not_held_out(g) for g in gpus]
     if all(why):

@@ -89,17 +89,30 @@ def select(
     timeout: float = 10.0,
 ) -> list[dict[str, Any]]:
     """The nodes of a label selector ("": every node), in one list, each without its managedFields as it
-    arrives (a fleet's list is one answer); `metadata_only`: as PartialObjectMetadata."""
-    doc = api.request(
-        "GET",
-        COLLECTION,
-        query={"labelSelector": selector} if selector else None,
-        accept=METADATA_LIST if metadata_only else "application/json",
-        timeout=timeout,
-        what=what,
-        keep=lean,
+    arrives (a fleet's list is one answer); `metadata_only`: as PartialObjectMetadata. Alternatives
+    separated by ";" (the GPU nodes of several platforms: a label selector cannot say "or") are one list
+    each, united by name."""
+    found: dict[str, dict[str, Any]] = {}
+    for alternative in selector.split(";") if selector else [""]:
+        doc = api.request(
+            "GET",
+            COLLECTION,
+            query={"labelSelector": alternative} if alternative else None,
+            accept=METADATA_LIST if metadata_only else "application/json",
+            timeout=timeout,
+            what=what,
+            keep=lean,
+        )
+        for item in doc.get("items") or ():  # an empty metadata list comes as "items": null
+            found.setdefault(str((item.get("metadata") or {}).get("name", "")), item)
+    return list(found.values())
+
+
+def within(label: str, selector: str) -> str:
+    """`label` (key=value) and `selector`, as one selector: the label added to each of its alternatives."""
+    return ";".join(
+        ",".join(s for s in (label, alt) if s) for alt in (selector.split(";") if selector else [""])
     )
-    return list(doc.get("items") or [])  # an empty metadata list comes as "items": null
 
 
 def names(api: kubeclient.Client, *, timeout: float = 10.0) -> Iterator[str]:

@@ -43,6 +43,7 @@ _LINES = {
     "degrade-clear": "node.degraded_cleared",
     "repair": "node.repair_marks",
     "repair-request": "repair.requested",
+    "unvalue": "node.taint_value_removed",
 }
 
 

@@ -12,10 +12,14 @@ from typing import Protocol
 
 from gpuguard.core import validation
 from gpuguard.core.model import Fault
-from gpuguard.judge.policy import cleared_without_reboot
+from gpuguard.judge.policy import cleared_without_reboot, primary
 
 DOMAIN = "gpuguard.io"
 TAINT_KEY = f"{DOMAIN}/gpu-unhealthy"
+# gpuguard's node taints carry no value, as Kubernetes' own node condition taints (node.kubernetes.io/
+# not-ready): a toleration matches the key with `operator: Exists` (or Equal to ""), whatever the fault. Why
+# it is there is in the record (ANN_REASON, ANN_FAULTS) and the conditions. A valued taint of ours (earlier
+# versions wrote the fault's reason there) is known by its key and record and loses its value in one patch.
 # The second level's taint (degraded GPUs): a PreferNoSchedule node taint, or an effect-None DeviceTaintRule.
 DEGRADED_TAINT_KEY = f"{DOMAIN}/gpu-degraded"
 ANN_REASON = f"{DOMAIN}/reason"
@@ -82,6 +86,13 @@ class FaultRecord:
         if self.from_earlier_boot(boot_id):
             annotations[ANN_BOOT_ID] = boot_id
         return annotations
+
+    @property
+    def primary_reason(self) -> str | None:
+        """The most severe recorded reason (`policy.primary` over the keys), what `gpuguard status` shows;
+        None when nothing is recorded."""
+        first = primary(Fault(k.split("/", 1)[0], "") for k in self.faults)
+        return first.reason if first is not None else None
 
     def evidence_gone(self, boot_id: str, reset_cleared: frozenset[str] = frozenset()) -> bool:
         """Whether every recorded fault is proven cleared, given that its GPUs now read healthy.

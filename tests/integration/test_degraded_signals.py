@@ -6,6 +6,7 @@ labels the reconciler reads from the real node."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,14 @@ events:
 
 
 def degraded_taint(admin: Admin, node: str) -> str | None:
-    taints = admin.node(node)["spec"].get("taints") or []
-    return next((t.get("value") for t in taints if t["key"] == DEGRADED_KEY), None)
+    """While the degraded taint is on, the first signal the record names (the taint carries no value)."""
+    n = admin.node(node)
+    taint = next((t for t in n["spec"].get("taints") or [] if t["key"] == DEGRADED_KEY), None)
+    if taint is None:
+        return None
+    assert "value" not in taint, taint
+    keys = json.loads((n["metadata"].get("annotations") or {}).get("gpuguard.io/degraded-signals", "[]"))
+    return min((str(k).split("/", 1)[0] for k in keys), default="degraded")
 
 
 def test_a_power_brake_storm_marks_the_node_softly_and_it_is_released_after_the_window(

@@ -193,8 +193,7 @@ def test_where_no_version_serves_device_taint_rules_the_agent_says_so_and_taints
         assert agent.healthz()[1]["device_taint_api"] == "none"
 
         state.write_text(gpus + "xid 3 79\n")
-        taint = eventually(lambda: admin.our_taint(node), 20, what="gpuguard's node taint")
-        assert taint["value"] == "xid-79"
+        assert eventually(lambda: admin.tainted_for(node), 20, what="gpuguard's node taint") == "xid-79"
         assert agent.healthz()[1]["gpu_quarantines"] == []
     finally:
         agent.stop()

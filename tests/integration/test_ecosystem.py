@@ -71,7 +71,7 @@ def test_a_broken_gpu_adds_the_unhealthy_taint_and_keeps_the_startup_gate(
     start_agent(node=node, state=state)
     keys = [t["key"] for t in admin.node(node)["spec"]["taints"]]
     assert "gpuguard.io/unverified" in keys  # never verified: the gate stays (see docs/design.md)
-    assert (admin.our_taint(node) or {}).get("value") == "gpu-lost"
+    assert admin.tainted_for(node) == "gpu-lost"
 
 
 # Issue 12's review, defect 8.

@@ -23,8 +23,7 @@ DRIVER_GONE = "init_error DRIVER_NOT_LOADED\n" + GPUS_OK.replace(
 
 
 def taint_value(admin: Admin, node: str) -> str | None:
-    t = admin.our_taint(node)
-    return None if t is None else str(t.get("value"))
+    return admin.tainted_for(node)
 
 
 def test_an_ecc_fault_held_through_a_driver_reload_is_released_when_the_reloaded_driver_reads_clean(

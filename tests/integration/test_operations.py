@@ -298,7 +298,7 @@ def test_the_operations_runbook_works_as_written(
         out = book.run("Reading a quarantine", NODE=node)
         get_nodes, describe, status = _split(out, node)
         assert re.search(rf"^{node}\s+.*\strue$", get_nodes, re.M), get_nodes
-        assert "gpuguard.io/gpu-unhealthy=ecc:NoSchedule" in describe
+        assert "gpuguard.io/gpu-unhealthy:NoSchedule" in describe
         assert "Unschedulable:      true" in describe
         assert re.search(r"GPUHealthy\s+False", describe), describe
         assert "GPUUnhealthy" in describe  # the Event

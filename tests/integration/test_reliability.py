@@ -50,8 +50,8 @@ def test_an_xid_seen_while_the_api_is_down_still_taints_after_a_sigkill(
     state.write_text(GPUS_OK)
     ready = time.monotonic()
     restarted, _, _ = start_agent(node=node, state=state)
-    taint = eventually(lambda: admin.our_taint(node), 10, what="taint from the durable state")
-    assert taint["value"] == "xid-79"
+    taint = eventually(lambda: admin.tainted_for(node), 10, what="taint from the durable state")
+    assert taint == "xid-79"
     assert time.monotonic() - ready < 5 + 15  # readiness wait included; the write itself follows at once
     eventually(lambda: restarted.events("node.tainted"), 5, what="node.tainted, logged after the write")
 

@@ -16,6 +16,7 @@ from typing import Any
 import kubernetes
 import pytest
 
+from gpuguard.quarantine.record import FaultRecord
 from harness.dra import gpu_uuid, nvidia_slice
 from harness.kube import GPUS_OK, Admin, Agent, eventually
 from tests.integration.fixtures import (  # noqa: F401
@@ -83,9 +84,9 @@ def test_an_xid_that_returns_after_two_reboots_holds_the_gpu_until_an_operator_r
         eventually(lambda: admin.our_taint(node) is None, 10, what=f"released by the reboot to {boot}")
         state.write_text(XID)  # the Xid returns
         eventually(lambda: admin.our_taint(node), 10, what=f"taint in {boot}")
-    taint = eventually(
-        lambda: (t := admin.our_taint(node)) and t["value"] == "repeat-offender" and t, 10, what="held"
-    )
+    eventually(lambda: admin.tainted_for(node) == "repeat-offender", 10, what="held")
+    taint = admin.our_taint(node)
+    assert taint is not None
     assert taint["effect"] == "NoSchedule"
     assert labels(admin, node)["gpuguard.io/needs-repair"] == "true"
     assert labels(admin, node)["gpuguard.io/quarantined"] == "true"  # counts against the budget
@@ -102,7 +103,7 @@ def test_an_xid_that_returns_after_two_reboots_holds_the_gpu_until_an_operator_r
         lambda: annotations_of(admin, node).get("gpuguard.io/boot-id") == "boot-d", 10, what="new boot"
     )
     time.sleep(1.5)  # 7 checks, more than 3x --recover-after, and 5 re-reads
-    assert (admin.our_taint(node) or {}).get("value") == "repeat-offender"
+    assert admin.tainted_for(node) == "repeat-offender"
     metric = "gpuguard_gpu_repeat_offender"
     assert sample(scrape(agent.port), metric, gpu="0", uuid=UUID) == 3.0  # the new agent's, from the disk
 
@@ -170,7 +171,7 @@ def test_on_a_dra_node_the_rule_of_a_gpu_whose_xid_returns_after_two_reboots_hol
 
     def value() -> str | None:
         r = rule()
-        return str(r["spec"]["taint"]["value"]) if r else None
+        return FaultRecord.read(r["metadata"].get("annotations") or {}).primary_reason if r else None
 
     state = tmp_path / "gpus.state"
     state.write_text(ok)
@@ -227,7 +228,7 @@ def test_a_fabric_that_never_completes_over_four_boots_holds_no_gpu(
     agent, node, state = start_agent(boot_id="boot-a", env=RESYNC, args=args, state=state)
 
     def fabric_taint() -> bool:
-        return (admin.our_taint(node) or {}).get("value") == "fabric-incomplete"
+        return admin.tainted_for(node) == "fabric-incomplete"
 
     def opened() -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = agent.events("repeat.episode_opened")
@@ -267,7 +268,7 @@ def test_a_stolen_token_that_removes_a_held_nodes_taint_does_not_free_the_gpu(
         eventually(lambda: admin.our_taint(node) is None, 10, what=f"released by the reboot to {boot}")
         state.write_text(XID)
         eventually(lambda: admin.our_taint(node), 10, what=f"taint in {boot}")
-    eventually(lambda: (admin.our_taint(node) or {}).get("value") == "repeat-offender", 10, what="held")
+    eventually(lambda: admin.tainted_for(node) == "repeat-offender", 10, what="held")
     core = agent_core(admin, control_plane, node)
 
     def strip() -> None:
@@ -277,12 +278,12 @@ def test_a_stolen_token_that_removes_a_held_nodes_taint_does_not_free_the_gpu(
         core.patch_node(node, body, **MERGE)  # the label only with the taint (the policy)
 
     strip()
-    eventually(lambda: (admin.our_taint(node) or {}).get("value") == "repeat-offender", 10, what="put back")
+    eventually(lambda: admin.tainted_for(node) == "repeat-offender", 10, what="put back")
     assert not agent.events("node.taint_removed_by_operator")
     agent.stop()
     strip()
     agent, _, _ = start_agent(node=node, state=state, host_boot_id="host-boot-1", env=RESYNC)
-    eventually(lambda: (admin.our_taint(node) or {}).get("value") == "repeat-offender", 10, what="restart")
+    eventually(lambda: admin.tainted_for(node) == "repeat-offender", 10, what="restart")
     assert labels(admin, node)["gpuguard.io/needs-repair"] == "true"
 
 

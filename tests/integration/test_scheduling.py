@@ -472,8 +472,7 @@ def test_a_lost_gpu_on_a_dra_node_still_quarantines_the_node(
         state.write_text(
             gpus.replace(f"gpu 2 uuid={gpu_uuid(node, 2)}", f"gpu 2 uuid={gpu_uuid(node, 2)} lost=1")
         )
-        taint = eventually(lambda: cluster.our_taint(node), 15, what="gpuguard's node taint")
-        assert taint["value"] == "gpu-lost"
+        assert eventually(lambda: cluster.tainted_for(node), 15, what="gpuguard's node taint") == "gpu-lost"
         assert device_rule(cluster, f"gpuguard.{node}.gpu-2") is None
     finally:
         agent.stop()
@@ -555,8 +554,8 @@ def test_slices_a_dra_driver_publishes_after_the_agent_started_are_used_from_the
         eventually(agent.ready, 15, what="agent /readyz")
         publish(cluster, node)
         state.write_text(gpus + "xid 3 79\n")
-        taint = eventually(lambda: cluster.our_taint(node), 15, what="the node taint (no device known)")
-        assert taint["value"] == "xid-79"
+        taint = eventually(lambda: cluster.tainted_for(node), 15, what="the node taint (no device known)")
+        assert taint == "xid-79"
         # The refresh follows the taint's write on the same thread: the next fault is reconciled after it.
         state.write_text(gpus + "xid 3 79\nxid 5 79\n")
         rule = eventually(

@@ -329,8 +329,7 @@ def test_a_squatted_rule_name_leaves_the_victims_gpu_quarantined_by_the_node_tai
     state.write_text(gpus)
     agent, _, _ = start_agent(node=victim, state=state)
     state.write_text(gpus.replace(f"{gpu_uuid(victim, 3)}\n", f"{gpu_uuid(victim, 3)} ecc=2\n"))
-    taint = eventually(lambda: admin.our_taint(victim), 15, what="the victim's node taint")
-    assert taint["value"] == "ecc", taint
+    assert eventually(lambda: admin.tainted_for(victim), 15, what="the victim's node taint") == "ecc"
     after = rule_of(admin, name)
     assert after is not None and squatted is not None
     assert after["metadata"]["resourceVersion"] == squatted["metadata"]["resourceVersion"]

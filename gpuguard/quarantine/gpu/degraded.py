@@ -10,12 +10,11 @@ left alone. `degradedrules.DegradedRules` reads and writes what this module deci
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from gpuguard.core import validation
-from gpuguard.core.errors import ConfigError
 from gpuguard.core.model import Fault, Verdict
 from gpuguard.quarantine.gpu.rules import (
     ANN_NODE_GPUS,
@@ -65,15 +64,6 @@ def own_degraded(rule: DeviceRule, node: str) -> bool:
     )
 
 
-def taint_value(degraded: Iterable[Fault]) -> str:
-    """The alphabetically first reason, as on the node's taint; a reason that is no label value: fixed."""
-    first = min((f.reason for f in degraded), default="degraded")
-    try:
-        return validation.taint_value(first)
-    except ConfigError:
-        return "degraded"
-
-
 def degraded_rule_body(
     node: NodeRef, dev: SliceDevice, degraded: tuple[Fault, ...], *, node_gpus: int, since: str
 ) -> dict[str, Any]:
@@ -88,13 +78,13 @@ def degraded_rule_body(
             ANN_UUID: validation.clean_text(dev.uuid, max_bytes=128),
             ANN_NODE_GPUS: str(max(node_gpus, 1)),
         },
-        taint={"key": DEGRADED_TAINT_KEY, "value": taint_value(degraded), "effect": NONE_EFFECT},
+        taint={"key": DEGRADED_TAINT_KEY, "effect": NONE_EFFECT},
     )
 
 
 def degraded_update(rule: DeviceRule, degraded: tuple[Fault, ...]) -> dict[str, Any] | None:
-    """The merge patch that brings a held rule in line with its GPU's signals now (their keys, text and
-    the taint's value), or None when it already records them. Carries the rule's resourceVersion."""
+    """The merge patch that brings a held rule in line with its GPU's signals now (their keys and text;
+    the taint without a value), or None when it already records them. Carries the rule's resourceVersion."""
     keys = fault_keys(degraded)
     if rule.faults == keys:
         return None
@@ -103,7 +93,7 @@ def degraded_update(rule: DeviceRule, degraded: tuple[Fault, ...]) -> dict[str, 
             "annotations": {ANN_FAULTS: join_keys(keys), ANN_REASON: reason_text(degraded)},
             "resourceVersion": rule.resource_version,
         },
-        "spec": {"taint": {"key": DEGRADED_TAINT_KEY, "value": taint_value(degraded), "effect": NONE_EFFECT}},
+        "spec": {"taint": {"key": DEGRADED_TAINT_KEY, "effect": NONE_EFFECT}},
     }
 
 

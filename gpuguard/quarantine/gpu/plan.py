@@ -25,7 +25,7 @@ from gpuguard.core.model import (
     Verdict,
     recovery_reason,
 )
-from gpuguard.quarantine.gpu.rules import NONE_EFFECT, DeviceRule, taint_value
+from gpuguard.quarantine.gpu.rules import NONE_EFFECT, DeviceRule
 from gpuguard.quarantine.gpu.slices import SliceDevice
 from gpuguard.quarantine.record import ANN_DEFERRED, TAINT_KEY, fault_keys
 
@@ -92,20 +92,17 @@ def update(
     """The merge patch that brings a rule already held in line with its GPU's faults, or None when it
     matches: new faults recorded (`FaultRecord.merge`: a record from an earlier boot replaced), and the
     configured `effect` where the rule was deferred and the budget now has room (`lifted`) or blocks
-    otherwise than asked (a rule adopted after a restart with another --taint-effect), and the taint's value
-    `repeat-offender` once its GPU is held (escalation). Carries the rule's resourceVersion: a 409 when
+    otherwise than asked (a rule adopted after a restart with another --taint-effect), and a taint with a
+    value (earlier versions wrote the fault's reason there) rewritten without one, in the same patch, so
+    the GPU is never without the taint. Carries the rule's resourceVersion: a 409 when
     someone changed it."""
     annotations = rule.record.merge(faults, boot_id=boot_id) or {}
     body: dict[str, Any] = {}
-    retitle = taint_value(faults) == REPEAT_OFFENDER != rule.taint_value
-    if lifted or retitle or (not rule.deferred and rule.effect != effect):
+    if lifted or rule.taint_value or (not rule.deferred and rule.effect != effect):
         if lifted:
             annotations[ANN_DEFERRED] = None
         blocks = lifted or not rule.deferred
-        value = taint_value(faults)
-        body["spec"] = {
-            "taint": {"key": TAINT_KEY, "value": value, "effect": effect if blocks else NONE_EFFECT}
-        }
+        body["spec"] = {"taint": {"key": TAINT_KEY, "effect": effect if blocks else NONE_EFFECT}}
     if not annotations and not body:
         return None
     body["metadata"] = {"annotations": annotations, "resourceVersion": rule.resource_version}
@@ -133,7 +130,7 @@ def step_back(rule: DeviceRule, why: str) -> dict[str, Any]:
     and gpuguard.io/quarantine-deferred saying `why`, with the rule's resourceVersion."""
     return {
         "metadata": {"annotations": {ANN_DEFERRED: why}, "resourceVersion": rule.resource_version},
-        "spec": {"taint": {"key": TAINT_KEY, "value": rule.taint_value, "effect": NONE_EFFECT}},
+        "spec": {"taint": {"key": TAINT_KEY, "effect": NONE_EFFECT}},
     }
 
 

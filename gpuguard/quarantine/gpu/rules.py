@@ -20,7 +20,6 @@ from typing import Any, Protocol
 from gpuguard.core import validation
 from gpuguard.core.errors import ConfigError
 from gpuguard.core.model import Fault
-from gpuguard.judge.policy import primary
 from gpuguard.quarantine.gpu.slices import SliceDevice
 from gpuguard.quarantine.record import (
     ANN_DEFERRED,
@@ -217,8 +216,9 @@ def rule_body(
     since: str,
     deferred: bool = False,
 ) -> dict[str, Any]:
-    """The DeviceTaintRule for one faulty GPU: its device only, gpuguard's taint key, the reason of its
-    most severe fault as value, and the node taint's record (faults, reason, since, boot-id)."""
+    """The DeviceTaintRule for one faulty GPU: its device only, gpuguard's taint key without a value (as the
+    node taint: `record.TAINT_KEY`'s comment says why), and the node taint's record (faults, reason, since,
+    boot-id)."""
     faults = tuple(faults)
     annotations = {
         **new_record(faults, since=since, boot_id=node.boot_id),
@@ -232,7 +232,7 @@ def rule_body(
         node.name,
         dev,
         annotations=annotations,
-        taint={"key": TAINT_KEY, "value": taint_value(faults), "effect": effect},
+        taint={"key": TAINT_KEY, "effect": effect},
     )
 
 
@@ -261,15 +261,6 @@ def rule_document(
             "taint": dict(taint),
         },
     }
-
-
-def taint_value(faults: tuple[Fault, ...]) -> str:
-    first = primary(faults)
-    value = first.reason if first is not None else "unhealthy"
-    try:
-        return validation.taint_value(value)
-    except ConfigError:  # a reason that is not a label value: a fixed one
-        return "unhealthy"
 
 
 class DeviceSource(Protocol):

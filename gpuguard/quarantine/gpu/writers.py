@@ -331,7 +331,7 @@ def quarantined_gpus(api: kubeclient.Client, *, timeout: float = 10.0) -> list[d
                 else "gpu-deferred"
                 if rule.deferred
                 else "gpu-quarantined",
-                "reason": rule.taint_value,
+                "reason": rule.record.primary_reason,
                 "effect": rule.effect,
                 "since": rule.annotations.get(ANN_SINCE),
                 "faults": sorted(rule.faults),
@@ -339,7 +339,7 @@ def quarantined_gpus(api: kubeclient.Client, *, timeout: float = 10.0) -> list[d
                 "cordoned_by_gpuguard": False,
                 "unschedulable": False,
                 "degraded": sorted(rule.faults) if is_degraded_rule(rule) else [],
-                # A held repeat offender's rule says so in its value; the counts are on its node.
+                # A held repeat offender's rule records it (its primary reason); the counts are on its node.
                 "repeat_offenders": {},
             }
         )

@@ -73,7 +73,12 @@ class WatchedBudget:
         self._api = api
         self._fallback = fallback
         self._gpu_nodes = gpu_node_selector
-        self._selector = ",".join(s for s in (f"{LABEL_QUARANTINED}=true", gpu_node_selector) if s)
+        # One watch takes one selector: with alternatives (";"), every node labelled quarantined is watched
+        # (only gpuguard labels a node so, and it runs only on GPU nodes), never fewer than the budget's.
+        quarantined = f"{LABEL_QUARANTINED}=true"
+        self._selector = (
+            quarantined if ";" in gpu_node_selector else nodes.within(quarantined, gpu_node_selector)
+        )
         self._others = others or OtherNodes()
         self._timeout = timeout
         self._clock = clock

@@ -4,8 +4,8 @@ and never counted by the quarantine budget. A pure plan of the marks gpuguard ke
 - the annotation ANN_DEGRADED: the degraded signals' keys (JSON list of "<reason>/<uuid or node>", sorted,
   bounded), gpuguard's record that the other marks are its own;
 - the label LABEL_DEGRADED=true (for selectors; the budget counts only `gpuguard.io/quarantined`);
-- by default (--no-degraded-taint turns it off) a PreferNoSchedule taint DEGRADED_TAINT_KEY whose value is
-  the alphabetically first reason;
+- by default (--no-degraded-taint turns it off) a PreferNoSchedule taint DEGRADED_TAINT_KEY without a value
+  (as the fault taint: `record.TAINT_KEY`'s comment says why);
 - the node condition GPUDegraded (`plan_degraded_condition`), and the Events GPUDegraded / GPUDegradedCleared.
 
 The marks go once the verdict has been free of degraded signals for --recover-after checks. Ownership as for
@@ -106,7 +106,7 @@ def _mark(
         labels[LABEL_DEGRADED] = "true"
     current = degraded_taint(node)
     ours = current is not None and _ours(current, record)
-    wanted = Taint(key=DEGRADED_TAINT_KEY, value=_first_reason(keys), effect=SOFT_EFFECT)
+    wanted = Taint(key=DEGRADED_TAINT_KEY, effect=SOFT_EFFECT)
     taints: tuple[Taint, ...] | None = None
     if taint and ((new and current is None) or ours) and _differs(current, wanted):
         # Placed for new signals, kept up to date while present; removed by hand for the same signals, it
@@ -147,24 +147,19 @@ def _differs(current: Taint | None, wanted: Taint) -> bool:
 
 
 def _ours(current: Taint, record: DegradedRecord) -> bool:
-    """The taint with our key is the one gpuguard wrote for the recorded signals: PreferNoSchedule with the
-    value `_first_reason` gives their keys. An operator's taint with the same key (another effect or value,
-    placed before gpuguard's record or after ours was removed by hand) is theirs: never rewritten, never
-    removed."""
+    """The taint with our key is the one gpuguard wrote for the recorded signals: PreferNoSchedule without a
+    value, or with the value earlier versions gave the recorded keys (`_earlier_value`; rewritten without
+    it in one patch). An operator's taint with the same key (another effect or value, placed before
+    gpuguard's record or after ours was removed by hand) is theirs: never rewritten, never removed."""
     if not record.present or current.effect != SOFT_EFFECT:
         return False
-    # Only the value gpuguard gives the recorded keys ("degraded" where they have none or no valid reason):
-    # an operator's "degraded" beside a record of valid reasons is theirs.
-    return current.value == _first_reason(record.keys)
+    return not current.value or current.value == _earlier_value(record.keys)
 
 
-def _first_reason(keys: Iterable[str]) -> str:
-    """The taint's value: the alphabetically first reason of the keys as recorded (so the record read back
-    tells the same value, even when cut to MAX_DEGRADED_KEYS), as a valid label value (or none at all)."""
-    return _valid(min((k.split("/", 1)[0] for k in keys), default="degraded"))
-
-
-def _valid(first: str) -> str:
+def _earlier_value(keys: Iterable[str]) -> str:
+    """The value earlier versions gave the taint: the alphabetically first reason of the keys as recorded,
+    or "degraded" where there is none or it is not a valid label value."""
+    first = min((k.split("/", 1)[0] for k in keys), default="degraded")
     try:
         return validation.taint_value(first)
     except ConfigError:

@@ -17,7 +17,6 @@ from datetime import datetime
 
 from gpuguard.core.config import NodeSettings
 from gpuguard.core.model import REPEAT_OFFENDER, Fault, Verdict, plural
-from gpuguard.judge.policy import primary
 from gpuguard.quarantine.node.view import (
     ANN_CORDONED,
     CONDITION_TYPE,
@@ -76,10 +75,10 @@ def plan(
             # token cannot write), never by removing the taint: it is put back, not taken for an override.
             new = [f for f in faults if f.reason == REPEAT_OFFENDER]
         if ours is None and new:
-            return _quarantine(node, faults, new, recorded | keys, settings=settings, now=now)
+            return _quarantine(node, faults, recorded | keys, settings=settings, now=now)
         if ours is not None and node.deferred:
             return _escalate(node, ours, faults, recorded | keys, settings=settings)
-        return _held(node, ours, record_faults(node, faults), faults) or _tidy(node)
+        return _unvalued(node, ours, record_faults(node, faults) or _tidy(node))
 
     # Ours: what gpuguard recorded, never a bare taint with our key (an operator's, kept as it is).
     owned = any(k in node.annotations for k in OUR_ANNOTATIONS) or LABEL_QUARANTINED in node.labels
@@ -98,7 +97,7 @@ def plan(
         or flapping
         or not evidence_gone(node, verdict)
     ):
-        return _tidy(node)
+        return _unvalued(node, ours, _tidy(node))
     gate = lifts_gate(node, settings) and not gate_held
     removed = ({settings.gate_taint_key} if gate else set()) | ({TAINT_KEY} if ours is not None else set())
     return NodeChange(
@@ -116,17 +115,15 @@ def plan(
     )
 
 
-def _held(
-    node: NodeView, ours: Taint | None, change: NodeChange | None, faults: tuple[Fault, ...]
-) -> NodeChange | None:
-    """A node tainted for a fault whose GPU is now held as a repeat offender: the taint's value says so
-    (`repeat-offender`), in the same write that records the hold."""
-    if ours is None or ours.value == REPEAT_OFFENDER or all(f.reason != REPEAT_OFFENDER for f in faults):
+def _unvalued(node: NodeView, ours: Taint | None, change: NodeChange | None) -> NodeChange | None:
+    """Our taint with a value (an earlier gpuguard wrote the fault's reason there) loses it in `change`, or in
+    a write of its own ("unvalue"): the taint list is replaced whole in one patch under the node's
+    resourceVersion, so the node is never without the taint. Its timeAdded stays: a NoExecute taint's
+    tolerationSeconds keep counting from the quarantine's start."""
+    if ours is None or not ours.value or (change is not None and change.taints is not None):
         return change
-    taints = tuple(
-        replace(t, value=REPEAT_OFFENDER, time_added=None) if t.key == TAINT_KEY else t for t in node.taints
-    )
-    return replace(change or NodeChange(action="add-faults"), taints=taints)
+    taints = tuple(replace(t, value=None) if t.key == TAINT_KEY else t for t in node.taints)
+    return replace(change or NodeChange(action="unvalue"), taints=taints)
 
 
 def lifts_gate(node: NodeView, settings: NodeSettings) -> bool:
@@ -184,14 +181,11 @@ def _tidy(node: NodeView) -> NodeChange | None:
 def _quarantine(
     node: NodeView,
     faults: tuple[Fault, ...],
-    new: list[Fault],
     keys: Iterable[str],
     *,
     settings: NodeSettings,
     now: datetime,
 ) -> NodeChange:
-    first = primary(new)
-    assert first is not None
     annotations: dict[str, str | None] = {
         ANN_REASON: reason_text(faults),
         ANN_SINCE: node.annotations.get(ANN_SINCE) or rfc3339(now),
@@ -202,7 +196,7 @@ def _quarantine(
     if settings.cordon and not node.unschedulable:
         unschedulable = True
         annotations[ANN_CORDONED] = "true"
-    taint = Taint(key=TAINT_KEY, value=first.reason, effect=settings.taint_effect)
+    taint = Taint(key=TAINT_KEY, effect=settings.taint_effect)
     # The startup gate stays until the node is verified healthy (recovery removes it): whatever the budget
     # decides, a never-verified node with a known fault is never schedulable. A taint with our key that
     # gpuguard has no record of (an operator's) is taken over: the record now says why it is there.

@@ -202,6 +202,7 @@ NodeAction = Literal[
     "degrade-clear",
     "repair",
     "repair-request",
+    "unvalue",
 ]
 
 
@@ -274,6 +275,7 @@ def _merge(current: Mapping[str, str], patch: Mapping[str, str | None]) -> dict[
 
 
 def with_our_effect(node: NodeView, ours: Taint, effect: str) -> tuple[Taint, ...]:
-    """The node's taints with ours set to `effect`, in place (timeAdded dropped: the API sets it)."""
-    changed = replace(ours, effect=effect, time_added=None)
+    """The node's taints with ours set to `effect`, in place, without a value (timeAdded dropped: the API
+    sets it)."""
+    changed = replace(ours, effect=effect, value=None, time_added=None)
     return tuple(changed if t.key == TAINT_KEY else t for t in node.taints)

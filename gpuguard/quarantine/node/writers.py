@@ -187,7 +187,7 @@ class KubeNodeWriter:
         """Metadata of the fully quarantined GPU nodes only (label selector): a few items, not the fleet.
         Only the GPU nodes the budget counts: a quarantined node outside them is not in this budget. Each
         node's claim validated first (`OtherNodes`): a malformed or forged one does not count."""
-        selector = ",".join(s for s in (f"{LABEL_QUARANTINED}=true", self._gpu_nodes) if s)
+        selector = nodes.within(f"{LABEL_QUARANTINED}=true", self._gpu_nodes)
         return self._others.quarantined(self._list_metadata("list quarantined nodes", selector))
 
     def changes(self) -> int:
@@ -268,6 +268,7 @@ def quarantined_nodes(api: kubeclient.Client, *, timeout: float = 10.0) -> list[
                 n,
                 state,
                 taint,
+                reason=n.record.primary_reason,
                 since=n.annotations.get(ANN_SINCE),
                 faults=sorted(n.recorded_faults),
                 detail=n.annotations.get(ANN_REASON),
@@ -286,7 +287,9 @@ def degraded_nodes(api: kubeclient.Client, *, skip: set[str], timeout: float = 1
         n = NodeView.from_api(item)
         record = DegradedRecord.read(n.annotations)
         if n.name not in skip and record.present:
-            rows.append(_status_row(n, "degraded", degraded_taint(n), degraded=sorted(record.keys)))
+            keys = sorted(record.keys)
+            reason = keys[0].split("/", 1)[0] if keys else None
+            rows.append(_status_row(n, "degraded", degraded_taint(n), reason=reason, degraded=keys))
     return sorted(rows, key=lambda r: str(r["node"]))
 
 
@@ -295,17 +298,19 @@ def _status_row(
     state: str,
     taint: Taint | None,
     *,
+    reason: str | None,
     degraded: list[str],
     since: str | None = None,
     faults: list[str] | None = None,
     detail: str | None = None,
     cordoned_by_gpuguard: bool = False,
 ) -> dict[str, Any]:
-    """One node's row of `gpuguard status` (`gpu.writers.quarantined_gpus` gives its GPUs' rows)."""
+    """One node's row of `gpuguard status` (`gpu.writers.quarantined_gpus` gives its GPUs' rows); `reason`:
+    the record's, the taints carry none."""
     return {
         "node": n.name,
         "state": state,
-        "reason": taint.value if taint else None,
+        "reason": reason,
         "effect": taint.effect if taint else None,
         "since": since,
         "faults": faults or [],

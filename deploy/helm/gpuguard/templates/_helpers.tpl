@@ -39,14 +39,35 @@ app.kubernetes.io/name: {{ include "gpuguard.name" . }}
 {{- if not (kindIs "invalid" .) -}}{{- if ne (toString .) "" -}}true{{- end -}}{{- end -}}
 {{- end -}}
 
-{{/* The nodeSelector as an equality label selector, key=value[,key=value] in key order ("" when empty:
-every node), for GPUGUARD_GPU_NODE_SELECTOR. */}}
-{{- define "gpuguard.nodeSelector" -}}
+{{/* The nodes the DaemonSet runs on as GPUGUARD_GPU_NODE_SELECTOR: one alternative per gpuNodes term
+(";"-separated: the terms are ORed), each its expressions (Exists: key; In with one value: key=value) and
+the nodeSelector's key=value pairs, comma-joined ("" when both are empty: every node). */}}
+{{- define "gpuguard.gpuNodeSelector" -}}
 {{- $pairs := list -}}
 {{- range $k, $v := .Values.nodeSelector -}}
 {{- $pairs = append $pairs (printf "%s=%s" $k (toString $v)) -}}
 {{- end -}}
-{{- join "," $pairs -}}
+{{- $alternatives := list -}}
+{{- range .Values.gpuNodes -}}
+{{- if .matchFields -}}
+{{- fail "gpuNodes: matchFields cannot be counted as a label selector; use matchExpressions" -}}
+{{- end -}}
+{{- $terms := list -}}
+{{- range .matchExpressions -}}
+{{- if eq .operator "Exists" -}}
+{{- $terms = append $terms .key -}}
+{{- else if and (eq .operator "In") (eq (len .values) 1) -}}
+{{- $terms = append $terms (printf "%s=%s" .key (toString (index .values 0))) -}}
+{{- else -}}
+{{- fail (printf "gpuNodes: %s %s: only Exists, or In with one value, can be counted as a label selector" .key .operator) -}}
+{{- end -}}
+{{- end -}}
+{{- $alternatives = append $alternatives (join "," (concat $terms $pairs)) -}}
+{{- end -}}
+{{- if not $alternatives -}}
+{{- $alternatives = list (join "," $pairs) -}}
+{{- end -}}
+{{- join ";" $alternatives -}}
 {{- end -}}
 
 {{/*
