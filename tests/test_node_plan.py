@@ -18,6 +18,7 @@ from gpuguard.quarantine.node.budget import limit, plan_yield, quarantine_rank
 from gpuguard.quarantine.node.plan import evidence_gone, plan, plan_condition
 from gpuguard.quarantine.node.view import (
     ANN_CORDONED,
+    ANN_REPEAT_OFFENDERS,
     LABEL_QUARANTINED,
     UNVERIFIED_TAINT_KEY,
     NodeChange,
@@ -594,7 +595,7 @@ def test_node_view_reads_annotations_labels_foreign_taints_and_the_gpu_healthy_c
         "status": {
             "conditions": [
                 {"type": "Ready", "status": "True"},
-                {"type": "GPUHealthy", "status": "False"},
+                {"type": "GPUHealthy", "status": "False", "message": "xid-79 on GPU 1"},
             ],
             "nodeInfo": {"bootID": "boot-z"},
         },
@@ -604,7 +605,7 @@ def test_node_view_reads_annotations_labels_foreign_taints_and_the_gpu_healthy_c
     assert v.labels == {LABEL_QUARANTINED: "deferred", "zone": "a"}
     assert v.taints == (FOREIGN, Taint(TAINT_KEY, "PreferNoSchedule", "ecc"))
     assert v.taints[0].to_api() == obj["spec"]["taints"][0]  # type: ignore[index]
-    assert v.gpu_condition == "False"
+    assert (v.gpu_condition, v.gpu_condition_message) == ("False", "xid-79 on GPU 1")
     assert v.deferred and v.our_taint == Taint(TAINT_KEY, "PreferNoSchedule", "ecc")
 
 
@@ -916,3 +917,23 @@ def test_with_no_gpu_to_count_the_condition_names_only_the_gpus_device_taints_ho
         held["message"]
         == "nvml-init: NVML initialization failed: DRIVER_NOT_LOADED (2 held out by device taints)"
     )
+
+
+@pytest.mark.parametrize(
+    ("annotation", "held"),
+    [
+        (None, {}),
+        ('{"GPU-a": 3, "GPU-b": 2}', {"GPU-a": 3, "GPU-b": 2}),
+        ('{"GPU-a": 3, "GPU-b": true, "GPU-c": "2", "GPU-d": 1.5}', {"GPU-a": 3}),
+        ('["GPU-a"]', {}),
+        ("{not json", {}),
+        ("[" * 100_000, {}),
+    ],
+)
+def test_the_held_repeat_offenders_are_read_from_the_annotation_and_anything_malformed_is_none(
+    annotation: str | None, held: dict[str, int]
+) -> None:
+    """The annotation is the node's, which a stolen token could write: only GPU -> whole count entries are
+    read; a non-object, bad JSON or one nested past the stack hold none."""
+    annotations = {} if annotation is None else {ANN_REPEAT_OFFENDERS: annotation}
+    assert NodeView(name="n", annotations=annotations).repeat_offenders == held

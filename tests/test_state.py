@@ -542,3 +542,46 @@ def test_texts_longer_than_the_reader_keeps_are_cut_by_the_writer_and_rules_past
     again = StateStore(tmp_path, boot_id="b")
     assert again.load() == (Fault("xid-79", "x" * 512, uuid="GPU-b", gpu_index=1),)
     assert again.load_rules().known == RULES.known
+
+
+def test_a_boot_id_file_past_4_kib_is_unreadable(tmp_path: Path) -> None:
+    (tmp_path / "boot_id").write_text("b" * (4 * 1024 + 1))
+    (tmp_path / "small").write_text("b" * (4 * 1024))
+    assert read_boot_id(str(tmp_path / "boot_id")) == ""
+    assert read_boot_id(str(tmp_path / "small")) == "b" * 4096
+
+
+def test_the_last_kernel_log_record_judged_is_restored_in_the_same_boot_and_only_rises(
+    tmp_path: Path,
+) -> None:
+    """The kernel log's sequence number rides in the state file: a restart in the same boot reads it back
+    (0 included), a save without one keeps it, and a lower one never moves it back."""
+    assert StateStore(tmp_path, boot_id="b").kernel_seq() is None  # no file yet
+    s = StateStore(tmp_path, boot_id="b")
+    s.save((XID,), kernel_seq=0)
+    assert StateStore(tmp_path, boot_id="b").kernel_seq() == 0
+    s.save((XID,), kernel_seq=7)
+    s.save((XID, LOST))  # no record judged since: the last one stays
+    s.save((XID, LOST), kernel_seq=3)  # an older record: never back
+    again = StateStore(tmp_path, boot_id="b")
+    assert again.kernel_seq() == 7 and again.load() == (XID, LOST)
+    assert StateStore(tmp_path, boot_id="other").kernel_seq() is None
+
+
+@pytest.mark.parametrize("seq", [-1, True, "7", 7.0])
+def test_a_kernel_seq_that_is_no_whole_number_from_0_reads_as_none(tmp_path: Path, seq: object) -> None:
+    StateStore(tmp_path, boot_id="b").save((XID,), kernel_seq=5)
+    doc = json.loads((tmp_path / FILE_NAME).read_text())
+    (tmp_path / FILE_NAME).write_text(json.dumps({**doc, "kernel_seq": seq}))
+    again = StateStore(tmp_path, boot_id="b")
+    assert again.kernel_seq() is None and again.load() == (XID,)
+
+
+def test_a_remembered_rule_at_the_readers_limits_is_written(tmp_path: Path) -> None:
+    """At the limits exactly (a 512-character text, 1024 fault keys) a rule is kept; one past them is not
+    (the test above)."""
+    keys = frozenset(f"xid-{i}/GPU-{'k' * 400}" for i in range(MAX_RULES))
+    rules = RuleMemory(known={"r" * 512: ("GPU-b", frozenset({"xid-79/GPU-b"})), "s": ("GPU-c", keys)})
+    s = StateStore(tmp_path, boot_id="b")
+    s.save_rules(rules)
+    assert StateStore(tmp_path, boot_id="b").load_rules() == rules
