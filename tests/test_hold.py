@@ -167,3 +167,19 @@ def test_the_summary_waits_rather_than_make_a_quarantines_write_too_large() -> N
     assert published.ANN_HISTORY not in (with_marks(big, mark) or big).annotations
     small = NodeChange(action="taint", annotations={"gpuguard.io/reason": "ecc"}, labels={})
     assert (with_marks(small, mark) or small).annotations[published.ANN_HISTORY] == summary[1]
+
+
+def test_the_summary_shows_the_last_two_releases_and_counts_them_all() -> None:
+    releases = tuple(Release(by=f"op{i}", at=T0 + i) for i in range(5))
+    summary = published.read(published.summary({"GPU-0": GpuHistory(releases=releases)}) or "")
+    assert summary.gpus["GPU-0"].releases == (("op3", int(T0) + 3), ("op4", int(T0) + 4))
+    assert summary.gpus["GPU-0"].releases_total == 5 and summary.more == 0
+
+
+def test_the_reader_takes_an_episodes_reasons_up_to_three_of_the_longest_joined() -> None:
+    """An episode's reasons are at most three fault keys of 64 characters joined by '+' (194 characters)."""
+    longest = "+".join(["x" * 64] * 3)
+    got = published.read(_gpu(episodes=[[longest, 1, None, None]]))
+    assert got.gpus["GPU-0"].episodes[0].reasons == longest and got.more == 0  # "more" absent: none
+    with pytest.raises(ValueError, match="at most 194 characters"):
+        published.read(_gpu(episodes=[[longest + "y", 1, None, None]]))

@@ -937,3 +937,38 @@ def test_the_held_repeat_offenders_are_read_from_the_annotation_and_anything_mal
     read; a non-object, bad JSON or one nested past the stack hold none."""
     annotations = {} if annotation is None else {ANN_REPEAT_OFFENDERS: annotation}
     assert NodeView(name="n", annotations=annotations).repeat_offenders == held
+
+
+def test_node_view_reads_the_whole_accelerated_hardware_condition_and_none_when_absent() -> None:
+    """The repairers' condition (AcceleratedHardwareReady) is read whole: status, reason, message and when it
+    last changed, each as text, a field absent left out; another condition type is not it."""
+    obj = {
+        "metadata": {"name": "n"},
+        "status": {
+            "conditions": [
+                {"type": "GPUHealthy", "status": "True", "reason": "GPUsHealthy"},
+                {
+                    "type": "AcceleratedHardwareReady",
+                    "status": "False",
+                    "reason": "GPUUnhealthy",
+                    "message": "xid-79",
+                    "lastTransitionTime": "2026-12-06T01:02:03Z",
+                    "lastHeartbeatTime": "2026-12-06T01:02:04Z",
+                },
+            ]
+        },
+    }
+    assert NodeView.from_api(obj).accelerated_condition == {
+        "status": "False",
+        "reason": "GPUUnhealthy",
+        "message": "xid-79",
+        "lastTransitionTime": "2026-12-06T01:02:03Z",
+    }
+    bare = {
+        "metadata": {"name": "n"},
+        "status": {"conditions": [{"type": "AcceleratedHardwareReady", "status": True}]},
+    }
+    assert NodeView.from_api(bare).accelerated_condition == {"status": "True"}
+    assert NodeView.from_api({"metadata": {"name": "n"}}).accelerated_condition is None
+    other = {"metadata": {"name": "n"}, "status": {"conditions": [{"type": "GPUHealthy", "status": "True"}]}}
+    assert NodeView.from_api(other).accelerated_condition is None

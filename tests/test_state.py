@@ -585,3 +585,37 @@ def test_a_remembered_rule_at_the_readers_limits_is_written(tmp_path: Path) -> N
     s = StateStore(tmp_path, boot_id="b")
     s.save_rules(rules)
     assert StateStore(tmp_path, boot_id="b").load_rules() == rules
+
+
+def test_a_file_of_exactly_1_mib_keeps_the_rules_memory_and_one_byte_more_drops_it_not_the_faults(
+    tmp_path: Path,
+) -> None:
+    """The reader takes at most MAX_BYTES: a rules memory that would make the file larger is left out (the
+    faults are what matters), one that makes it exactly that large is written whole."""
+
+    def rules(extra: int, pad: int) -> RuleMemory:
+        big = {
+            name: (f"GPU-{name}", frozenset(f"{name}{i:04}".ljust(400, "k") for i in range(MAX_RULES)))
+            for name in ("a", "b")
+        }
+        more = {"c": ("GPU-c", frozenset(f"c{i:04}".ljust(400, "k") for i in range(extra)))} if extra else {}
+        return RuleMemory(known={**big, **more, "d": ("GPU-d", frozenset({"d" * pad}))})
+
+    def size(memory: RuleMemory, where: Path) -> int:
+        StateStore(where, boot_id="b").save_rules(memory)
+        assert StateStore(where, boot_id="b").load_rules() == memory  # within the limit: written whole
+        return (where / FILE_NAME).stat().st_size
+
+    one = size(rules(1, 1), tmp_path / "one")
+    cost = size(rules(2, 1), tmp_path / "two") - one  # a key more
+    extra = 1 + (MAX_BYTES - one - 50) // cost
+    pad = 1 + MAX_BYTES - size(rules(extra, 1), tmp_path / "padded")
+    assert 1 <= pad <= 512
+    assert size(rules(extra, pad), tmp_path / "exact") == MAX_BYTES
+    s = StateStore(tmp_path / "over", boot_id="b")
+    s.save((XID,))
+    with capture_logs() as logs:
+        s.save_rules(rules(extra, pad + 1))
+    again = StateStore(tmp_path / "over", boot_id="b")
+    assert again.load() == (XID,) and again.load_rules() == RuleMemory()
+    assert [e["event"] for e in logs] == ["state.rules_not_kept"]
