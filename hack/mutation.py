@@ -198,6 +198,9 @@ JUDGED: dict[str, str] = {
     _SIG + "_fabric_incomplete: return '' -> return None #4": _NO_DETAIL,
     "gpuguard/judge/policy.py evaluate: 0 -> 1 #3": "equivalent: a shortfall needs an expected count of "
     "at least 1, so `expected or 0` in its text never falls back",
+    "gpuguard/judge/policy.py <module>: 1 -> 2": (
+        "equivalent: a repeat offender's severity -2 sorts it first as -1 does (no other is negative)"
+    ),
     "gpuguard/judge/policy.py _ordered: 1 -> 2": (
         "equivalent: any negative index puts the node's faults first"
     ),
