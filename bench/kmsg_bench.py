@@ -9,6 +9,10 @@ them on their own and prints JSON.
 - Log Xid -> /healthz: a `gpuguard watch --backend nvml --dry-run --kernel-log FIFO` on the fake library;
   a driver record written to the FIFO, until /healthz lists the Xid; in the same agent, alternately, an Xid
   line given to the fake library (NVML's event set): the same measure as nvml_bench.xid_latency's.
+- Log Xid -> taint (`taint_latency`): on a real API server (bench/cluster.py), agents not in a dry run with
+  --kernel-log a FIFO; an Xid 79 through the kernel log only or through NVML only, until a watch on the node
+  delivers gpuguard's taint: the same measure as k8s_bench.latency_phase's Xid -> taint. Run by bench/run.py
+  in its cluster; `python -m bench.kmsg_bench taint [ROUNDS]` starts a control plane of its own and runs it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.cluster import GPUS, Cluster, cluster, tainted, untainted
+from bench.k8s_bench import READY_TIMEOUT
 from bench.nvml_bench import _shows, _summary, agent, gpu_lines, wait
 from gpuguard.nvml.kmsg.reader import KernelLogReader
 from gpuguard.nvml.kmsg.records import driver_record
@@ -56,6 +62,7 @@ def reader_idle(seconds: float = 60.0) -> dict[str, dict[str, float]]:
                     raise TimeoutError(f"the reader did not open the {kind}")
                 assert reader._thread is not None and reader._thread.native_id is not None
                 tid = reader._thread.native_id
+                time.sleep(0.5)  # past the replay: its own last switch, into poll(), is not the window's
                 cpu0, woke0 = _thread_cpu_and_wakeups(tid)
                 time.sleep(seconds)
                 cpu1, woke1 = _thread_cpu_and_wakeups(tid)
@@ -101,7 +108,68 @@ def xid_latency(samples: int = 30, gpus: int = 8, interval: float = 3.0) -> dict
     return {source: _summary(values) for source, values in lat.items()}
 
 
+def taint_latency(cl: Cluster, *, rounds: int = 10, interval: float = 3.0) -> dict[str, Any]:
+    """Log Xid -> taint and NVML Xid -> taint, side by side: two nodes, each with an agent with --kernel-log a
+    FIFO; each round one Xid 79 on each node in turn, through the kernel log on one and through NVML on the
+    other (swapped every round), timed from the write to a watch on the node delivering the taint. An Xid
+    is sticky until a reboot: each round reboots the nodes (a new bootID, fresh state files and FIFOs) and
+    starts new agents, which recover them, as latency_phase's Xid rounds do. {"kmsg": ..., "nvml": ...}."""
+    work = cl.tmp / "kmsg-taint"
+    work.mkdir()
+    nodes = ["kmsg-taint-0", "kmsg-taint-1"]
+    cl.make_nodes(nodes)
+    kubeconfigs = cl.agent_kubeconfigs(nodes)
+    watches = {n: cl.watch(field_selector=f"metadata.name={n}") for n in nodes}
+    lat: dict[str, list[float]] = {"kmsg": [], "nvml": []}
+    for r in range(rounds):
+        writers: dict[str, int] = {}
+        agents = []
+        sources, gpu = [("kmsg", "nvml")[(i + r) % 2] for i in range(len(nodes))], r % GPUS
+        try:
+            for n in nodes:
+                if r:
+                    cl.admin.set_boot_id(n, f"boot-{r}")
+                state, fifo = work / f"{n}-{r}.state", work / f"{n}-{r}.kmsg"
+                state.write_text(gpu_lines(GPUS))
+                os.mkfifo(fifo)
+                writers[n] = os.open(fifo, os.O_RDWR)  # held open, as the kernel holds /dev/kmsg's
+                args = ("--recover-after", "1", "--budget-count-spread", "0", "--kernel-log", str(fifo))
+                agents.append(cl.agent(n, kubeconfigs[n], state, interval=interval, args=args))
+            for a in agents:
+                a.wait_ready(READY_TIMEOUT)
+            for n in nodes:
+                watches[n].wait_current(n, untainted, 15)
+            time.sleep(1.0)
+            for a, source in zip(agents, sources, strict=True):
+                time.sleep(random.uniform(0.05, 0.3))  # land at a random phase of the poll
+                t0 = time.monotonic()
+                if source == "kmsg":
+                    pci = f"0000:{FIRST_PCI_BUS + gpu:02x}:00"
+                    os.write(writers[a.node], driver_record(1, time.monotonic(), pci, 79))
+                else:
+                    with a.state.open("a") as f:
+                        f.write(f"xid {gpu} 79\n")
+                lat[source].append(watches[a.node].wait_change(a.node, tainted, after=t0, timeout=10) - t0)
+        finally:
+            for a in agents:
+                a.stop()
+            for w in writers.values():
+                os.close(w)
+        # The fault judged on the GPU written, by its own source: a kernel-log record of a PCI bus no GPU
+        # has would be a node-level fault (kmsg.xid_unattributed) and taint the node just as fast.
+        for a, source in zip(agents, sources, strict=True):
+            judged = [e.get("gpu") for e in a.events("gpu.unhealthy")]
+            if judged != [gpu] or a.events("kmsg.xid_unattributed"):
+                raise RuntimeError(f"{a.node}: {source} Xid on GPU {gpu} judged on GPUs {judged}")
+    return {source: _summary(values) for source, values in lat.items()}
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["taint"]:
+        with cluster() as cl:
+            rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 10
+            print(json.dumps(taint_latency(cl, rounds=rounds), indent=2))
+        return 0
     seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 60.0
     samples = int(sys.argv[2]) if len(sys.argv) > 2 else 30
     print(json.dumps({"idle": reader_idle(seconds), "latency": xid_latency(samples)}, indent=2))

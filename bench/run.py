@@ -72,7 +72,7 @@ def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop the control plane
 
 
-def nvml_rows(quick: bool) -> tuple[list[Row], dict[int, dict[str, float]]]:
+def nvml_rows(quick: bool, cl: bench_cluster.Cluster) -> tuple[list[Row], dict[int, dict[str, float]]]:
     rows: list[Row] = []
     xid = nvml_bench.xid_latency(samples=10 if quick else 60)
     rows.append(
@@ -83,7 +83,7 @@ def nvml_rows(quick: bool) -> tuple[list[Row], dict[int, dict[str, float]]]:
             verdict(xid["p99_ms"] < 100),
         )
     )
-    rows.extend(kmsg_rows(quick))
+    rows.extend(kmsg_rows(quick, cl))
     ecc = nvml_bench.ecc_latency(samples=4 if quick else 20)
     rows.append(
         (
@@ -130,9 +130,10 @@ def nvml_rows(quick: bool) -> tuple[list[Row], dict[int, dict[str, float]]]:
     return rows, cpu
 
 
-def kmsg_rows(quick: bool) -> list[Row]:
-    """The kernel log as a second source (bench/kmsg_bench.py): its Xids beside NVML's in one agent, and its
-    reader idle on a quiet log."""
+def kmsg_rows(quick: bool, cl: bench_cluster.Cluster) -> list[Row]:
+    """The kernel log as a second source (bench/kmsg_bench.py): its Xids beside NVML's to /healthz in one
+    agent and to the taint on the API server, and its reader idle on a quiet log."""
+    taint = kmsg_bench.taint_latency(cl, rounds=3 if quick else 20)
     lat = kmsg_bench.xid_latency(samples=5 if quick else 30)
     k, n = lat["kmsg"], lat["nvml"]
     idle = kmsg_bench.reader_idle(seconds=10 if quick else 60)
@@ -145,6 +146,7 @@ def kmsg_rows(quick: bool) -> list[Row]:
             "p99 < 100 ms, as NVML's",
             verdict(k["p99_ms"] < 100),
         ),
+        kmsg_taint_row(taint),
         (
             f"Kernel-log reader idle on a quiet log, {fifo['seconds']:.0f} s: a FIFO (poll() as on "
             "/dev/kmsg); a stand-in file (read every 0.5 s)",
@@ -154,6 +156,18 @@ def kmsg_rows(quick: bool) -> list[Row]:
             verdict(fifo["wakeups_per_h"] < 60),
         ),
     ]
+
+
+def kmsg_taint_row(taint: dict[str, Any]) -> Row:
+    """Log Xid -> taint beside NVML Xid -> taint (kmsg_bench.taint_latency): held to 2x NVML's p99."""
+    k, n = taint["kmsg"], taint["nvml"]
+    return (
+        f"Kernel-log Xid -> taint visible (watch), --kernel-log a FIFO, --interval 3, 8 GPUs (n={k['n']}); "
+        f"NVML's Xids on a second node, alternately (n={n['n']})",
+        f"{pcts(k)}; NVML's: {pcts(n)}",
+        "p99 <= 2x NVML Xid -> taint's",
+        verdict(k["p99_ms"] <= 2 * n["p99_ms"]),
+    )
 
 
 def curve(cpu: dict[int, dict[str, float]]) -> str:
@@ -823,7 +837,7 @@ def main() -> int:
             raw["imports"] = k8s_bench.import_time(runs=3 if q else 5)
         bench_cluster.progress("NVML-only benchmarks (dry run)")
         with load.mark("NVML-only"):
-            nvml, cpu = nvml_rows(q)
+            nvml, cpu = nvml_rows(q, cl)
         window.quiet(False)
         left = window.t0 + window.seconds - time.monotonic()
         if left > 0:

@@ -111,3 +111,12 @@ def test_xid_to_device_taint_rule_is_a_row_beside_xid_to_taint_held_to_the_node_
 def test_a_run_without_the_device_phase_renders_the_old_rows_unchanged() -> None:
     assert run._device_goal_rows(_lat(None), "load") == []
     assert len(run._latency_rows(_lat(None))) == len(run._latency_rows(_lat(1.0))) - 1
+
+
+def test_log_xid_to_taint_is_held_to_twice_nvmls_p99_beside_it() -> None:
+    stats = {"n": 20, "p50_ms": 15.0, "p95_ms": 20.0, "p99_ms": 25.0, "max_ms": 25.0}
+    row = run.kmsg_taint_row({"kmsg": {**stats, "p99_ms": 50.0}, "nvml": stats})
+    assert row[0].startswith("Kernel-log Xid -> taint visible (watch)") and "(n=20)" in row[0]
+    assert row[1] == "p50 15.0 ms, p95 20.0 ms, p99 50.0 ms; NVML's: p50 15.0 ms, p95 20.0 ms, p99 25.0 ms"
+    assert row[2] == "p99 <= 2x NVML Xid -> taint's" and row[3] == "met"
+    assert run.kmsg_taint_row({"kmsg": {**stats, "p99_ms": 50.1}, "nvml": stats})[3] == "MISSED"

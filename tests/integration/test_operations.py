@@ -57,6 +57,9 @@ EXERCISED_ELSEWHERE = {
         "test_operator_day.py::test_hold_holds_a_gpu_through_the_agent_and_history_shows_the_hold_and_the_release"
     ),
     "kubectl get pdb -n NS": "test_the_operations_runbook_works_as_written",
+    "kubectl get node NODE -o jsonpath='{.metadata.annotations.gpuguard\\.io/repair-state}'": (
+        "test_the_operations_runbook_works_as_written"
+    ),
     "gpuguard check --fail-on-degraded": (
         "test_degraded_shown.py::test_check_exits_0_on_degraded_gpus_unless_told_to_fail"
     ),
@@ -361,6 +364,18 @@ def test_the_operations_runbook_works_as_written(
         assert mount.read_only
         assert _agent_env(admin).get("GPUGUARD_EVICT") == "gpu-pods"
         assert "No resources found" in book.shell("kubectl get pdb -n ml-serving 2>&1")
+
+        # -- Repairing a GPU by a reset: the executor in dry run (its own DaemonSet and ServiceAccount), the
+        # agent told so, then an operator's veto on the node (lifted again: it is the operator's, not ours).
+        book.run("Repairing a GPU by a reset")
+        executor = apps.read_namespaced_daemon_set("gpuguard-repair", "gpuguard").spec.template.spec
+        assert executor.service_account_name == "gpuguard-repair"
+        assert {e.name: e.value for e in executor.containers[0].env}["GPUGUARD_REPAIR"] == "dry-run"
+        assert _agent_env(admin)["GPUGUARD_REPAIR"] == "dry-run"
+        book.run("Repairing a GPU by a reset", NODE=node)
+        vetoed = admin.node(node)["metadata"]["annotations"]
+        assert vetoed["gpuguard.io/repair-veto"] == "maintenance until Friday"
+        admin.patch_node(node, {"metadata": {"annotations": {"gpuguard.io/repair-veto": None}}})
 
         # Quarantine once more, so the uninstall has every kind of mark to remove.
         admin.patch_node(node, {"metadata": {"annotations": {"gpuguard.io/faults": None}}})

@@ -25,7 +25,14 @@ pytestmark = pytest.mark.timeout(900)
 # ResourceSlices or DeviceTaintRules, its one admission policy is off by default, and it has no policy or
 # priority level for Events: an upgrade to the working tree's chart adds all of them, a rollback removes them.
 CHART_A = "39d03d53d49a6e9cef3fe4ada288c7a8b6ae70a0"  # the commit the archive below was made from
-ADMISSION = ("own-node-only", "own-devices-only", "own-events-only", "evictions")
+ADMISSION = (
+    "own-node-only",
+    "own-devices-only",
+    "own-events-only",
+    "evictions",
+    "repair-request",
+    "repair-executor",
+)
 
 
 CHART_A_ARCHIVE = ROOT / "tests" / "integration" / "data" / "chart-0.2.0-39d03d5.tar.gz"
