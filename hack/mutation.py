@@ -74,7 +74,6 @@ MODULES = (
     "gpuguard/quarantine/node/degraded.py",
     "gpuguard/quarantine/handoff.py",
     "gpuguard/eviction/plan.py",
-    "gpuguard/judge/explained.py",
     "gpuguard/quarantine/repeat/published.py",
     "gpuguard/core/remedies.py",
     "gpuguard/quarantine/repair/ladder.py",
@@ -186,6 +185,9 @@ JUDGED: dict[str, str] = {
     "for n in counted.gpus.values()))": _GPU_RUN,
     "gpuguard/judge/tally.py _saturated: all((n >= most for n in counted.gpus_clean.values())) -> any((n >= "
     "most for n in counted.gpus_clean.values()))": _GPU_RUN,
+    "gpuguard/quarantine/repair/values.py parse_record: '{}' -> 'XX{}XX'": (
+        "equivalent: the stand-in for an absent annotation; not JSON either, it reads as an empty record"
+    ),
     "gpuguard/quarantine/node/view.py NodeView.repeat_offenders: '{}' -> 'XX{}XX'": (
         "equivalent: the stand-in for an absent annotation; not JSON either, it reads as none, like {}"
     ),

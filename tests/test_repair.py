@@ -374,3 +374,65 @@ def test_a_standing_request_keeps_its_gpu_and_is_renewed_once_half_its_time_is_g
         assert change is not None
         renewed = parse_request(change.annotations[ANN_REQUEST], node="gpu-a", now=NOW)[0]
         assert renewed == Request(UUID, "gpu-a", at(REQUEST_TTL_S))
+
+
+def test_the_record_is_compact_json_with_sorted_keys_and_a_why_only_where_one_was_given() -> None:
+    record = (
+        Record()
+        .step(UUID, "resetting", at=NOW, boot="b0")
+        .step(UUID, "failed", at=at(5), boot="b0", reset=True, why="w" * 250)
+        .step("GPU-it-6", "idle", at=NOW, boot="b0")
+    )
+    assert record.value() == (
+        '{"GPU-it-3":{"at":"2026-12-06T04:00:05Z","boot":"b0","phase":"failed",'
+        '"resets":["2026-12-06T04:00:05Z"],"why":"' + "w" * 200 + '"},'
+        '"GPU-it-6":{"at":"2026-12-06T04:00:00Z","boot":"b0","phase":"idle"}}'
+    )
+
+
+@pytest.mark.parametrize(
+    "phase",
+    [
+        "draining",
+        "idle",
+        "resetting",
+        "validating",
+        "proven",
+        "failed",
+        "reboot-requested",
+        "needs-repair",
+        "vetoed",
+    ],
+)
+def test_the_record_reads_each_of_the_ladders_nine_phases_by_its_name(phase: str) -> None:
+    """The names the admission policy and docs/design.md's state machine use."""
+    text = json.dumps({UUID: {"phase": phase, "at": stamp(NOW), "boot": "b0"}})
+    entry = parse_record(text).get(UUID)
+    assert entry is not None and entry.phase == phase
+
+
+def test_the_record_reader_cuts_texts_keeps_the_last_four_resets_and_skips_bad_entries_not_the_rest() -> None:
+    resets = [stamp(at(i)) for i in range(6)]
+    good = {"phase": "proven", "at": stamp(NOW), "boot": "b" * 70, "resets": resets, "why": "y" * 250}
+    text = json.dumps({"not-a-uuid": good, "GPU-bad": {"phase": "proven"}, UUID: good})
+    entry = parse_record(text).get(UUID)
+    assert entry is not None and set(parse_record(text).entries) == {UUID}
+    assert (entry.boot, entry.why) == ("b" * 64, "y" * 200)
+    assert entry.resets == tuple(at(i) for i in range(4))
+    assert parse_record("[]") == Record() and parse_record('"x"') == Record()
+
+
+def test_a_gpu_keeps_its_last_four_resets_and_the_record_its_last_sixteen_gpus() -> None:
+    record = Record()
+    for i in range(6):
+        record = record.step(UUID, "proven", at=at(i), boot="b0", reset=True)
+    assert record.get(UUID).resets == tuple(at(i) for i in range(2, 6))  # type: ignore[union-attr]
+    many = {f"GPU-{i}": {"phase": "proven", "at": stamp(NOW), "boot": "b"} for i in range(20)}
+    assert set(parse_record(json.dumps(many)).entries) == {f"GPU-{i}" for i in range(16)}
+
+
+def test_a_request_is_asked_an_hour_before_its_deadline_and_read_up_to_six_hours_ahead() -> None:
+    assert Request(UUID, "gpu-a", at(3600)).asked == NOW
+    for ahead, why in ((0, "expired"), (6 * 3600, "ok"), (6 * 3600 + 1, "deadline-too-far")):
+        value = Request(UUID, "gpu-a", at(ahead)).value()
+        assert parse_request(value, node="gpu-a", now=NOW)[1] == why

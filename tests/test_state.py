@@ -621,7 +621,7 @@ def test_a_file_of_exactly_1_mib_keeps_the_rules_memory_and_one_byte_more_drops_
     assert [e["event"] for e in logs] == ["state.rules_not_kept"]
 
 
-def test_faults_whose_write_failed_are_written_by_the_next_due_save_of_the_same_faults(tmp_path: Path) -> None:
+def test_faults_whose_write_failed_are_written_by_the_next_due_save_of_the_same(tmp_path: Path) -> None:
     """The agent saves the same faults at every check: one whose write failed is not taken for written."""
     blocker = tmp_path / "file"
     blocker.write_text("x")  # every write fails, as on a full disk
