@@ -200,6 +200,15 @@ JUDGED: dict[str, str] = {
     _SIG + "_fabric_incomplete: return '' -> return None #4": _NO_DETAIL,
     "gpuguard/judge/policy.py evaluate: 0 -> 1 #3": "equivalent: a shortfall needs an expected count of "
     "at least 1, so `expected or 0` in its text never falls back",
+    "gpuguard/quarantine/gpu/plan.py suppressed: return False -> return None": _FALSY,
+    "gpuguard/quarantine/repeat/escalation.py <module>: 4 -> 5": (
+        "outside MODULES: AT_ONCE_CHECKS is read only by gpuguard/runtime/root.py (at-once window = it x "
+        "--interval)"
+    ),
+    "gpuguard/quarantine/handoff.py Handoff.submit: 0 -> 1": (
+        "equivalent: only the cache of the last judgement's summary; never a hit, the summary is computed "
+        "afresh, the same"
+    ),
     "gpuguard/judge/policy.py <module>: 1 -> 2": (
         "equivalent: a repeat offender's severity -2 sorts it first as -1 does (no other is negative)"
     ),

@@ -6,6 +6,7 @@ the agent stops, and the start-up jitter holds the first request until its delay
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from gpuguard.core.model import Fault, GpuVerdict, Judgement, Streaks, Verdict
@@ -98,7 +99,9 @@ def test_wait_idle_returns_once_the_writer_is_done_and_false_at_its_timeout() ->
     generation, sig = h.begin()
     timer = threading.Timer(0.1, lambda: h.done(generation, sig, settled=True))
     timer.start()
-    assert h.wait_idle(1.0) is True  # within a second: woken by done, not at the timeout
+    started = time.monotonic()
+    assert h.wait_idle(30.0) is True
+    assert time.monotonic() - started < 15.0  # woken by done (after 0.1 s), not at the timeout
     timer.join()
 
 

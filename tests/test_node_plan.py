@@ -972,3 +972,24 @@ def test_node_view_reads_the_whole_accelerated_hardware_condition_and_none_when_
     assert NodeView.from_api({"metadata": {"name": "n"}}).accelerated_condition is None
     other = {"metadata": {"name": "n"}, "status": {"conditions": [{"type": "GPUHealthy", "status": "True"}]}}
     assert NodeView.from_api(other).accelerated_condition is None
+
+
+def test_a_taint_whose_value_predates_the_hold_says_repeat_offender_in_an_add_faults_write() -> None:
+    """The node's taint says `ecc` (written before its GPU was held): with nothing else to write, the planner
+    writes the taint's value alone, as an add-faults change, keeping every other taint."""
+    held = Fault(REPEAT_OFFENDER, "3 fault episodes in 7 days", uuid="GPU-0", gpu_index=0)
+    v = replace(verdict(ecc=3), node_faults=(held,))
+    n = tainted(v)
+    foreign = Taint("example.com/maintenance", "NoSchedule")
+    older = NodeView(
+        **{
+            **n.__dict__,
+            "taints": (foreign, *(replace(t, value="ecc") if t.key == TAINT_KEY else t for t in n.taints)),
+        }
+    )
+    change = decide(older, v)
+    assert change is not None and change.action == "add-faults" and change.taints is not None
+    assert [(t.key, t.value) for t in change.taints] == [
+        ("example.com/maintenance", None),
+        (TAINT_KEY, REPEAT_OFFENDER),
+    ]
