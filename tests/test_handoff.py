@@ -99,9 +99,16 @@ def test_wait_idle_returns_once_the_writer_is_done_and_false_at_its_timeout() ->
     generation, sig = h.begin()
     timer = threading.Timer(0.1, lambda: h.done(generation, sig, settled=True))
     timer.start()
+    assert h.wait_idle(1.0) is True  # within a second: woken by done, not at the timeout
+    timer.join()
+    # A long timeout is no longer wait: done wakes the waiter at once.
+    h.submit(Judgement(Verdict(gpus=(GpuVerdict(index=0, uuid="GPU-0", faults=(ECC,)),))), quiet=cached)
+    generation, sig = h.begin()
+    timer = threading.Timer(0.1, lambda: h.done(generation, sig, settled=True))
+    timer.start()
     started = time.monotonic()
     assert h.wait_idle(30.0) is True
-    assert time.monotonic() - started < 15.0  # woken by done (after 0.1 s), not at the timeout
+    assert time.monotonic() - started < 15.0
     timer.join()
 
 
