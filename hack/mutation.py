@@ -266,6 +266,10 @@ JUDGED: dict[str, str] = {
     "exactly 0 s returns at once, and the next pass finds the deadline past",
     "gpuguard/quarantine/handoff.py Handoff.hold_start: latest is None or first is None -> latest is None "
     "and first is None": "equivalent: submit sets the first verdict's time and the latest verdict together",
+    "gpuguard/quarantine/repeat/marks.py marks: '' -> 'XXXX'": (
+        "equivalent: the stand-in key where there is no summary to publish, never written (`published` is "
+        "tested first)"
+    ),
     "gpuguard/quarantine/repeat/marks.py listed: True -> False": "equivalent: the dict is built from the "
     "items sorted by UUID, so its keys are in order either way",
     "gpuguard/quarantine/node/degraded.py <module>: 'degrade' -> 'XXdegradeXX'": _DEGRADED_ACTION,

@@ -183,3 +183,12 @@ def test_the_reader_takes_an_episodes_reasons_up_to_three_of_the_longest_joined(
     assert got.gpus["GPU-0"].episodes[0].reasons == longest and got.more == 0  # "more" absent: none
     with pytest.raises(ValueError, match="at most 194 characters"):
         published.read(_gpu(episodes=[[longest + "y", 1, None, None]]))
+
+
+def test_an_empty_history_removes_the_summary_a_node_carries_and_writes_nothing_on_one_without() -> None:
+    """published.summary is None for an empty history: the annotation goes, with the node's next write."""
+    carrying = NodeView(name="gpu-1", resource_version="1", annotations={published.ANN_HISTORY: "{}"})
+    change = marks(carrying, {}, handled_release=None, published=(published.ANN_HISTORY, None), rides=True)
+    assert change is not None and change.annotations == {published.ANN_HISTORY: None}
+    bare = NodeView(name="gpu-1", resource_version="1")
+    assert marks(bare, {}, handled_release=None, published=(published.ANN_HISTORY, None), rides=True) is None
