@@ -312,14 +312,12 @@ JUDGED: dict[str, str] = {
     "gpuguard/eviction/plan.py held: 1 -> 2": _SPLIT,
     "gpuguard/eviction/plan.py held: 1 -> 2 #2": _SPLIT,
     "gpuguard/eviction/plan.py mig_slices: 1 -> 2": _SPLIT,
-    _SIG + "<module>: 3 -> 4": "equivalent: state 3 is COMPLETED (FABRIC_COMPLETED), and 4 is no NVML state",
     _SIG + "<module>: 'COMPLETED' -> 'XXCOMPLETEDXX'": (
         "equivalent: the name is shown only for a fabric not completed"
     ),
     _SIG + "<module>: 8 -> 9 #2": _OTHER_BITS,
     _SIG + "<module>: 64 -> 65 #2": _OTHER_BITS,
     _SIG + "<module>: 128 -> 129 #2": _OTHER_BITS,
-    _SIG + "_Memory: 0.0 -> 1.0": "equivalent: judge() sets the interval before any rule reads it",
     _SIG + "_Memory.keep: 1 -> 2": "equivalent: a counter's key is UUID/counter, and a UUID has no '/'",
     _SIG + "_gpu: 1 -> 2": _SPLIT,
     _SIG + "<module>: 'GpuReading' -> 'XXGpuReadingXX'": "cosmetic: a forward reference in a type alias",
