@@ -192,3 +192,36 @@ def test_an_empty_history_removes_the_summary_a_node_carries_and_writes_nothing_
     assert change is not None and change.annotations == {published.ANN_HISTORY: None}
     bare = NodeView(name="gpu-1", resource_version="1")
     assert marks(bare, {}, handled_release=None, published=(published.ANN_HISTORY, None), rides=True) is None
+
+
+def test_a_summary_of_exactly_4_kib_keeps_every_gpu_and_one_byte_more_leaves_the_last_out() -> None:
+    one = GpuHistory(episodes=(Episode(reasons=("xid-79",), first_seen=T0, ended="reboot", ended_at=T0 + 1),))
+
+    def history(gpus: int, pad: int) -> dict[str, GpuHistory]:
+        return {f"GPU-{i:03d}" + "p" * (pad if i == 0 else 0): one for i in range(gpus)}
+
+    def size(h: dict[str, GpuHistory]) -> int:
+        return len((published.summary(h) or "").encode())
+
+    gpus = 1
+    while json.loads(published.summary(history(gpus + 1, 0)) or "")["more"] == 0:  # the most that fit
+        gpus += 1
+    exact = history(gpus, published.MAX_BYTES - size(history(gpus, 0)))
+    assert size(exact) == 4096 and json.loads(published.summary(exact) or "")["more"] == 0
+    over = history(gpus, published.MAX_BYTES - size(history(gpus, 0)) + 1)
+    assert size(over) < 4096 and json.loads(published.summary(over) or "")["more"] == 1
+
+
+def test_a_write_of_exactly_16_kib_of_annotations_keeps_the_summary_and_one_byte_more_does_not() -> None:
+    node = NodeView(name="gpu-1", resource_version="1")
+    mark = marks(node, {}, handled_release=None, published=(published.ANN_HISTORY, "x" * 100), rides=True)
+    assert mark is not None
+    room = (
+        16 * 1024
+        - sum(len(k) + len(v or "") for k, v in mark.annotations.items())
+        - len("gpuguard.io/reason")
+    )
+    for extra, kept in ((0, True), (1, False)):
+        big = NodeChange(action="taint", annotations={"gpuguard.io/reason": "r" * (room + extra)}, labels={})
+        merged = with_marks(big, mark)
+        assert merged is not None and (published.ANN_HISTORY in merged.annotations) is kept
