@@ -118,6 +118,7 @@ def test_a_gpus_own_streak_counts_never_less_than_the_nodes() -> None:
     assert plan.gpu_streak("GPU-1", streak=2, gpu_streaks=None) == 2
     assert plan.gpu_streak("GPU-1", streak=2, gpu_streaks={"GPU-1": 5}) == 5
     assert plan.gpu_streak("GPU-2", streak=2, gpu_streaks={"GPU-1": 5}) == 2
+    assert plan.gpu_streak("GPU-2", streak=0, gpu_streaks={"GPU-1": 5}) == 0  # no streak of its own yet
 
 
 def test_only_the_gpus_with_a_fault_of_their_own_are_wanted() -> None:

@@ -6,6 +6,7 @@ the agent stops, and the start-up jitter holds the first request until its delay
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from gpuguard.core.model import Fault, GpuVerdict, Judgement, Streaks, Verdict
@@ -99,6 +100,15 @@ def test_wait_idle_returns_once_the_writer_is_done_and_false_at_its_timeout() ->
     timer = threading.Timer(0.1, lambda: h.done(generation, sig, settled=True))
     timer.start()
     assert h.wait_idle(1.0) is True  # within a second: woken by done, not at the timeout
+    timer.join()
+    # A long timeout is no longer wait: done wakes the waiter at once.
+    h.submit(Judgement(Verdict(gpus=(GpuVerdict(index=0, uuid="GPU-0", faults=(ECC,)),))), quiet=cached)
+    generation, sig = h.begin()
+    timer = threading.Timer(0.1, lambda: h.done(generation, sig, settled=True))
+    timer.start()
+    started = time.monotonic()
+    assert h.wait_idle(30.0) is True
+    assert time.monotonic() - started < 15.0
     timer.join()
 
 

@@ -167,3 +167,61 @@ def test_the_summary_waits_rather_than_make_a_quarantines_write_too_large() -> N
     assert published.ANN_HISTORY not in (with_marks(big, mark) or big).annotations
     small = NodeChange(action="taint", annotations={"gpuguard.io/reason": "ecc"}, labels={})
     assert (with_marks(small, mark) or small).annotations[published.ANN_HISTORY] == summary[1]
+
+
+def test_the_summary_shows_the_last_two_releases_and_counts_them_all() -> None:
+    releases = tuple(Release(by=f"op{i}", at=T0 + i) for i in range(5))
+    summary = published.read(published.summary({"GPU-0": GpuHistory(releases=releases)}) or "")
+    assert summary.gpus["GPU-0"].releases == (("op3", int(T0) + 3), ("op4", int(T0) + 4))
+    assert summary.gpus["GPU-0"].releases_total == 5 and summary.more == 0
+
+
+def test_the_reader_takes_an_episodes_reasons_up_to_three_of_the_longest_joined() -> None:
+    """An episode's reasons are at most three fault keys of 64 characters joined by '+' (194 characters)."""
+    longest = "+".join(["x" * 64] * 3)
+    got = published.read(_gpu(episodes=[[longest, 1, None, None]]))
+    assert got.gpus["GPU-0"].episodes[0].reasons == longest and got.more == 0  # "more" absent: none
+    with pytest.raises(ValueError, match="at most 194 characters"):
+        published.read(_gpu(episodes=[[longest + "y", 1, None, None]]))
+
+
+def test_an_empty_history_removes_the_summary_a_node_carries_and_writes_nothing_on_one_without() -> None:
+    """published.summary is None for an empty history: the annotation goes, with the node's next write."""
+    carrying = NodeView(name="gpu-1", resource_version="1", annotations={published.ANN_HISTORY: "{}"})
+    change = marks(carrying, {}, handled_release=None, published=(published.ANN_HISTORY, None), rides=True)
+    assert change is not None and change.annotations == {published.ANN_HISTORY: None}
+    bare = NodeView(name="gpu-1", resource_version="1")
+    assert marks(bare, {}, handled_release=None, published=(published.ANN_HISTORY, None), rides=True) is None
+
+
+def test_a_summary_of_exactly_4_kib_keeps_every_gpu_and_one_byte_more_leaves_the_last_out() -> None:
+    one = GpuHistory(episodes=(Episode(reasons=("xid-79",), first_seen=T0, ended="reboot", ended_at=T0 + 1),))
+
+    def history(gpus: int, pad: int) -> dict[str, GpuHistory]:
+        return {f"GPU-{i:03d}" + "p" * (pad if i == 0 else 0): one for i in range(gpus)}
+
+    def size(h: dict[str, GpuHistory]) -> int:
+        return len((published.summary(h) or "").encode())
+
+    gpus = 1
+    while json.loads(published.summary(history(gpus + 1, 0)) or "")["more"] == 0:  # the most that fit
+        gpus += 1
+    exact = history(gpus, published.MAX_BYTES - size(history(gpus, 0)))
+    assert size(exact) == 4096 and json.loads(published.summary(exact) or "")["more"] == 0
+    over = history(gpus, published.MAX_BYTES - size(history(gpus, 0)) + 1)
+    assert size(over) < 4096 and json.loads(published.summary(over) or "")["more"] == 1
+
+
+def test_a_write_of_exactly_16_kib_of_annotations_keeps_the_summary_and_one_byte_more_does_not() -> None:
+    node = NodeView(name="gpu-1", resource_version="1")
+    mark = marks(node, {}, handled_release=None, published=(published.ANN_HISTORY, "x" * 100), rides=True)
+    assert mark is not None
+    room = (
+        16 * 1024
+        - sum(len(k) + len(v or "") for k, v in mark.annotations.items())
+        - len("gpuguard.io/reason")
+    )
+    for extra, kept in ((0, True), (1, False)):
+        big = NodeChange(action="taint", annotations={"gpuguard.io/reason": "r" * (room + extra)}, labels={})
+        merged = with_marks(big, mark)
+        assert merged is not None and (published.ANN_HISTORY in merged.annotations) is kept

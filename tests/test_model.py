@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from gpuguard.core.model import Fault, GpuReading, GpuVerdict, Verdict, recovery_reason, xid_reason
+from gpuguard.core.model import (
+    Fault,
+    GpuReading,
+    GpuVerdict,
+    SignalMemory,
+    Streaks,
+    Verdict,
+    recovery_reason,
+    xid_reason,
+)
 
 
 def test_a_reading_left_to_its_defaults_is_a_healthy_watched_gpu_with_nothing_known_about_it() -> None:
@@ -71,3 +80,32 @@ def test_the_verdict_a_first_check_starts_from_knows_no_gpu_and_counts_no_streak
     assert (v.known, v.expected_gpus, v.sticky) == ((), None, ())
     assert (v.reset_clearable, v.reset_pending, v.reset_cleared) == (frozenset(), (), frozenset())
     assert (v.unreadable_since, v.unidentified_since, v.node_error_since) == ((), (), None)
+
+
+def test_a_verdict_is_pending_while_a_gpu_an_index_or_a_node_wide_query_has_been_failing() -> None:
+    """Time alone can change the judgement of a failure that lasts (judge.unanswered): each of the three
+    kinds is enough by itself."""
+    assert not Verdict().pending
+    assert Verdict(unreadable_since=(("GPU-a", 1.0),)).pending
+    assert Verdict(unidentified_since=((0, 1.0),)).pending
+    assert Verdict(node_error_since=0.0).pending
+    assert Verdict(node_error_since=5.0).pending
+
+
+def test_a_counter_is_pending_from_its_second_sample_a_grace_or_clock_samples_at_once() -> None:
+    assert not SignalMemory().pending
+    assert not SignalMemory(counters=(("GPU-a/ecc", ((1.0, 3),)),)).pending
+    assert SignalMemory(counters=(("GPU-a/ecc", ((1.0, 3), (2.0, 4))),)).pending
+    assert SignalMemory(fabric_incomplete_since=(("GPU-a", 1.0),)).pending
+    assert SignalMemory(clock_samples=(("GPU-a", ((1.0, 8),)),)).pending
+    assert Verdict(signal_memory=SignalMemory(fabric_runs=(("GPU-a", (1.0, 0.0, None)),))).pending
+
+
+def test_streaks_capped_tells_apart_only_lengths_up_to_the_most() -> None:
+    """The handoff compares capped streaks: past --recover-after a longer run is the same decision."""
+    s = Streaks(healthy=9, gpus={"GPU-b": 2, "GPU-a": 7}, clean=1, gpus_clean={"GPU-a": 5})
+    assert s.capped(3) == (3, (("GPU-a", 3), ("GPU-b", 2)), 1, (("GPU-a", 3),))
+    assert s.capped(3) == Streaks(
+        healthy=4, gpus={"GPU-a": 3, "GPU-b": 2}, clean=1, gpus_clean={"GPU-a": 9}
+    ).capped(3)
+    assert Streaks(healthy=2).capped(3) == (2, (), 0, ())

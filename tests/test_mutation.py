@@ -45,3 +45,6 @@ def test_the_mutator_leaves_dunder_all_alone_and_mutates_the_code_beside_it(
     spec.loader.exec_module(mutation)
     (tmp_path / "tiny.py").write_text('__all__ = ["LIMIT"]\nLIMIT = 3\n')
     assert [m.desc for m in mutation.mutants(tmp_path, "tiny.py")] == ["3 -> 4"]
+    # A Literal type's values are read by mypy alone: the same wording.
+    (tmp_path / "typed.py").write_text('from typing import Literal\nKind = Literal["a", "b"]\nLIMIT = 3\n')
+    assert [m.desc for m in mutation.mutants(tmp_path, "typed.py")] == ["3 -> 4"]

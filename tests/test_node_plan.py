@@ -18,6 +18,7 @@ from gpuguard.quarantine.node.budget import limit, plan_yield, quarantine_rank
 from gpuguard.quarantine.node.plan import evidence_gone, plan, plan_condition
 from gpuguard.quarantine.node.view import (
     ANN_CORDONED,
+    ANN_REPEAT_OFFENDERS,
     LABEL_QUARANTINED,
     UNVERIFIED_TAINT_KEY,
     NodeChange,
@@ -594,7 +595,7 @@ def test_node_view_reads_annotations_labels_foreign_taints_and_the_gpu_healthy_c
         "status": {
             "conditions": [
                 {"type": "Ready", "status": "True"},
-                {"type": "GPUHealthy", "status": "False"},
+                {"type": "GPUHealthy", "status": "False", "message": "xid-79 on GPU 1"},
             ],
             "nodeInfo": {"bootID": "boot-z"},
         },
@@ -604,7 +605,7 @@ def test_node_view_reads_annotations_labels_foreign_taints_and_the_gpu_healthy_c
     assert v.labels == {LABEL_QUARANTINED: "deferred", "zone": "a"}
     assert v.taints == (FOREIGN, Taint(TAINT_KEY, "PreferNoSchedule", "ecc"))
     assert v.taints[0].to_api() == obj["spec"]["taints"][0]  # type: ignore[index]
-    assert v.gpu_condition == "False"
+    assert (v.gpu_condition, v.gpu_condition_message) == ("False", "xid-79 on GPU 1")
     assert v.deferred and v.our_taint == Taint(TAINT_KEY, "PreferNoSchedule", "ecc")
 
 
@@ -951,3 +952,80 @@ def test_a_taint_an_earlier_version_gave_the_reason_as_value_loses_it_in_the_sam
 def test_a_valued_taint_with_our_key_but_without_our_record_stays_as_it_is() -> None:
     theirs = Taint(TAINT_KEY, "NoSchedule", "rma-123")
     assert decide(node(taints=(theirs,)), HEALTHY, streak=100) is None
+
+
+@pytest.mark.parametrize(
+    ("annotation", "held"),
+    [
+        (None, {}),
+        ('{"GPU-a": 3, "GPU-b": 2}', {"GPU-a": 3, "GPU-b": 2}),
+        ('{"GPU-a": 3, "GPU-b": true, "GPU-c": "2", "GPU-d": 1.5}', {"GPU-a": 3}),
+        ('["GPU-a"]', {}),
+        ("{not json", {}),
+        ("[" * 100_000, {}),
+    ],
+)
+def test_the_held_repeat_offenders_are_read_from_the_annotation_and_anything_malformed_is_none(
+    annotation: str | None, held: dict[str, int]
+) -> None:
+    """The annotation is the node's, which a stolen token could write: only GPU -> whole count entries are
+    read; a non-object, bad JSON or one nested past the stack hold none."""
+    annotations = {} if annotation is None else {ANN_REPEAT_OFFENDERS: annotation}
+    assert NodeView(name="n", annotations=annotations).repeat_offenders == held
+
+
+def test_node_view_reads_the_whole_accelerated_hardware_condition_and_none_when_absent() -> None:
+    """The repairers' condition (AcceleratedHardwareReady) is read whole: status, reason, message and when it
+    last changed, each as text, a field absent left out; another condition type is not it."""
+    obj = {
+        "metadata": {"name": "n"},
+        "status": {
+            "conditions": [
+                {"type": "GPUHealthy", "status": "True", "reason": "GPUsHealthy"},
+                {
+                    "type": "AcceleratedHardwareReady",
+                    "status": "False",
+                    "reason": "GPUUnhealthy",
+                    "message": "xid-79",
+                    "lastTransitionTime": "2026-12-06T01:02:03Z",
+                    "lastHeartbeatTime": "2026-12-06T01:02:04Z",
+                },
+            ]
+        },
+    }
+    assert NodeView.from_api(obj).accelerated_condition == {
+        "status": "False",
+        "reason": "GPUUnhealthy",
+        "message": "xid-79",
+        "lastTransitionTime": "2026-12-06T01:02:03Z",
+    }
+    bare = {
+        "metadata": {"name": "n"},
+        "status": {"conditions": [{"type": "AcceleratedHardwareReady", "status": True}]},
+    }
+    assert NodeView.from_api(bare).accelerated_condition == {"status": "True"}
+    assert NodeView.from_api({"metadata": {"name": "n"}}).accelerated_condition is None
+    other = {"metadata": {"name": "n"}, "status": {"conditions": [{"type": "GPUHealthy", "status": "True"}]}}
+    assert NodeView.from_api(other).accelerated_condition is None
+
+
+def test_a_taint_valued_before_the_hold_loses_its_value_in_one_write_keeping_every_other_taint() -> None:
+    """The node's taint says `ecc` (written by an older agent, before its GPU was held): with nothing else to
+    write, the planner drops the value alone ("unvalue"), keeping every other taint: the hold's taint, as
+    every gpuguard taint, carries no value."""
+    held = Fault(REPEAT_OFFENDER, "3 fault episodes in 7 days", uuid="GPU-0", gpu_index=0)
+    v = replace(verdict(ecc=3), node_faults=(held,))
+    n = tainted(v)
+    foreign = Taint("example.com/maintenance", "NoSchedule")
+    older = NodeView(
+        **{
+            **n.__dict__,
+            "taints": (foreign, *(replace(t, value="ecc") if t.key == TAINT_KEY else t for t in n.taints)),
+        }
+    )
+    change = decide(older, v)
+    assert change is not None and change.action == "unvalue" and change.taints is not None
+    assert [(t.key, t.value) for t in change.taints] == [
+        ("example.com/maintenance", None),
+        (TAINT_KEY, None),
+    ]

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from gpuguard.core.config import DEFAULT_IGNORED_XIDS, PolicySettings
-from gpuguard.core.model import Fault, GpuReading, Snapshot, Verdict, XidEvent
+from gpuguard.core.model import Fault, GpuReading, SignalReadings, Snapshot, Verdict, XidEvent
 from gpuguard.core.xids import CATALOG
 from gpuguard.judge.policy import cleared_without_reboot, evaluate, primary
 
@@ -487,6 +487,9 @@ def test_the_most_severe_fault_sets_the_taint_value_whichever_gpu_it_is_on(
         (("gpu-lost", 0, "nvml-init", None), "nvml-init"),
         (("xid-79", 0, "gpu-unreadable", 1), "gpu-unreadable"),
         (("gpu-unreadable", 0, "reset-required", None), "reset-required"),
+        # A held repeat offender's taint says why it stays, whatever else its GPU or the node reads.
+        (("gpu-lost", 0, "repeat-offender", 3), "repeat-offender"),
+        (("nvml-init", None, "repeat-offender", 5), "repeat-offender"),
     ],
 )
 def test_the_primary_fault_is_ranked_by_severity_then_gpu_index_then_reason(
@@ -885,3 +888,30 @@ def test_the_ecc_faults_detail_counts_one_error_in_the_singular(count: int, text
         settings=PolicySettings(),
     )
     assert v.faults[0].message == f"ecc: {text}(GPU 0, GPU-0)"
+
+
+def test_an_xid_from_the_kernel_log_while_nvml_is_down_is_a_sticky_fault_of_its_gpu() -> None:
+    """NVML down, the kernel log still speaks: a fatal Xid of a known GPU is judged as ever and stays after
+    NVML comes back (the driver does not repeat it)."""
+    v = run(
+        snap(*TWO),
+        snap(init_error="UNKNOWN", xids=(XidEvent(1, "GPU-1", 79),)),
+        snap(*TWO),
+    )
+    down, back = v[1], v[2]
+    assert [f.reason for f in down.gpus[1].faults] == ["xid-79"] and down.gpus[0].faults == ()
+    assert [f.reason for f in back.gpus[1].faults] == ["xid-79"] and back.gpus[0].faults == ()
+
+
+def test_a_gpus_pcie_link_is_its_generation_and_width_when_both_are_read() -> None:
+    v = evaluate(
+        snap(
+            gpu(0, signals=SignalReadings(pcie_gen=4, pcie_width=16)),
+            gpu(1, signals=SignalReadings(pcie_gen=4)),
+            gpu(2, signals=SignalReadings(pcie_width=8)),
+            gpu(3),
+        ),
+        previous=None,
+        settings=DEFAULT,
+    )
+    assert [g.pcie_link for g in v.gpus] == [(4, 16), None, None, None]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gpuguard.core.model import GPU_UNRESPONSIVE, NVML_UNRESPONSIVE, Fault, GpuReading, Snapshot
-from gpuguard.judge.recovery import unresponsive_rule
+from gpuguard.core.xidevent import XID_SOURCE_KERNEL, KernelLine, XidEvent
+from gpuguard.judge.recovery import split_xids, unresponsive_rule
 
 ECC = Fault("ecc", "2 uncorrected", uuid="GPU-0", gpu_index=0)
 HUNG_GPU = Fault(
@@ -42,3 +43,17 @@ def test_an_unresponsive_fault_clears_only_when_its_calls_answer_and_alone(
     sticky: list[Fault], snapshot: Snapshot, kept: list[Fault]
 ) -> None:
     assert unresponsive_rule(sticky, snapshot) == kept
+
+
+@pytest.mark.parametrize(
+    ("severity", "fatal"), [("Fatal", True), ("Non-fatal", False), (None, True), ("no line", True)]
+)
+def test_an_nvswitch_sxid_is_a_fault_unless_its_line_says_non_fatal_whatever_xids_are_ignored(
+    severity: str | None, fatal: bool
+) -> None:
+    """An SXid has its own severity, not the Xid catalog's: a "Non-fatal" one is an event; one whose line
+    says none, or that has no line, is a fault. --ignored-xids is about GPUs' Xids, not a switch's."""
+    line = None if severity == "no line" else KernelLine(seq=1, at=0.0, pci="0000:c1:00", severity=severity)
+    x = XidEvent(None, None, 20034, source=XID_SOURCE_KERNEL, kernel=line, sxid=True)
+    faults, events = split_xids([x], frozenset({20034}), set())
+    assert (faults, events) == (((x,), ()) if fatal else ((), (x,)))

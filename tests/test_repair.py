@@ -9,12 +9,14 @@ from typing import Any
 
 import pytest
 
+from gpuguard.core import remedies
 from gpuguard.core.errors import ConflictError, PermanentApiError
-from gpuguard.core.model import REPAIR_HELD, Fault, GpuVerdict, Verdict
+from gpuguard.core.model import REPAIR_HELD, Fault, GpuQuarantine, GpuVerdict, Verdict
 from gpuguard.core.remedies import REMEDIES
 from gpuguard.core.xids import CATALOG
 from gpuguard.nvml.base import GpuAfterReset
-from gpuguard.quarantine.node.view import NodeView
+from gpuguard.quarantine.node.view import LABEL_QUARANTINED, NodeView, Taint
+from gpuguard.quarantine.record import ANN_FAULTS, TAINT_KEY
 from gpuguard.quarantine.repair import asking
 from gpuguard.quarantine.repair.ladder import decide
 from gpuguard.quarantine.repair.pace import ANN_AT, ANN_TOKENS, Bucket, LeasePace, take
@@ -62,6 +64,14 @@ def test_a_reset_remedies_only_the_faults_the_table_names(
     reason: str, recovery_field: bool, remedied: bool
 ) -> None:
     assert REMEDIES.remedies(reason, recovery_field=recovery_field) is remedied
+
+
+def test_the_shipped_data_names_the_reset_remedied_reasons_and_the_reset_gpu_bucket() -> None:
+    """Read afresh (the module reads it once, at import): the data file the executor's decisions rest on."""
+    assert remedies.load() == remedies.ResetRemedies(
+        reasons=frozenset({"recovery-gpu-reset", "recovery-drain-and-reset", "reset-required"}),
+        xid_buckets=frozenset({"RESET_GPU"}),
+    )
 
 
 def test_every_reset_gpu_bucket_xid_of_the_catalog_is_remedied_by_a_reset() -> None:
@@ -233,6 +243,22 @@ def rec(phase: str, *, ago: float = 60, boot: str = "b0", reset: bool = False) -
         ),
         (REQ, rec("proven", ago=2 * DAY, reset=True), "b0", False, "reset", "window-passed"),
         (REQ, rec("vetoed"), "b0", False, "reset", "veto-lifted"),
+        (REQ, rec("failed"), "b1", False, "reset", "rebooted"),
+        (REQ, rec("needs-repair", ago=2 * DAY), "b1", False, "reset", "window-passed"),
+        # At the window's edge exactly: still within it.
+        (REQ, rec("reboot-requested", ago=DAY), "b1", False, "needs-repair", "returned-after-reboot"),
+        (FRESH, rec("proven", ago=DAY, reset=True), "b0", False, "reboot", "returned-after-reset"),
+        # Proven without a reset (the GPU read healthy at once): the window runs from the proof.
+        (FRESH, rec("proven"), "b0", False, "reboot", "returned-after-reset"),
+        # The request asked at the very reset that proved the GPU is the one that was done.
+        (
+            Request(UUID, "gpu-a", at(-60 + REQUEST_TTL_S)),
+            rec("proven", reset=True),
+            "b0",
+            False,
+            "wait",
+            "proven",
+        ),
     ],
 )
 def test_the_ladder(
@@ -307,3 +333,106 @@ def test_two_executors_cannot_both_take_the_last_token_of_the_lease() -> None:
     assert fake.lease is not None and fake.lease["metadata"]["annotations"][ANN_TOKENS] == "0.000"
     later = LeasePace(lambda: fake, Bucket(per_hour=1, burst=1), namespace="gpuguard", now=lambda: at(3600))  # type: ignore[arg-type,return-value]
     assert later.take() is True and later.take() is False  # an hour refilled exactly one
+
+
+def test_a_quarantine_is_in_place_when_its_own_rule_blocks_or_the_node_taint_is_on_not_when_deferred() -> (
+    None
+):
+    v = verdict(gpu(0), gpu(3, "recovery-gpu-reset"))
+
+    def rule(uuid: str, deferred: bool) -> GpuQuarantine:
+        return GpuQuarantine(
+            uuid, "gpu-3", "r", "recovery-gpu-reset", "NoSchedule" if not deferred else "", deferred
+        )
+
+    assert asking.in_place(node(), v, [rule("GPU-it-3", False)]) == {"GPU-it-3"}
+    assert asking.in_place(node(), v, [rule("GPU-it-3", True)]) == set()  # past the budget: informational
+    taint = (Taint(TAINT_KEY, "NoSchedule", "recovery-gpu-reset"),)
+    ours = {ANN_FAULTS: "recovery-gpu-reset/GPU-it-3"}
+    tainted = NodeView(name="gpu-a", boot_id="b0", taints=taint, annotations=ours)
+    assert asking.in_place(tainted, v, []) == {"GPU-it-0", "GPU-it-3"}
+    deferred = NodeView(
+        name="gpu-a", boot_id="b0", taints=taint, annotations=ours, labels={LABEL_QUARANTINED: "deferred"}
+    )
+    assert asking.in_place(deferred, v, []) == set()
+    theirs = NodeView(name="gpu-a", boot_id="b0", taints=taint)  # our key, no record: someone else's taint
+    assert asking.in_place(theirs, v, []) == set()
+
+
+def test_a_standing_request_keeps_its_gpu_and_is_renewed_once_half_its_time_is_gone() -> None:
+    """Two GPUs a reset would remedy: the request stays on the one already asked for (not the first), and
+    is written again only when at most half of REQUEST_TTL_S is left."""
+    v = verdict(gpu(0, "recovery-gpu-reset"), gpu(3, "recovery-gpu-reset"))
+    both = {"GPU-it-0", UUID}
+
+    def asked(left: float) -> NodeView:
+        return node(**{ANN_REQUEST: Request(UUID, "gpu-a", at(left)).value()})
+
+    assert asking.ask(asked(0.6 * REQUEST_TTL_S), v, in_place=both, now=NOW) is None
+    for left in (0.5 * REQUEST_TTL_S, 0.4 * REQUEST_TTL_S):
+        change = asking.ask(asked(left), v, in_place=both, now=NOW)
+        assert change is not None
+        renewed = parse_request(change.annotations[ANN_REQUEST], node="gpu-a", now=NOW)[0]
+        assert renewed == Request(UUID, "gpu-a", at(REQUEST_TTL_S))
+
+
+def test_the_record_is_compact_json_with_sorted_keys_and_a_why_only_where_one_was_given() -> None:
+    record = (
+        Record()
+        .step(UUID, "resetting", at=NOW, boot="b0")
+        .step(UUID, "failed", at=at(5), boot="b0", reset=True, why="w" * 250)
+        .step("GPU-it-6", "idle", at=NOW, boot="b0")
+    )
+    assert record.value() == (
+        '{"GPU-it-3":{"at":"2026-12-06T04:00:05Z","boot":"b0","phase":"failed",'
+        '"resets":["2026-12-06T04:00:05Z"],"why":"' + "w" * 200 + '"},'
+        '"GPU-it-6":{"at":"2026-12-06T04:00:00Z","boot":"b0","phase":"idle"}}'
+    )
+
+
+@pytest.mark.parametrize(
+    "phase",
+    [
+        "draining",
+        "idle",
+        "resetting",
+        "validating",
+        "proven",
+        "failed",
+        "reboot-requested",
+        "needs-repair",
+        "vetoed",
+    ],
+)
+def test_the_record_reads_each_of_the_ladders_nine_phases_by_its_name(phase: str) -> None:
+    """The names the admission policy and docs/design.md's state machine use."""
+    text = json.dumps({UUID: {"phase": phase, "at": stamp(NOW), "boot": "b0"}})
+    entry = parse_record(text).get(UUID)
+    assert entry is not None and entry.phase == phase
+
+
+def test_the_record_reader_cuts_texts_keeps_the_last_four_resets_and_skips_bad_entries_not_the_rest() -> None:
+    resets = [stamp(at(i)) for i in range(6)]
+    good = {"phase": "proven", "at": stamp(NOW), "boot": "b" * 70, "resets": resets, "why": "y" * 250}
+    text = json.dumps({"not-a-uuid": good, "GPU-bad": {"phase": "proven"}, UUID: good})
+    entry = parse_record(text).get(UUID)
+    assert entry is not None and set(parse_record(text).entries) == {UUID}
+    assert (entry.boot, entry.why) == ("b" * 64, "y" * 200)
+    assert entry.resets == tuple(at(i) for i in range(4))
+    assert parse_record("[]") == Record() and parse_record('"x"') == Record()
+
+
+def test_a_gpu_keeps_its_last_four_resets_and_the_record_its_last_sixteen_gpus() -> None:
+    record = Record()
+    for i in range(6):
+        record = record.step(UUID, "proven", at=at(i), boot="b0", reset=True)
+    assert record.get(UUID).resets == tuple(at(i) for i in range(2, 6))  # type: ignore[union-attr]
+    many = {f"GPU-{i}": {"phase": "proven", "at": stamp(NOW), "boot": "b"} for i in range(20)}
+    assert set(parse_record(json.dumps(many)).entries) == {f"GPU-{i}" for i in range(16)}
+
+
+def test_a_request_is_asked_an_hour_before_its_deadline_and_read_up_to_six_hours_ahead() -> None:
+    assert Request(UUID, "gpu-a", at(3600)).asked == NOW
+    for ahead, why in ((0, "expired"), (6 * 3600, "ok"), (6 * 3600 + 1, "deadline-too-far")):
+        value = Request(UUID, "gpu-a", at(ahead)).value()
+        assert parse_request(value, node="gpu-a", now=NOW)[1] == why

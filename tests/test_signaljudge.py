@@ -564,3 +564,52 @@ def test_the_clock_samples_are_kept_for_the_longest_clock_window_and_each_counts
 def test_a_pcie_width_no_link_can_have_is_never_a_baseline() -> None:
     v = run([Step(0, {"pcie_width": 0xFFFFFFFF}), Step(3, {"pcie_width": 16}), Step(6, {"pcie_width": 16})])
     assert [found(x, "pcie-width") for x in v] == ["", "", ""]
+
+
+def fabric(*steps: tuple[float, int | None]) -> list[Verdict]:
+    """The fabric's state read at each time, one GPU, the host booted at 0 s."""
+    out: list[Verdict] = []
+    for t, state in steps:
+        snap = Snapshot(gpus=(reading({"fabric_state": state}),), taken_at=t, booted_at=0)
+        out.append(evaluate(snap, previous=out[-1] if out else None, settings=DEFAULT))
+    return out
+
+
+@pytest.mark.parametrize("unknown", [None, 0, 4])
+def test_a_fabric_read_as_no_state_it_knows_forgets_its_run_and_starts_a_whole_grace_after(
+    unknown: int | None,
+) -> None:
+    v = fabric((5000, 3), (5003, 2), (5200, 2), (5250, unknown))
+    assert found(v[-1], "fabric-incomplete") == "" and not v[-1].pending  # nothing left to time
+    v = fabric((5000, 3), (5003, 2), (5200, 2), (5250, unknown), (5260, 2), (5500, 2), (5559, 2), (5561, 2))
+    assert [found(x, "fabric-incomplete") for x in v[-3:]] == ["", "", "fault"]
+
+
+def test_a_fabric_completed_for_exactly_a_grace_is_forgotten_and_falls_back_to_a_whole_grace() -> None:
+    """COMPLETED from 5200 s: at 5500 s, a whole grace (300 s) later, the run is forgotten; IN_PROGRESS then
+    (not before) starts afresh."""
+    v = fabric((5000, 3), (5003, 2), (5200, 3), (5499, 3))
+    assert v[-1].pending  # held across a possible flap
+    v = fabric((5000, 3), (5003, 2), (5200, 3), (5500, 3))
+    assert not v[-1].pending
+    v = fabric((5000, 3), (5003, 2), (5200, 3), (5500, 2), (5610, 2), (5801, 2))
+    assert [found(x, "fabric-incomplete") for x in v[-2:]] == ["", "fault"]  # from 5500 s
+
+
+def test_the_time_a_fabric_completed_within_the_grace_is_not_counted_as_incomplete() -> None:
+    """IN_PROGRESS 5003-5200 s (197 s), COMPLETED 5200-5210 s, IN_PROGRESS again: 103 s more make 300 s."""
+    v = fabric((5000, 3), (5003, 2), (5200, 3), (5210, 2), (5312.5, 2), (5313.5, 2))
+    assert [found(x, "fabric-incomplete") for x in v[-2:]] == ["", "fault"]
+    detail = v[-1].faults[0].detail
+    assert detail.startswith("the GPU fabric probe is IN_PROGRESS 310 s after it was first read so, 300 s")
+    assert ", 300 s of it incomplete across flaps (grace 300 s)" in detail
+
+
+def test_a_fabric_incomplete_without_a_flap_says_no_flap_and_one_completed_half_a_second_says_it() -> None:
+    v = fabric((5000, 3), (5003, 2), (5310, 2))
+    detail = v[-1].faults[0].detail
+    assert detail.startswith(
+        "the GPU fabric probe is IN_PROGRESS 307 s after it was first read so (grace 300"
+    )
+    v = fabric((5000, 3), (5003, 2), (5100, 3), (5100.5, 2), (5310, 2))
+    assert ", 306 s of it incomplete across flaps (grace 300 s)" in v[-1].faults[0].detail

@@ -542,3 +542,93 @@ def test_texts_longer_than_the_reader_keeps_are_cut_by_the_writer_and_rules_past
     again = StateStore(tmp_path, boot_id="b")
     assert again.load() == (Fault("xid-79", "x" * 512, uuid="GPU-b", gpu_index=1),)
     assert again.load_rules().known == RULES.known
+
+
+def test_a_boot_id_file_past_4_kib_is_unreadable(tmp_path: Path) -> None:
+    (tmp_path / "boot_id").write_text("b" * (4 * 1024 + 1))
+    (tmp_path / "small").write_text("b" * (4 * 1024))
+    assert read_boot_id(str(tmp_path / "boot_id")) == ""
+    assert read_boot_id(str(tmp_path / "small")) == "b" * 4096
+
+
+def test_the_last_kernel_log_record_judged_is_restored_in_the_same_boot_and_only_rises(
+    tmp_path: Path,
+) -> None:
+    """The kernel log's sequence number rides in the state file: a restart in the same boot reads it back
+    (0 included), a save without one keeps it, and a lower one never moves it back."""
+    assert StateStore(tmp_path, boot_id="b").kernel_seq() is None  # no file yet
+    s = StateStore(tmp_path, boot_id="b")
+    s.save((XID,), kernel_seq=0)
+    assert StateStore(tmp_path, boot_id="b").kernel_seq() == 0
+    s.save((XID,), kernel_seq=7)
+    s.save((XID, LOST))  # no record judged since: the last one stays
+    s.save((XID, LOST), kernel_seq=3)  # an older record: never back
+    again = StateStore(tmp_path, boot_id="b")
+    assert again.kernel_seq() == 7 and again.load() == (XID, LOST)
+    assert StateStore(tmp_path, boot_id="other").kernel_seq() is None
+
+
+@pytest.mark.parametrize("seq", [-1, True, "7", 7.0])
+def test_a_kernel_seq_that_is_no_whole_number_from_0_reads_as_none(tmp_path: Path, seq: object) -> None:
+    StateStore(tmp_path, boot_id="b").save((XID,), kernel_seq=5)
+    doc = json.loads((tmp_path / FILE_NAME).read_text())
+    (tmp_path / FILE_NAME).write_text(json.dumps({**doc, "kernel_seq": seq}))
+    again = StateStore(tmp_path, boot_id="b")
+    assert again.kernel_seq() is None and again.load() == (XID,)
+
+
+def test_a_remembered_rule_at_the_readers_limits_is_written(tmp_path: Path) -> None:
+    """At the limits exactly (a 512-character text, 1024 fault keys) a rule is kept; one past them is not
+    (the test above)."""
+    keys = frozenset(f"xid-{i}/GPU-{'k' * 400}" for i in range(MAX_RULES))
+    rules = RuleMemory(known={"r" * 512: ("GPU-b", frozenset({"xid-79/GPU-b"})), "s": ("GPU-c", keys)})
+    s = StateStore(tmp_path, boot_id="b")
+    s.save_rules(rules)
+    assert StateStore(tmp_path, boot_id="b").load_rules() == rules
+
+
+def test_a_file_of_exactly_1_mib_keeps_the_rules_memory_and_one_byte_more_drops_it_not_the_faults(
+    tmp_path: Path,
+) -> None:
+    """The reader takes at most MAX_BYTES: a rules memory that would make the file larger is left out (the
+    faults are what matters), one that makes it exactly that large is written whole."""
+
+    def rules(extra: int, pad: int) -> RuleMemory:
+        big = {
+            name: (f"GPU-{name}", frozenset(f"{name}{i:04}".ljust(400, "k") for i in range(MAX_RULES)))
+            for name in ("a", "b")
+        }
+        more = {"c": ("GPU-c", frozenset(f"c{i:04}".ljust(400, "k") for i in range(extra)))} if extra else {}
+        return RuleMemory(known={**big, **more, "d": ("GPU-d", frozenset({"d" * pad}))})
+
+    def size(memory: RuleMemory, where: Path) -> int:
+        StateStore(where, boot_id="b").save_rules(memory)
+        assert StateStore(where, boot_id="b").load_rules() == memory  # within the limit: written whole
+        return (where / FILE_NAME).stat().st_size
+
+    one = size(rules(1, 1), tmp_path / "one")
+    cost = size(rules(2, 1), tmp_path / "two") - one  # a key more
+    extra = 1 + (MAX_BYTES - one - 50) // cost
+    pad = 1 + MAX_BYTES - size(rules(extra, 1), tmp_path / "padded")
+    assert 1 <= pad <= 512
+    assert size(rules(extra, pad), tmp_path / "exact") == MAX_BYTES
+    s = StateStore(tmp_path / "over", boot_id="b")
+    s.save((XID,))
+    with capture_logs() as logs:
+        s.save_rules(rules(extra, pad + 1))
+    again = StateStore(tmp_path / "over", boot_id="b")
+    assert again.load() == (XID,) and again.load_rules() == RuleMemory()
+    assert [e["event"] for e in logs] == ["state.rules_not_kept"]
+
+
+def test_faults_whose_write_failed_are_written_by_the_next_due_save_of_the_same(tmp_path: Path) -> None:
+    """The agent saves the same faults at every check: one whose write failed is not taken for written."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # every write fails, as on a full disk
+    clock = Clock()
+    s = StateStore(blocker / "sub", boot_id="b", clock=clock)
+    s.save((XID,))
+    blocker.unlink()  # the disk recovers
+    clock.t += retry.FIRST_S
+    s.save((XID,))
+    assert StateStore(blocker / "sub", boot_id="b").load() == (XID,)

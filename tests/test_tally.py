@@ -4,10 +4,12 @@ that recomputing the runs, the flaps and the streaks at every check would not.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuguard.core.model import Fault, Judgement, Verdict
+from gpuguard.core.model import Fault, GpuVerdict, Judgement, Verdict
 from gpuguard.judge.flaps import Flaps, flapping, held, observe_verdict
 from gpuguard.judge.streaks import Runs, advance, streaks
 from gpuguard.judge.tally import Tally, tally
@@ -152,3 +154,46 @@ def _faults(v: Verdict) -> dict[str, Fault]:
         if g.degraded:
             out["degraded"] = g.degraded[0]
     return out
+
+
+def first_settled(steps: list[tuple[Verdict, float]], window: float = WINDOW) -> tuple[float, Tally] | None:
+    t = Tally()
+    for verdict, at in steps:
+        t = tally(
+            t, verdict, judged_at=at, now=at, interval=INTERVAL, flap_window=window, recover_after=RECOVER
+        )
+        if t.settled:
+            return at, t
+    return None
+
+
+def test_after_a_fault_the_tally_settles_only_once_the_healthy_streak_reaches_recover_after() -> None:
+    """The clean streak (no degraded signal) and every GPU's own ran on through the node's fault: it is the
+    shortest streak, the node's healthy one, that must reach --recover-after (a window short enough that the
+    fault's flap is forgotten at once)."""
+    healthy = node()
+    down = replace(healthy, node_faults=(Fault("nvml-init", "NVML initialization failed: UNKNOWN"),))
+    steps = [(down, 0.0)] + [(healthy, i * INTERVAL) for i in range(1, 20)]
+    got = first_settled(steps, window=1.0)
+    assert got is not None
+    at, t = got
+    assert t.judgement is not None and t.judgement.streaks.healthy == RECOVER
+    assert t.judgement.streaks.clean > RECOVER and at == RECOVER * INTERVAL
+
+
+def test_a_gpus_degraded_flap_in_the_window_keeps_the_tally_unsettled_though_the_nodes_has_aged_out() -> None:
+    """GPU 1 degraded from 0 s, GPU 0 as well from 51 s, both clear at 57 s: the node's degraded episode
+    (at 0 s) ages out a window later, GPU 0's (at 51 s) only a window after 51 s."""
+    slow1 = Fault("clock-hw-slowdown", "HW slowdown", uuid="GPU-1", gpu_index=1)
+    one = Verdict(gpus=tuple(GpuVerdict(index=i, uuid=f"GPU-{i}", degraded=(slow1,) * i) for i in (0, 1)))
+    both = Verdict(
+        gpus=(
+            GpuVerdict(index=0, uuid="GPU-0", degraded=(SLOW,)),
+            GpuVerdict(index=1, uuid="GPU-1", degraded=(slow1,)),
+        )
+    )
+    healthy = node()
+    steps = [(one, i * INTERVAL) for i in range(17)] + [(both, 51.0), (both, 54.0)]
+    steps += [(healthy, 57.0 + i * INTERVAL) for i in range(40)]
+    got = first_settled(steps)
+    assert got is not None and got[0] > 51.0 + WINDOW

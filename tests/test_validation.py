@@ -419,6 +419,12 @@ def test_a_gpu_healthy_condition_passes() -> None:
     assert v.check_condition(GOOD_CONDITION) is GOOD_CONDITION
 
 
+@pytest.mark.parametrize("kind", ["GPUDegraded", "AcceleratedHardwareReady"])
+def test_the_degraded_and_the_accelerated_hardware_conditions_pass_too(kind: str) -> None:
+    condition = {**GOOD_CONDITION, "type": kind}
+    assert v.check_condition(condition) is condition
+
+
 @pytest.mark.parametrize(
     ("change", "says"),
     [
