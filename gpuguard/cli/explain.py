@@ -110,7 +110,10 @@ def remote(api: Any, name: str, *, gpu: str | None) -> dict[str, Any]:
         "source": "the API server",
         "since": annotations.get(ANN_SINCE),
         "reason": annotations.get(ANN_REASON),
-        "taints": [f"{t.get('key')}={t.get('value', '')}:{t.get('effect')}" for t in taints],
+        "taints": [  # as kubectl writes a taint: key[=value]:effect
+            f"{t.get('key')}{'=' + str(t['value']) if t.get('value') else ''}:{t.get('effect')}"
+            for t in taints
+        ],
         "faults": held,
         "gpu_rules": [
             {"uuid": r.get("uuid"), "state": r.get("state"), "faults": r.get("faults")} for r in rules
