@@ -278,7 +278,12 @@ JUDGED: dict[str, str] = {
         "equivalent: the record is a JSON list, which has no key separator"
     ),
     "gpuguard/quarantine/node/degraded.py _ours: return False -> return None": _FALSY,
-    "gpuguard/quarantine/node/degraded.py _first_reason: 1 -> 2": _SPLIT,
+    "gpuguard/quarantine/node/degraded.py _earlier_value: 1 -> 2": _SPLIT,
+    "gpuguard/quarantine/record.py FaultRecord.primary_reason: 1 -> 2": _SPLIT,
+    "gpuguard/quarantine/record.py FaultRecord.primary_reason: '' -> 'XXXX'": "equivalent: the stand-in "
+    "fault's detail, which policy.primary never reads (it ranks the reasons)",
+    "gpuguard/eviction/plan.py Toleration.tolerates: 'Exists' -> 'XXExistsXX' #2": "equivalent: an Exists "
+    "toleration has no value (the API server refuses one with a value), so `not self.value` answers alike",
     "gpuguard/quarantine/repeat/escalation.py <module>: 3 -> 4": _DATACLASS,
     "gpuguard/quarantine/repeat/escalation.py <module>: 604800.0 -> 604801.0": _DATACLASS,
     "gpuguard/quarantine/repeat/escalation.py _node_wide: return False -> return None": _FALSY,

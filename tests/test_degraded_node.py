@@ -412,3 +412,16 @@ def test_the_writer_thread_wakes_for_the_degraded_signals_and_their_clean_streak
         assert LABEL_DEGRADED not in writer.node.labels and writer.node.degraded_condition == "False"
     finally:
         r.stop()
+
+
+def test_a_first_reason_no_taint_value_can_hold_was_written_by_earlier_versions_as_degraded() -> None:
+    """Earlier versions valued the taint "degraded" where the first recorded reason was no valid taint value
+    (longer than a label value's 63 characters): that taint is still gpuguard's, rewritten without it."""
+    long = Fault("r" * 70, "x", uuid="GPU-0", gpu_index=0)
+    node = marks(NODE, long)
+    assert DegradedRecord.read(dict(node.annotations)).keys == {f"{'r' * 70}/GPU-0"}
+    old = replace(node, taints=(Taint(DEGRADED_TAINT_KEY, "PreferNoSchedule", "degraded"),))
+    change = plan_degraded(old, (long,), clean_streak=0, recover_after=3, taint=True)
+    assert change is not None and change.taints == (Taint(DEGRADED_TAINT_KEY, "PreferNoSchedule"),)
+    theirs = replace(node, taints=(Taint(DEGRADED_TAINT_KEY, "PreferNoSchedule", "rrr"),))
+    assert plan_degraded(theirs, (long,), clean_streak=0, recover_after=3, taint=True) is None
