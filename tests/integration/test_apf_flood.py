@@ -39,9 +39,9 @@ from tests.integration.test_admission import agent_core
 pytestmark = pytest.mark.timeout(900)
 
 FLOOD = 600
-# `make test` sends 20 patches a configuration (a starved one costs 15 s a round of LANES); docs/security.md's
+# `make test` sends one round of LANES patches a configuration (a starved round costs 15 s); security.md's
 # figures come from GPUGUARD_APF_PATCHES=50 and GPUGUARD_APF_EXPERIMENT=1 (the reads-apart experiment).
-PATCHES = int(os.environ.get("GPUGUARD_APF_PATCHES", "20"))
+PATCHES = int(os.environ.get("GPUGUARD_APF_PATCHES", "10"))
 EXPERIMENT = os.environ.get("GPUGUARD_APF_EXPERIMENT") == "1"
 LANES = 10
 TRICKLE_S = 4.0
