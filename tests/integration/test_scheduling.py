@@ -251,6 +251,9 @@ def test_the_scheduler_prefers_a_clean_node_to_a_degraded_one_and_still_uses_the
     n = cluster.node(degraded)
     assert any(t["key"] == "gpuguard.io/gpu-degraded" for t in n["spec"]["taints"]), n["spec"]
     assert not n["spec"].get("unschedulable")
+    # kube-scheduler scores from its own watch of the nodes: give it the taint before the first pod (a pod
+    # created at once was sometimes scored against the node without it).
+    time.sleep(2.0)
 
     def pod_on(nodes: list[str]) -> str:
         name = f"llm-{next(_names)}"
