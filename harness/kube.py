@@ -149,8 +149,9 @@ class Admin:
                 raise
         return self.pod_token(pod_name)
 
-    def pod_token(self, pod_name: str) -> str:
-        """A token for gpuguard's ServiceAccount bound to the Pod pod_name in gpuguard's namespace."""
+    def pod_token(self, pod_name: str, account: str = SERVICE_ACCOUNT) -> str:
+        """A token for the ServiceAccount `account` (default: the agent's) bound to the Pod pod_name in
+        gpuguard's namespace."""
         pod = json.loads(self.core.read_namespaced_pod(pod_name, NAMESPACE, _preload_content=False).data)
         req = {
             "apiVersion": "authentication.k8s.io/v1",
@@ -166,7 +167,7 @@ class Admin:
             },
         }
         resp = self.core.create_namespaced_service_account_token(
-            SERVICE_ACCOUNT, NAMESPACE, req, _preload_content=False
+            account, NAMESPACE, req, _preload_content=False
         )
         return str(json.loads(resp.data)["status"]["token"])
 

@@ -107,24 +107,7 @@ def executor_token(admin: Admin, node: str) -> str:
     except kubernetes.client.exceptions.ApiException as exc:
         if exc.status != 409:
             raise
-    pod = json.loads(admin.core.read_namespaced_pod(name, NAMESPACE, _preload_content=False).data)
-    req = {
-        "apiVersion": "authentication.k8s.io/v1",
-        "kind": "TokenRequest",
-        "spec": {
-            "expirationSeconds": 3600,
-            "boundObjectRef": {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "name": name,
-                "uid": pod["metadata"]["uid"],
-            },
-        },
-    }
-    resp = admin.core.create_namespaced_service_account_token(
-        EXECUTOR_ACCOUNT, NAMESPACE, req, _preload_content=False
-    )
-    return str(json.loads(resp.data)["status"]["token"])
+    return admin.pod_token(name, EXECUTOR_ACCOUNT)
 
 
 def free_port() -> int:
