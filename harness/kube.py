@@ -311,6 +311,16 @@ def daemon_pod(admin: Admin, node: str) -> dict[str, Any] | None:
     return None
 
 
+def daemon_pod_kubeconfig(admin: Admin, cluster: Any, ds_pod: dict[str, Any], tmp_path: Path) -> Path:
+    """The agent runs as the DaemonSet pod's ServiceAccount, with a token bound to that very pod."""
+    return token_kubeconfig(
+        tmp_path / "agent.kubeconfig",
+        server=cluster.url,
+        ca_path=cluster.ca_path,
+        token=admin.pod_token(ds_pod["metadata"]["name"]),
+    )
+
+
 # -- admission policies: one preamble for test_admission and test_device_admission ---------------------------
 
 

@@ -25,12 +25,14 @@ from kubernetes import utils
 from gpuguard.quarantine.repair.values import ANN_REQUEST, ANN_STATE, parse_record
 from harness.agentproc import ROOT, gpuguard_command, scrubbed_env
 from harness.dra import DRIVER, gpu_uuid
+from harness.dracluster import CLAIM_TEMPLATE, allocated_device, device_rule, dra_node, publish
 from harness.kube import (
     DEPLOY,
     NAMESPACE,
     WORKLOADS,
     Admin,
     Agent,
+    daemon_pod_kubeconfig,
     eventually,
     make_gpu_node,
     pod_ready,
@@ -38,14 +40,6 @@ from harness.kube import (
     token_kubeconfig,
 )
 from harness.kubelet import FakeContainer, FakeKubelet, FakePod
-from tests.integration.test_scheduling import (
-    CLAIM_TEMPLATE,
-    allocated_device,
-    daemon_pod_kubeconfig,
-    device_rule,
-    dra_node,
-    publish,
-)
 
 EXECUTOR_ACCOUNT = "gpuguard-repair"
 
