@@ -26,9 +26,9 @@ import kubernetes
 
 from harness import controlplane
 from harness.agentproc import ROOT
+from harness.dracluster import dra_objects
 from harness.kube import Admin, with_workloads
-from tests.integration.repairrig import apply_repair_rbac, reset_gpu_3, scene
-from tests.integration.test_scheduling import _dra_objects
+from harness.repairrig import apply_repair_rbac, reset_gpu_3, scene
 
 
 def main() -> int:
@@ -42,7 +42,7 @@ def main() -> int:
             with closing(api):
                 admin = with_workloads(Admin(api))
                 apply_repair_rbac(admin)
-                _dra_objects(admin)
+                dra_objects(admin)
                 with scene(admin, cp, lib=lib, work=work, sock=str(work / "kubelet.sock")) as s:
                     t = reset_gpu_3(s)
         finally:

@@ -149,8 +149,9 @@ class Admin:
                 raise
         return self.pod_token(pod_name)
 
-    def pod_token(self, pod_name: str) -> str:
-        """A token for gpuguard's ServiceAccount bound to the Pod pod_name in gpuguard's namespace."""
+    def pod_token(self, pod_name: str, account: str = SERVICE_ACCOUNT) -> str:
+        """A token for the ServiceAccount `account` (default: the agent's) bound to the Pod pod_name in
+        gpuguard's namespace."""
         pod = json.loads(self.core.read_namespaced_pod(pod_name, NAMESPACE, _preload_content=False).data)
         req = {
             "apiVersion": "authentication.k8s.io/v1",
@@ -166,7 +167,7 @@ class Admin:
             },
         }
         resp = self.core.create_namespaced_service_account_token(
-            SERVICE_ACCOUNT, NAMESPACE, req, _preload_content=False
+            account, NAMESPACE, req, _preload_content=False
         )
         return str(json.loads(resp.data)["status"]["token"])
 
@@ -308,6 +309,16 @@ def daemon_pod(admin: Admin, node: str) -> dict[str, Any] | None:
         if any(o["kind"] == "DaemonSet" for o in owners) and pod_ready(pod):
             return pod  # type: ignore[no-any-return]
     return None
+
+
+def daemon_pod_kubeconfig(admin: Admin, cluster: Any, ds_pod: dict[str, Any], tmp_path: Path) -> Path:
+    """The agent runs as the DaemonSet pod's ServiceAccount, with a token bound to that very pod."""
+    return token_kubeconfig(
+        tmp_path / "agent.kubeconfig",
+        server=cluster.url,
+        ca_path=cluster.ca_path,
+        token=admin.pod_token(ds_pod["metadata"]["name"]),
+    )
 
 
 # -- admission policies: one preamble for test_admission and test_device_admission ---------------------------

@@ -1,14 +1,17 @@
 """The operator's commands on the cluster: `status` (what gpuguard holds out, from the API server),
-`release` (a repeat offender back after repair) and `uninstall` (every gpuguard mark off the nodes). Exit 2
-for a kubeconfig that cannot work, 4 when the API server is unreachable or refuses the request."""
+`release` (a repeat offender back after repair) and `uninstall` (every gpuguard mark off the nodes), and
+how every command on the cluster begins (`node_client`, `_client`) and reports a failed request
+(`_api_failed`). Exit 2 for a kubeconfig that cannot work, 4 when the API server is unreachable or refuses
+the request."""
 
 from __future__ import annotations
 
 import json
 import os
 import warnings
+from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import click
 
@@ -89,14 +92,14 @@ def release(
 
     who = by if by is not None else os.environ.get("USER") or "unknown"
     gpu = gpu if gpu is not None else ALL
-    try:
-        validation.node_name(node)
+
+    def request() -> str:
         now = datetime.now(UTC)
         text = annotation(gpu, by=who, at=now)
         parse(text, now=now.timestamp())  # what the agent will accept, checked before it is sent
-    except (ConfigError, ValueError) as exc:
-        raise ConfigError(f"release: {exc}") from None
-    api = _client("release", kubeconfig)
+        return text
+
+    api, text = node_client("release", kubeconfig, node, request)
     try:
         view = releasing.read(api, node)
         why = releasing.refusal(view, gpu, force=force)
@@ -181,8 +184,32 @@ def _warn_while_agents_run(api: Any) -> None:
         )
 
 
+T = TypeVar("T")
+
+
+@overload
+def node_client(command: str, kubeconfig: str | None, node: str) -> Any: ...
+@overload
+def node_client(
+    command: str, kubeconfig: str | None, node: str, request: Callable[[], T]
+) -> tuple[Any, T]: ...
+def node_client(
+    command: str, kubeconfig: str | None, node: str, request: Callable[[], T] | None = None
+) -> Any:
+    """How a command about one node begins: the node's name checked, then `request` (what the command will
+    write, built and checked before anything is sent; its value comes back beside the client), then the API
+    client (`_client`). A bad name or request is a usage error (exit 2) that names the command."""
+    try:
+        validation.node_name(node)
+        made = request() if request is not None else None
+    except (ConfigError, ValueError) as exc:
+        raise ConfigError(f"{command}: {exc}") from None
+    api = _client(command, kubeconfig)
+    return api if request is None else (api, made)
+
+
 def _client(command: str, kubeconfig: str | None) -> Any:
-    """The API client of `status`, `release` and `uninstall`; a kubeconfig that cannot work is a usage error
+    """The API client of the commands on the cluster; a kubeconfig that cannot work is a usage error
     (exit 2). A kubeconfig that turns TLS verification off is said once, not by a urllib3 warning per
     request (six for one `status`)."""
     from gpuguard.kube import client as kubeclient  # noqa: PLC0415

@@ -19,10 +19,9 @@ from typing import Any
 
 import click
 
-from gpuguard.cli.cluster import _api_failed, _client, _printable
+from gpuguard.cli.cluster import _api_failed, _printable, node_client
 from gpuguard.cli.commands import EXIT_OK, cli
 from gpuguard.cli.flags import FLAGS
-from gpuguard.core import validation
 from gpuguard.core.config import STATE_DIR, PolicySettings
 from gpuguard.core.errors import ConfigError, GpuguardError
 from gpuguard.judge.explained import clears, rule
@@ -49,11 +48,7 @@ def explain(kubeconfig: str | None, node: str | None, state_dir: str, gpu: str |
     if node is None:
         doc = local(Path(state_dir), gpu=gpu)
     else:
-        try:
-            validation.node_name(node)
-        except ConfigError as exc:
-            raise ConfigError(f"explain: {exc}") from None
-        api = _client("explain", kubeconfig)
+        api = node_client("explain", kubeconfig, node)
         try:
             doc = remote(api, node, gpu=gpu)
         except GpuguardError as exc:

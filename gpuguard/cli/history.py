@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 import click
 
 from gpuguard.cli import releasing
-from gpuguard.cli.cluster import _api_failed, _client, _printable
+from gpuguard.cli.cluster import _api_failed, _printable, node_client
 from gpuguard.cli.commands import EXIT_OK, EXIT_UNHEALTHY, cli
 from gpuguard.cli.flags import FLAGS
 from gpuguard.core import validation
@@ -31,11 +31,7 @@ def history(kubeconfig: str | None, node: str, gpu: str | None, output: str) -> 
     each began and how it ended), its last releases, and whether it is held for repair (by its episodes, or
     by an operator's `gpuguard hold`). Exit 0; 1 the node's summary is not one gpuguard writes; 2 no node or
     GPU of that name, or a usage error; 4 the API server is unreachable or refused the request."""
-    try:
-        validation.node_name(node)
-    except ConfigError as exc:
-        raise ConfigError(f"history: {exc}") from None
-    api = _client("history", kubeconfig)
+    api = node_client("history", kubeconfig, node)
     try:
         view = releasing.read(api, node)
     except GpuguardError as exc:

@@ -12,10 +12,9 @@ from datetime import UTC, datetime
 import click
 
 from gpuguard.cli import releasing
-from gpuguard.cli.cluster import _api_failed, _client
+from gpuguard.cli.cluster import _api_failed, node_client
 from gpuguard.cli.commands import EXIT_OK, EXIT_UNHEALTHY, cli
 from gpuguard.cli.flags import FLAGS
-from gpuguard.core import validation
 from gpuguard.core.errors import ConfigError, GpuguardError
 from gpuguard.kube import nodes
 from gpuguard.quarantine.node.view import NodeView
@@ -45,14 +44,14 @@ def hold(
     GPU already held, a hold pending (--force replaces it) or a usage error; 4 the API server is unreachable
     or refused the request."""
     who = by if by is not None else os.environ.get("USER") or "unknown"
-    try:
-        validation.node_name(node)
+
+    def request() -> str:
         now = datetime.now(UTC)
         text = holds.annotation(gpu, by=who, at=now)
         holds.parse(text, now=now.timestamp())  # what the agent will accept, checked before it is sent
-    except (ConfigError, ValueError) as exc:
-        raise ConfigError(f"hold: {exc}") from None
-    api = _client("hold", kubeconfig)
+        return text
+
+    api, text = node_client("hold", kubeconfig, node, request)
     try:
         view = releasing.read(api, node)
         why = refusal(view, gpu, force=force)

@@ -258,15 +258,10 @@ def test_beside_a_noexecute_device_taint_rule_gpuguard_leaves_the_eviction_to_ku
     """DRA: the Xid on GPU 3 becomes a NoExecute DeviceTaintRule, whose eviction controller in
     kube-controller-manager evicts the pod holding it; gpuguard, also set to evict, sends no eviction of its
     own (never twice), and says why it keeps out."""
-    from tests.integration.test_scheduling import (
-        CLAIM_TEMPLATE,
-        _dra_objects,
-        allocated_device,
-        dra_node,
-        make_gpu_pod,
-    )
+    from harness.dracluster import CLAIM_TEMPLATE, allocated_device, dra_node, dra_objects
+    from tests.integration.test_scheduling import make_gpu_pod
 
-    _dra_objects(cluster)
+    dra_objects(cluster)
     node, ds_pod, gpus = dra_node(cluster)
     pods = [make_gpu_pod(cluster, node, claim=CLAIM_TEMPLATE) for _ in range(8)]
     devices: dict[str, str] = {}

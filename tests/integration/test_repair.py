@@ -20,6 +20,7 @@ import pytest
 
 from gpuguard.quarantine.repair.values import ANN_REQUEST, ANN_STATE, ANN_VETO
 from harness.dra import gpu_uuid
+from harness.dracluster import CLAIM_TEMPLATE, allocated_device, dra_node, dra_objects
 from harness.kube import (
     WORKLOADS,
     Admin,
@@ -35,15 +36,8 @@ from harness.kube import (
     token_client,
     with_workloads,
 )
-from tests.integration.repairrig import apply_repair_rbac, executor_token, reset_gpu_3, scene, set_gpu
-from tests.integration.test_scheduling import (
-    CLAIM_TEMPLATE,
-    _dra_objects,
-    allocated_device,
-    dra_node,
-    make_gpu_pod,
-    type_checking,
-)
+from harness.repairrig import apply_repair_rbac, executor_token, reset_gpu_3, scene, set_gpu
+from tests.integration.test_scheduling import make_gpu_pod, type_checking
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -53,7 +47,7 @@ def cluster(full_control_plane: Any) -> Iterator[Admin]:
     with admin_client(full_control_plane) as api:
         admin = with_workloads(Admin(api))
         apply_repair_rbac(admin)
-        _dra_objects(admin)
+        dra_objects(admin)
         yield admin
 
 

@@ -29,6 +29,15 @@ from gpuguard.quarantine.gpu.writers import quarantined_gpus
 from gpuguard.quarantine.node.writers import KubeNodeWriter
 from gpuguard.quarantine.reconciler import NodeReconciler
 from harness.dra import DRIVER, gpu_uuid, nvidia_slice
+from harness.dracluster import (
+    CLAIM_TEMPLATE,
+    DRA,
+    allocated_device,
+    device_rule,
+    dra_node,
+    dra_objects,
+    publish,
+)
 from harness.judging import hand_over
 from harness.kube import (
     DEPLOY,
@@ -40,11 +49,11 @@ from harness.kube import (
     Agent,
     admin_client,
     daemon_pod,
+    daemon_pod_kubeconfig,
     eventually,
     make_gpu_node,
     pod_ready,
     read_pod,
-    token_kubeconfig,
     with_workloads,
 )
 
@@ -85,16 +94,6 @@ def make_gpu_pod(
         WORKLOADS, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
     )
     return name
-
-
-def daemon_pod_kubeconfig(admin: Admin, cluster: Any, ds_pod: dict[str, Any], tmp_path: Path) -> Path:
-    """The agent runs as the DaemonSet pod's ServiceAccount, with a token bound to that very pod."""
-    return token_kubeconfig(
-        tmp_path / "agent.kubeconfig",
-        server=cluster.url,
-        ca_path=cluster.ca_path,
-        token=admin.pod_token(ds_pod["metadata"]["name"]),
-    )
 
 
 def test_a_gpu_pod_is_bound_by_the_scheduler_and_run_by_kwok(cluster: Admin) -> None:
@@ -291,88 +290,6 @@ def test_the_scheduler_prefers_a_clean_node_to_a_degraded_one_and_still_uses_the
 
 # -- one bad GPU out of eight: the DRA device taint (docs/design.md "Per-GPU quarantine") -------------------
 
-DRA = "resource.k8s.io"
-CLAIM_TEMPLATE = "one-gpu"
-
-
-def _dra_objects(admin: Admin) -> None:
-    """The DeviceClass of NVIDIA's DRA driver and a ResourceClaimTemplate asking for one GPU of it."""
-    custom: Any = kubernetes.client.CustomObjectsApi(admin.api)
-    device_class = {
-        "apiVersion": f"{DRA}/v1",
-        "kind": "DeviceClass",
-        "metadata": {"name": DRIVER},
-        "spec": {
-            "selectors": [
-                {
-                    "cel": {
-                        "expression": f"device.driver == '{DRIVER}' && "
-                        f"device.attributes['{DRIVER}'].type == 'gpu'"
-                    }
-                }
-            ]
-        },
-    }
-    template = {
-        "apiVersion": f"{DRA}/v1",
-        "kind": "ResourceClaimTemplate",
-        "metadata": {"name": CLAIM_TEMPLATE, "namespace": WORKLOADS},
-        "spec": {
-            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}}
-        },
-    }
-    calls: list[tuple[str, tuple[Any, ...]]] = [
-        ("create_cluster_custom_object", (DRA, "v1", "deviceclasses", device_class)),
-        ("create_namespaced_custom_object", (DRA, "v1", WORKLOADS, "resourceclaimtemplates", template)),
-    ]
-    for method, args in calls:
-        try:
-            getattr(custom, method)(*args)
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
-
-
-def allocated_device(admin: Admin, pod: str) -> str | None:
-    """The device the scheduler allocated to the pod's claim (None while unallocated)."""
-    p = read_pod(admin, pod) or {}
-    statuses = p.get("status", {}).get("resourceClaimStatuses") or []
-    if not statuses or not statuses[0].get("resourceClaimName"):
-        return None
-    custom: Any = kubernetes.client.CustomObjectsApi(admin.api)
-    claim = custom.get_namespaced_custom_object(
-        DRA, "v1", WORKLOADS, "resourceclaims", statuses[0]["resourceClaimName"]
-    )
-    results = (claim.get("status", {}).get("allocation") or {}).get("devices", {}).get("results") or []
-    return str(results[0]["device"]) if results else None
-
-
-def device_rule(admin: Admin, name: str) -> dict[str, Any] | None:
-    custom: Any = kubernetes.client.CustomObjectsApi(admin.api)
-    try:
-        return custom.get_cluster_custom_object(DRA, "v1", "devicetaintrules", name)  # type: ignore[no-any-return]
-    except ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
-
-
-def dra_node(admin: Admin, *, published: bool = True) -> tuple[str, dict[str, Any], str]:
-    """A kwok GPU node (bootID boot-1) whose 8 GPUs NVIDIA's DRA driver publishes (`published` False: not
-    yet, `publish` later), its DaemonSet pod, and the fake NVML state of those GPUs (the same UUIDs)."""
-    node = make_gpu_node(admin)
-    admin.set_boot_id(node, "boot-1")
-    if published:
-        publish(admin, node)
-    ds_pod = eventually(lambda: daemon_pod(admin, node), 60, what="DaemonSet pod on the node")
-    return node, ds_pod, "".join(f"gpu {i} uuid={gpu_uuid(node, i)}\n" for i in range(8))
-
-
-def publish(admin: Admin, node: str) -> None:
-    """NVIDIA's DRA driver's kubelet plugin publishes the node's GPUs."""
-    custom: Any = kubernetes.client.CustomObjectsApi(admin.api)
-    custom.create_cluster_custom_object(DRA, "v1", "resourceslices", nvidia_slice(node))
-
 
 def unschedulable(admin: Admin, pod: str) -> bool:
     conditions = (read_pod(admin, pod) or {}).get("status", {}).get("conditions") or []
@@ -386,7 +303,7 @@ def test_one_bad_gpu_of_eight_costs_one_gpu_through_a_dra_device_taint(
     becomes one DeviceTaintRule; the pod holding GPU 3 is evicted (NoExecute), new claims never get GPU 3,
     the other seven keep being allocated, the node stays schedulable; after a reboot the rule is gone and
     GPU 3 is allocated again."""
-    _dra_objects(cluster)
+    dra_objects(cluster)
     node, ds_pod, gpus = dra_node(cluster)
 
     pods = [make_gpu_pod(cluster, node, claim=CLAIM_TEMPLATE) for _ in range(8)]

@@ -25,12 +25,14 @@ from kubernetes import utils
 from gpuguard.quarantine.repair.values import ANN_REQUEST, ANN_STATE, parse_record
 from harness.agentproc import ROOT, gpuguard_command, scrubbed_env
 from harness.dra import DRIVER, gpu_uuid
+from harness.dracluster import CLAIM_TEMPLATE, allocated_device, device_rule, dra_node, publish
 from harness.kube import (
     DEPLOY,
     NAMESPACE,
     WORKLOADS,
     Admin,
     Agent,
+    daemon_pod_kubeconfig,
     eventually,
     make_gpu_node,
     pod_ready,
@@ -38,14 +40,6 @@ from harness.kube import (
     token_kubeconfig,
 )
 from harness.kubelet import FakeContainer, FakeKubelet, FakePod
-from tests.integration.test_scheduling import (
-    CLAIM_TEMPLATE,
-    allocated_device,
-    daemon_pod_kubeconfig,
-    device_rule,
-    dra_node,
-    publish,
-)
 
 EXECUTOR_ACCOUNT = "gpuguard-repair"
 
@@ -107,24 +101,7 @@ def executor_token(admin: Admin, node: str) -> str:
     except kubernetes.client.exceptions.ApiException as exc:
         if exc.status != 409:
             raise
-    pod = json.loads(admin.core.read_namespaced_pod(name, NAMESPACE, _preload_content=False).data)
-    req = {
-        "apiVersion": "authentication.k8s.io/v1",
-        "kind": "TokenRequest",
-        "spec": {
-            "expirationSeconds": 3600,
-            "boundObjectRef": {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "name": name,
-                "uid": pod["metadata"]["uid"],
-            },
-        },
-    }
-    resp = admin.core.create_namespaced_service_account_token(
-        EXECUTOR_ACCOUNT, NAMESPACE, req, _preload_content=False
-    )
-    return str(json.loads(resp.data)["status"]["token"])
+    return admin.pod_token(name, EXECUTOR_ACCOUNT)
 
 
 def free_port() -> int:
