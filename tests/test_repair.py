@@ -18,8 +18,9 @@ from gpuguard.nvml.base import GpuAfterReset
 from gpuguard.quarantine.node.view import LABEL_QUARANTINED, NodeView, Taint
 from gpuguard.quarantine.record import ANN_FAULTS, TAINT_KEY
 from gpuguard.quarantine.repair import asking
+from gpuguard.quarantine.repair.bucket import Bucket, take
 from gpuguard.quarantine.repair.ladder import decide
-from gpuguard.quarantine.repair.pace import ANN_AT, ANN_TOKENS, Bucket, LeasePace, take
+from gpuguard.quarantine.repair.pace import ANN_AT, ANN_TOKENS, LeasePace
 from gpuguard.quarantine.repair.proof import proof_failures
 from gpuguard.quarantine.repair.values import (
     ANN_REQUEST,
