@@ -80,6 +80,7 @@ MODULES = (
     "gpuguard/quarantine/repair/asking.py",
     "gpuguard/quarantine/repair/proof.py",
     "gpuguard/quarantine/repair/values.py",
+    "gpuguard/quarantine/repair/bucket.py",
 )
 # The unit tests that run in-process in milliseconds (no fake NVML library, no subprocess, no chart).
 TESTS = (
@@ -357,6 +358,9 @@ JUDGED: dict[str, str] = {
     _SIG + "_clock: return '' -> return None": _NO_DETAIL,
     _SIG + "_clock: return '' -> return None #2": _NO_DETAIL,
     _SIG + "_retired_pages: return '' -> return None": _NO_DETAIL,
+    "gpuguard/quarantine/repair/bucket.py take: 0 <= tokens <= bucket.burst -> 0 <= tokens < bucket.burst": (
+        "equivalent: a count of exactly `burst` is a full bucket either way (a full one refills nothing)"
+    ),
 }
 
 _SWAP_CMP = {

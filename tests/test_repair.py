@@ -299,6 +299,18 @@ def test_the_pace_allows_a_burst_then_refills_by_itself_and_a_clock_step_mints_n
     assert take(bucket, 99.0, NOW, NOW) == (True, 1.0)  # a forged count is a full bucket, never more
 
 
+def test_the_pace_refills_per_hour_tokens_an_hour_in_proportion() -> None:
+    bucket = Bucket(per_hour=6, burst=2)
+    assert take(bucket, 0.0, NOW, at(300)) == (False, 0.5)  # 5 minutes of 6 an hour: half a reset
+    assert take(bucket, 0.0, NOW, at(900)) == (True, 0.5)
+
+
+def test_the_pace_adds_nothing_in_no_time_nor_when_its_time_is_ahead_of_now() -> None:
+    bucket = Bucket(per_hour=6, burst=2)
+    assert take(bucket, 0.5, NOW, NOW) == (False, 0.5)
+    assert take(bucket, 0.5, at(3600), NOW) == (False, 0.5)
+
+
 class FakeLeases:
     """The API server's Lease collection: optimistic concurrency on resourceVersion, as the real one."""
 
