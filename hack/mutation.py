@@ -81,6 +81,7 @@ MODULES = (
     "gpuguard/quarantine/repair/proof.py",
     "gpuguard/quarantine/repair/values.py",
     "gpuguard/quarantine/repair/bucket.py",
+    "gpuguard/core/hardware.py",
 )
 # The unit tests that run in-process in milliseconds (no fake NVML library, no subprocess, no chart).
 TESTS = (
@@ -132,6 +133,7 @@ TESTS = (
     "tests/test_repair.py",
     "tests/test_repair_agent.py",
     "tests/test_repair_executor.py",
+    "tests/test_hardware.py",
 )
 # Survivors judged equivalent (no test could tell them apart) or cosmetic, by mutant key, with why.
 _FALSY = "equivalent: the caller tests the answer for truth, and None is false like False"
