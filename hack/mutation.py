@@ -82,6 +82,7 @@ MODULES = (
     "gpuguard/quarantine/repair/values.py",
     "gpuguard/quarantine/repair/bucket.py",
     "gpuguard/core/hardware.py",
+    "gpuguard/judge/links.py",
 )
 # The unit tests that run in-process in milliseconds (no fake NVML library, no subprocess, no chart).
 TESTS = (
@@ -134,6 +135,7 @@ TESTS = (
     "tests/test_repair_agent.py",
     "tests/test_repair_executor.py",
     "tests/test_hardware.py",
+    "tests/test_links.py",
 )
 # Survivors judged equivalent (no test could tell them apart) or cosmetic, by mutant key, with why.
 _FALSY = "equivalent: the caller tests the answer for truth, and None is false like False"
@@ -362,6 +364,16 @@ JUDGED: dict[str, str] = {
     _SIG + "_retired_pages: return '' -> return None": _NO_DETAIL,
     "gpuguard/quarantine/repair/bucket.py take: 0 <= tokens <= bucket.burst -> 0 <= tokens < bucket.burst": (
         "equivalent: a count of exactly `burst` is a full bucket either way (a full one refills nothing)"
+    ),
+    "gpuguard/judge/links.py nvlink_down: active <= first -> active < first": (
+        "equivalent: raising a baseline by the links it already has leaves it as it was"
+    ),
+    "gpuguard/judge/links.py nvlink_down: '' -> 'XXXX' #2": (
+        "unreachable: the product's rule trips only with fewer links active than the product has, so some of "
+        "its links are inactive"
+    ),
+    "gpuguard/judge/links.py pcie_width: width > first -> width >= first": (
+        "equivalent: raising the baseline to the width it already is leaves it as it was"
     ),
 }
 
