@@ -83,6 +83,7 @@ MODULES = (
     "gpuguard/quarantine/repair/bucket.py",
     "gpuguard/core/hardware.py",
     "gpuguard/judge/links.py",
+    "gpuguard/judge/xidfaults.py",
 )
 # The unit tests that run in-process in milliseconds (no fake NVML library, no subprocess, no chart).
 TESTS = (
@@ -136,6 +137,7 @@ TESTS = (
     "tests/test_repair_executor.py",
     "tests/test_hardware.py",
     "tests/test_links.py",
+    "tests/test_xidfaults.py",
 )
 # Survivors judged equivalent (no test could tell them apart) or cosmetic, by mutant key, with why.
 _FALSY = "equivalent: the caller tests the answer for truth, and None is false like False"
