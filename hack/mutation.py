@@ -84,6 +84,7 @@ MODULES = (
     "gpuguard/core/hardware.py",
     "gpuguard/judge/links.py",
     "gpuguard/judge/xidfaults.py",
+    "gpuguard/judge/explained.py",
 )
 # The unit tests that run in-process in milliseconds (no fake NVML library, no subprocess, no chart).
 TESTS = (
@@ -138,6 +139,7 @@ TESTS = (
     "tests/test_hardware.py",
     "tests/test_links.py",
     "tests/test_xidfaults.py",
+    "tests/test_explained.py",
 )
 # Survivors judged equivalent (no test could tell them apart) or cosmetic, by mutant key, with why.
 _FALSY = "equivalent: the caller tests the answer for truth, and None is false like False"
