@@ -85,6 +85,7 @@ MODULES = (
     "gpuguard/judge/links.py",
     "gpuguard/judge/xidfaults.py",
     "gpuguard/judge/explained.py",
+    "gpuguard/store/retry.py",
 )
 # The unit tests that run in-process in milliseconds (no fake NVML library, no subprocess, no chart).
 TESTS = (
@@ -140,6 +141,7 @@ TESTS = (
     "tests/test_links.py",
     "tests/test_xidfaults.py",
     "tests/test_explained.py",
+    "tests/test_retry.py",
 )
 # Survivors judged equivalent (no test could tell them apart) or cosmetic, by mutant key, with why.
 _FALSY = "equivalent: the caller tests the answer for truth, and None is false like False"
@@ -378,6 +380,13 @@ JUDGED: dict[str, str] = {
     ),
     "gpuguard/judge/links.py pcie_width: width > first -> width >= first": (
         "equivalent: raising the baseline to the width it already is leaves it as it was"
+    ),
+    "gpuguard/store/retry.py WriteRetry.__init__: 0.0 -> 1.0": (
+        "equivalent: the retry time is read only after a failure, which sets it first"
+    ),
+    "gpuguard/store/retry.py WriteRetry.failed: 16 -> 17": (
+        "equivalent: only a cap on the exponent (no huge power after days of failures); 5 s x 2^16 is "
+        "far past MOST_S either way"
     ),
 }
 
