@@ -86,6 +86,7 @@ MODULES = (
     "gpuguard/judge/xidfaults.py",
     "gpuguard/judge/explained.py",
     "gpuguard/store/retry.py",
+    "gpuguard/store/limits.py",
 )
 # The unit tests that run in-process in milliseconds (no fake NVML library, no subprocess, no chart).
 TESTS = (
@@ -142,6 +143,7 @@ TESTS = (
     "tests/test_xidfaults.py",
     "tests/test_explained.py",
     "tests/test_retry.py",
+    "tests/test_limits.py",
 )
 # Survivors judged equivalent (no test could tell them apart) or cosmetic, by mutant key, with why.
 _FALSY = "equivalent: the caller tests the answer for truth, and None is false like False"
@@ -167,6 +169,7 @@ _PLAN_CACHE = (
     "(a stale entry needs a freed table's id reused)"
 )
 _SIG = "gpuguard/judge/signals.py "
+_LIMITS = "gpuguard/store/limits.py "
 _NO_DETAIL = (
     "equivalent: a rule's empty detail means not tripped, and its caller tests it for truth (None too)"
 )
@@ -388,6 +391,11 @@ JUDGED: dict[str, str] = {
         "equivalent: only a cap on the exponent (no huge power after days of failures); 5 s x 2^16 is "
         "far past MOST_S either way"
     ),
+    _LIMITS + "kept_faults: len(faults) <= STATE_MAX_FAULTS -> len(faults) < STATE_MAX_FAULTS": (
+        "equivalent: exactly the limit's faults through the trim keep every one of them, in order"
+    ),
+    _LIMITS + "_cut: len(f.reason) <= STATE_MAX_REASON -> len(f.reason) < STATE_MAX_REASON": _CUT,
+    _LIMITS + "_cut: len(f.detail) <= STATE_MAX_DETAIL -> len(f.detail) < STATE_MAX_DETAIL": _CUT,
 }
 
 _SWAP_CMP = {
