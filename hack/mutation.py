@@ -87,6 +87,7 @@ MODULES = (
     "gpuguard/judge/explained.py",
     "gpuguard/store/retry.py",
     "gpuguard/store/limits.py",
+    "gpuguard/quarantine/node/accelerated.py",
 )
 # The unit tests that run in-process in milliseconds (no fake NVML library, no subprocess, no chart).
 TESTS = (
@@ -396,6 +397,10 @@ JUDGED: dict[str, str] = {
     ),
     _LIMITS + "_cut: len(f.reason) <= STATE_MAX_REASON -> len(f.reason) < STATE_MAX_REASON": _CUT,
     _LIMITS + "_cut: len(f.detail) <= STATE_MAX_DETAIL -> len(f.detail) < STATE_MAX_DETAIL": _CUT,
+    "gpuguard/quarantine/node/accelerated.py owned_by_another: '' -> 'XXXX'": (
+        "equivalent: a condition without a message is another writer's either way (neither text starts "
+        "with gpuguard's prefix)"
+    ),
 }
 
 _SWAP_CMP = {
