@@ -88,6 +88,8 @@ MODULES = (
     "gpuguard/store/retry.py",
     "gpuguard/store/limits.py",
     "gpuguard/quarantine/node/accelerated.py",
+    "gpuguard/quarantine/repeat/hold.py",
+    "gpuguard/core/xidevent.py",
 )
 # The unit tests that run in-process in milliseconds (no fake NVML library, no subprocess, no chart).
 TESTS = (
@@ -145,6 +147,7 @@ TESTS = (
     "tests/test_explained.py",
     "tests/test_retry.py",
     "tests/test_limits.py",
+    "tests/test_xidevent.py",
 )
 # Survivors judged equivalent (no test could tell them apart) or cosmetic, by mutant key, with why.
 _FALSY = "equivalent: the caller tests the answer for truth, and None is false like False"
