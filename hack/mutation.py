@@ -90,6 +90,7 @@ MODULES = (
     "gpuguard/quarantine/node/accelerated.py",
     "gpuguard/quarantine/repeat/hold.py",
     "gpuguard/core/xidevent.py",
+    "gpuguard/core/signaltable.py",
 )
 # The unit tests that run in-process in milliseconds (no fake NVML library, no subprocess, no chart).
 TESTS = (
@@ -148,6 +149,7 @@ TESTS = (
     "tests/test_retry.py",
     "tests/test_limits.py",
     "tests/test_xidevent.py",
+    "tests/test_signaltable.py",
 )
 # Survivors judged equivalent (no test could tell them apart) or cosmetic, by mutant key, with why.
 _FALSY = "equivalent: the caller tests the answer for truth, and None is false like False"
@@ -174,6 +176,11 @@ _PLAN_CACHE = (
 )
 _SIG = "gpuguard/judge/signals.py "
 _LIMITS = "gpuguard/store/limits.py "
+_TABLE = "gpuguard/core/signaltable.py "
+_LEVEL = (
+    "the mutant raises at import (the shipped table's levels are then unknown), which no run of a test could "
+    "miss (counted as an error by the mutator)"
+)
 _NO_DETAIL = (
     "equivalent: a rule's empty detail means not tripped, and its caller tests it for truth (None too)"
 )
@@ -400,6 +407,12 @@ JUDGED: dict[str, str] = {
     ),
     _LIMITS + "_cut: len(f.reason) <= STATE_MAX_REASON -> len(f.reason) < STATE_MAX_REASON": _CUT,
     _LIMITS + "_cut: len(f.detail) <= STATE_MAX_DETAIL -> len(f.detail) < STATE_MAX_DETAIL": _CUT,
+    _TABLE + "<module>: 'fault' -> 'XXfaultXX'": _LEVEL,
+    _TABLE + "<module>: 'degraded' -> 'XXdegradedXX'": _LEVEL,
+    _TABLE + "<module>: 'ignore' -> 'XXignoreXX'": _LEVEL,
+    _TABLE + "load: 1000000000000000.0 -> 1000000000000001.0": (
+        "equivalent: no shipped threshold is near the bound (the bound itself is pinned through `changed`)"
+    ),
     "gpuguard/quarantine/node/accelerated.py owned_by_another: '' -> 'XXXX'": (
         "equivalent: a condition without a message is another writer's either way (neither text starts "
         "with gpuguard's prefix)"
