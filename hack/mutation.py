@@ -80,6 +80,17 @@ MODULES = (
     "gpuguard/quarantine/repair/asking.py",
     "gpuguard/quarantine/repair/proof.py",
     "gpuguard/quarantine/repair/values.py",
+    "gpuguard/quarantine/repair/bucket.py",
+    "gpuguard/core/hardware.py",
+    "gpuguard/judge/links.py",
+    "gpuguard/judge/xidfaults.py",
+    "gpuguard/judge/explained.py",
+    "gpuguard/store/retry.py",
+    "gpuguard/store/limits.py",
+    "gpuguard/quarantine/node/accelerated.py",
+    "gpuguard/quarantine/repeat/hold.py",
+    "gpuguard/core/xidevent.py",
+    "gpuguard/core/signaltable.py",
 )
 # The unit tests that run in-process in milliseconds (no fake NVML library, no subprocess, no chart).
 TESTS = (
@@ -131,6 +142,14 @@ TESTS = (
     "tests/test_repair.py",
     "tests/test_repair_agent.py",
     "tests/test_repair_executor.py",
+    "tests/test_hardware.py",
+    "tests/test_links.py",
+    "tests/test_xidfaults.py",
+    "tests/test_explained.py",
+    "tests/test_retry.py",
+    "tests/test_limits.py",
+    "tests/test_xidevent.py",
+    "tests/test_signaltable.py",
 )
 # Survivors judged equivalent (no test could tell them apart) or cosmetic, by mutant key, with why.
 _FALSY = "equivalent: the caller tests the answer for truth, and None is false like False"
@@ -156,6 +175,12 @@ _PLAN_CACHE = (
     "(a stale entry needs a freed table's id reused)"
 )
 _SIG = "gpuguard/judge/signals.py "
+_LIMITS = "gpuguard/store/limits.py "
+_TABLE = "gpuguard/core/signaltable.py "
+_LEVEL = (
+    "the mutant raises at import (the shipped table's levels are then unknown), which no run of a test could "
+    "miss (counted as an error by the mutator)"
+)
 _NO_DETAIL = (
     "equivalent: a rule's empty detail means not tripped, and its caller tests it for truth (None too)"
 )
@@ -357,6 +382,41 @@ JUDGED: dict[str, str] = {
     _SIG + "_clock: return '' -> return None": _NO_DETAIL,
     _SIG + "_clock: return '' -> return None #2": _NO_DETAIL,
     _SIG + "_retired_pages: return '' -> return None": _NO_DETAIL,
+    "gpuguard/quarantine/repair/bucket.py take: 0 <= tokens <= bucket.burst -> 0 <= tokens < bucket.burst": (
+        "equivalent: a count of exactly `burst` is a full bucket either way (a full one refills nothing)"
+    ),
+    "gpuguard/judge/links.py nvlink_down: active <= first -> active < first": (
+        "equivalent: raising a baseline by the links it already has leaves it as it was"
+    ),
+    "gpuguard/judge/links.py nvlink_down: '' -> 'XXXX' #2": (
+        "unreachable: the product's rule trips only with fewer links active than the product has, so some of "
+        "its links are inactive"
+    ),
+    "gpuguard/judge/links.py pcie_width: width > first -> width >= first": (
+        "equivalent: raising the baseline to the width it already is leaves it as it was"
+    ),
+    "gpuguard/store/retry.py WriteRetry.__init__: 0.0 -> 1.0": (
+        "equivalent: the retry time is read only after a failure, which sets it first"
+    ),
+    "gpuguard/store/retry.py WriteRetry.failed: 16 -> 17": (
+        "equivalent: only a cap on the exponent (no huge power after days of failures); 5 s x 2^16 is "
+        "far past MOST_S either way"
+    ),
+    _LIMITS + "kept_faults: len(faults) <= STATE_MAX_FAULTS -> len(faults) < STATE_MAX_FAULTS": (
+        "equivalent: exactly the limit's faults through the trim keep every one of them, in order"
+    ),
+    _LIMITS + "_cut: len(f.reason) <= STATE_MAX_REASON -> len(f.reason) < STATE_MAX_REASON": _CUT,
+    _LIMITS + "_cut: len(f.detail) <= STATE_MAX_DETAIL -> len(f.detail) < STATE_MAX_DETAIL": _CUT,
+    _TABLE + "<module>: 'fault' -> 'XXfaultXX'": _LEVEL,
+    _TABLE + "<module>: 'degraded' -> 'XXdegradedXX'": _LEVEL,
+    _TABLE + "<module>: 'ignore' -> 'XXignoreXX'": _LEVEL,
+    _TABLE + "load: 1000000000000000.0 -> 1000000000000001.0": (
+        "equivalent: no shipped threshold is near the bound (the bound itself is pinned through `changed`)"
+    ),
+    "gpuguard/quarantine/node/accelerated.py owned_by_another: '' -> 'XXXX'": (
+        "equivalent: a condition without a message is another writer's either way (neither text starts "
+        "with gpuguard's prefix)"
+    ),
 }
 
 _SWAP_CMP = {

@@ -77,6 +77,12 @@ def test_a_healthy_node_is_true_and_a_restarted_agent_writes_nothing_new() -> No
     assert plan_accelerated_condition(c, verdict(), quarantined=False, now=NOW + timedelta(hours=1)) is None
 
 
+def test_a_healthy_nodes_reason_is_the_eks_agents_own_word_for_a_ready_node() -> None:
+    """A repair policy keyed on the reason reads the same word from gpuguard as from the EKS agent."""
+    c = plan_accelerated_condition(None, verdict(), quarantined=False, now=NOW)
+    assert c is not None and c["reason"] == EKS_READY["reason"] == "NvidiaAcceleratedHardwareIsReady"
+
+
 def test_a_new_fault_changes_the_reason_but_keeps_the_transition_time_karpenter_counts_from() -> None:
     first = plan_accelerated_condition(None, verdict(ecc=2), quarantined=True, now=NOW)
     assert first is not None and first["reason"] == "NvidiaDoubleBitError"
@@ -102,6 +108,8 @@ def test_a_condition_another_writer_owns_is_left_alone_whatever_gpuguard_sees() 
     [
         ("xid-79", "NvidiaXID79Error"),
         ("xid-48", "NvidiaXID48Error"),
+        ("xid-8", "NvidiaXID8Error"),
+        ("xid-154", "NvidiaXID154Error"),
         ("ecc", "NvidiaDoubleBitError"),
         ("gpu-missing", "NvidiaDeviceCountMismatch"),
         ("gpu-lost", "NvidiaDeviceLost"),
@@ -112,6 +120,17 @@ def test_a_condition_another_writer_owns_is_left_alone_whatever_gpuguard_sees() 
         ("repeat-offender", "NvidiaRepeatOffender"),
         ("recovery-node-reboot", "NvidiaRecoveryNodeReboot"),
         ("pcie-width", "NvidiaPcieWidth"),
+        ("retired-pages", "NvidiaPageRetirement"),
+        ("reset-required", "NvidiaResetRequired"),
+        ("nvml-unresponsive", "NvidiaNVMLUnresponsive"),
+        ("gpu-unresponsive", "NvidiaGPUUnresponsive"),
+        ("gpu-unreadable", "NvidiaGPUUnreadable"),
+        ("fabric-status", "NvidiaFabricError"),
+        ("fabric-degraded", "NvidiaFabricError"),
+        ("nvlink-errors", "NvidiaNVLinkError"),
+        ("sxid-12", "NvidiaSxid12"),
+        ("xid-", "NvidiaXid"),
+        ("clock_hw-slowdown", "NvidiaSlowdown"),
     ],
 )
 def test_each_fault_has_a_stable_reason_in_the_eks_agents_style(fault: str, reason: str) -> None:

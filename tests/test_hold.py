@@ -7,6 +7,7 @@ bytes whatever the history holds, and its reader refuses what the agent would ne
 from __future__ import annotations
 
 import json
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from gpuguard.quarantine.node.view import ANN_REPEAT_OFFENDERS, LABEL_NEEDS_REPA
 from gpuguard.quarantine.repeat import hold, published
 from gpuguard.quarantine.repeat.escalation import Limits, held_faults
 from gpuguard.quarantine.repeat.marks import marks, with_marks
+from gpuguard.quarantine.repeat.release import ReleaseRequest
 from gpuguard.store.history import Episode, GpuHistory, HistoryStore, Release
 from tests.test_repeat import DAY, HEALTHY, SETTINGS, T0, XID, Node, release
 
@@ -84,6 +86,13 @@ def test_a_hold_of_a_gpu_already_held_changes_nothing(tmp_path: Path) -> None:
         place(node, by="bob", at="2027-01-15T09:00:00Z")
     assert [e["event"] for e in logs if e["event"].startswith("repeat.hold")] == ["repeat.hold_already_held"]
     assert HistoryStore(tmp_path).load()["GPU-1"].held_by == "alice"
+
+
+def test_the_annotation_the_cli_writes_is_the_hold_the_agent_reads() -> None:
+    at = datetime(2027, 1, 15, 9, 0, 0, tzinfo=timezone(timedelta(hours=1)))
+    text = hold.annotation("GPU-1", by="alice", at=at)
+    assert json.loads(text) == {"gpu": "GPU-1", "by": "alice", "at": "2027-01-15T08:00:00Z"}
+    assert hold.parse(text, now=at.timestamp()) == ReleaseRequest(gpu="GPU-1", by="alice", at=at.timestamp())
 
 
 def test_the_held_fault_says_who_held_the_gpu() -> None:

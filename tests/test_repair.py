@@ -18,8 +18,9 @@ from gpuguard.nvml.base import GpuAfterReset
 from gpuguard.quarantine.node.view import LABEL_QUARANTINED, NodeView, Taint
 from gpuguard.quarantine.record import ANN_FAULTS, TAINT_KEY
 from gpuguard.quarantine.repair import asking
+from gpuguard.quarantine.repair.bucket import Bucket, take
 from gpuguard.quarantine.repair.ladder import decide
-from gpuguard.quarantine.repair.pace import ANN_AT, ANN_TOKENS, Bucket, LeasePace, take
+from gpuguard.quarantine.repair.pace import ANN_AT, ANN_TOKENS, LeasePace
 from gpuguard.quarantine.repair.proof import proof_failures
 from gpuguard.quarantine.repair.values import (
     ANN_REQUEST,
@@ -296,6 +297,18 @@ def test_the_pace_allows_a_burst_then_refills_by_itself_and_a_clock_step_mints_n
     assert take(bucket, left, NOW, at(600))[0] is True  # 10 minutes: one reset's worth again
     assert take(bucket, left, at(3600), NOW)[0] is False  # a time ahead of now refills nothing
     assert take(bucket, 99.0, NOW, NOW) == (True, 1.0)  # a forged count is a full bucket, never more
+
+
+def test_the_pace_refills_per_hour_tokens_an_hour_in_proportion() -> None:
+    bucket = Bucket(per_hour=6, burst=2)
+    assert take(bucket, 0.0, NOW, at(300)) == (False, 0.5)  # 5 minutes of 6 an hour: half a reset
+    assert take(bucket, 0.0, NOW, at(900)) == (True, 0.5)
+
+
+def test_the_pace_adds_nothing_in_no_time_nor_when_its_time_is_ahead_of_now() -> None:
+    bucket = Bucket(per_hour=6, burst=2)
+    assert take(bucket, 0.5, NOW, NOW) == (False, 0.5)
+    assert take(bucket, 0.5, at(3600), NOW) == (False, 0.5)
 
 
 class FakeLeases:

@@ -25,8 +25,9 @@ from gpuguard.kube import client as kubeclient
 from gpuguard.kube import devicerules, events, nodes
 from gpuguard.kube.podresources.client import PodResourcesClient
 from gpuguard.quarantine.gpu.slices import slice_devices
+from gpuguard.quarantine.repair.bucket import Bucket
 from gpuguard.quarantine.repair.executor import Executor
-from gpuguard.quarantine.repair.pace import Bucket, LeasePace
+from gpuguard.quarantine.repair.pace import LeasePace
 
 log = structlog.get_logger(__name__)
 

@@ -2,12 +2,11 @@
 kept in one Lease every executor reads and replaces with its resourceVersion, so two executors that take
 the last token at once cannot both have it (the second meets a 409, reads again and finds none).
 
-The bucket itself is pure (`take`); `LeasePace` is its home on the API server."""
+The bucket itself is pure (`gpuguard.quarantine.repair.bucket`); `LeasePace` is its home on the API server."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import structlog
@@ -16,32 +15,13 @@ from gpuguard.core.errors import ConflictError
 from gpuguard.core.validation import PREFIX
 from gpuguard.kube import client as kubeclient
 from gpuguard.kube import leases
+from gpuguard.quarantine.repair.bucket import Bucket, take
 from gpuguard.quarantine.repair.values import parse_time, stamp
 
 log = structlog.get_logger(__name__)
 
 ANN_TOKENS = f"{PREFIX}repair-tokens"
 ANN_AT = f"{PREFIX}repair-tokens-at"
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """`burst` resets at once at most, refilled at `per_hour` resets an hour."""
-
-    per_hour: float
-    burst: int
-
-
-def take(bucket: Bucket, tokens: float | None, at: datetime | None, now: datetime) -> tuple[bool, float]:
-    """Whether a reset may start now, and the tokens left. A bucket never seen (or unreadable) is full; one
-    whose time is ahead of `now` refills nothing (a clock step cannot mint tokens)."""
-    if tokens is None or at is None or not 0 <= tokens <= bucket.burst:
-        tokens, at = float(bucket.burst), now
-    elapsed = max(0.0, (now - at).total_seconds())
-    tokens = min(float(bucket.burst), tokens + elapsed * bucket.per_hour / 3600)
-    if tokens >= 1:
-        return True, tokens - 1
-    return False, tokens
 
 
 class LeasePace:
