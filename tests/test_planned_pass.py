@@ -4,9 +4,12 @@ shorter than the plan's period reads nothing."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from typing import Any
+
+import pytest
 
 from gpuguard.nvml.real.deadline import Hang, Pass, Runner
 
@@ -98,3 +101,27 @@ def test_a_wait_that_ends_before_the_plans_time_reads_nothing() -> None:
         assert runner.next(job, at=time.monotonic() + 0.01, early=early) is None
     finally:
         runner.stop()
+
+
+def test_idle_polls_hand_the_reading_thread_no_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan is kept from poll to poll: the reading thread runs each pass by itself and nothing is handed
+    to it per poll (a job handed over per poll woke both threads twice more). Checked against the one-off
+    `run`, which does hand a job over."""
+    puts: list[Any] = []
+
+    class Counting(queue.SimpleQueue[Any]):
+        def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+            puts.append(item)
+            super().put(item, block, timeout)
+
+    monkeypatch.setattr(queue, "SimpleQueue", Counting)  # the module deadline uses
+    runner, job, early = Runner(), _job(), threading.Event()
+    try:
+        results = [runner.next(job, at=time.monotonic() + 0.02, early=early) for _ in range(6)]
+        jobs = [item for item in puts if isinstance(item, tuple) and len(item) == 4]
+        assert runner.run(job) == 7
+        one_off = [item for item in puts if isinstance(item, tuple) and len(item) == 4]
+    finally:
+        runner.stop()
+    assert results == [1, 2, 3, 4, 5, 6]
+    assert jobs == [] and len(one_off) == 1
