@@ -49,6 +49,17 @@ def test_every_go_build_script_uses_the_shared_environment_and_sets_no_cache_of_
         assert not re.search(r"^\s*export (GOCACHE|GOMODCACHE|GOPATH)=", text, re.M), name
 
 
+def test_every_go_build_compiles_with_the_same_flags_so_shared_packages_compile_once() -> None:
+    """The build cache is shared, but a compile action is reused only under the same flags: one build without
+    -dwarf=false would compile the standard library (and every package it shares) a second time."""
+    for name in GO_BUILDS:
+        text = (ROOT / "hack" / name / "build.sh").read_text()
+        commands = re.findall(r"^[^#\n]*\bgo (?:build|install) (?:[^\n]*\\\n)*[^\n]*", text, re.M)
+        assert commands, name
+        for command in commands:
+            assert "-trimpath" in command and "-gcflags=all=-dwarf=false" in command, (name, command)
+
+
 def test_build_all_builds_every_binary_the_tests_use_in_two_lanes_beside_the_image() -> None:
     text = (ROOT / "hack" / "build-all.sh").read_text()
     calls = re.findall(r"timed \S+ (hack/\S+/build\.sh(?: --\S+)?)", text)
