@@ -1073,7 +1073,10 @@ def document(  # noqa: PLR0917 - one call site, every part named there
             "(CPU from",
             "/proc/<pid>/task/*/schedstat, nanoseconds; wake-ups are voluntary context switches). The",
             "agent's checks cost more than the reads alone: building the readings, the (memoised) policy,",
-            "metrics, the verdict handed to the node writer.",
+            "metrics, the verdict handed to the node writer. The ratio moves with the machine's load (the",
+            "agent's two threads more than the floor's one); whether a change made the idle agent costlier",
+            "is measured by `python -m bench.idle_compare REF`: the agents of this tree and of commit REF",
+            "beside the floor in the same window.",
             bullet=True,
         ),
     ]
