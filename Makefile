@@ -139,9 +139,8 @@ unit: install fakenvml
 
 # Mutation testing of the pure decision modules (hack/mutation.py; not part of `make test`): every mutant
 # against the fast unit tests that run its line (chosen by coverage, pinned in the dev extra), then the kill rate per
-# module; docs/reliability.md has the last report. The whole set of 37 modules, 2,943 mutants, took 16.6
-# minutes on the 2-core machine beside a benchmark (2026-12-06); the 11 modules added since (424 mutants)
-# took 6 minutes on their own. A part:
+# module; docs/reliability.md has the last report. The whole set of 48 modules, 3,367 mutants, took 22.2
+# minutes on the 2-core machine beside Go builds (2026-12-06). A part:
 # MUTATION_ARGS="--module gpuguard/judge/policy.py" or "--sample 60" (a seeded sample of each module).
 MUTATION_ARGS ?=
 mutation: install
