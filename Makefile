@@ -104,11 +104,11 @@ kube-down: install
 kube-status: install
 	$(BIN)/python -m harness.controlplane status
 
-# pytest-xdist workers for `make test`: 3 on the 2-core CI machine, because the tests wait on the API server,
+# pytest-xdist workers for `make test`: 4 on the 2-core CI machine, because the tests wait on the API server,
 # etcd and subprocess agents much of the time (with 2 workers pytest used 576 CPU-s in 621 s of wall clock:
 # under half of the two cores, 2026-12-06); each worker starts its own control planes, so each worker adds
 # their memory. --dist loadfile keeps a file's tests (and its fixtures) on one worker.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 
 # The linters on the code first (a style or typing regression fails in a minute, before the builds), then
 # every pinned build (hack/build-all.sh), the chart's lint, and the tests: unit tests, the nvml backend

@@ -80,7 +80,7 @@ def test_build_all_builds_every_binary_the_tests_use_in_two_lanes_beside_the_ima
     lines = [line.strip() for line in make_test.splitlines()[1:]]
     assert lines.index("$(MAKE) --no-print-directory lint-code") < lines.index("hack/build-all.sh")
     assert lines[-1] == "$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile"
-    assert re.search(r"^TEST_WORKERS \?= 3$", (ROOT / "Makefile").read_text(), re.M)
+    assert re.search(r"^TEST_WORKERS \?= 4$", (ROOT / "Makefile").read_text(), re.M)
 
 
 def _stub_root(tmp_path: Path, failing: str = "") -> Path:
