@@ -303,7 +303,7 @@ JUDGED: dict[str, str] = {
         "equivalent: the record is a JSON list, which has no key separator"
     ),
     "gpuguard/quarantine/node/degraded.py _ours: return False -> return None": _FALSY,
-    "gpuguard/quarantine/node/degraded.py _earlier_value: 1 -> 2": _SPLIT,
+    "gpuguard/quarantine/node/degraded.py DegradedRecord.first_reason: 1 -> 2": _SPLIT,
     "gpuguard/quarantine/record.py FaultRecord.primary_reason: 1 -> 2": _SPLIT,
     "gpuguard/quarantine/record.py FaultRecord.primary_reason: '' -> 'XXXX'": "equivalent: the stand-in "
     "fault's detail, which policy.primary never reads (it ranks the reasons)",

@@ -193,3 +193,14 @@ def test_the_degraded_taint_is_on_by_default_and_a_flag_or_its_variable_turns_it
     )
     assert result.exception is None, result.output
     assert seen == [taint]
+
+
+def test_a_degraded_nodes_status_reason_is_its_alphabetically_first_recorded_reason() -> None:
+    """As the degraded taint's value said before taints lost their values: "pcie-width" before
+    "pcie-width-max", although the key "pcie-width-max/GPU-1" sorts before "pcie-width/GPU-1"."""
+    signals = {"gpuguard.io/degraded-signals": '["pcie-width/GPU-1", "pcie-width-max/GPU-1"]'}
+    soft = {"key": "gpuguard.io/gpu-degraded", "effect": "PreferNoSchedule"}
+    api: Any = NodesApi([node("n", {"gpuguard.io/degraded": "true"}, signals, [soft])], [])
+    (row,) = degraded_nodes(api, skip=set())
+    assert row["reason"] == "pcie-width"
+    assert row["degraded"] == ["pcie-width-max/GPU-1", "pcie-width/GPU-1"]

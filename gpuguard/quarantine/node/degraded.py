@@ -65,6 +65,12 @@ class DegradedRecord:
         keys = [validation.fault_key(k) for k in doc if isinstance(k, str) and k]
         return cls(present=True, keys=frozenset(keys[:MAX_DEGRADED_KEYS]))
 
+    @property
+    def first_reason(self) -> str | None:
+        """The alphabetically first recorded reason (what `gpuguard status` shows, and the taint's value in
+        earlier versions); None when nothing is recorded."""
+        return min((k.split("/", 1)[0] for k in self.keys), default=None)
+
 
 def degraded_keys(degraded: Iterable[Fault]) -> frozenset[str]:
     """The keys as recorded: each through fault_key (a hostile UUID cannot split or grow one), at most
@@ -153,15 +159,14 @@ def _ours(current: Taint, record: DegradedRecord) -> bool:
     gpuguard's record or after ours was removed by hand) is theirs: never rewritten, never removed."""
     if not record.present or current.effect != SOFT_EFFECT:
         return False
-    return not current.value or current.value == _earlier_value(record.keys)
+    return not current.value or current.value == _earlier_value(record)
 
 
-def _earlier_value(keys: Iterable[str]) -> str:
-    """The value earlier versions gave the taint: the alphabetically first reason of the keys as recorded,
-    or "degraded" where there is none or it is not a valid label value."""
-    first = min((k.split("/", 1)[0] for k in keys), default="degraded")
+def _earlier_value(record: DegradedRecord) -> str:
+    """The value earlier versions gave the taint: the record's first reason, or "degraded" where there is
+    none or it is not a valid label value."""
     try:
-        return validation.taint_value(first)
+        return validation.taint_value(record.first_reason or "degraded")
     except ConfigError:
         return "degraded"
 

@@ -287,9 +287,11 @@ def degraded_nodes(api: kubeclient.Client, *, skip: set[str], timeout: float = 1
         n = NodeView.from_api(item)
         record = DegradedRecord.read(n.annotations)
         if n.name not in skip and record.present:
-            keys = sorted(record.keys)
-            reason = keys[0].split("/", 1)[0] if keys else None
-            rows.append(_status_row(n, "degraded", degraded_taint(n), reason=reason, degraded=keys))
+            rows.append(
+                _status_row(
+                    n, "degraded", degraded_taint(n), reason=record.first_reason, degraded=sorted(record.keys)
+                )
+            )
     return sorted(rows, key=lambda r: str(r["node"]))
 
 
