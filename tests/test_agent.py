@@ -71,7 +71,7 @@ def test_a_steady_node_reuses_its_verdict_and_a_change_is_judged_at_once() -> No
 
 
 def test_a_degraded_signal_counted_over_a_window_clears_as_time_passes_with_readings_unchanged() -> None:
-    """Issue 29: a power-brake storm degrades the GPU; once the readings stop changing, only time ends the
+    """A power-brake storm degrades the GPU; once the readings stop changing, only time ends the
     window, so the agent judges again each check while the judge remembers events (not the remembered
     verdict), and goes back to reusing it once nothing is pending."""
     text = (

@@ -307,7 +307,7 @@ def test_a_dry_run_logs_each_transition_once_not_as_if_it_were_written(tmp_path:
     assert all(isinstance(e["patch"], dict) for e in p.lines if e["event"] == "node.dry_run")
 
 
-# Issue 12's review, defect 13: logs.
+# A review of the agent on a cluster, defect 13: logs.
 def test_defect_13_each_log_line_names_one_fault_one_node_and_a_structured_patch(tmp_path: Path) -> None:
     scenario = tmp_path / "s.yaml"
     scenario.write_text(
@@ -375,7 +375,7 @@ def watch_config(*args: str) -> Config:
         return cli_settings.config(ctx.params, watch=True)
 
 
-# Issue 12's review, defect 15: empty environment values.
+# A review of the agent on a cluster, defect 15: empty environment values.
 def test_defect_15_empty_environment_values_behave_like_the_empty_flags(
     clean_env: pytest.MonkeyPatch,
 ) -> None:
@@ -387,7 +387,7 @@ def test_defect_15_empty_environment_values_behave_like_the_empty_flags(
     assert cfg.state_dir is None and cfg.policy.ignored_xids == frozenset()
 
 
-# Issue 12's review, defect 12: the mock backend and the host's state directory.
+# A review of the agent on a cluster, defect 12: the mock backend and the host's state directory.
 def test_defect_12_a_mock_run_without_dry_run_keeps_no_state_in_the_hosts_directory(
     clean_env: pytest.MonkeyPatch,
 ) -> None:

@@ -1,4 +1,4 @@
-"""Issue 29's second level on a DRA node: a degraded GPU published in a ResourceSlice gets an effect-None
+"""The degraded level on a DRA node: a degraded GPU published in a ResourceSlice gets an effect-None
 DeviceTaintRule of its own (gpuguard-degraded.<node>.<device>), deleted once clean for the recovery window;
 it is never counted by the GPU budget, and a rule gpuguard cannot prove its own is left alone."""
 

@@ -1,4 +1,4 @@
-"""Issue 29's second level on the node: the degraded marks' plan (pure), and the reconciler that writes them
+"""The degraded level on the node: the degraded marks' plan (pure), and the reconciler that writes them
 in the same pass as the fault's, never cordons for them and never counts them against the budget."""
 
 from __future__ import annotations

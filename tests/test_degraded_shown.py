@@ -1,4 +1,4 @@
-"""Issue 29's second level where operators look: /healthz (each GPU's `degraded` beside `reasons`), the
+"""The degraded level where operators look: /healthz (each GPU's `degraded` beside `reasons`), the
 metric gpuguard_gpu_degraded{gpu,uuid,reason}, `gpuguard check` (a DEGRADED column, exit 0 unless
 --fail-on-degraded) and `gpuguard status` (a DEGRADED column, degraded nodes and rules listed)."""
 

@@ -330,7 +330,7 @@ def test_the_charts_gpu_nodes_are_the_manifests_and_its_budget_counts_the_same_n
     assert _env(default_render)["GPUGUARD_GPU_NODE_SELECTOR"] == selector_of(gpu_node_terms(spec))
 
 
-# Issue 12's review, defect 4: the budget counts the nodes the DaemonSet runs on.
+# A review of the agent on a cluster, defect 4: the budget counts the nodes the DaemonSet runs on.
 def test_defect_04_the_budget_counts_the_nodes_of_the_charts_gpu_nodes_and_node_selector(helm: Helm) -> None:
     one = '{"matchExpressions": [{"key": "cloud.example.com/gpu", "operator": "In", "values": ["h100"]}]}'
     other = '{"matchExpressions": [{"key": "example.com/gpu", "operator": "Exists"}]}'
@@ -350,7 +350,7 @@ def test_a_gpu_nodes_term_a_label_selector_cannot_count_is_refused_at_render(hel
     assert result.returncode != 0 and "gpuNodes" in result.stderr
 
 
-# Issue 12's review, defect 14: IPv6.
+# A review of the agent on a cluster, defect 14: IPv6.
 def test_defect_14_the_chart_does_not_hard_code_an_ipv4_listen_address() -> None:
     template = (ROOT / "deploy/helm/gpuguard/templates/daemonset.yaml").read_text()
     assert "0.0.0.0" not in template

@@ -362,7 +362,7 @@ def test_the_agent_runs_only_on_gpu_nodes_of_every_common_platform() -> None:
     ]
 
 
-# Issue 12's review, defect 4: the budget's GPU nodes and the DaemonSet's.
+# A review of the agent on a cluster, defect 4: the budget's GPU nodes and the DaemonSet's.
 def test_defect_04_the_manifests_budget_counts_the_nodes_of_its_node_affinity() -> None:
     pod = _pod_spec()
     agent = next(c for c in pod["containers"] if c["name"] == "gpuguard")

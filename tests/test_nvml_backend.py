@@ -233,7 +233,7 @@ def test_sigterm_shuts_nvml_down_within_two_seconds(fakenvml: Path, tmp_path: Pa
     assert time.monotonic() - t0 < 2.0
 
 
-# -- never blind, never wrong: every answer nvml.h documents (issue 11) ------------------------------------
+# -- never blind, never wrong: every answer nvml.h documents --------------------------------------------
 
 
 def wait_for(port: int, pred: Any, timeout: float = 8.0) -> dict[str, Any]:
@@ -496,7 +496,7 @@ def test_watch_without_an_nvml_library_exits_3_after_the_load_timeout(tmp_path: 
 def test_an_uncorrected_ecc_error_wakes_the_agent_at_once_not_at_the_next_poll(
     fakenvml: Path, tmp_path: Path
 ) -> None:
-    """Issue 16: ECC was seen only at the next poll (3 s), so the burst put a pod on the ECC node. The
+    """ECC was seen only at the next poll (3 s), so the burst put a pod on the ECC node. The
     double-bit ECC event now wakes the agent like an Xid does; --interval 30 leaves no poll to help."""
     s = state_file(tmp_path, "gpu 0 uuid=GPU-0a\ngpu 1 uuid=GPU-0b\n")
     with watching(fakenvml, s, "--interval", "30") as port:
@@ -510,7 +510,7 @@ def test_an_uncorrected_ecc_error_wakes_the_agent_at_once_not_at_the_next_poll(
         assert latency < 0.5, f"{latency * 1000:.0f} ms with a 30 s interval"
 
 
-# -- an idle node costs almost nothing (issue 15) ---------------------------------------------------------
+# -- an idle node costs almost nothing -----------------------------------------------------------------
 
 
 def _voluntary_switches(pid: int) -> int:

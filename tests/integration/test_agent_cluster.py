@@ -132,7 +132,7 @@ def test_a_fatal_xid_taints_and_recovers_only_after_the_boot_id_changes(
     )
 
 
-# Issue 12's review, defect 2.
+# A review of the agent on a cluster, defect 2.
 def test_defect_02_the_same_fault_in_a_new_boot_taints_again(admin: Admin, start_agent: Any) -> None:
     agent, node, state = start_agent(boot_id="boot-a", env=RESYNC)
     state.write_text(GPUS_OK + "xid 0 79\n")
@@ -152,7 +152,7 @@ def test_defect_02_the_same_fault_in_a_new_boot_taints_again(admin: Admin, start
     assert annotations_of(admin, node)["gpuguard.io/boot-id"] == "boot-b"
 
 
-# Issue 12's review, defect 3.
+# A review of the agent on a cluster, defect 3.
 def test_defect_03_a_fault_that_recurs_after_a_reboot_records_the_new_boot(
     admin: Admin, start_agent: Any
 ) -> None:
@@ -181,7 +181,7 @@ def test_defect_03_a_fault_that_recurs_after_a_reboot_records_the_new_boot(
     assert admin.our_taint(node) is not None
 
 
-# Issue 12's review, defect 9.
+# A review of the agent on a cluster, defect 9.
 def test_defect_09_a_boot_id_the_kubelet_posts_late_still_lets_the_node_recover(
     admin: Admin, start_agent: Any
 ) -> None:
@@ -210,7 +210,7 @@ def test_ecc_recovers_after_a_counter_reset_and_an_admins_cordon_survives(
     assert admin.node(node)["spec"]["unschedulable"] is True
 
 
-# Issue 12's review, defect 6.
+# A review of the agent on a cluster, defect 6.
 def test_defect_06_recovery_never_lifts_an_admins_later_cordon(admin: Admin, start_agent: Any) -> None:
     _, node, state = start_agent(env=RESYNC)
     state.write_text(ECC)
@@ -245,7 +245,7 @@ def test_a_taint_removed_by_hand_is_not_re_added_for_the_same_fault_only_for_a_n
     assert len(agent.events("node.tainted")) == 2
 
 
-# Issue 12's review, defect 1.
+# A review of the agent on a cluster, defect 1.
 def test_defect_01_operator_removed_taint_does_not_spend_budget(admin: Admin, start_agent: Any) -> None:
     _, node, state = start_agent(env=RESYNC)
     state.write_text(ECC)
@@ -259,7 +259,7 @@ def test_defect_01_operator_removed_taint_does_not_spend_budget(admin: Admin, st
     assert admin.our_taint(node) is None and LABEL not in labels(admin, node)
 
 
-# Issue 12's review, defect 7.
+# A review of the agent on a cluster, defect 7.
 def test_defect_07_a_gpu_unhealthy_taint_gpuguard_did_not_place_is_left_alone(
     admin: Admin, start_agent: Any
 ) -> None:

@@ -1,4 +1,4 @@
-"""Issue 29's second level on the real API server, written by the reconciler with the agent's own token
+"""The degraded level on the real API server, written by the reconciler with the agent's own token
 under the enforced admission policy: a degraded node gets the PreferNoSchedule taint, the GPUDegraded
 condition, the label and the annotation, stays schedulable, is not counted by the quarantine budget, and
 is released once clean for the recovery window."""

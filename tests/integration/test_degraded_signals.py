@@ -1,4 +1,4 @@
-"""Issue 29's signals on the real API server, end to end in one process: a mock scenario's readings, the
+"""The health signals on the real API server, end to end in one process: a mock scenario's readings, the
 agent's judge and its reconciler with the agent's own token under the enforced admission policy. A
 power-brake storm marks the node degraded (PreferNoSchedule, never a cordon) and is released once its window
 has passed and the node stayed clean for the recovery window; --signals-config's node rules follow the

@@ -1,4 +1,4 @@
-"""Fitting the ecosystem (issue 7) on the real kube-apiserver: the GPUHealthy node condition, the startup gate
+"""Fitting the ecosystem on the real kube-apiserver: the GPUHealthy node condition, the startup gate
 for new nodes (timed), /metrics, and `gpuguard status`."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def test_a_broken_gpu_adds_the_unhealthy_taint_and_keeps_the_startup_gate(
     assert admin.tainted_for(node) == "gpu-lost"
 
 
-# Issue 12's review, defect 8.
+# A review of the agent on a cluster, defect 8.
 def test_defect_08_a_never_verified_node_stays_gated_when_the_budget_is_spent(
     admin: Admin, start_agent: Any, tmp_path: Path
 ) -> None:
@@ -137,7 +137,7 @@ def _quarantined_metric(port: int) -> float:
     return float(line.split()[1])
 
 
-# Issue 12's review, defect 9.
+# A review of the agent on a cluster, defect 9.
 def test_defect_09_healthz_and_metrics_follow_an_operators_override(admin: Admin, start_agent: Any) -> None:
     agent, node, state = start_agent(env=RESYNC)
     state.write_text(ECC)

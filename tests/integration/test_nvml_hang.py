@@ -1,4 +1,4 @@
-"""A hung NVML call against the real kube-apiserver and the fake NVML library (issue 24): an ECC read that
+"""A hung NVML call against the real kube-apiserver and the fake NVML library: an ECC read that
 never returns on one GPU, and an Xid 79 on it during the hang."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Faults survived, nothing lost (issue 6), against the real kube-apiserver and the fake NVML library:
+"""Faults survived, nothing lost, against the real kube-apiserver and the fake NVML library:
 a SIGKILL between an Xid and its write, a kill during recovery, hanging API calls, the quarantine budget,
 and a bounded soak of the check loop."""
 
@@ -185,7 +185,7 @@ def test_the_quarantine_budget_defers_and_then_escalates(
     assert nb["metadata"]["labels"]["gpuguard.io/quarantined"] == "true"
 
 
-# Issue 12's review, defect 4: the budget's GPU nodes and the DaemonSet's.
+# A review of the agent on a cluster, defect 4: the budget's GPU nodes and the DaemonSet's.
 def test_defect_04_the_budget_counts_the_gpu_nodes_of_the_selector(admin: Admin, start_agent: Any) -> None:
     pool = unique("pool")
     provider = {"example.com/accelerator": pool}  # no nvidia.com/gpu.present label

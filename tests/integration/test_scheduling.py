@@ -221,7 +221,7 @@ def test_no_execute_evicts_the_pods_of_a_bad_node_but_not_tolerating_ones_or_the
         agent.stop()
 
 
-# -- a degraded GPU (issue 29's second level): scheduled around softly, never cordoned -----------------------
+# -- a degraded GPU (the second level): scheduled around softly, never cordoned -----------------------
 
 
 def test_the_scheduler_prefers_a_clean_node_to_a_degraded_one_and_still_uses_the_degraded_one(

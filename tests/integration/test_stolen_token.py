@@ -1,4 +1,4 @@
-"""What a stolen agent token could still do with every policy applied (issue 25's red team, kube-apiserver
+"""What a stolen agent token could still do with every policy applied (a red team's, kube-apiserver
 v1.37, every deploy/*.yaml applied, a token bound to a Pod on its node). Each attack answered 201 or 200
 before; now the policy refuses it with a message that names the rule, node or Event, or, where the agent
 reads what others wrote, the victim's GPU is quarantined all the same and the budget is not spent.
