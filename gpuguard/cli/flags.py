@@ -169,7 +169,8 @@ FLAGS = _declare(
     ),
     Flag(
         "--recover-after",
-        "Consecutive healthy checks before gpuguard removes its own taint.",
+        "Healthy checks at --interval before gpuguard removes its own taint, measured in time: (N-1) x "
+        "--interval seconds of healthy readings (checks that events bring earlier never shorten it).",
         (NodeSettings, "recover_after"),
         type=int,
     ),
